@@ -1,0 +1,8 @@
+"""KV-cache strategies. Importing this package registers every built-in strategy."""
+
+from kvzoo.cache.base import (CacheSpec, LayerCache, ModelCache, Positions, attend, fp16_kv_nbytes,
+                              get_strategy, list_caches, register)
+from kvzoo.cache import fp16  # noqa: F401  (registers "fp16")
+
+__all__ = ["CacheSpec", "LayerCache", "ModelCache", "Positions", "attend", "fp16_kv_nbytes",
+           "get_strategy", "list_caches", "register"]

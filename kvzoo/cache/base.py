@@ -1,0 +1,224 @@
+"""The boundary between the model and a KV-cache strategy.
+
+The attention module computes q, k, v (before RoPE) and hands them, with the layer input x and the
+chunk's `Positions`, to its layer's `LayerCache`, which stores whatever it wants (K/V, quantized codes,
+the layer input X, cross-layer deltas...) and returns the attention output. Because the strategy owns
+both storage and attention, it never has to hand a dequantized copy of the whole history back to the
+model, and it can apply RoPE before or after quantization as its paper prescribes.
+
+    LayerCache.prefill(x, q, k, v, pos) -> out   a chunk of T >= 1 tokens (prompt, or a prefill chunk)
+    LayerCache.decode(x, q, k, v, pos)  -> out   one token per row: the hot path
+    LayerCache.nbytes()                 -> int   bytes of every tensor the strategy holds for the
+                                                 tokens stored so far (codes, scales, zeros, windows)
+
+Shapes: x (B, T, hidden); q (B, n_heads, T, hd); k, v (B, n_kv_heads, T, hd); out (B, n_heads, T, hd).
+
+Strategies register by name (`@register("fp16")`) and declare their knobs as an `Options` dataclass, so
+`CacheSpec.parse("innerq:bits=2,group_size=32")` can check every name and value before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvzoo.models.llama import Attention
+
+
+# ----------------------------------------------------------------------------------------------------
+# Positions and masks
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class Positions:
+    """Where a chunk of T tokens sits. Rows are left-padded, so every row writes the same cache slots
+    [start, start + T); a row's RoPE position is its slot minus its padding."""
+
+    start: int            # cache slot of the chunk's first token (same for every row)
+    pad: Tensor           # (B,) left-padding length of each row
+    ids: Tensor           # (B, T) RoPE position of each token (0 on padding slots)
+    mask: Tensor | None   # (B, 1, T, start + T) True = may attend; None = plain causal from slot 0
+
+    @classmethod
+    def make(cls, start: int, length: int, pad: Tensor, sliding_window: int | None = None,
+             has_pad: bool = True) -> "Positions":
+        """Positions of slots [start, start + length) for rows with left padding `pad` (B,).
+        has_pad=False promises pad is all zeros (no device sync needed to find out)."""
+        device = pad.device
+        q_slot = torch.arange(start, start + length, device=device)        # (T,)
+        ids = (q_slot[None, :] - pad[:, None]).clamp_min(0)                 # (B, T)
+        n_keys = start + length
+        window_binds = sliding_window is not None and sliding_window < n_keys
+        if not has_pad and not window_binds and (start == 0 or length == 1):
+            return cls(start, pad, ids, None)   # SDPA's is_causal (or no mask for one token) is exact
+        k_slot = torch.arange(n_keys, device=device)                        # (S,)
+        allowed = k_slot[None, :] <= q_slot[:, None]                        # (T, S) causal
+        if sliding_window is not None:
+            allowed &= k_slot[None, :] > q_slot[:, None] - sliding_window
+        allowed = allowed[None] & (k_slot[None, None, :] >= pad[:, None, None])   # (B, T, S)
+        # A padding query would see no key at all (a NaN row in softmax): let it see itself.
+        allowed |= k_slot[None, None, :] == q_slot[None, :, None]
+        return cls(start, pad, ids, allowed[:, None])                       # (B, 1, T, S)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None) -> Tensor:
+    """Softmax attention of q (B, Hq, T, hd) over k, v (B, Hkv, S, hd), Hq a multiple of Hkv (GQA).
+
+    mask is a boolean (B, 1, T, S) or None; None with T > 1 means causal from the first key."""
+    causal = mask is None and q.shape[2] > 1
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Specs and registry
+# ----------------------------------------------------------------------------------------------------
+_REGISTRY: dict[str, type["LayerCache"]] = {}
+
+
+def register(name: str):
+    """Class decorator: make a LayerCache subclass available as `--cache name`."""
+    def wrap(cls: type[LayerCache]) -> type[LayerCache]:
+        assert name not in _REGISTRY, f"cache strategy {name!r} registered twice"
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+    return wrap
+
+
+def list_caches() -> list[str]:
+    """Names of every registered cache strategy."""
+    import kvzoo.cache  # noqa: F401  (importing the package registers the built-in strategies)
+    return sorted(_REGISTRY)
+
+
+def get_strategy(name: str) -> type["LayerCache"]:
+    names = list_caches()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown cache {name!r}; available caches: {', '.join(names)}")
+    return _REGISTRY[name]
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """A strategy name plus its validated options (an instance of the strategy's `Options`)."""
+
+    name: str = "fp16"
+    options: Any = None
+
+    @classmethod
+    def parse(cls, text: str, **overrides: Any) -> "CacheSpec":
+        """'name' or 'name:key=value,key=value' -> CacheSpec, with every key and value checked."""
+        name, _, rest = text.partition(":")
+        strategy = get_strategy(name.strip())
+        given = dict(overrides)
+        for item in filter(None, (s.strip() for s in rest.split(","))):
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise ValueError(f"cache option {item!r} is not key=value (in {text!r})")
+            given[key.strip()] = value.strip()
+        return cls(strategy.name, strategy.make_options(given))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The per-layer contract and the whole-model container
+# ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NoOptions:
+    pass
+
+
+class LayerCache(nn.Module):
+    """One layer's cache. Subclasses implement prefill, decode and nbytes."""
+
+    name: ClassVar[str]
+    Options: ClassVar[type] = NoOptions
+
+    def __init__(self, spec: CacheSpec, layer: "Attention", prev: "LayerCache | None",
+                 batch_size: int, max_len: int):
+        super().__init__()
+        self.spec, self.opts = spec, spec.options
+        self.layer = [layer]      # a list, so nn.Module does not register the model's weights as ours
+        self.prev = [prev]
+        self.batch_size, self.max_len = batch_size, max_len
+        self.length = 0           # tokens stored so far
+
+    @property
+    def attn(self) -> "Attention":
+        return self.layer[0]
+
+    @classmethod
+    def make_options(cls, given: dict[str, Any]) -> Any:
+        """Build `cls.Options` from strings or values, refusing unknown keys and bad types."""
+        fields = {f.name: f for f in dataclasses.fields(cls.Options)}
+        unknown = sorted(set(given) - set(fields))
+        if unknown:
+            accepted = ", ".join(fields) or "none"
+            raise ValueError(f"cache {cls.name!r} has no option {', '.join(unknown)}; accepted options: {accepted}")
+        values = {}
+        for key, raw in given.items():
+            kind = type(getattr(cls.Options(), key))
+            try:
+                values[key] = _coerce(raw, kind)
+            except ValueError:
+                raise ValueError(f"cache {cls.name!r} option {key}={raw!r} is not a valid {kind.__name__}") from None
+        return cls.Options(**values)
+
+    def prefill(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
+        raise NotImplementedError
+
+    def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+
+def _coerce(raw: Any, kind: type) -> Any:
+    """A CLI string (or a Python value) -> the option's type; ValueError if it does not fit."""
+    if not isinstance(raw, str):
+        if kind is float and isinstance(raw, int):
+            return float(raw)
+        if not isinstance(raw, kind) or (kind is int and isinstance(raw, bool)):
+            raise ValueError(raw)
+        return raw
+    if kind is bool:
+        if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            raise ValueError(raw)
+        return raw.lower() in ("1", "true", "yes", "on")
+    return kind(raw)
+
+
+def used_nbytes(*tensors: Tensor, length: int, dim: int = 2) -> int:
+    """Bytes of the first `length` entries along `dim` of preallocated buffers (what is really held)."""
+    return sum(t.narrow(dim, 0, length).nbytes for t in tensors)
+
+
+class ModelCache(nn.Module):
+    """One LayerCache per layer, built in order so each can see the previous one (`prev`)."""
+
+    def __init__(self, spec: CacheSpec, layers: list["Attention"], batch_size: int, max_len: int):
+        super().__init__()
+        strategy = get_strategy(spec.name)
+        if spec.options is None:
+            spec = CacheSpec(spec.name, strategy.make_options({}))
+        self.spec, self.batch_size, self.max_len = spec, batch_size, max_len
+        built: list[LayerCache] = []
+        for attn in layers:
+            built.append(strategy(spec, attn, built[-1] if built else None, batch_size, max_len))
+        self.layers = nn.ModuleList(built)
+        self.length = 0
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+def fp16_kv_nbytes(n_layers: int, n_kv_heads: int, head_dim: int, tokens: int) -> int:
+    """Bytes an fp16 K and V cache needs for `tokens` tokens (summed over the batch): the baseline
+    every strategy's `nbytes()` is divided by to report its KV size ratio."""
+    return 2 * 2 * n_layers * n_kv_heads * head_dim * tokens

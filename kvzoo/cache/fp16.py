@@ -1,0 +1,42 @@
+"""The uncompressed baseline: keys (after RoPE) and values kept at the model's activation precision.
+
+Paper: none; this is the "fp16 cache" every KV-compression paper compares against.
+
+Stored, per layer, in buffers preallocated for the whole generation (fixed shapes, index writes):
+    k: (B, n_kv_heads, max_len, head_dim)   post-RoPE keys
+    v: (B, n_kv_heads, max_len, head_dim)   values
+Bytes per token: 2 * n_layers * n_kv_heads * head_dim * bytes(dtype), i.e. 2 bytes per element when the
+model runs in fp16/bf16 (SmolLM2-135M: 2 * 30 * 3 * 64 * 2 = 23,040 B/token). Running the model in fp32
+keeps the cache in fp32 too, so that this cache reproduces a cache-less forward exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvzoo.cache.base import LayerCache, Positions, attend, register, used_nbytes
+
+
+@register("fp16")
+class FP16Cache(LayerCache):
+    def __init__(self, spec, layer, prev, batch_size, max_len):
+        super().__init__(spec, layer, prev, batch_size, max_len)
+        weight = layer.q_proj.weight
+        shape = (batch_size, layer.n_kv_heads, max_len, layer.head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=weight.dtype, device=weight.device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=weight.dtype, device=weight.device), persistent=False)
+
+    def prefill(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
+        q, k = self.attn.rope(q, k, pos.ids)
+        end = pos.start + q.shape[2]
+        self.k[:, :, pos.start:end] = k
+        self.v[:, :, pos.start:end] = v
+        self.length = end
+        return attend(q, self.k[:, :, :end], self.v[:, :, :end], pos.mask)
+
+    # Storing one token and attending over the history is the same operation as a one-token prefill.
+    decode = prefill
+
+    def nbytes(self) -> int:
+        return used_nbytes(self.k, self.v, length=self.length)

@@ -1,0 +1,192 @@
+"""Llama and Mistral, written out by hand in one file, top to bottom.
+
+    tokens -> Embedding -> n_layers x Block -> RMSNorm -> lm_head -> logits
+    Block:  x = x + Attention(RMSNorm(x));  x = x + MLP(RMSNorm(x))
+
+The pieces follow the Hugging Face layout exactly, so HF safetensors load without any permutation:
+rotate-half RoPE (optionally with Llama 3.1's frequency scaling), grouped-query attention (n_heads query
+heads share n_kv_heads key/value heads), SwiGLU MLP, tied or untied embeddings, and Mistral's sliding
+window (a token sees itself and the previous sliding_window - 1 tokens).
+
+What makes this model kvzoo's: the attention module computes q, k, v before RoPE and hands them to its
+layer's cache strategy (kvzoo/cache/), which stores what it likes and returns the attention output. With
+no cache at all, attention is plain causal attention over the chunk (a teacher-forced forward).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kvzoo.cache.base import CacheSpec, LayerCache, ModelCache, Positions, attend
+from kvzoo.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalize in fp32 whatever the model dtype, then scale in the model dtype (as HF does).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    """Inverse frequencies theta^(-2i/d), i < d/2, with linear or Llama-3.1 scaling when configured."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: leave high frequencies alone, divide low frequencies by `factor`, blend in between.
+    old_len = scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE: dims [0, d/2) pair with [d/2, d), matching HF's q/k weight layout."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def cos_sin(self, ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        angles = ids.float()[..., None] * self.inv_freq          # (B, T, d/2), fp32
+        emb = torch.cat((angles, angles), dim=-1)[:, None]       # (B, 1, T, d): broadcast over heads
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @staticmethod
+    def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    def forward(self, q: Tensor, k: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotate q (B, Hq, T, d) and k (B, Hkv, T, d) to positions ids (B, T)."""
+        cos, sin = self.cos_sin(ids, q.dtype)
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.rope = rope
+
+    def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Project x (B, T, hidden) to q (B, Hq, T, d) and k, v (B, Hkv, T, d), before RoPE."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def forward(self, x: Tensor, pos: Positions, cache: LayerCache | None) -> Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x)
+        if cache is None:
+            q, k = self.rope(q, k, pos.ids)
+            out = attend(q, k, v, pos.mask)
+        elif T == 1 and pos.start > 0:
+            out = cache.decode(x, q, k, v, pos)
+        else:
+            out = cache.prefill(x, q, k, v, pos)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, layer_idx: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, rope, layer_idx)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, pos: Positions, cache: LayerCache | None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), pos, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rope = RotaryEmbedding(cfg)    # one table of frequencies, shared by every layer
+        self.layers = nn.ModuleList(Block(cfg, self.rope, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def new_cache(self, spec: CacheSpec | str, batch_size: int, max_len: int) -> ModelCache:
+        """A fresh cache for `batch_size` rows of at most `max_len` tokens (prompt + generation)."""
+        if isinstance(spec, str):
+            spec = CacheSpec.parse(spec)
+        if max_len > self.cfg.max_position_embeddings:
+            raise ValueError(f"{max_len} tokens exceed the model's context of "
+                             f"{self.cfg.max_position_embeddings} (max_position_embeddings)")
+        return ModelCache(spec, [block.attn for block in self.layers], batch_size, max_len)
+
+    def forward(self, tokens: Tensor, cache: ModelCache | None = None, pad: Tensor | None = None,
+                last_only: bool = False) -> Tensor:
+        """Logits for tokens (B, T), continuing `cache` if given (its next free slot is the chunk's
+        start). pad (B,) = left padding of each row, counted from the first slot. Returns (B, T, vocab),
+        or (B, 1, vocab) with last_only."""
+        B, T = tokens.shape
+        start = cache.length if cache is not None else 0
+        if cache is not None and start + T > cache.max_len:
+            raise ValueError(f"cache holds at most {cache.max_len} tokens; {start} stored + {T} new do not fit")
+        has_pad = pad is not None   # callers pass pad only when some row is padded
+        if pad is None:
+            pad = torch.zeros(B, dtype=torch.long, device=tokens.device)
+        pos = Positions.make(start, T, pad, self.cfg.sliding_window, has_pad)
+        x = self.embed(tokens)                                   # (B, T, hidden)
+        for i, block in enumerate(self.layers):
+            x = block(x, pos, cache.layers[i] if cache is not None else None)
+        if cache is not None:
+            cache.length = start + T
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x))

@@ -1,0 +1,153 @@
+"""Load a Hugging Face safetensors checkpoint into kvzoo's hand-written model.
+
+    resolve_model_dir(ref)  None -> the embedded default (converted from its GGUF on first use),
+                            a local folder -> itself, a hub id "owner/name" -> weights/owner--name/,
+                            downloaded with huggingface_hub.snapshot_download if not there yet
+    load_weights(dir, ...)  config.json -> ModelConfig -> Transformer built on the meta device, then
+                            every tensor read lazily from safetensors (single file or sharded index),
+                            shape-checked, cast, and assigned
+
+The HF -> kvzoo name table below is literal: every kvzoo parameter has exactly one checkpoint key,
+every checkpoint key must be used, and any mismatch is an error naming the tensor and its file.
+Pickled checkpoints (pytorch_model.bin) are never loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from kvzoo.config import ModelConfig
+from kvzoo.models.gguf_import import ensure_default_model, weights_root
+from kvzoo.models.llama import Transformer, rope_inv_freq
+
+# HF checkpoint name -> kvzoo parameter name.
+GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+LAYER_NAMES = {
+    "model.layers.{i}.input_layernorm.weight": "layers.{i}.attn_norm.weight",
+    "model.layers.{i}.self_attn.q_proj.weight": "layers.{i}.attn.q_proj.weight",
+    "model.layers.{i}.self_attn.k_proj.weight": "layers.{i}.attn.k_proj.weight",
+    "model.layers.{i}.self_attn.v_proj.weight": "layers.{i}.attn.v_proj.weight",
+    "model.layers.{i}.self_attn.o_proj.weight": "layers.{i}.attn.o_proj.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.mlp_norm.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "layers.{i}.mlp.gate_proj.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "layers.{i}.mlp.up_proj.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "layers.{i}.mlp.down_proj.weight",
+}
+# Keys some exporters write that carry nothing we need (RoPE tables are recomputed from the config).
+IGNORED_KEYS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+HUB_FILES = ["*.safetensors", "*.json", "tokenizer.model"]
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; accepted: float32, bfloat16, float16")
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; accepted: {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def hf_name_table(cfg: ModelConfig) -> dict[str, str]:
+    """Every HF checkpoint key this config needs -> the kvzoo parameter it fills."""
+    table = dict(GLOBAL_NAMES)
+    if cfg.tie_word_embeddings:
+        del table["lm_head.weight"]     # lm_head shares embed.weight
+    for i in range(cfg.n_layers):
+        table.update({hf.format(i=i): ours.format(i=i) for hf, ours in LAYER_NAMES.items()})
+    return table
+
+
+def resolve_model_dir(ref: str | Path | None) -> Path:
+    """A folder holding config.json + safetensors for `ref` (see the module docstring)."""
+    if ref is None:
+        return ensure_default_model()
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"--model {ref} is a file; pass the folder that holds config.json and *.safetensors")
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", str(ref)):
+        raise FileNotFoundError(f"model {ref!r} not found: it is not a local folder, nor a Hugging Face "
+                                "hub id like 'meta-llama/Llama-3.1-8B-Instruct'")
+    local = weights_root() / str(ref).replace("/", "--")
+    if (local / "config.json").is_file() and any(local.glob("*.safetensors")):
+        return local
+    from huggingface_hub import snapshot_download
+    try:
+        snapshot_download(repo_id=str(ref), local_dir=local, allow_patterns=HUB_FILES)
+    except Exception as err:  # network, auth, unknown repo: all end the same way for the user
+        raise FileNotFoundError(f"could not download {ref!r} from the Hugging Face Hub into {local} "
+                                f"({type(err).__name__}: {err}); pass a local folder with --model instead") from err
+    return local
+
+
+def _checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Checkpoint key -> safetensors file that holds it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {key: model_dir / name for key, name in weight_map.items()}
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return {key: single for key in f.keys()}
+    if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt*")):
+        raise ValueError(f"{model_dir} holds only pickled weights; kvzoo loads safetensors only "
+                         "(convert them with transformers' save_pretrained(safe_serialization=True))")
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+
+
+def load_weights(model_dir: str | Path, device: str | torch.device = "cpu",
+                 dtype: str | torch.dtype = torch.float32, progress: bool = False) -> Transformer:
+    """Build the model from model_dir/config.json and fill it from its safetensors."""
+    model_dir = Path(model_dir)
+    dtype = parse_dtype(dtype)
+    cfg = ModelConfig.from_hf(model_dir)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = model.state_dict()
+    files = _checkpoint_files(model_dir)
+    table = hf_name_table(cfg)
+
+    missing = [key for key in table if key not in files]
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensor(s) the config needs, "
+                         f"e.g. {missing[:3]}")
+    unused = [key for key in files if key not in table and not IGNORED_KEYS.fullmatch(key)
+              and not (cfg.tie_word_embeddings and key == "lm_head.weight")]
+    if unused:
+        raise ValueError(f"checkpoint in {model_dir} has tensor(s) kvzoo does not know, e.g. "
+                         f"{unused[:3]} in {files[unused[0]].name}; is config.json the right one?")
+
+    state: dict[str, torch.Tensor] = {}
+    handles: dict[Path, object] = {}
+    for hf_key, ours in tqdm(table.items(), desc="loading weights", disable=not progress, leave=False):
+        file = files[hf_key]
+        if file not in handles:
+            handles[file] = safe_open(file, framework="pt", device="cpu")
+        tensor = handles[file].get_tensor(hf_key)
+        if tensor.shape != expected[ours].shape:
+            raise ValueError(f"tensor {hf_key} in {file.name} has shape {tuple(tensor.shape)}; "
+                             f"config.json implies {tuple(expected[ours].shape)}")
+        state[ours] = tensor.to(device=device, dtype=dtype)
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["embed.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight    # assign=True replaced the shared Parameter
+    model.rope.inv_freq = rope_inv_freq(cfg).to(device)    # non-persistent buffer, still on meta
+    return model.eval()
