@@ -124,6 +124,11 @@ class CacheSpec:
             given[key.strip()] = value.strip()
         return cls(strategy.name, strategy.make_options(given))
 
+    def __str__(self) -> str:
+        """The spec in the form `parse` reads: name, then every option (defaults included)."""
+        options = dataclasses.asdict(self.options) if self.options is not None else {}
+        return ":".join([self.name, ",".join(f"{k}={v}" for k, v in options.items())]).rstrip(":")
+
 
 # ----------------------------------------------------------------------------------------------------
 # The per-layer contract and the whole-model container

@@ -1,0 +1,84 @@
+"""Command-line pieces shared by scripts/: model/cache/device arguments, checked before any work starts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from kvzoo.cache.base import CacheSpec, list_caches
+from kvzoo.models.loader import DTYPES
+
+
+def cache_spec(text: str) -> CacheSpec:
+    try:
+        return CacheSpec.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="local HF folder or hub id (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--cache", type=cache_spec, default=CacheSpec.parse("fp16"),
+                        help=f"KV-cache strategy, optionally with options name:key=value,... "
+                             f"(available: {', '.join(list_caches())})")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, cuda or cuda:N (default: cuda when available)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                        help="weights and activations (auto: float32 on cpu, bfloat16 on cuda)")
+
+
+def check_device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}; accepted: cpu, cuda, cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but this machine has no CUDA GPU; use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device!r}; accepted: cpu, cuda, cuda:N")
+    return dev
+
+
+def load_from_args(args: argparse.Namespace):
+    """(model, tokenizer) for parsed add_model_args arguments."""
+    from kvzoo import load_model
+
+    device = check_device(args.device)
+    dtype = args.dtype if args.dtype != "auto" else ("float32" if device.type == "cpu" else "bfloat16")
+    return load_model(args.model, device=device, dtype=dtype, progress=True)
+
+
+def write_json(path: str | Path, payload: dict, overwrite: bool = False) -> None:
+    """Write results, refusing to replace an existing file unless asked to."""
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; choose another --json path or pass --overwrite")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def run(main) -> None:
+    """Run a script's main(), turning user errors into one clear line and exit code 2."""
+    try:
+        main()
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        sys.exit(130)
+
+
+def human_bytes(n: float) -> str:
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB"):
+        n /= 1024
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} GiB"

@@ -1,0 +1,1 @@
+"""Evaluation: datasets read from ../shared/data and teacher-forced perplexity."""

@@ -1,0 +1,74 @@
+"""Teacher-forced perplexity over non-overlapping windows (the GPTQ protocol).
+
+The whole text is tokenized once; window w is tokens[w*L : (w+1)*L] and contributes the mean
+cross-entropy of its L-1 next-token predictions; perplexity = exp(mean over windows). Every window is a
+fresh prefill through the chosen cache strategy, so the strategy's prefill attention decides what the
+model sees; the cache's bytes after the window are reported beside the fp16 cache's bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from kvzoo.cache.base import CacheSpec, fp16_kv_nbytes
+from kvzoo.models.llama import Transformer
+
+
+@dataclass
+class PerplexityResult:
+    perplexity: float
+    windows: int
+    seq_len: int
+    tokens: int              # tokens in the whole tokenized text
+    scored_tokens: int       # predictions scored: windows * (seq_len - 1)
+    cache: str
+    kv_nbytes: int           # bytes held by the cache after one window
+    fp16_kv_nbytes: int      # an fp16 K/V cache for the same window
+    seconds: float
+
+    @property
+    def kv_ratio(self) -> float:
+        return self.kv_nbytes / self.fp16_kv_nbytes
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "kv_ratio": self.kv_ratio}
+
+
+@torch.inference_mode()
+def perplexity(model: Transformer, token_ids: list[int] | torch.Tensor, seq_len: int = 2048,
+               max_windows: int | None = None, cache: str | CacheSpec = "fp16",
+               progress: bool = True) -> PerplexityResult:
+    if isinstance(cache, str):
+        cache = CacheSpec.parse(cache)
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be at least 2, got {seq_len}")
+    if seq_len > model.cfg.max_position_embeddings:
+        raise ValueError(f"seq_len {seq_len} exceeds the model's context of {model.cfg.max_position_embeddings}")
+    if max_windows is not None and max_windows < 1:
+        raise ValueError(f"max_windows must be >= 1, got {max_windows}")
+    ids = torch.as_tensor(token_ids, dtype=torch.long)
+    windows = ids.numel() // seq_len
+    if windows == 0:
+        raise ValueError(f"text has {ids.numel()} tokens, fewer than one window of {seq_len}")
+    if max_windows is not None:
+        windows = min(windows, max_windows)
+
+    start = time.perf_counter()
+    nll = 0.0
+    for w in tqdm(range(windows), desc=f"perplexity ({cache.name})", disable=not progress):
+        tokens = ids[w * seq_len:(w + 1) * seq_len].to(model.device)[None]      # (1, L)
+        kv = model.new_cache(cache, batch_size=1, max_len=seq_len)
+        logits = model(tokens, kv)                                                # (1, L, V)
+        nll += F.cross_entropy(logits[0, :-1].float(), tokens[0, 1:]).item()
+    cfg = model.cfg
+    return PerplexityResult(
+        perplexity=math.exp(nll / windows), windows=windows, seq_len=seq_len, tokens=ids.numel(),
+        scored_tokens=windows * (seq_len - 1), cache=str(cache), kv_nbytes=kv.nbytes(),
+        fp16_kv_nbytes=fp16_kv_nbytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, seq_len),
+        seconds=time.perf_counter() - start)

@@ -1,0 +1,156 @@
+"""Text generation: prefill the prompt, then decode one token at a time through a cache strategy.
+
+    prefill(model, tokens, cache, pad)      -> logits of each row's last prompt token  (B, vocab)
+    decode_one_token(model, token, ...)     -> logits of the next token                (B, vocab)
+    sample(logits, temperature, ...)        -> next token ids                          (B,)
+    generate(model, tokenizer, prompts)     -> Generation (texts, tokens, timings, cache bytes)
+
+A batch of prompts of different lengths is left-padded to one width, so every row writes the same cache
+slots; the padding is masked out of attention and RoPE positions start at each row's first real token,
+which makes a batched row produce the same tokens as the same prompt alone.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from kvzoo.cache.base import CacheSpec, ModelCache, fp16_kv_nbytes
+from kvzoo.models.llama import Transformer
+
+
+def prefill(model: Transformer, tokens: Tensor, cache: ModelCache, pad: Tensor | None) -> Tensor:
+    return model(tokens, cache, pad=pad, last_only=True)[:, -1]
+
+
+def decode_one_token(model: Transformer, token: Tensor, cache: ModelCache, pad: Tensor | None) -> Tensor:
+    return model(token[:, None], cache, pad=pad)[:, -1]
+
+
+def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+           generator: torch.Generator | None = None) -> Tensor:
+    """Greedy when temperature == 0; otherwise softmax(logits / T) restricted to the top-k tokens and
+    the smallest top-p nucleus. Drawn with the exponential-race trick (argmax of p / Exp(1)), which needs
+    no device-to-host sync, unlike torch.multinomial on some backends."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature                                    # (B, V)
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]                     # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        outside = probs.cumsum(dim=-1) - probs > top_p                       # keep the first token always
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(outside, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    race = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / race).argmax(dim=-1)
+
+
+@dataclass
+class Generation:
+    texts: list[str]                  # each row's answer, cut at EOS or a stop string
+    tokens: list[list[int]]           # each row's new token ids, cut the same way
+    finish: list[str]                 # "eos" | "stop" | "length" per row
+    prompt_tokens: int                # real (unpadded) prompt tokens over the batch
+    new_tokens: int                   # tokens generated over the batch
+    prefill_seconds: float
+    decode_seconds: float
+    decode_steps: int                 # forward passes after the prefill
+    cache_nbytes: int                 # bytes the cache strategy holds at the end
+    fp16_nbytes: int                  # what an fp16 K/V cache would hold for the same slots
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second of the decode loop, over the batch."""
+        steps = self.decode_steps * len(self.texts)
+        return steps / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+    @property
+    def kv_ratio(self) -> float:
+        return self.cache_nbytes / self.fp16_nbytes
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+@torch.inference_mode()
+def generate(model: Transformer, tokenizer, prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
+             max_new_tokens: int = 256, temperature: float = 0.0, top_k: int | None = None,
+             top_p: float | None = None, seed: int | None = None, cache: str | CacheSpec = "fp16",
+             stop: Sequence[str] = (), on_step: Callable[[list[int]], None] | None = None) -> Generation:
+    """Generate for one prompt or a batch. Prompts are strings (encoded with the tokenizer's BOS rule)
+    or lists of token ids. on_step(ids) is called after every decode step with each row's new token."""
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    rows = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    if not rows or any(len(r) == 0 for r in rows):
+        raise ValueError("every prompt needs at least one token")
+    context = model.cfg.max_position_embeddings
+    width = max(len(r) for r in rows)
+    if width >= context:
+        raise ValueError(f"prompt of {width} tokens does not fit the model's context of {context} tokens")
+    max_new_tokens = min(max_new_tokens, context - width)
+
+    device = model.device
+    B = len(rows)
+    pad_lengths = [width - len(r) for r in rows]
+    tokens = torch.tensor([[tokenizer.pad_id] * p + r for p, r in zip(pad_lengths, rows)], device=device)
+    pad = torch.tensor(pad_lengths, device=device) if any(pad_lengths) else None
+    kv = model.new_cache(cache, batch_size=B, max_len=width + max_new_tokens)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed if seed is not None else torch.seed())
+    eos = set(tokenizer.eos_ids)
+
+    new: list[list[int]] = [[] for _ in rows]
+    finish = ["length"] * B
+    done = [False] * B
+    steps = 0
+    t0 = time.perf_counter()
+    logits = prefill(model, tokens, kv, pad)
+    token = sample(logits, temperature, top_k, top_p, generator)
+    t1 = time.perf_counter()
+    for step in range(max_new_tokens):
+        ids = token.tolist()
+        for b, tok in enumerate(ids):
+            if done[b]:
+                continue
+            if tok in eos:
+                done[b], finish[b] = True, "eos"
+                continue
+            new[b].append(tok)
+            if stop and any(s in tokenizer.decode(new[b]) for s in stop):
+                done[b], finish[b] = True, "stop"
+        if on_step is not None:
+            on_step(ids)
+        if all(done) or step == max_new_tokens - 1:
+            break
+        token = sample(decode_one_token(model, token, kv, pad), temperature, top_k, top_p, generator)
+        steps += 1
+    t2 = time.perf_counter()
+
+    texts = []
+    for b in range(B):
+        text = tokenizer.decode(new[b])
+        if finish[b] == "stop":
+            text = text[:min(text.find(s) for s in stop if s in text)]
+        texts.append(text)
+    cfg = model.cfg
+    return Generation(texts=texts, tokens=new, finish=finish, prompt_tokens=sum(map(len, rows)),
+                      new_tokens=sum(map(len, new)), prefill_seconds=t1 - t0, decode_seconds=t2 - t1,
+                      decode_steps=steps, cache_nbytes=kv.nbytes(),
+                      fp16_nbytes=fp16_kv_nbytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, B * kv.length))

@@ -1,0 +1,46 @@
+"""Perplexity of a model + KV-cache strategy on WikiText-2 or C4 (non-overlapping windows, GPTQ protocol).
+
+    python scripts/perplexity.py --dataset wikitext2 --seq-len 2048 --max-windows 8 --cache fp16
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvzoo.cli import add_model_args, human_bytes, load_from_args, run, write_json  # noqa: E402
+from kvzoo.eval.datasets import DATASETS, load_text  # noqa: E402
+from kvzoo.eval.perplexity import perplexity  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser)
+    parser.add_argument("--dataset", choices=list(DATASETS), default="wikitext2")
+    parser.add_argument("--data-path", default=None, help="override the dataset file (default: ../shared/data)")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--max-windows", type=int, default=None, help="score only the first N windows")
+    parser.add_argument("--json", default=None, help="also write the result to this JSON file")
+    parser.add_argument("--overwrite", action="store_true", help="let --json replace an existing file")
+    args = parser.parse_args()
+
+    text = load_text(args.dataset, args.data_path)
+    model, tokenizer = load_from_args(args)
+    ids = tokenizer.encode(text)
+    result = perplexity(model, ids, seq_len=args.seq_len, max_windows=args.max_windows, cache=args.cache)
+    print(f"dataset      {args.dataset}")
+    print(f"cache        {args.cache}")
+    print(f"perplexity   {result.perplexity:.3f}")
+    print(f"tokens       {result.tokens:,} ({result.windows} windows of {result.seq_len} scored)")
+    print(f"KV bytes     {human_bytes(result.kv_nbytes)} per window "
+          f"({result.kv_ratio:.3f}x the fp16 cache's {human_bytes(result.fp16_kv_nbytes)})")
+    print(f"time         {result.seconds:.1f} s")
+    if args.json:
+        write_json(args.json, {"dataset": args.dataset, "model": args.model or "smollm2-135m-instruct",
+                               "dtype": str(model.dtype).removeprefix("torch."), **result.to_dict()},
+                   overwrite=args.overwrite)
+
+
+if __name__ == "__main__":
+    run(main)

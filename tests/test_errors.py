@@ -1,0 +1,146 @@
+"""Bad input gets a clear error naming the problem and what is accepted, and nothing is overwritten."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvzoo.cache.base import CacheSpec, list_caches
+from kvzoo.cli import check_device, write_json
+from kvzoo.config import ModelConfig
+from kvzoo.eval.datasets import load_text
+from kvzoo.generate import check_sampling
+from kvzoo.models.loader import load_weights, parse_dtype, resolve_model_dir
+from tests.tiny import tiny_llama
+
+
+def test_unknown_architecture_lists_supported():
+    with pytest.raises(ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM, MistralForCausalLM"):
+        ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"]})
+
+
+def test_unsupported_rope_type():
+    cfg = {"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    with pytest.raises(ValueError, match="rope_type 'yarn'; supported: default, linear, llama3"):
+        ModelConfig.from_hf(cfg)
+
+
+def test_unknown_cache_lists_available():
+    with pytest.raises(ValueError, match=r"unknown cache 'nope'; available caches: .*fp16"):
+        CacheSpec.parse("nope")
+    assert "fp16" in list_caches()
+
+
+def test_bad_cache_option():
+    with pytest.raises(ValueError, match="cache 'fp16' has no option bits; accepted options: none"):
+        CacheSpec.parse("fp16:bits=2")
+    with pytest.raises(ValueError, match="not key=value"):
+        CacheSpec.parse("fp16:bits")
+
+
+def test_missing_model_folder():
+    with pytest.raises(FileNotFoundError, match="not a local folder, nor a Hugging Face hub id"):
+        resolve_model_dir("/no/such/model/dir")
+
+
+def test_missing_weights(tmp_path):
+    path = tiny_llama(tmp_path)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no model.safetensors or model.safetensors.index.json"):
+        load_weights(path)
+
+
+def test_pickles_are_refused(tmp_path):
+    path = tiny_llama(tmp_path)
+    (path / "model.safetensors").unlink()
+    (path / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(ValueError, match="only pickled weights; kvzoo loads safetensors only"):
+        load_weights(path)
+
+
+def test_wrong_shape_names_tensor_and_file(tmp_path):
+    path = tiny_llama(tmp_path)
+    state = load_file(path / "model.safetensors")
+    state["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(3, 64)
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.k_proj.weight in model.safetensors has shape \(3, 64\)"):
+        load_weights(path)
+
+
+def test_missing_and_unknown_tensors(tmp_path):
+    path = tiny_llama(tmp_path)
+    state = load_file(path / "model.safetensors")
+    state["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(ValueError, match="does not know.*q_proj.bias.*model.safetensors"):
+        load_weights(path)
+    del state["model.layers.0.self_attn.q_proj.bias"], state["model.norm.weight"]
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(ValueError, match="lacks 1 tensor.*model.norm.weight"):
+        load_weights(path)
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    path = tiny_llama(tmp_path)
+    state = load_file(path / "model.safetensors")
+    reference = load_weights(path)
+    (path / "model.safetensors").unlink()
+    keys = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    for name, part in shards.items():
+        save_file({k: state[k] for k in part}, path / name)
+    index = {"weight_map": {k: name for name, part in shards.items() for k in part}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    sharded = load_weights(path)
+    tokens = torch.arange(10)[None]
+    assert torch.equal(sharded(tokens), reference(tokens))
+
+
+def test_bad_dtype_and_device():
+    with pytest.raises(ValueError, match="unknown dtype 'float8'; accepted: float32"):
+        parse_dtype("float8")
+    with pytest.raises(ValueError, match="unknown device 'gpu7'"):
+        check_device("gpu7")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU; use --device cpu"):
+            check_device("cuda")
+
+
+def test_bad_sampling_settings():
+    for kwargs, msg in [(dict(temperature=-1.0), "temperature must be >= 0"), (dict(top_p=1.5), "top_p must be in"),
+                        (dict(top_k=0), "top_k must be >= 1"), (dict(max_new_tokens=0), "max_new_tokens must be >= 1")]:
+        settings = dict(max_new_tokens=4, temperature=0.0, top_k=None, top_p=None) | kwargs
+        with pytest.raises(ValueError, match=msg):
+            check_sampling(**settings)
+
+
+def test_prompt_longer_than_context(tmp_path):
+    from kvzoo.generate import generate
+
+    model = load_weights(tiny_llama(tmp_path, max_position_embeddings=16))
+
+    class Tok:
+        pad_id, eos_ids = 0, [2]
+
+    with pytest.raises(ValueError, match="prompt of 20 tokens does not fit the model's context of 16"):
+        generate(model, Tok(), [list(range(3, 23))])
+    with pytest.raises(ValueError, match="exceed the model's context of 16"):
+        model.new_cache("fp16", batch_size=1, max_len=17)
+
+
+def test_missing_dataset_names_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="wikitext2 data not found at .*KVZOO_DATA"):
+        load_text("wikitext2", tmp_path / "missing.txt")
+    with pytest.raises(ValueError, match="unknown dataset 'ptb'; accepted: wikitext2, c4"):
+        load_text("ptb")
+
+
+def test_json_output_never_overwrites(tmp_path):
+    target = tmp_path / "result.json"
+    target.write_text("precious")
+    with pytest.raises(FileExistsError, match="exists; choose another --json path or pass --overwrite"):
+        write_json(target, {"a": 1})
+    assert target.read_text() == "precious"
+    write_json(target, {"a": 1}, overwrite=True)
+    assert json.loads(target.read_text()) == {"a": 1}

@@ -1,0 +1,17 @@
+"""Tiny random HF checkpoints built offline for tests (saved with transformers' save_pretrained)."""
+
+from pathlib import Path
+
+import torch
+import transformers
+
+
+def tiny_llama(path: Path, **overrides) -> Path:
+    """A 2-layer GQA Llama (vocab 97, hidden 64) saved as model.safetensors + config.json in `path`."""
+    settings = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, head_dim=16,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                    tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(settings | overrides)))
+    model.save_pretrained(path, safe_serialization=True)
+    return Path(path)
