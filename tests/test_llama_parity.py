@@ -87,3 +87,16 @@ def test_left_padded_batch_matches_single_rows(pair):
     for b, row in enumerate(rows):
         alone = ours(torch.cat([row, cont[b]])[None])[0]
         assert (out[b, pad[b]:] - alone).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@torch.no_grad()
+def test_half_precision_close_to_fp32(dtype, tmp_path):
+    hf, _ = build(*CONFIGS["llama-gqa-tied"], tmp_path)
+    ours = load_weights(tmp_path, dtype=dtype)
+    assert ours.lm_head.weight is ours.embed.weight and ours.embed.weight.dtype == dtype
+    tokens = torch.randint(0, 97, (1, 16), generator=torch.Generator().manual_seed(5))
+    cache = ours.new_cache("fp16", batch_size=1, max_len=16)
+    logits = torch.cat([ours(tokens[:, :8], cache)] + [ours(tokens[:, t:t + 1], cache) for t in range(8, 16)], 1)
+    assert logits.dtype == dtype and cache.layers[0].k.dtype == dtype
+    assert (logits.float() - hf(tokens).logits).abs().max() < 0.05
