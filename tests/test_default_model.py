@@ -1,0 +1,81 @@
+"""The embedded default model end to end: reference perplexity, chat answer, batched generation.
+
+Reference figures (../shared/data/README.md) were measured with Hugging Face transformers, fp32, on the
+same dequantized weights: 19.134 over the first 8 WikiText-2 windows of 2048 tokens.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvzoo.eval.perplexity import perplexity
+from kvzoo.generate import generate
+from kvzoo.models.loader import load_weights
+from kvzoo.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def smollm(default_model_dir):
+    return load_weights(default_model_dir), Tokenizer.from_pretrained(default_model_dir)
+
+
+def test_wikitext_perplexity_matches_reference(smollm, wikitext_text):
+    model, tok = smollm
+    ids = tok.encode(wikitext_text)
+    result = perplexity(model, ids, seq_len=2048, max_windows=8, cache="fp16", progress=False)
+    assert result.windows == 8 and result.tokens == 304_986
+    assert result.perplexity == pytest.approx(19.134, rel=0.005)
+    # fp32 run: the fp16 strategy keeps K/V at the model's precision, twice an fp16 cache's bytes
+    assert result.fp16_kv_nbytes == 2 * 2 * 30 * 3 * 64 * 2048           # K and V, 2 bytes each
+    assert result.kv_nbytes == 2 * result.fp16_kv_nbytes
+
+
+def test_batch_of_prompts_matches_one_at_a_time(smollm):
+    model, tok = smollm
+    prompts = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived",
+               "def fibonacci(n):"]
+    batched = generate(model, tok, prompts, max_new_tokens=12, temperature=0)
+    for row, prompt in enumerate(prompts):
+        assert generate(model, tok, prompt, max_new_tokens=12, temperature=0).tokens[0] == batched.tokens[row]
+
+
+def test_chat_script_answers_paris():
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "chat.py"), "--prompt",
+                          "What is the capital of France? Answer in one sentence.", "--temperature", "0"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    assert "tok/s" in out.stderr and "cache fp16" in out.stderr
+
+
+def test_chat_script_refuses_unknown_cache():
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "chat.py"), "--cache", "zip", "--prompt", "hi"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 2
+    assert "unknown cache 'zip'; available caches: fp16" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_perplexity_script_writes_json(tmp_path):
+    target = tmp_path / "ppl.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "perplexity.py"), "--dataset", "c4", "--seq-len", "256",
+           "--max-windows", "2", "--json", str(target)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "perplexity" in out.stdout and "KV bytes" in out.stdout
+    result = json.loads(target.read_text())
+    assert result["windows"] == 2 and result["dataset"] == "c4" and 1 < result["perplexity"] < 100
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert again.returncode == 2 and "exists" in again.stderr
+    assert json.loads(target.read_text()) == result
+
+
+def test_chat_prompt_longer_than_context_is_refused(smollm):
+    model, tok = smollm
+    with pytest.raises(ValueError, match="does not fit the model's context of 8192"):
+        generate(model, tok, [[1] * 9000])
