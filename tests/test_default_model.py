@@ -28,7 +28,9 @@ def test_wikitext_perplexity_matches_reference(smollm, wikitext_text):
     model, tok = smollm
     ids = tok.encode(wikitext_text)
     result = perplexity(model, ids, seq_len=2048, max_windows=8, cache="fp16", progress=False)
-    assert result.windows == 8 and result.tokens == 304_986
+    # 304,978: the model's own split (digits cut off first); transformers 5.23's GGUF tokenizer falls back to
+    # the GPT-2 split and gets 304,986 (see tests/test_gguf_import.py)
+    assert result.windows == 8 and result.tokens == 304_978
     assert result.perplexity == pytest.approx(19.134, rel=0.005)
     # fp32 run: the fp16 strategy keeps K/V at the model's precision, twice an fp16 cache's bytes
     assert result.fp16_kv_nbytes == 2 * 2 * 30 * 3 * 64 * 2048           # K and V, 2 bytes each

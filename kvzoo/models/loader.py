@@ -46,7 +46,7 @@ LAYER_NAMES = {
 # Keys some exporters write that carry nothing we need (RoPE tables are recomputed from the config).
 IGNORED_KEYS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
-HUB_FILES = ["*.safetensors", "*.json", "tokenizer.model"]
+HUB_FILES = ["*.safetensors", "*.json", "*.jinja", "tokenizer.model"]
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
