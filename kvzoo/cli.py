@@ -3,29 +3,36 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 import torch
 
-from kvzoo.cache.base import CacheSpec, list_caches
+from kvzoo.cache.base import CacheSpec, get_strategy, list_caches
 from kvzoo.models.loader import DTYPES
 
 
-def cache_spec(text: str) -> CacheSpec:
-    try:
-        return CacheSpec.parse(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+def strategy_options() -> dict[str, type]:
+    """Every option name any registered strategy declares -> its type (for --bits, --group-size ...)."""
+    found: dict[str, type] = {}
+    for name in list_caches():
+        for f in dataclasses.fields(get_strategy(name).Options):
+            found.setdefault(f.name, type(getattr(get_strategy(name).Options(), f.name)))
+    return found
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="local HF folder or hub id (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--cache", type=cache_spec, default=CacheSpec.parse("fp16"),
-                        help=f"KV-cache strategy, optionally with options name:key=value,... "
-                             f"(available: {', '.join(list_caches())})")
+    parser.add_argument("--cache", default="fp16",
+                        help=f"KV-cache strategy (available: {', '.join(list_caches())}); options may follow "
+                             "as name:key=value,...")
+    parser.add_argument("--cache-opts", default="", help="strategy options as key=value,key=value")
+    for name in strategy_options():
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=f"opt_{name}", default=None, metavar=name.upper(),
+                            help="strategy option (only for strategies that declare it)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
@@ -42,6 +49,19 @@ def check_device(device: str) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported device {device!r}; accepted: cpu, cuda, cuda:N")
     return dev
+
+
+def parse_cache_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> CacheSpec:
+    """Merge --cache name[:opts], --cache-opts and --<option> flags into one checked CacheSpec
+    (stored back into args.cache); bad names or values end the program through parser.error."""
+    text = args.cache + ("," if ":" in args.cache else ":") + args.cache_opts if args.cache_opts else args.cache
+    flags = {name: getattr(args, f"opt_{name}") for name in strategy_options()
+             if getattr(args, f"opt_{name}") is not None}
+    try:
+        args.cache = CacheSpec.parse(text, **flags)
+    except ValueError as err:
+        parser.error(str(err))
+    return args.cache
 
 
 def load_from_args(args: argparse.Namespace):

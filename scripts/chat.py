@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvzoo.cli import add_model_args, human_bytes, load_from_args, run  # noqa: E402
+from kvzoo.cli import add_model_args, parse_cache_args, human_bytes, load_from_args, run  # noqa: E402
 from kvzoo.generate import check_sampling, generate  # noqa: E402
 
 
@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args()
+    parse_cache_args(parser, args)
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
 
     model, tokenizer = load_from_args(args)

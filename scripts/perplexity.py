@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvzoo.cli import add_model_args, human_bytes, load_from_args, run, write_json  # noqa: E402
+from kvzoo.cli import add_model_args, parse_cache_args, human_bytes, load_from_args, run, write_json  # noqa: E402
 from kvzoo.eval.datasets import DATASETS, load_text  # noqa: E402
 from kvzoo.eval.perplexity import perplexity  # noqa: E402
 
@@ -21,16 +21,21 @@ def main() -> None:
     parser.add_argument("--data-path", default=None, help="override the dataset file (default: ../shared/data)")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--max-windows", type=int, default=None, help="score only the first N windows")
+    parser.add_argument("--mode", choices=["simulated", "streaming"], default="simulated",
+                        help="simulated: each token sees the cache as token-by-token decoding would (the papers' "
+                             "protocol); streaming: one real prefill per window")
     parser.add_argument("--json", default=None, help="also write the result to this JSON file")
     parser.add_argument("--overwrite", action="store_true", help="let --json replace an existing file")
     args = parser.parse_args()
+    parse_cache_args(parser, args)
 
     text = load_text(args.dataset, args.data_path)
     model, tokenizer = load_from_args(args)
     ids = tokenizer.encode(text)
-    result = perplexity(model, ids, seq_len=args.seq_len, max_windows=args.max_windows, cache=args.cache)
+    result = perplexity(model, ids, seq_len=args.seq_len, max_windows=args.max_windows, cache=args.cache,
+                        mode=args.mode)
     print(f"dataset      {args.dataset}")
-    print(f"cache        {args.cache}")
+    print(f"cache        {args.cache} ({args.mode})")
     print(f"perplexity   {result.perplexity:.3f}")
     print(f"tokens       {result.tokens:,} ({result.windows} windows of {result.seq_len} scored)")
     print(f"KV bytes     {human_bytes(result.kv_nbytes)} per window "
@@ -38,7 +43,7 @@ def main() -> None:
     print(f"time         {result.seconds:.1f} s")
     if args.json:
         write_json(args.json, {"dataset": args.dataset, "model": args.model or "smollm2-135m-instruct",
-                               "dtype": str(model.dtype).removeprefix("torch."), **result.to_dict()},
+                               "dtype": str(model.dtype).removeprefix("torch."), "mode": args.mode, **result.to_dict()},
                    overwrite=args.overwrite)
 
 

@@ -8,8 +8,18 @@ model, and it can apply RoPE before or after quantization as its paper prescribe
 
     LayerCache.prefill(x, q, k, v, pos) -> out   a chunk of T >= 1 tokens (prompt, or a prefill chunk)
     LayerCache.decode(x, q, k, v, pos)  -> out   one token per row: the hot path
+    LayerCache.simulate(x, q, k, v, pos)-> out   the "simulated" evaluation mode (below)
     LayerCache.nbytes()                 -> int   bytes of every tensor the strategy holds for the
                                                  tokens stored so far (codes, scales, zeros, windows)
+    LayerCache.reset()                           forget every token (buffers are kept for reuse)
+
+Two evaluation modes, chosen when the cache is built (`model.new_cache(..., mode=...)`):
+  streaming   what chat and benchmarks do: prefill attends over the history as stored plus the new
+              chunk at full precision, then stores the chunk; decode is a one-token prefill.
+  simulated   the papers' perplexity protocol: in one teacher-forced forward, the query at slot s sees
+              every key/value exactly as token-by-token decoding would have shown it at that moment
+              (quantized where the strategy would have quantized it by then, full precision inside its
+              windows), so its logits equal a streaming run that decodes the text one token at a time.
 
 Shapes: x (B, T, hidden); q (B, n_heads, T, hd); k, v (B, n_kv_heads, T, hd); out (B, n_heads, T, hd).
 
@@ -64,6 +74,28 @@ class Positions:
         # A padding query would see no key at all (a NaN row in softmax): let it see itself.
         allowed |= k_slot[None, None, :] == q_slot[None, :, None]
         return cls(start, pad, ids, allowed[:, None])                       # (B, 1, T, S)
+
+
+def full_mask(pos: Positions, n_keys: int, device) -> Tensor:
+    """pos.mask made explicit: (B or 1, 1, T, n_keys) booleans, also when pos.mask is None (causal)."""
+    if pos.mask is not None:
+        return pos.mask
+    q_slot = torch.arange(pos.start, pos.start + pos.ids.shape[1], device=device)
+    return (torch.arange(n_keys, device=device)[None, :] <= q_slot[:, None])[None, None]
+
+
+def attend_split(q: Tensor, k_a: Tensor, v_a: Tensor, k_b: Tensor, v_b: Tensor, use_b: Tensor,
+                 mask: Tensor) -> Tensor:
+    """Attention where each (query, key) pair reads key/value version a or b: use_b (T, S) True picks b.
+
+    The simulated mode's workhorse: b is the quantize-dequantize round trip, a full precision.
+    q (B, Hq, T, hd); k_*, v_* (B, Hkv, S, hd); mask (B, 1, T, S) booleans. Pure torch, fp32 softmax."""
+    rep = q.shape[1] // k_a.shape[1]
+    k_a, v_a, k_b, v_b = (t.repeat_interleave(rep, dim=1) for t in (k_a, v_a, k_b, v_b))   # (B, Hq, S, hd)
+    scale = q.shape[-1] ** -0.5
+    scores = torch.where(use_b, q @ k_b.transpose(-1, -2), q @ k_a.transpose(-1, -2)) * scale  # (B, Hq, T, S)
+    probs = scores.float().masked_fill(~mask, float("-inf")).softmax(dim=-1).to(q.dtype)
+    return probs.masked_fill(use_b, 0) @ v_a + probs.masked_fill(~use_b, 0) @ v_b
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None) -> Tensor:
@@ -151,6 +183,7 @@ class LayerCache(nn.Module):
         self.layer = [layer]      # a list, so nn.Module does not register the model's weights as ours
         self.prev = [prev]
         self.batch_size, self.max_len = batch_size, max_len
+        self.simulated = False    # set by ModelCache for mode="simulated"
         self.length = 0           # tokens stored so far
 
     @property
@@ -180,8 +213,21 @@ class LayerCache(nn.Module):
     def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
         raise NotImplementedError
 
+    def simulate(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
+        """Simulated mode. A lossless strategy shows every token what it stored, so this is prefill."""
+        return self.prefill(x, q, k, v, pos)
+
     def nbytes(self) -> int:
         raise NotImplementedError
+
+    def formula_nbytes(self, length: int) -> int:
+        """What the module docstring's bytes-per-token formula gives for `length` stored tokens (all
+        rows); the contract test holds nbytes() to it."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Forget every token; preallocated buffers are simply overwritten by the next ones."""
+        self.length = 0
 
 
 def _coerce(raw: Any, kind: type) -> Any:
@@ -207,8 +253,13 @@ def used_nbytes(*tensors: Tensor, length: int, dim: int = 2) -> int:
 class ModelCache(nn.Module):
     """One LayerCache per layer, built in order so each can see the previous one (`prev`)."""
 
-    def __init__(self, spec: CacheSpec, layers: list["Attention"], batch_size: int, max_len: int):
+    MODES = ("streaming", "simulated")
+
+    def __init__(self, spec: CacheSpec, layers: list["Attention"], batch_size: int, max_len: int,
+                 mode: str = "streaming"):
         super().__init__()
+        if mode not in self.MODES:
+            raise ValueError(f"unknown evaluation mode {mode!r}; accepted: {', '.join(self.MODES)}")
         strategy = get_strategy(spec.name)
         if spec.options is None:
             spec = CacheSpec(spec.name, strategy.make_options({}))
@@ -216,11 +267,19 @@ class ModelCache(nn.Module):
         built: list[LayerCache] = []
         for attn in layers:
             built.append(strategy(spec, attn, built[-1] if built else None, batch_size, max_len))
+        for layer in built:
+            layer.simulated = mode == "simulated"
         self.layers = nn.ModuleList(built)
+        self.mode = mode
         self.length = 0
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+        self.length = 0
 
 
 def fp16_kv_nbytes(n_layers: int, n_kv_heads: int, head_dim: int, tokens: int) -> int:

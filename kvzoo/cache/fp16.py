@@ -40,3 +40,7 @@ class FP16Cache(LayerCache):
 
     def nbytes(self) -> int:
         return used_nbytes(self.k, self.v, length=self.length)
+
+    def formula_nbytes(self, length: int) -> int:
+        attn = self.attn
+        return self.batch_size * 2 * attn.n_kv_heads * attn.head_dim * self.k.element_size() * length

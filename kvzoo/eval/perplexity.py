@@ -2,8 +2,9 @@
 
 The whole text is tokenized once; window w is tokens[w*L : (w+1)*L] and contributes the mean
 cross-entropy of its L-1 next-token predictions; perplexity = exp(mean over windows). Every window is a
-fresh prefill through the chosen cache strategy, so the strategy's prefill attention decides what the
-model sees; the cache's bytes after the window are reported beside the fp16 cache's bytes.
+forward through a fresh cache: in "simulated" mode (the papers' protocol) every token sees the cache as
+token-by-token decoding would have shown it; in "streaming" mode the window is one real prefill. The
+cache's bytes after the window are reported beside the fp16 cache's bytes for the same tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class PerplexityResult:
     tokens: int              # tokens in the whole tokenized text
     scored_tokens: int       # predictions scored: windows * (seq_len - 1)
     cache: str
+    mode: str
     kv_nbytes: int           # bytes held by the cache after one window
     fp16_kv_nbytes: int      # an fp16 K/V cache for the same window
     seconds: float
@@ -43,7 +45,7 @@ class PerplexityResult:
 @torch.inference_mode()
 def perplexity(model: Transformer, token_ids: list[int] | torch.Tensor, seq_len: int = 2048,
                max_windows: int | None = None, cache: str | CacheSpec = "fp16",
-               progress: bool = True) -> PerplexityResult:
+               mode: str = "simulated", progress: bool = True) -> PerplexityResult:
     if isinstance(cache, str):
         cache = CacheSpec.parse(cache)
     if seq_len < 2:
@@ -63,12 +65,12 @@ def perplexity(model: Transformer, token_ids: list[int] | torch.Tensor, seq_len:
     nll = 0.0
     for w in tqdm(range(windows), desc=f"perplexity ({cache.name})", disable=not progress):
         tokens = ids[w * seq_len:(w + 1) * seq_len].to(model.device)[None]      # (1, L)
-        kv = model.new_cache(cache, batch_size=1, max_len=seq_len)
+        kv = model.new_cache(cache, batch_size=1, max_len=seq_len, mode=mode)
         logits = model(tokens, kv)                                                # (1, L, V)
         nll += F.cross_entropy(logits[0, :-1].float(), tokens[0, 1:]).item()
     cfg = model.cfg
     return PerplexityResult(
         perplexity=math.exp(nll / windows), windows=windows, seq_len=seq_len, tokens=ids.numel(),
-        scored_tokens=windows * (seq_len - 1), cache=str(cache), kv_nbytes=kv.nbytes(),
+        scored_tokens=windows * (seq_len - 1), cache=str(cache), mode=mode, kv_nbytes=kv.nbytes(),
         fp16_kv_nbytes=fp16_kv_nbytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, seq_len),
         seconds=time.perf_counter() - start)

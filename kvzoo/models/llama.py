@@ -81,6 +81,11 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin(ids, q.dtype)
         return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
 
+    def apply(self, x: Tensor, ids: Tensor) -> Tensor:
+        """Rotate one tensor (B, H, T, d), e.g. keys stored before RoPE and rotated after dequantization."""
+        cos, sin = self.cos_sin(ids, x.dtype)
+        return self.rotate(x, cos, sin)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, layer_idx: int):
@@ -107,6 +112,8 @@ class Attention(nn.Module):
         if cache is None:
             q, k = self.rope(q, k, pos.ids)
             out = attend(q, k, v, pos.mask)
+        elif cache.simulated:
+            out = cache.simulate(x, q, k, v, pos)
         elif T == 1 and pos.start > 0:
             out = cache.decode(x, q, k, v, pos)
         else:
@@ -160,14 +167,16 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
-    def new_cache(self, spec: CacheSpec | str, batch_size: int, max_len: int) -> ModelCache:
-        """A fresh cache for `batch_size` rows of at most `max_len` tokens (prompt + generation)."""
+    def new_cache(self, spec: CacheSpec | str, batch_size: int, max_len: int, mode: str = "streaming") -> ModelCache:
+        """A fresh cache for `batch_size` rows of at most `max_len` tokens (prompt + generation).
+        mode "streaming" stores and attends for real; "simulated" makes every token's attention see
+        what token-by-token decoding would have shown it (see kvzoo/cache/base.py)."""
         if isinstance(spec, str):
             spec = CacheSpec.parse(spec)
         if max_len > self.cfg.max_position_embeddings:
             raise ValueError(f"{max_len} tokens exceed the model's context of "
                              f"{self.cfg.max_position_embeddings} (max_position_embeddings)")
-        return ModelCache(spec, [block.attn for block in self.layers], batch_size, max_len)
+        return ModelCache(spec, [block.attn for block in self.layers], batch_size, max_len, mode)
 
     def forward(self, tokens: Tensor, cache: ModelCache | None = None, pad: Tensor | None = None,
                 last_only: bool = False) -> Tensor:

@@ -1,0 +1,159 @@
+"""Group-wise uniform quantization and bit-packing, shared by every quantized cache strategy.
+
+A tensor is cut into groups of `group_size` consecutive entries along one axis; each group gets its own
+scale (and zero point), and every entry becomes a `bits`-bit integer code:
+
+    asymmetric  scale = (max - min) / (2^b - 1),  zero = min,  code = round((x - zero) / scale) in [0, 2^b - 1]
+                x' = code * scale + zero
+    symmetric   scale = absmax / (2^(b-1) - 1),                code = round(x / scale) in [-qmax, qmax]
+                x' = code * scale          (stored as code + 2^(b-1), so it packs like an unsigned code)
+
+The axis decides the flavour used by KV-cache papers: groups along the head dimension of one token are
+"per-token" quantization (KIVI's values); groups along the tokens of one channel are "per-channel"
+(KIVI's keys, whose outlier channels would otherwise blow up every token's scale).
+
+Codes are bit-packed along the last dimension into int32 words as one continuous bit stream: code i
+occupies bits [i*b, (i+1)*b) of the stream, so 2-, 4- and 8-bit codes sit 16, 8 and 4 to a word and
+3-bit codes take exactly 3 words per 32 codes (some straddle two words). Storage is therefore exactly
+b bits per code, padding aside (the last dimension is padded to a whole block of codes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+
+
+def check_bits(bits: int) -> int:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"unsupported bit width {bits}; accepted: {', '.join(map(str, SUPPORTED_BITS))}")
+    return bits
+
+
+# ----------------------------------------------------------------------------------------------------
+# Bit-packing
+# ----------------------------------------------------------------------------------------------------
+def block_codes(bits: int) -> int:
+    """Codes per packing block: the fewest codes that fill whole int32 words (16 for 2-bit, 32 for 3-bit)."""
+    return 32 // math.gcd(32, bits)
+
+
+def packed_words(n: int, bits: int) -> int:
+    """int32 words that hold n codes of `bits` bits."""
+    block = block_codes(bits)
+    return -(-n // block) * block * bits // 32
+
+
+def _layout(n_padded: int, bits: int, device) -> tuple[Tensor, Tensor]:
+    """For each code: the word its lowest bit falls in, and the bit offset there."""
+    start = torch.arange(n_padded, device=device) * bits
+    return start // 32, start % 32
+
+
+def pack(codes: Tensor, bits: int) -> Tensor:
+    """Pack integer codes in [0, 2^bits) along the last dim: (..., n) -> int32 (..., packed_words(n))."""
+    n = codes.shape[-1]
+    n_padded = -(-n // block_codes(bits)) * block_codes(bits)
+    c = torch.nn.functional.pad(codes.to(torch.int64), (0, n_padded - n))      # (..., n_padded)
+    word, offset = _layout(n_padded, bits, codes.device)
+    shifted = c << offset                                                       # up to 39 bits
+    words = torch.zeros(*c.shape[:-1], n_padded * bits // 32 + 1, dtype=torch.int64, device=codes.device)
+    words.index_add_(-1, word, shifted & 0xFFFFFFFF)          # bits that stay in the code's first word
+    words.index_add_(-1, word + 1, shifted >> 32)             # bits that spill into the next word
+    words = words[..., :-1]                                   # the spill word past the end is always 0
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)   # as signed int32 bits
+
+
+def unpack(words: Tensor, bits: int, n: int) -> Tensor:
+    """Inverse of pack: int32 (..., packed_words(n)) -> uint8 codes (..., n)."""
+    n_padded = words.shape[-1] * 32 // bits
+    w = words.to(torch.int64) & 0xFFFFFFFF                                      # unsigned word values
+    w = torch.nn.functional.pad(w, (0, 1))                                      # a zero word to read past the end
+    word, offset = _layout(n_padded, bits, words.device)
+    stream = w[..., word] | (w[..., word + 1] << 32)                            # 64-bit window at each code
+    return ((stream >> offset) & ((1 << bits) - 1))[..., :n].to(torch.uint8)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Quantize / dequantize
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class QTensor:
+    """A quantized tensor: packed codes plus one scale (and zero) per group."""
+
+    codes: Tensor            # int32, the original shape with its last dim packed
+    scale: Tensor            # the original shape with the group axis reduced to n_groups
+    zero: Tensor | None      # like scale (asymmetric only)
+    bits: int
+    group_size: int
+    axis: int                # the (negative) axis along which groups run
+    shape: tuple[int, ...]
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zero is None
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.codes, self.scale, self.zero) if t is not None)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return dequantize(self, dtype)
+
+
+def _grouped(x: Tensor, axis: int, group_size: int) -> Tensor:
+    """Split `axis` into (n_groups, group_size) and move group_size last: (..., n_groups, ..., group_size)."""
+    size = x.shape[axis]
+    if size % group_size:
+        raise ValueError(f"group size {group_size} does not divide the quantized dimension {size}")
+    x = x.unflatten(axis, (size // group_size, group_size))
+    return x.movedim(axis, -1) if axis != -1 else x
+
+
+def _ungrouped(x: Tensor, axis: int) -> Tensor:
+    """Inverse of _grouped."""
+    if axis != -1:
+        x = x.movedim(-1, axis)
+    return x.flatten(axis - 1, axis) if axis != -1 else x.flatten(-2)
+
+
+def quantize(x: Tensor, bits: int, group_size: int, axis: int = -1, symmetric: bool = False,
+             scale_dtype: torch.dtype = torch.float16) -> QTensor:
+    """Quantize x in groups of `group_size` along `axis` (negative). Scales (and zeros) are rounded to
+    scale_dtype before the codes are computed, so dequantization uses exactly what is stored."""
+    check_bits(bits)
+    assert axis < 0, "axis counts from the end so that leading batch dims do not matter"
+    g = _grouped(x.float(), axis, group_size)                                   # (..., group_size)
+    if symmetric:
+        qmax = 2 ** (bits - 1) - 1
+        scale = (g.abs().amax(-1, keepdim=True) / qmax).to(scale_dtype).float()
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))            # all-zero group: codes 0
+        codes = (g / safe).round().clamp(-qmax, qmax) + 2 ** (bits - 1)
+        zero = None
+    else:
+        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+        zero = lo.to(scale_dtype).float()
+        scale = ((hi - zero) / (2 ** bits - 1)).to(scale_dtype).float()
+        # min == max (e.g. a one-token per-channel group): scale 0 would divide by zero; every code is 0
+        # and x' = zero, exact up to the zero's own rounding.
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = ((g - zero) / safe).round().clamp(0, 2 ** bits - 1)
+    codes = _ungrouped(codes, axis)                                             # x's shape again
+    return QTensor(codes=pack(codes, bits), scale=scale.squeeze(-1).to(scale_dtype),
+                   zero=None if zero is None else zero.squeeze(-1).to(scale_dtype),
+                   bits=bits, group_size=group_size, axis=axis, shape=tuple(x.shape))
+
+
+def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    codes = unpack(q.codes, q.bits, q.shape[-1]).float()                        # q.shape
+    g = _grouped(codes, q.axis, q.group_size)                                   # (..., group_size)
+    scale = q.scale.float().unsqueeze(-1)
+    if q.symmetric:
+        x = (g - 2 ** (q.bits - 1)) * scale
+    else:
+        x = g * scale + q.zero.float().unsqueeze(-1)
+    return _ungrouped(x, q.axis).to(dtype)

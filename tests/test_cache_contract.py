@@ -1,0 +1,109 @@
+"""One contract, run over every registered cache strategy (in the manner of kvpress's default presses).
+
+Each strategy names a lossless setting (which must reproduce the fp16 cache) and a lossy one (for which
+simulated mode must equal token-by-token streaming decode, and nbytes must match the documented formula).
+A strategy registered without entries here fails test_every_strategy_is_covered.
+"""
+
+import pytest
+import torch
+
+from kvzoo.cache.base import list_caches
+from kvzoo.models.loader import load_weights
+from tests.tiny import tiny_llama
+
+LOSSLESS = {
+    "fp16": "fp16",
+    "kivi": "kivi:bits=2,group_size=8,residual=64",      # the window covers every token of the tests
+    "kivi-pre": "kivi-pre:bits=2,group_size=8,residual=64",
+}
+LOSSY = {
+    "fp16": "fp16",
+    "kivi": "kivi:bits=2,group_size=8,residual=16",
+    "kivi-pre": "kivi-pre:bits=3,group_size=8,residual=8",
+}
+T = 48
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_weights(tiny_llama(tmp_path_factory.mktemp("tiny"), head_dim=32, hidden_size=64))
+
+
+def tokens(batch=2, length=T, seed=0):
+    return torch.randint(0, 97, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def stream(model, spec, x, prefill=1):
+    """Prefill `prefill` tokens, then decode the rest one at a time: logits (B, T, V)."""
+    cache = model.new_cache(spec, x.shape[0], x.shape[1])
+    out = [model(x[:, :prefill], cache)] + [model(x[:, t:t + 1], cache) for t in range(prefill, x.shape[1])]
+    return torch.cat(out, dim=1), cache
+
+
+def test_every_strategy_is_covered():
+    assert set(list_caches()) == set(LOSSLESS) == set(LOSSY)
+
+
+@pytest.mark.parametrize("name", sorted(LOSSLESS))
+@torch.no_grad()
+def test_lossless_setting_reproduces_fp16(model, name):
+    x = tokens()
+    reference, _ = stream(model, "fp16", x, prefill=20)
+    ours, _ = stream(model, LOSSLESS[name], x, prefill=20)
+    simulated = model(x, model.new_cache(LOSSLESS[name], 2, T, mode="simulated"))
+    assert (ours - reference).abs().max() < 1e-5
+    assert (simulated - reference).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("name", sorted(LOSSY))
+@torch.no_grad()
+def test_simulated_mode_equals_token_by_token_decode(model, name):
+    x = tokens(seed=1)
+    streamed, _ = stream(model, LOSSY[name], x)
+    simulated = model(x, model.new_cache(LOSSY[name], 2, T, mode="simulated"))
+    assert (simulated - streamed).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("name", sorted(LOSSY))
+@torch.no_grad()
+def test_streaming_prefill_is_exact_then_decode_uses_storage(model, name):
+    """A prompt prefill attends at full precision (the fp16 logits); decode continues from storage."""
+    x = tokens(seed=2)
+    reference, _ = stream(model, "fp16", x, prefill=30)
+    ours, cache = stream(model, LOSSY[name], x, prefill=30)
+    assert (ours[:, :30] - reference[:, :30]).abs().max() < 1e-5
+    assert cache.length == T
+
+
+@pytest.mark.parametrize("name", sorted(LOSSY))
+@torch.no_grad()
+def test_nbytes_is_held_tensors_and_formula(model, name):
+    x = tokens(seed=3)
+    for prefill in (1, 17, T):
+        _, cache = stream(model, LOSSY[name], x, prefill=prefill)
+        for layer in cache.layers:
+            assert layer.nbytes() == layer.formula_nbytes(T)
+        held = sum(b.nbytes for b in cache.buffers())
+        assert 0 < cache.nbytes() <= held
+
+
+@pytest.mark.parametrize("name", sorted(LOSSY))
+@torch.no_grad()
+def test_batch_equals_rows_alone(model, name):
+    x = tokens(batch=3, seed=4)
+    batched, _ = stream(model, LOSSY[name], x, prefill=10)
+    for row in range(3):
+        alone, _ = stream(model, LOSSY[name], x[row:row + 1], prefill=10)
+        assert (batched[row] - alone[0]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("name", sorted(LOSSY))
+@torch.no_grad()
+def test_reset_forgets_everything(model, name):
+    x = tokens(seed=5)
+    first, cache = stream(model, LOSSY[name], x)
+    cache.reset()
+    assert cache.nbytes() == 0 and cache.length == 0
+    again = torch.cat([model(x[:, :1], cache)] + [model(x[:, t:t + 1], cache) for t in range(1, T)], dim=1)
+    assert torch.equal(first, again)
