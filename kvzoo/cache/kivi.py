@@ -15,15 +15,15 @@ Stored per layer (B rows, H = n_kv_heads, d = head_dim, b = bits, G = group_size
     k_codes  int32 (B, H, Nq, d*b/32)     keys of the Nq quantized tokens, bit-packed along d
     k_scale, k_zero  fp16 (B, H, Nq/G, d) one pair per channel per G tokens
     v_codes  int32 (B, H, Nq, d*b/32)     values, bit-packed along d
-    v_scale, v_zero  fp16 (B, H, Nq, d/G) one pair per G channels per token
+    v_scale, v_zero  fp16 (B, H, Nq, d/Gv) one pair per Gv = min(G, d) channels per token
     k_res, v_res (B, H, r, d)             the r most recent tokens at the model's precision
 With L tokens stored, Nq = max(0, floor((L - R) / G)) * G and r = L - Nq, so R <= r < R + G once L >= R:
 the newest R tokens are always exact, and a group is quantized once, when it leaves the window;
 quantized data is never dequantized and requantized.
 
-Bytes per token, per layer and KV head: quantized d*b/4 (K and V codes, d a multiple of 32) + 8*d/G (fp16 scale and zero
-for K and for V); residual 2*d*bytes(dtype). fp16 cache: 4*d. For b=2, G=32, d=64: 48 vs 256 bytes,
-and at L=2048, R=128: (1920*48 + 128*256) / (2048*256) = 0.2383 of the fp16 cache.
+Bytes per token, per layer and KV head: quantized d*b/4 (K and V codes, d a multiple of 32) + 4*d/G
+(fp16 key scale and zero) + 4*d/Gv (value scale and zero); residual 2*d*bytes(dtype). fp16 cache: 4*d.
+For b=2, G=32, d=64: 48 vs 256 bytes, and at L=2048, R=128: (1920*48 + 128*256) / (2048*256) = 0.2383 of the fp16 cache.
 
 Paper settings: b = 2 (also 4), G = 32, R = 128 (Llama/Mistral); scales and zeros in fp16.
 """
@@ -64,9 +64,10 @@ class KIVICache(LayerCache):
     def __init__(self, spec, layer, prev, batch_size, max_len):
         super().__init__(spec, layer, prev, batch_size, max_len)
         G, R, bits, d = self.opts.group_size, self.opts.residual, self.opts.bits, layer.head_dim
-        if d % G:
+        self.v_group = min(G, d)      # a value group never spans two heads
+        if d % self.v_group:
             raise ValueError(f"{self.name} group_size {G} must divide the head dimension {d} "
-                             f"(values are grouped along it)")
+                             f"(values are grouped along it), or be at least {d}")
         weight = layer.q_proj.weight
         B, H = batch_size, layer.n_kv_heads
         n_q = self.quantized_len(max_len)             # the most tokens this cache will ever quantize
@@ -79,8 +80,8 @@ class KIVICache(LayerCache):
         buf("k_scale", (B, H, n_q // G, d), SCALE_DTYPE)
         buf("k_zero", (B, H, n_q // G, d), SCALE_DTYPE)
         buf("v_codes", (B, H, n_q, words), torch.int32)
-        buf("v_scale", (B, H, n_q, d // G), SCALE_DTYPE)
-        buf("v_zero", (B, H, n_q, d // G), SCALE_DTYPE)
+        buf("v_scale", (B, H, n_q, d // self.v_group), SCALE_DTYPE)
+        buf("v_zero", (B, H, n_q, d // self.v_group), SCALE_DTYPE)
         buf("k_res", (B, H, R + G, d), weight.dtype)
         buf("v_res", (B, H, R + G, d), weight.dtype)
         self.n_q = 0
@@ -105,7 +106,8 @@ class KIVICache(LayerCache):
     def formula_nbytes(self, length: int) -> int:
         d, G, b = self.attn.head_dim, self.opts.group_size, self.opts.bits
         n_q = self.quantized_len(length)
-        per_quantized = 2 * 4 * packed_words(d, b) + 8 * d // G  # K and V codes (d*b/4 when 32 | d) + scales, zeros
+        # K and V codes (d*b/4 when 32 | d), then fp16 scale + zero for keys and for values
+        per_quantized = 2 * 4 * packed_words(d, b) + 4 * d // G + 4 * d // self.v_group
         per_residual = 2 * d * self.k_res.element_size()
         return self.batch_size * self.attn.n_kv_heads * (n_q * per_quantized + (length - n_q) * per_residual)
 
@@ -114,7 +116,7 @@ class KIVICache(LayerCache):
         """k, v (B, H, n, d) with n a multiple of G: keys per channel (groups along tokens), values per token."""
         G, bits = self.opts.group_size, self.opts.bits
         return (quantize(k, bits, G, axis=-2, scale_dtype=SCALE_DTYPE),
-                quantize(v, bits, G, axis=-1, scale_dtype=SCALE_DTYPE))
+                quantize(v, bits, self.v_group, axis=-1, scale_dtype=SCALE_DTYPE))
 
     def _stored_quantized(self, upto: int) -> tuple[Tensor, Tensor]:
         """Dequantized keys and values of stored slots [0, upto), upto <= n_q: (B, H, upto, d) each."""
@@ -123,7 +125,7 @@ class KIVICache(LayerCache):
         kq = QTensor(self.k_codes[:, :, :upto], self.k_scale[:, :, :upto // G], self.k_zero[:, :, :upto // G],
                      bits, G, -2, shape)
         vq = QTensor(self.v_codes[:, :, :upto], self.v_scale[:, :, :upto], self.v_zero[:, :, :upto],
-                     bits, G, -1, shape)
+                     bits, self.v_group, -1, shape)
         return dequantize(kq, dtype), dequantize(vq, dtype)
 
     def _append(self, k: Tensor, v: Tensor) -> None:
