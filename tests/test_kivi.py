@@ -1,0 +1,121 @@
+"""KIVI / KIVI*: storage, bytes, the residual window, options, and the embedded model end to end."""
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvzoo.cache.base import CacheSpec
+from kvzoo.cache.quant import quantize
+from kvzoo.cli import add_model_args, parse_cache_args
+from kvzoo.config import ModelConfig
+from kvzoo.models.llama import Transformer
+
+REPO = Path(__file__).resolve().parents[1]
+SMOLLM_ATTENTION = dict(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=576, intermediate_size=64,
+                        n_layers=1, n_heads=9, n_kv_heads=3, head_dim=64, max_position_embeddings=8192)
+
+
+def smollm_shaped_layer_cache(spec: str, max_len: int, dtype=torch.float16):
+    """One layer cache with SmolLM2-135M's attention shapes (3 KV heads of 64), no weights needed."""
+    model = Transformer(ModelConfig(**SMOLLM_ATTENTION)).to(dtype)
+    return model.new_cache(spec, batch_size=1, max_len=max_len).layers[0]
+
+
+@pytest.mark.parametrize("name", ["kivi", "kivi-pre"])
+def test_kivi_2bit_ratio_at_2048_tokens_matches_formula(name):
+    cache = smollm_shaped_layer_cache(f"{name}:bits=2,group_size=32,residual=128", 2048)
+    k, v = torch.randn(2, 1, 3, 2048, 64, dtype=torch.float16)
+    cache._append(k, v)
+    fp16_bytes = 2 * 3 * 64 * 2 * 2048
+    # (1920 quantized tokens * 48 B + 128 residual tokens * 256 B) / (2048 * 256 B), per KV head
+    assert cache.nbytes() == cache.formula_nbytes(2048) == 3 * (1920 * 48 + 128 * 256)
+    assert cache.nbytes() / fp16_bytes == pytest.approx(0.23828125)
+    assert cache.k_codes.dtype == torch.int32 and cache.k_codes.shape[-1] == 64 * 2 // 32
+
+
+def test_storage_is_quantized_once_whatever_the_chunking():
+    """Appending in odd chunks stores exactly the codes of quantizing each finished group once."""
+    cache = smollm_shaped_layer_cache("kivi:bits=3,group_size=32,residual=64", 400, dtype=torch.float32)
+    k, v = torch.randn(2, 1, 3, 400, 64)
+    start = 0
+    for size in (1, 37, 5, 90, 1, 1, 66, 150, 49):
+        cache._append(k[:, :, start:start + size], v[:, :, start:start + size])
+        start += size
+    assert start == cache.length == 400
+    n_q = cache.n_q
+    assert n_q == (400 - 64) // 32 * 32 and 64 <= cache.length - n_q < 96
+    want_k = quantize(k[:, :, :n_q], 3, 32, axis=-2).dequantize()
+    want_v = quantize(v[:, :, :n_q], 3, 32, axis=-1).dequantize()
+    got_k, got_v = cache._stored_quantized(n_q)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    assert torch.equal(cache.k_res[:, :, :cache.length - n_q], k[:, :, n_q:])     # the window is exact
+
+
+@pytest.mark.parametrize("text, message", [
+    ("kivi:bits=5", "unsupported bit width 5; accepted: 2, 3, 4, 8"),
+    ("kivi:residual=100", "residual must be a non-negative multiple of group_size 32"),
+    ("kivi:group_size=abc", "option group_size='abc' is not a valid int"),
+    ("kivi:window=4", "cache 'kivi' has no option window; accepted options: bits, group_size, residual"),
+])
+def test_bad_options_name_what_is_accepted(text, message):
+    with pytest.raises(ValueError, match=message):
+        CacheSpec.parse(text)
+
+
+def test_group_size_must_fit_the_head_dimension():
+    with pytest.raises(ValueError, match="group_size 24 must divide the head dimension 64"):
+        smollm_shaped_layer_cache("kivi:group_size=24,residual=48", 128)
+
+
+def test_cli_flags_and_cache_opts_make_one_spec():
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    args = parser.parse_args(["--cache", "kivi", "--bits", "4", "--group-size", "32", "--residual", "64"])
+    assert str(parse_cache_args(parser, args)) == "kivi:bits=4,group_size=32,residual=64"
+    args = parser.parse_args(["--cache", "kivi-pre", "--cache-opts", "bits=3,residual=96"])
+    assert str(parse_cache_args(parser, args)) == "kivi-pre:bits=3,group_size=32,residual=96"
+    args = parser.parse_args(["--cache", "fp16", "--bits", "2"])
+    with pytest.raises(SystemExit):
+        parse_cache_args(parser, args)
+
+
+@torch.inference_mode()
+def test_streaming_decode_after_long_prompt_holds_packed_storage(default_model_dir, wikitext_text):
+    from kvzoo.models.loader import load_weights
+    from kvzoo.tokenizer import Tokenizer
+
+    model, tok = load_weights(default_model_dir), Tokenizer.from_pretrained(default_model_dir)
+    ids = torch.tensor(tok.encode(wikitext_text[:20000])[:1280])[None]
+    cache = model.new_cache("kivi:bits=2,group_size=32,residual=128", batch_size=1, max_len=1280)
+    model(ids[:, :1024], cache)
+    for t in range(1024, 1280):
+        logits = model(ids[:, t:t + 1], cache)
+    assert torch.isfinite(logits).all()
+    layer = cache.layers[0]
+    assert layer.n_q == 1152 and cache.length == 1280
+    assert cache.nbytes() == sum(layer.formula_nbytes(1280) for layer in cache.layers)
+    # 1152 tokens in 2-bit codes + fp16 scales, 128 fp32 (the model's dtype) residual tokens
+    assert cache.nbytes() == 30 * 3 * (1152 * 48 + 128 * 2 * 64 * 4)
+
+
+def test_chat_with_kivi_cache():
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "chat.py"), "--cache", "kivi", "--prompt",
+                          "What is the capital of France? Answer in one sentence.", "--temperature", "0"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    assert "cache kivi:bits=2,group_size=32,residual=128" in out.stderr
+
+
+def test_chat_with_everything_quantized_still_runs():
+    """residual=0: every finished group of 16 tokens is quantized while the answer is generated."""
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "chat.py"), "--cache", "kivi", "--bits", "4",
+                          "--group-size", "16", "--residual", "0", "--prompt", "Name a colour.",
+                          "--temperature", "0", "--max-new-tokens", "24"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() and "x fp16]" in out.stderr

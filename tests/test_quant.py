@@ -1,0 +1,67 @@
+"""Property tests for the shared quantizers and bit-packing (kvzoo/cache/quant.py)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvzoo.cache.quant import SUPPORTED_BITS, check_bits, pack, packed_words, quantize, unpack
+
+bits_st = st.sampled_from(SUPPORTED_BITS)
+
+
+@given(bits=bits_st, n=st.integers(1, 130), rows=st.integers(1, 3), seed=st.integers(0, 2**16))
+@settings(max_examples=60, deadline=None)
+def test_pack_then_unpack_is_identity(bits, n, rows, seed):
+    codes = torch.randint(0, 2**bits, (rows, n), generator=torch.Generator().manual_seed(seed)).to(torch.uint8)
+    words = pack(codes, bits)
+    assert words.dtype == torch.int32 and words.shape == (rows, packed_words(n, bits))
+    assert torch.equal(unpack(words, bits, n), codes)
+
+
+def test_packing_is_exactly_b_bits_per_code():
+    for bits in SUPPORTED_BITS:
+        assert packed_words(64, bits) * 32 == 64 * bits
+    # 3-bit codes straddle int32 words: 32 codes in exactly 3 words
+    codes = torch.full((1, 32), 7, dtype=torch.uint8)
+    assert pack(codes, 3).shape == (1, 3) and torch.equal(unpack(pack(codes, 3), 3, 32), codes)
+
+
+@given(bits=bits_st, symmetric=st.booleans(), per_channel=st.booleans(), seed=st.integers(0, 2**16),
+       scale=st.floats(1e-3, 1e3))
+@settings(max_examples=60, deadline=None)
+def test_round_trip_error_at_most_half_a_step(bits, symmetric, per_channel, seed, scale):
+    x = torch.randn(2, 3, 32, 16, generator=torch.Generator().manual_seed(seed)) * scale
+    axis = -2 if per_channel else -1
+    q = quantize(x, bits, 8, axis=axis, symmetric=symmetric, scale_dtype=torch.float32)
+    step = q.scale.float().repeat_interleave(8, dim=axis)
+    err = (q.dequantize() - x).abs()
+    assert (err <= 0.5 * step * (1 + 1e-5) + 1e-6 * scale).all()
+
+
+def test_fp16_scales_stay_within_half_a_step_plus_zero_rounding():
+    x = torch.randn(4, 64, 32) * 5
+    q = quantize(x, 4, 32, axis=-1, scale_dtype=torch.float16)
+    assert q.scale.dtype == torch.float16 and q.zero.dtype == torch.float16
+    step = q.scale.float().repeat_interleave(32, dim=-1)
+    assert ((q.dequantize() - x).abs() <= 0.5 * step + 1e-2).all()
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_constant_groups_and_one_token_per_channel_groups(symmetric):
+    """min == max: no division by zero, the value comes back (the classic silent NaN)."""
+    x = torch.randn(2, 3, 1, 16)                        # one token: per-channel groups of size 1
+    q = quantize(x, 2, 1, axis=-2, symmetric=symmetric, scale_dtype=torch.float32)
+    assert torch.isfinite(q.dequantize()).all()
+    assert torch.allclose(q.dequantize(), x, atol=1e-6)
+    const = torch.full((1, 4, 32), 3.25)
+    assert torch.equal(quantize(const, 2, 32, scale_dtype=torch.float32).dequantize(), const)
+    zeros = torch.zeros(1, 4, 32)
+    assert torch.equal(quantize(zeros, 3, 32, symmetric=symmetric).dequantize(), zeros)
+
+
+def test_bad_bits_and_groups_are_refused():
+    with pytest.raises(ValueError, match="unsupported bit width 5; accepted: 2, 3, 4, 8"):
+        check_bits(5)
+    with pytest.raises(ValueError, match="group size 24 does not divide the quantized dimension 64"):
+        quantize(torch.randn(2, 64), 2, 24)
