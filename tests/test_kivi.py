@@ -59,7 +59,7 @@ def test_storage_is_quantized_once_whatever_the_chunking():
     ("kivi:bits=5", "unsupported bit width 5; accepted: 2, 3, 4, 8"),
     ("kivi:residual=100", "residual must be a non-negative multiple of group_size 32"),
     ("kivi:group_size=abc", "option group_size='abc' is not a valid int"),
-    ("kivi:window=4", "cache 'kivi' has no option window; accepted options: bits, group_size, residual"),
+    ("kivi:window=4", "cache 'kivi' has no option window; accepted options: bits, group_size, residual, sink"),
 ])
 def test_bad_options_name_what_is_accepted(text, message):
     with pytest.raises(ValueError, match=message):
@@ -75,9 +75,9 @@ def test_cli_flags_and_cache_opts_make_one_spec():
     parser = argparse.ArgumentParser()
     add_model_args(parser)
     args = parser.parse_args(["--cache", "kivi", "--bits", "4", "--group-size", "32", "--residual", "64"])
-    assert str(parse_cache_args(parser, args)) == "kivi:bits=4,group_size=32,residual=64"
+    assert str(parse_cache_args(parser, args)) == "kivi:bits=4,group_size=32,residual=64,sink=0"
     args = parser.parse_args(["--cache", "kivi-pre", "--cache-opts", "bits=3,residual=96"])
-    assert str(parse_cache_args(parser, args)) == "kivi-pre:bits=3,group_size=32,residual=96"
+    assert str(parse_cache_args(parser, args)) == "kivi-pre:bits=3,group_size=32,residual=96,sink=0"
     args = parser.parse_args(["--cache", "fp16", "--bits", "2"])
     with pytest.raises(SystemExit):
         parse_cache_args(parser, args)
@@ -108,7 +108,7 @@ def test_chat_with_kivi_cache():
                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
-    assert "cache kivi:bits=2,group_size=32,residual=128" in out.stderr
+    assert "cache kivi:bits=2,group_size=32,residual=128,sink=0" in out.stderr
 
 
 def test_chat_with_everything_quantized_still_runs():
@@ -119,3 +119,16 @@ def test_chat_with_everything_quantized_still_runs():
                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() and "x fp16]" in out.stderr
+
+
+def test_sink_window_keeps_the_first_tokens_exact():
+    """KIVI+sink (InnerQ's baseline, 32/96): slots [0, 32) exact, then whole quantized groups, then the window."""
+    cache = smollm_shaped_layer_cache("kivi:bits=2,group_size=32,residual=96,sink=32", 400, dtype=torch.float32)
+    k, v = torch.randn(2, 1, 3, 200, 64)
+    cache._append(k[:, :, :10], v[:, :, :10])
+    cache._append(k[:, :, 10:], v[:, :, 10:])
+    assert cache.n_q == (200 - 32 - 96) // 32 * 32 == 64
+    keys, values = cache._history()
+    assert torch.equal(keys[:, :, :32], k[:, :, :32]) and torch.equal(values[:, :, 96:], v[:, :, 96:])
+    assert torch.equal(keys[:, :, 32:96], quantize(k[:, :, 32:96], 2, 32, axis=-2).dequantize())
+    assert cache.nbytes() == cache.formula_nbytes(200) == 3 * (64 * 48 + 136 * 2 * 64 * 4)

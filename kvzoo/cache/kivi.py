@@ -46,6 +46,7 @@ class KIVIOptions:
     bits: int = 2
     group_size: int = 32
     residual: int = 128
+    sink: int = 0          # "KIVI+sink" (InnerQ's baseline): the first tokens also stay exact
 
     def __post_init__(self):
         check_bits(self.bits)
@@ -54,72 +55,64 @@ class KIVIOptions:
         if self.residual < 0 or self.residual % self.group_size:
             raise ValueError(f"residual must be a non-negative multiple of group_size {self.group_size}, "
                              f"got {self.residual}")
+        if self.sink < 0:
+            raise ValueError(f"sink must be >= 0, got {self.sink}")
 
 
 @register("kivi")
 class KIVICache(LayerCache):
+    """Slots [0, sink) exact | [sink, sink + n_q) quantized | [sink + n_q, L) exact residual window.
+
+    The window machinery (append, streaming prefill/decode, simulated mode) lives here; the quantized
+    storage is behind four hooks (_alloc_quantized, _write_quantized, _stored_quantized,
+    _quantized_nbytes) so that InnerQ reuses the windows with its own layout."""
+
     Options = KIVIOptions
     pre_rope = False      # KIVI quantizes keys after RoPE
 
     def __init__(self, spec, layer, prev, batch_size, max_len):
         super().__init__(spec, layer, prev, batch_size, max_len)
-        G, R, bits, d = self.opts.group_size, self.opts.residual, self.opts.bits, layer.head_dim
+        G, R, S, d = self.opts.group_size, self.opts.residual, self.opts.sink, layer.head_dim
+        weight = layer.q_proj.weight
+        shape = (batch_size, layer.n_kv_heads)
+        self._buf("k_sink", (*shape, S, d), weight.dtype)
+        self._buf("v_sink", (*shape, S, d), weight.dtype)
+        self._buf("k_res", (*shape, R + G, d), weight.dtype)
+        self._buf("v_res", (*shape, R + G, d), weight.dtype)
+        self._alloc_quantized(self.quantized_len(max_len))   # the most tokens this cache will ever quantize
+        self.n_q = 0
+
+    def _buf(self, name: str, shape: tuple, dtype: torch.dtype) -> None:
+        device = self.attn.q_proj.weight.device
+        self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    # ---- KIVI's quantized storage (the hooks) ------------------------------------------------------
+    def _alloc_quantized(self, n_q: int) -> None:
+        G, bits, d = self.opts.group_size, self.opts.bits, self.attn.head_dim
         self.v_group = min(G, d)      # a value group never spans two heads
         if d % self.v_group:
             raise ValueError(f"{self.name} group_size {G} must divide the head dimension {d} "
                              f"(values are grouped along it), or be at least {d}")
-        weight = layer.q_proj.weight
-        B, H = batch_size, layer.n_kv_heads
-        n_q = self.quantized_len(max_len)             # the most tokens this cache will ever quantize
-        words = packed_words(d, bits)
+        shape, words = (self.batch_size, self.attn.n_kv_heads), packed_words(d, bits)
+        self._buf("k_codes", (*shape, n_q, words), torch.int32)
+        self._buf("k_scale", (*shape, n_q // G, d), SCALE_DTYPE)
+        self._buf("k_zero", (*shape, n_q // G, d), SCALE_DTYPE)
+        self._buf("v_codes", (*shape, n_q, words), torch.int32)
+        self._buf("v_scale", (*shape, n_q, d // self.v_group), SCALE_DTYPE)
+        self._buf("v_zero", (*shape, n_q, d // self.v_group), SCALE_DTYPE)
 
-        def buf(name, shape, dtype):
-            self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=weight.device), persistent=False)
-
-        buf("k_codes", (B, H, n_q, words), torch.int32)
-        buf("k_scale", (B, H, n_q // G, d), SCALE_DTYPE)
-        buf("k_zero", (B, H, n_q // G, d), SCALE_DTYPE)
-        buf("v_codes", (B, H, n_q, words), torch.int32)
-        buf("v_scale", (B, H, n_q, d // self.v_group), SCALE_DTYPE)
-        buf("v_zero", (B, H, n_q, d // self.v_group), SCALE_DTYPE)
-        buf("k_res", (B, H, R + G, d), weight.dtype)
-        buf("v_res", (B, H, R + G, d), weight.dtype)
-        self.n_q = 0
-
-    # ---- bookkeeping -------------------------------------------------------------------------------
-    def quantized_len(self, length: int) -> int:
-        """Tokens held quantized once `length` tokens are stored: whole groups outside the window."""
-        G, R = self.opts.group_size, self.opts.residual
-        return max(0, (length - R) // G) * G
-
-    def reset(self) -> None:
-        super().reset()
-        self.n_q = 0
-
-    def nbytes(self) -> int:
-        n, G, r = self.n_q, self.opts.group_size, self.length - self.n_q
-        parts = (self.k_codes[:, :, :n], self.k_scale[:, :, :n // G], self.k_zero[:, :, :n // G],
-                 self.v_codes[:, :, :n], self.v_scale[:, :, :n], self.v_zero[:, :, :n],
-                 self.k_res[:, :, :r], self.v_res[:, :, :r])
-        return sum(t.nbytes for t in parts)
-
-    def formula_nbytes(self, length: int) -> int:
-        d, G, b = self.attn.head_dim, self.opts.group_size, self.opts.bits
-        n_q = self.quantized_len(length)
-        # K and V codes (d*b/4 when 32 | d), then fp16 scale + zero for keys and for values
-        per_quantized = 2 * 4 * packed_words(d, b) + 4 * d // G + 4 * d // self.v_group
-        per_residual = 2 * d * self.k_res.element_size()
-        return self.batch_size * self.attn.n_kv_heads * (n_q * per_quantized + (length - n_q) * per_residual)
-
-    # ---- storage -----------------------------------------------------------------------------------
-    def _quantize(self, k: Tensor, v: Tensor) -> tuple[QTensor, QTensor]:
-        """k, v (B, H, n, d) with n a multiple of G: keys per channel (groups along tokens), values per token."""
+    def _write_quantized(self, a: int, b: int, k: Tensor, v: Tensor) -> None:
+        """Quantize k, v (B, H, b - a, d) into quantized slots [a, b): keys per channel (groups along
+        tokens), values per token (groups along d)."""
         G, bits = self.opts.group_size, self.opts.bits
-        return (quantize(k, bits, G, axis=-2, scale_dtype=SCALE_DTYPE),
-                quantize(v, bits, self.v_group, axis=-1, scale_dtype=SCALE_DTYPE))
+        kq = quantize(k, bits, G, axis=-2, scale_dtype=SCALE_DTYPE)
+        vq = quantize(v, bits, self.v_group, axis=-1, scale_dtype=SCALE_DTYPE)
+        self.k_codes[:, :, a:b], self.v_codes[:, :, a:b] = kq.codes, vq.codes
+        self.k_scale[:, :, a // G:b // G], self.k_zero[:, :, a // G:b // G] = kq.scale, kq.zero
+        self.v_scale[:, :, a:b], self.v_zero[:, :, a:b] = vq.scale, vq.zero
 
     def _stored_quantized(self, upto: int) -> tuple[Tensor, Tensor]:
-        """Dequantized keys and values of stored slots [0, upto), upto <= n_q: (B, H, upto, d) each."""
+        """Dequantized keys and values of quantized slots [0, upto), upto <= n_q: (B, H, upto, d) each."""
         G, bits, dtype = self.opts.group_size, self.opts.bits, self.k_res.dtype
         shape = (*self.k_codes.shape[:2], upto, self.k_res.shape[-1])
         kq = QTensor(self.k_codes[:, :, :upto], self.k_scale[:, :, :upto // G], self.k_zero[:, :, :upto // G],
@@ -128,25 +121,73 @@ class KIVICache(LayerCache):
                      bits, self.v_group, -1, shape)
         return dequantize(kq, dtype), dequantize(vq, dtype)
 
+    def _quantized_nbytes(self, n: int) -> int:
+        G = self.opts.group_size
+        parts = (self.k_codes[:, :, :n], self.k_scale[:, :, :n // G], self.k_zero[:, :, :n // G],
+                 self.v_codes[:, :, :n], self.v_scale[:, :, :n], self.v_zero[:, :, :n])
+        return sum(t.nbytes for t in parts)
+
+    def _quantized_token_bytes(self) -> float:
+        """Bytes per quantized token per KV head, as the module docstring's formula gives them."""
+        d, G, b = self.attn.head_dim, self.opts.group_size, self.opts.bits
+        # K and V codes (d*b/4 when 32 | d), then fp16 scale + zero for keys and for values
+        return 2 * 4 * packed_words(d, b) + 4 * d / G + 4 * d / self.v_group
+
+    # ---- bookkeeping -------------------------------------------------------------------------------
+    def quantized_len(self, length: int) -> int:
+        """Tokens held quantized once `length` tokens are stored: whole groups between the windows."""
+        G, R, S = self.opts.group_size, self.opts.residual, self.opts.sink
+        return max(0, (length - S - R) // G) * G
+
+    def reset(self) -> None:
+        super().reset()
+        self.n_q = 0
+
+    def nbytes(self) -> int:
+        S, n = self.opts.sink, self.n_q
+        in_sink = min(self.length, S)
+        r = self.length - in_sink - n
+        exact = (self.k_sink[:, :, :in_sink], self.v_sink[:, :, :in_sink], self.k_res[:, :, :r], self.v_res[:, :, :r])
+        return self._quantized_nbytes(n) + sum(t.nbytes for t in exact)
+
+    def formula_nbytes(self, length: int) -> int:
+        n_q = self.quantized_len(length)
+        per_exact = 2 * self.attn.head_dim * self.k_res.element_size()
+        per_head = n_q * self._quantized_token_bytes() + (length - n_q) * per_exact
+        return round(self.batch_size * self.attn.n_kv_heads * per_head)
+
+    # ---- the windows -------------------------------------------------------------------------------
     def _append(self, k: Tensor, v: Tensor) -> None:
-        """Store a chunk (B, H, T, d): it joins the residual window, whose oldest whole groups beyond R
-        tokens are quantized and written after the codes already held."""
-        r = self.length - self.n_q
+        """Store a chunk (B, H, T, d): the first `sink` tokens of the sequence fill the sink window, the
+        rest join the residual window, whose oldest whole groups beyond R tokens are quantized once."""
+        S = self.opts.sink
+        into_sink = max(0, min(S - self.length, k.shape[2]))
+        if into_sink:
+            self.k_sink[:, :, self.length:self.length + into_sink] = k[:, :, :into_sink]
+            self.v_sink[:, :, self.length:self.length + into_sink] = v[:, :, :into_sink]
+            k, v = k[:, :, into_sink:], v[:, :, into_sink:]
+            self.length += into_sink
+        r = self.length - S - self.n_q if self.length >= S else 0
         k_tail = torch.cat([self.k_res[:, :, :r], k], dim=2)            # (B, H, r + T, d)
         v_tail = torch.cat([self.v_res[:, :, :r], v], dim=2)
         new_len = self.length + k.shape[2]
         flush = self.quantized_len(new_len) - self.n_q
         if flush:
-            kq, vq = self._quantize(k_tail[:, :, :flush], v_tail[:, :, :flush])
-            G, a, b = self.opts.group_size, self.n_q, self.n_q + flush
-            self.k_codes[:, :, a:b], self.v_codes[:, :, a:b] = kq.codes, vq.codes
-            self.k_scale[:, :, a // G:b // G], self.k_zero[:, :, a // G:b // G] = kq.scale, kq.zero
-            self.v_scale[:, :, a:b], self.v_zero[:, :, a:b] = vq.scale, vq.zero
-        keep = new_len - self.n_q - flush
+            self._write_quantized(self.n_q, self.n_q + flush, k_tail[:, :, :flush], v_tail[:, :, :flush])
+        keep = k_tail.shape[2] - flush
         self.k_res[:, :, :keep] = k_tail[:, :, flush:]
         self.v_res[:, :, :keep] = v_tail[:, :, flush:]
         self.n_q += flush
         self.length = new_len
+
+    def _history(self) -> tuple[Tensor, Tensor]:
+        """Keys and values of every stored slot as attention sees them: (B, H, L, d) each."""
+        in_sink = min(self.length, self.opts.sink)
+        r = self.length - in_sink - self.n_q
+        deq_k, deq_v = self._stored_quantized(self.n_q)
+        keys = torch.cat([self.k_sink[:, :, :in_sink], deq_k, self.k_res[:, :, :r]], dim=2)
+        values = torch.cat([self.v_sink[:, :, :in_sink], deq_v, self.v_res[:, :, :r]], dim=2)
+        return keys, values
 
     def _rope_keys(self, k: Tensor, pos: Positions) -> Tensor:
         """KIVI* stores keys before RoPE: rotate stored slots [0, S) to their positions (slot - pad)."""
@@ -155,42 +196,43 @@ class KIVICache(LayerCache):
         slots = torch.arange(k.shape[2], device=k.device)
         return self.attn.rope.apply(k, (slots[None, :] - pos.pad[:, None]).clamp_min(0))
 
+    def _qk(self, q: Tensor, k: Tensor, pos: Positions) -> tuple[Tensor, Tensor, Tensor]:
+        """(query for attention, key as attention sees it, key as stored) for a chunk."""
+        q, k_rot = self.attn.rope(q, k, pos.ids)
+        return q, k_rot, (k if self.pre_rope else k_rot)
+
     # ---- attention ---------------------------------------------------------------------------------
     def prefill(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
-        """The history as stored (dequantized codes + residual) plus the new chunk at full precision."""
-        q, k_rot = self.attn.rope(q, k, pos.ids)
-        k_store = k if self.pre_rope else k_rot
-        hist_k, hist_v = self._stored_quantized(self.n_q)
-        r = self.length - self.n_q
-        keys = self._rope_keys(torch.cat([hist_k, self.k_res[:, :, :r], k_store], dim=2), pos)
-        values = torch.cat([hist_v, self.v_res[:, :, :r], v], dim=2)
-        out = attend(q, keys, values, pos.mask)
+        """The history as stored (exact windows + dequantized codes) plus the new chunk exact."""
+        q, _, k_store = self._qk(q, k, pos)
+        hist_k, hist_v = self._history()
+        keys = self._rope_keys(torch.cat([hist_k, k_store], dim=2), pos)
+        out = attend(q, keys, torch.cat([hist_v, v], dim=2), pos.mask)
         self._append(k_store, v)
         return out
 
     decode = prefill
 
     def simulate(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
-        """Query slot s sees slots below quantized_len(s) dequantized and the rest exact, as it would
-        when decoded after s stored tokens."""
-        q, k_rot = self.attn.rope(q, k, pos.ids)
-        k_store = k if self.pre_rope else k_rot
-        n_q0, r = self.n_q, self.length - self.n_q
-        exact_k = torch.cat([self.k_res[:, :, :r], k_store], dim=2)     # slots [n_q0, L) at full precision
-        exact_v = torch.cat([self.v_res[:, :, :r], v], dim=2)
+        """Query slot s sees slots [sink, sink + quantized_len(s)) dequantized and every other slot
+        exact, as it would when decoded after s stored tokens."""
+        q, _, k_store = self._qk(q, k, pos)
+        hist_k, hist_v = self._history()
+        exact_k = torch.cat([hist_k, k_store], dim=2)                   # (B, H, L, d)
+        exact_v = torch.cat([hist_v, v], dim=2)
         self._append(k_store, v)
-        deq_k, deq_v = self._stored_quantized(self.n_q)                 # slots [0, n_q) round-tripped
-        tail = self.n_q - n_q0                                          # slots [n_q, L) are never quantized
-        keys_a = self._rope_keys(torch.cat([deq_k[:, :, :n_q0], exact_k], dim=2), pos)
-        vals_a = torch.cat([deq_v[:, :, :n_q0], exact_v], dim=2)
-        keys_b = self._rope_keys(torch.cat([deq_k, exact_k[:, :, tail:]], dim=2), pos)
-        vals_b = torch.cat([deq_v, exact_v[:, :, tail:]], dim=2)
+        S, n = self.opts.sink, self.n_q
+        deq_k, deq_v = self._stored_quantized(n)
+        round_k, round_v = exact_k.clone(), exact_v.clone()
+        round_k[:, :, S:S + n], round_v[:, :, S:S + n] = deq_k, deq_v
         L = self.length
-        q_slots = torch.arange(pos.start, L, device=q.device)
         G, R = self.opts.group_size, self.opts.residual
-        seen = ((q_slots - R) // G).clamp_min(0) * G                    # quantized_len(s) per query (T,)
-        use_b = torch.arange(L, device=q.device)[None, :] < seen[:, None]                         # (T, L)
-        return attend_split(q, keys_a, vals_a, keys_b, vals_b, use_b, full_mask(pos, L, q.device))
+        q_slots = torch.arange(pos.start, L, device=q.device)
+        seen = ((q_slots - S - R) // G).clamp_min(0) * G                # quantized_len(s) per query (T,)
+        key_slots = torch.arange(L, device=q.device)[None, :]
+        use_round = (key_slots >= S) & (key_slots < S + seen[:, None])  # (T, L)
+        return attend_split(q, self._rope_keys(exact_k, pos), exact_v, self._rope_keys(round_k, pos), round_v,
+                            use_round, full_mask(pos, L, q.device))
 
 
 @register("kivi-pre")
