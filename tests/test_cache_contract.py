@@ -16,12 +16,18 @@ LOSSLESS = {
     "fp16": "fp16",
     "kivi": "kivi:bits=2,group_size=8,residual=64",      # the window covers every token of the tests
     "kivi-pre": "kivi-pre:bits=2,group_size=8,residual=64",
+    "innerq": "innerq:sink=16,recent=64",                 # key normalization on: must stay exact
 }
 LOSSY = {
     "fp16": "fp16",
     "kivi": "kivi:bits=2,group_size=8,residual=16",
     "kivi-pre": "kivi-pre:bits=3,group_size=8,residual=8",
     "kivi+sink": "kivi:bits=2,group_size=8,residual=8,sink=5",
+    # key_norm takes its factor from the first call's keys, which differ between one teacher-forced
+    # forward and a one-token prefill, so simulated == streaming holds with it off
+    "innerq": "innerq:sink=4,recent=0,key_norm=false",
+    "innerq-sym-outer": "innerq:bits=3,sink=0,recent=32,mode=sym,outer=true,key_norm=false",
+    "innerq-asym": "innerq:bits=4,sink=7,recent=0,mode=asym,key_norm=false",
 }
 T = 48
 

@@ -157,3 +157,67 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> Tensor:
     else:
         x = g * scale + q.zero.float().unsqueeze(-1)
     return _ungrouped(x, q.axis).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# InnerQ's unified sym/asym representation
+# ----------------------------------------------------------------------------------------------------
+UNIFIED_MODES = ("asym", "sym", "hybrid")
+
+
+@dataclass
+class UnifiedQTensor:
+    """Groups of 32 that are each asymmetric or symmetric (sign + magnitude), in one layout:
+
+        codes  int32, packed b-bit codes (asym: (x - zero) / scale; sym: |x| / scale)
+        scale  fp16 per group
+        slot   int32 per group: the fp32 bits of the zero point (asym) or the 32 sign bits (sym)
+        sym    bool per group: which mode the group uses (InnerQ's mask M^sym)
+    """
+
+    codes: Tensor
+    scale: Tensor
+    slot: Tensor
+    sym: Tensor
+    bits: int
+    axis: int
+    shape: tuple[int, ...]
+
+
+def quantize_unified(x: Tensor, bits: int, axis: int, mode: str) -> UnifiedQTensor:
+    """InnerQ's quantizer over groups of 32 along `axis`: asymmetric (eqs. 10-12), symmetric with
+    scale = max|x| / (2^b - 1) and a separate sign bit (eq. 13), or hybrid: per group, whichever of
+    the two reconstructs the group with the lower squared error."""
+    check_bits(bits)
+    if mode not in UNIFIED_MODES:
+        raise ValueError(f"unknown quantization mode {mode!r}; accepted: {', '.join(UNIFIED_MODES)}")
+    G, top = 32, 2 ** bits - 1
+    g = _grouped(x.float(), axis, G)                                            # (..., 32)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scale_a = ((hi - lo) / top).half().float()
+    code_a = ((g - lo) / torch.where(scale_a > 0, scale_a, 1.0)).round().clamp(0, top)
+    scale_s = (g.abs().amax(-1, keepdim=True) / top).half().float()
+    code_s = (g.abs() / torch.where(scale_s > 0, scale_s, 1.0)).round().clamp(0, top)
+    negative = g < 0
+    if mode == "hybrid":
+        err_a = (code_a * scale_a + lo - g).square().sum(-1, keepdim=True)
+        err_s = (torch.where(negative, -code_s, code_s) * scale_s - g).square().sum(-1, keepdim=True)
+        sym = err_s < err_a
+    else:
+        sym = torch.full_like(lo, mode == "sym", dtype=torch.bool)
+    codes = torch.where(sym, code_s, code_a)
+    signs = pack(negative, 1).squeeze(-1)                                       # (...,) one word per group
+    slot = torch.where(sym.squeeze(-1), signs, lo.squeeze(-1).contiguous().view(torch.int32))
+    return UnifiedQTensor(codes=pack(_ungrouped(codes, axis), bits),
+                          scale=torch.where(sym, scale_s, scale_a).squeeze(-1).half(), slot=slot,
+                          sym=sym.squeeze(-1), bits=bits, axis=axis, shape=tuple(x.shape))
+
+
+def dequantize_unified(q: UnifiedQTensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    codes = _grouped(unpack(q.codes, q.bits, q.shape[-1]).float(), q.axis, 32)  # (..., 32)
+    magnitude = codes * q.scale.float().unsqueeze(-1)
+    negative = unpack(q.slot.unsqueeze(-1), 1, 32).bool()                      # (..., 32) sign bits
+    zero = q.slot.view(torch.float32).unsqueeze(-1)
+    sym = q.sym.unsqueeze(-1)
+    x = torch.where(sym, torch.where(negative, -magnitude, magnitude), magnitude + zero)
+    return _ungrouped(x, q.axis).to(dtype)

@@ -1,0 +1,220 @@
+"""InnerQ: KV-cache quantization grouped over the *inner* dimension of each decode product, with hybrid
+symmetric/asymmetric groups, sink + recent high-precision windows and per-channel key normalization.
+
+Paper: "InnerQ: Hardware-aware Tuning-free Quantization of KV Cache for Large Language Models"
+(../shared/papers/innerq.md). The windows, the once-only quantization of groups leaving the recent window
+and both evaluation modes are KIVI's machinery (kivi.py); InnerQ changes what is quantized and how:
+
+- Inner grouping (§4.4). In decode, q·Kᵀ runs along head_dim and P·V along tokens, so keys are grouped
+  per token along head_dim and values per channel along tokens: one scale serves a whole group of the
+  product's reduction. `outer=True` gives KIVI's layout (keys per channel, values per token) for the
+  ablation.
+- Hybrid quantization (§4.1.2). Each group of G = 32 is quantized both asymmetrically (scale, zero) and
+  symmetrically (scale = max|x| / (2^b - 1), magnitude codes and a sign bit per value) and keeps the mode
+  with the lower error. Both share one layout: the 32-bit slot holds the fp32 zero point of an asymmetric
+  group or the 32 sign bits of a symmetric one, and a 1-bit mask per group says which (`mode`: asym |
+  sym | hybrid | hybrid_prefill, the last using hybrid groups only for the first forward call, the
+  prompt, and symmetric ones afterwards, so the mask stops growing).
+- High-precision windows (§4.2): the first `sink` and the last `recent` tokens stay exact.
+- Per-channel key normalization (§4.3): at the end of the prefill, norm_i = sqrt(max_t |K_t,i|) over the
+  prompt's (post-RoPE) keys; keys are stored divided by it and queries multiplied by it, so q·k is
+  unchanged. The paper folds the factor into W_q and W_k; RoPE rotates channel i with i + d/2, so the
+  folding commutes with RoPE only if both channels share one factor, hence norms are tied per RoPE pair
+  (the larger of the two). kvzoo applies the factor to q and k after projection, which is the folded
+  product exactly, without rewriting weights shared by every sequence the model serves.
+
+Stored per layer (B rows, H = n_kv_heads, d = head_dim, b = bits, Nq quantized tokens; inner layout):
+    k_codes int32 (B, H, Nq, d*b/32)   k_scale fp16 + k_slot int32 (B, H, Nq, d/32)   per-token groups
+    v_codes int32 (B, H, Nq, d*b/32)   v_scale fp16 + v_slot int32 (B, H, Nq/32, d)   per-channel groups
+    k_mask int32 (B, H, d/32, Nq/32)   v_mask int32 (B, H, Nq/32, d/32)              hybrid modes only
+    sink and recent windows (B, H, ·, d) at the model's precision; norm (B, H, 1, d) with key_norm
+Bytes per quantized token, per layer and KV head: d*b/4 (codes) + 2 * 6d/32 (fp16 scale + 32-bit slot per
+group, K and V) + d/128 (mask bits, hybrid). d = 64, b = 2: 32 + 24 + 0.5 = 56.5 bytes against 256 in fp16.
+
+Paper settings (the defaults): b = 2, G = 32, w_sink = 32, w_recent = 96, hybrid, key normalization on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvzoo.cache.base import Positions, register
+from kvzoo.cache.kivi import KIVICache
+from kvzoo.cache.quant import UnifiedQTensor, check_bits, dequantize_unified, pack, packed_words, quantize_unified, unpack
+
+GROUP = 32        # the unified slot holds 32 bits: an fp32 zero point or 32 sign bits
+MODES = ("asym", "sym", "hybrid", "hybrid_prefill")
+
+
+@dataclass(frozen=True)
+class InnerQOptions:
+    bits: int = 2
+    group_size: int = GROUP
+    sink: int = 32
+    recent: int = 96
+    mode: str = "hybrid"
+    key_norm: bool = True
+    outer: bool = False
+
+    def __post_init__(self):
+        check_bits(self.bits)
+        if self.group_size != GROUP:
+            raise ValueError(f"innerq group_size must be {GROUP} (one 32-bit slot holds a group's zero point "
+                             f"or its sign bits), got {self.group_size}")
+        if self.mode not in MODES:
+            raise ValueError(f"unknown innerq mode {self.mode!r}; accepted: {', '.join(MODES)}")
+        if self.recent < 0 or self.recent % GROUP:
+            raise ValueError(f"recent must be a non-negative multiple of {GROUP}, got {self.recent}")
+        if self.sink < 0:
+            raise ValueError(f"sink must be >= 0, got {self.sink}")
+
+    @property
+    def residual(self) -> int:          # the name KIVI's window machinery reads
+        return self.recent
+
+
+@register("innerq")
+class InnerQCache(KIVICache):
+    Options = InnerQOptions
+
+    def __init__(self, spec, layer, prev, batch_size, max_len):
+        super().__init__(spec, layer, prev, batch_size, max_len)
+        self._buf("norm", (batch_size, layer.n_kv_heads, 1, layer.head_dim), layer.q_proj.weight.dtype)
+        self.first_call_q = 0     # quantized tokens written during the first forward call (hybrid_prefill)
+        self.in_first_call = False
+
+    # ---- layout ------------------------------------------------------------------------------------
+    @property
+    def axes(self) -> tuple[int, int]:
+        """(key group axis, value group axis): -1 groups along head_dim, -2 along tokens."""
+        return (-2, -1) if self.opts.outer else (-1, -2)
+
+    @property
+    def has_mask(self) -> bool:
+        return self.opts.mode in ("hybrid", "hybrid_prefill")
+
+    def _group_shape(self, axis: int, n: int) -> tuple[int, int]:
+        d = self.attn.head_dim
+        return (n, d // GROUP) if axis == -1 else (n // GROUP, d)
+
+    def _alloc_quantized(self, n_q: int) -> None:
+        d = self.attn.head_dim
+        if d % GROUP:
+            raise ValueError(f"innerq needs a head dimension divisible by {GROUP}, got {d}")
+        shape, words = (self.batch_size, self.attn.n_kv_heads), packed_words(d, self.opts.bits)
+        for name, axis in zip("kv", self.axes):
+            self._buf(f"{name}_codes", (*shape, n_q, words), torch.int32)
+            self._buf(f"{name}_scale", (*shape, *self._group_shape(axis, n_q)), torch.float16)
+            self._buf(f"{name}_slot", (*shape, *self._group_shape(axis, n_q)), torch.int32)
+            # mask bits packed along tokens (per-token groups) or along channels (per-channel groups)
+            mask = (d // GROUP, n_q // 32) if axis == -1 else (n_q // GROUP, d // 32)
+            self._buf(f"{name}_mask", (*shape, *(mask if self.has_mask else (0, 0))), torch.int32)
+
+    def _group_slice(self, axis: int, a: int, b: int) -> slice:
+        return slice(a, b) if axis == -1 else slice(a // GROUP, b // GROUP)
+
+    # ---- the storage hooks -------------------------------------------------------------------------
+    def _write_quantized(self, a: int, b: int, k: Tensor, v: Tensor) -> None:
+        mode = self.opts.mode
+        if mode == "hybrid_prefill":
+            mode = "hybrid" if self.in_first_call else "sym"
+            if self.in_first_call:
+                self.first_call_q = b
+        for name, x, axis in (("k", k, self.axes[0]), ("v", v, self.axes[1])):
+            q = quantize_unified(x, self.opts.bits, axis, mode)
+            getattr(self, f"{name}_codes")[:, :, a:b] = q.codes
+            groups = self._group_slice(axis, a, b)
+            getattr(self, f"{name}_scale")[:, :, groups] = q.scale
+            getattr(self, f"{name}_slot")[:, :, groups] = q.slot
+            if self.has_mask:
+                mask = getattr(self, f"{name}_mask")
+                if axis == -1:     # sym (B, H, n, d/32) -> bits along tokens (B, H, d/32, n/32)
+                    mask[:, :, :, a // 32:b // 32] = pack(q.sym.transpose(-1, -2), 1)
+                else:              # sym (B, H, n/32, d) -> bits along channels (B, H, n/32, d/32)
+                    mask[:, :, a // GROUP:b // GROUP] = pack(q.sym, 1)
+
+    def _sym_flags(self, name: str, axis: int, upto: int) -> Tensor:
+        """Which groups of quantized slots [0, upto) are symmetric: (B, H, *group shape) booleans."""
+        shape = (self.batch_size, self.attn.n_kv_heads, *self._group_shape(axis, upto))
+        mode = self.opts.mode
+        if mode in ("asym", "sym"):
+            return torch.full(shape, mode == "sym", dtype=torch.bool, device=self.k_codes.device)
+        mask = getattr(self, f"{name}_mask")
+        if axis == -1:
+            sym = unpack(mask[:, :, :, :-(-upto // 32)], 1, upto).transpose(-1, -2).bool()
+        else:
+            sym = unpack(mask[:, :, :upto // GROUP], 1, self.attn.head_dim).bool()
+        if mode == "hybrid_prefill":         # groups written after the first call are symmetric
+            tokens = torch.arange(upto, device=sym.device) if axis == -1 else \
+                torch.arange(0, upto, GROUP, device=sym.device)
+            later = (tokens >= self.first_call_q)[:, None]                      # (n or n/32, 1)
+            sym = sym | later
+        return sym
+
+    def _stored_quantized(self, upto: int) -> tuple[Tensor, Tensor]:
+        dtype, d = self.k_res.dtype, self.attn.head_dim
+        out = []
+        for name, axis in zip("kv", self.axes):
+            groups = self._group_slice(axis, 0, upto)
+            q = UnifiedQTensor(codes=getattr(self, f"{name}_codes")[:, :, :upto],
+                               scale=getattr(self, f"{name}_scale")[:, :, groups],
+                               slot=getattr(self, f"{name}_slot")[:, :, groups],
+                               sym=self._sym_flags(name, axis, upto), bits=self.opts.bits, axis=axis,
+                               shape=(self.batch_size, self.attn.n_kv_heads, upto, d))
+            out.append(dequantize_unified(q, dtype))
+        return out[0], out[1]
+
+    def _mask_tokens(self, n: int) -> int:
+        """Quantized tokens whose groups carry a mask bit."""
+        if self.opts.mode == "hybrid":
+            return n
+        return min(n, self.first_call_q) if self.opts.mode == "hybrid_prefill" else 0
+
+    def _quantized_nbytes(self, n: int) -> int:
+        total = 0
+        for name, axis in zip("kv", self.axes):
+            groups = self._group_slice(axis, 0, n)
+            total += sum(getattr(self, f"{name}_{part}")[:, :, groups if part != "codes" else slice(0, n)].nbytes
+                         for part in ("codes", "scale", "slot"))
+        m = self._mask_tokens(n)
+        if m:
+            total += self.k_mask[:, :, :, :m // 32].nbytes + self.v_mask[:, :, :m // GROUP].nbytes
+        return total
+
+    def _quantized_token_bytes(self) -> float:
+        d, b = self.attn.head_dim, self.opts.bits
+        return 2 * 4 * packed_words(d, b) + 2 * 6 * d / GROUP
+
+    def nbytes(self) -> int:
+        norm = self.norm.nbytes if self.opts.key_norm and self.length else 0
+        return super().nbytes() + norm
+
+    def formula_nbytes(self, length: int) -> int:
+        H, d, B = self.attn.n_kv_heads, self.attn.head_dim, self.batch_size
+        mask = self._mask_tokens(self.quantized_len(length)) * B * H * d / 128
+        norm = B * H * d * self.norm.element_size() if self.opts.key_norm and length else 0
+        return super().formula_nbytes(length) + round(mask) + norm
+
+    def reset(self) -> None:
+        super().reset()
+        self.first_call_q = 0
+
+    # ---- key normalization -------------------------------------------------------------------------
+    def _qk(self, q: Tensor, k: Tensor, pos: Positions) -> tuple[Tensor, Tensor, Tensor]:
+        q, k = self.attn.rope(q, k, pos.ids)
+        self.in_first_call = self.length == 0
+        if not self.opts.key_norm:
+            return q, k, k
+        if self.in_first_call:
+            slots = torch.arange(pos.start, pos.start + k.shape[2], device=k.device)
+            real = (slots[None, :] >= pos.pad[:, None])[:, None, :, None]        # (B, 1, T, 1): not padding
+            peak = k.abs().masked_fill(~real, 0).amax(dim=2, keepdim=True)       # (B, H, 1, d)
+            half = peak.shape[-1] // 2
+            tied = torch.maximum(peak[..., :half], peak[..., half:])             # one factor per RoPE pair
+            self.norm.copy_(torch.cat([tied, tied], dim=-1).clamp_min(1e-6).sqrt())
+        rep = q.shape[1] // k.shape[1]
+        k = k / self.norm
+        return q * self.norm.repeat_interleave(rep, dim=1), k, k

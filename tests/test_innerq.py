@@ -1,0 +1,103 @@
+"""InnerQ: inner-dimension layout, hybrid modes, windows, key normalization, options, chat."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvzoo.cache.base import CacheSpec
+from kvzoo.cache.quant import dequantize_unified, quantize_unified
+from tests.test_kivi import smollm_shaped_layer_cache
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_paper_defaults():
+    assert str(CacheSpec.parse("innerq")) == \
+        "innerq:bits=2,group_size=32,sink=32,recent=96,mode=hybrid,key_norm=True,outer=False"
+
+
+def test_ratio_at_2048_tokens_matches_formula():
+    cache = smollm_shaped_layer_cache("innerq:key_norm=false", 2048)
+    k, v = torch.randn(2, 1, 3, 2048, 64, dtype=torch.float16)
+    cache._append(k, v)
+    # 1920 quantized tokens at 56.5 B (codes 32 + scale/slot 24 + mask 0.5) + 128 exact tokens at 256 B
+    assert cache.n_q == 1920
+    assert cache.nbytes() == cache.formula_nbytes(2048) == round(3 * (1920 * 56.5 + 128 * 256))
+
+
+def test_inner_layout_groups_keys_per_token_and_values_per_channel():
+    cache = smollm_shaped_layer_cache("innerq:sink=0,recent=0,mode=asym,key_norm=false", 64, torch.float32)
+    k, v = torch.randn(2, 1, 3, 64, 64)
+    cache._append(k, v)
+    got_k, got_v = cache._stored_quantized(64)
+    assert torch.equal(got_k, dequantize_unified(quantize_unified(k, 2, -1, "asym")))
+    assert torch.equal(got_v, dequantize_unified(quantize_unified(v, 2, -2, "asym")))
+    assert cache.k_scale.shape[-2:] == (64, 2) and cache.v_scale.shape[-2:] == (2, 64)
+    outer = smollm_shaped_layer_cache("innerq:sink=0,recent=0,mode=asym,key_norm=false,outer=true", 64,
+                                      torch.float32)
+    outer._append(k, v)
+    assert torch.equal(outer._stored_quantized(64)[0], dequantize_unified(quantize_unified(k, 2, -2, "asym")))
+
+
+def test_hybrid_picks_the_lower_error_per_group():
+    x = torch.cat([torch.rand(1, 32) + 2.0, torch.randn(1, 32)], dim=0)    # an all-positive group, a centred one
+    errors = {mode: (dequantize_unified(quantize_unified(x, 2, -1, mode)) - x).square().sum(-1)
+              for mode in ("asym", "sym", "hybrid")}
+    assert torch.all(errors["hybrid"] <= torch.minimum(errors["asym"], errors["sym"]) + 1e-6)
+    assert quantize_unified(x, 2, -1, "hybrid").sym.tolist() == [[False], [True]]
+
+
+def test_hybrid_prefill_masks_only_the_prompt():
+    cache = smollm_shaped_layer_cache("innerq:sink=0,recent=32,mode=hybrid_prefill,key_norm=false", 256, torch.float32)
+    k, v = torch.randn(2, 1, 3, 256, 64)
+    cache.in_first_call = True
+    cache._append(k[:, :, :128], v[:, :, :128])          # the prompt: 96 tokens quantized with hybrid groups
+    cache.in_first_call = False
+    cache._append(k[:, :, 128:], v[:, :, 128:])          # decode: later groups symmetric, no mask bits
+    assert cache.first_call_q == 96 and cache.n_q == 224
+    sym = cache._sym_flags("k", -1, 224)
+    assert sym[:, :, 96:].all()
+    assert cache.nbytes() == cache.formula_nbytes(256)
+    hybrid = smollm_shaped_layer_cache("innerq:sink=0,recent=32,key_norm=false", 256, torch.float32)
+    hybrid._append(k, v)
+    assert hybrid.nbytes() - cache.nbytes() == 3 * (224 - 96) * 64 // 128      # the mask bits saved
+
+
+@torch.no_grad()
+def test_key_normalization_is_tied_per_rope_pair_and_stores_normalized_keys():
+    cache = smollm_shaped_layer_cache("innerq:sink=0,recent=32", 128, torch.float32)
+    attn = cache.attn
+    from kvzoo.cache.base import Positions
+    x = torch.randn(1, 40, 576)
+    q, k, v = attn.qkv(x)
+    pos = Positions.make(0, 40, torch.zeros(1, dtype=torch.long), None, has_pad=False)
+    cache.prefill(x, q, k, v, pos)
+    _, k_rot = attn.rope(q, k, pos.ids)
+    peak = k_rot.abs().amax(dim=2, keepdim=True)
+    tied = torch.maximum(peak[..., :32], peak[..., 32:])
+    assert torch.allclose(cache.norm, torch.cat([tied, tied], -1).sqrt())
+    keys, _ = cache._history()
+    assert torch.allclose(keys[:, :, 8:], (k_rot / cache.norm)[:, :, 8:])       # the exact recent window
+
+
+@pytest.mark.parametrize("text, message", [
+    ("innerq:group_size=64", "innerq group_size must be 32"),
+    ("innerq:mode=fancy", "unknown innerq mode 'fancy'; accepted: asym, sym, hybrid, hybrid_prefill"),
+    ("innerq:recent=100", "recent must be a non-negative multiple of 32"),
+    ("innerq:bits=1", "unsupported bit width 1"),
+    ("innerq:key_norm=maybe", "key_norm='maybe' is not a valid bool"),
+])
+def test_bad_options(text, message):
+    with pytest.raises(ValueError, match=message):
+        CacheSpec.parse(text)
+
+
+def test_chat_with_innerq():
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "chat.py"), "--cache", "innerq", "--prompt",
+                          "What is the capital of France? Answer in one sentence.", "--temperature", "0"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout and "cache innerq" in out.stderr
