@@ -21,9 +21,11 @@ def main() -> None:
     parser.add_argument("--data-path", default=None, help="override the dataset file (default: ../shared/data)")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--max-windows", type=int, default=None, help="score only the first N windows")
+    parser.add_argument("--prefill", type=int, default=256, help="streaming mode: tokens prefilled before decoding")
+    parser.add_argument("--batch-size", type=int, default=1, help="windows run side by side")
     parser.add_argument("--mode", choices=["simulated", "streaming"], default="simulated",
                         help="simulated: each token sees the cache as token-by-token decoding would (the papers' "
-                             "protocol); streaming: one real prefill per window")
+                             "protocol); streaming: prefill --prefill tokens, then decode the rest token by token")
     parser.add_argument("--json", default=None, help="also write the result to this JSON file")
     parser.add_argument("--overwrite", action="store_true", help="let --json replace an existing file")
     args = parser.parse_args()
@@ -33,7 +35,7 @@ def main() -> None:
     model, tokenizer = load_from_args(args)
     ids = tokenizer.encode(text)
     result = perplexity(model, ids, seq_len=args.seq_len, max_windows=args.max_windows, cache=args.cache,
-                        mode=args.mode)
+                        mode=args.mode, prefill=args.prefill, batch_size=args.batch_size)
     print(f"dataset      {args.dataset}")
     print(f"cache        {args.cache} ({args.mode})")
     print(f"perplexity   {result.perplexity:.3f}")

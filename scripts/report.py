@@ -60,6 +60,8 @@ def main() -> None:
     parser.add_argument("--datasets", nargs="+", choices=list(DATASETS), default=list(DATASETS))
     parser.add_argument("--windows", type=int, default=16, help="windows per dataset")
     parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--prefill", type=int, default=256, help="streaming mode: tokens prefilled before decoding")
+    parser.add_argument("--batch-size", type=int, default=1, help="windows run side by side")
     parser.add_argument("--mode", choices=["simulated", "streaming"], default="simulated")
     parser.add_argument("--out", default="results", help="folder for report.md, report.json, report.png")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing report in --out")
@@ -77,7 +79,7 @@ def main() -> None:
         row = {"cache": str(spec), "mode": args.mode}
         for d in args.datasets:
             result = perplexity(model, ids[d], seq_len=args.seq_len, max_windows=args.windows, cache=spec,
-                                mode=args.mode)
+                                mode=args.mode, prefill=args.prefill, batch_size=args.batch_size)
             row[d] = result.to_dict()
             row["kv_ratio"] = result.kv_ratio
         print(f"{row['cache']:<45} " + " ".join(f"{d}={row[d]['perplexity']:.3f}" for d in args.datasets)

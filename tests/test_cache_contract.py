@@ -114,3 +114,18 @@ def test_reset_forgets_everything(model, name):
     assert cache.nbytes() == 0 and cache.length == 0
     again = torch.cat([model(x[:, :1], cache)] + [model(x[:, t:t + 1], cache) for t in range(1, T)], dim=1)
     assert torch.equal(first, again)
+
+
+@torch.no_grad()
+def test_streaming_perplexity_equals_simulated_when_decoding_from_one_token(model):
+    """kvzoo.eval.perplexity: both modes score the same predictions when streaming prefills one token."""
+    from kvzoo.eval.perplexity import perplexity
+
+    ids = torch.randint(0, 97, (3 * T,), generator=torch.Generator().manual_seed(6))
+    spec = LOSSY["kivi"]
+    sim = perplexity(model, ids, seq_len=T, cache=spec, mode="simulated", progress=False)
+    stream_ = perplexity(model, ids, seq_len=T, cache=spec, mode="streaming", prefill=1, batch_size=2,
+                         progress=False)
+    assert sim.windows == stream_.windows == 3
+    assert stream_.perplexity == pytest.approx(sim.perplexity, rel=1e-5)
+    assert stream_.kv_nbytes == sim.kv_nbytes

@@ -3,7 +3,8 @@
 The whole text is tokenized once; window w is tokens[w*L : (w+1)*L] and contributes the mean
 cross-entropy of its L-1 next-token predictions; perplexity = exp(mean over windows). Every window is a
 forward through a fresh cache: in "simulated" mode (the papers' protocol) every token sees the cache as
-token-by-token decoding would have shown it; in "streaming" mode the window is one real prefill. The
+token-by-token decoding would have shown it; in "streaming" mode a real prefill of the first tokens is
+followed by token-by-token decoding through the packed storage. The
 cache's bytes after the window are reported beside the fp16 cache's bytes for the same tokens.
 """
 
@@ -45,13 +46,21 @@ class PerplexityResult:
 @torch.inference_mode()
 def perplexity(model: Transformer, token_ids: list[int] | torch.Tensor, seq_len: int = 2048,
                max_windows: int | None = None, cache: str | CacheSpec = "fp16",
-               mode: str = "simulated", progress: bool = True) -> PerplexityResult:
+               mode: str = "simulated", prefill: int = 256, batch_size: int = 1,
+               progress: bool = True) -> PerplexityResult:
+    """mode "simulated": one teacher-forced forward per window. mode "streaming": a real prefill of the
+    window's first `prefill` tokens, then every further token decoded one at a time through the packed
+    storage (teacher-forced), all predictions scored. `batch_size` windows run side by side."""
     if isinstance(cache, str):
         cache = CacheSpec.parse(cache)
     if seq_len < 2:
         raise ValueError(f"seq_len must be at least 2, got {seq_len}")
     if seq_len > model.cfg.max_position_embeddings:
         raise ValueError(f"seq_len {seq_len} exceeds the model's context of {model.cfg.max_position_embeddings}")
+    if mode == "streaming" and not 1 <= prefill <= seq_len:
+        raise ValueError(f"prefill must be in [1, seq_len={seq_len}], got {prefill}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if max_windows is not None and max_windows < 1:
         raise ValueError(f"max_windows must be >= 1, got {max_windows}")
     ids = torch.as_tensor(token_ids, dtype=torch.long)
@@ -63,14 +72,22 @@ def perplexity(model: Transformer, token_ids: list[int] | torch.Tensor, seq_len:
 
     start = time.perf_counter()
     nll = 0.0
-    for w in tqdm(range(windows), desc=f"perplexity ({cache.name})", disable=not progress):
-        tokens = ids[w * seq_len:(w + 1) * seq_len].to(model.device)[None]      # (1, L)
-        kv = model.new_cache(cache, batch_size=1, max_len=seq_len, mode=mode)
-        logits = model(tokens, kv)                                                # (1, L, V)
-        nll += F.cross_entropy(logits[0, :-1].float(), tokens[0, 1:]).item()
+    for w in tqdm(range(0, windows, batch_size), desc=f"perplexity ({cache.name}, {mode})", disable=not progress):
+        n = min(batch_size, windows - w)
+        tokens = ids[w * seq_len:(w + n) * seq_len].view(n, seq_len).to(model.device)   # (n, L)
+        kv = model.new_cache(cache, batch_size=n, max_len=seq_len, mode=mode)
+        if mode == "simulated":
+            logits = model(tokens, kv)                                                   # (n, L, V)
+        else:
+            steps = [model(tokens[:, :prefill], kv)]
+            steps += [model(tokens[:, t:t + 1], kv) for t in range(prefill, seq_len)]
+            logits = torch.cat(steps, dim=1)
+        loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
+        nll += loss.view(n, seq_len - 1).mean(dim=1).sum().item()
+        kv_nbytes = kv.nbytes() // n
     cfg = model.cfg
     return PerplexityResult(
         perplexity=math.exp(nll / windows), windows=windows, seq_len=seq_len, tokens=ids.numel(),
-        scored_tokens=windows * (seq_len - 1), cache=str(cache), mode=mode, kv_nbytes=kv.nbytes(),
+        scored_tokens=windows * (seq_len - 1), cache=str(cache), mode=mode, kv_nbytes=kv_nbytes,
         fp16_kv_nbytes=fp16_kv_nbytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, seq_len),
         seconds=time.perf_counter() - start)
