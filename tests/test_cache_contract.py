@@ -26,8 +26,8 @@ LOSSY = {
     # key_norm takes its factor from the first call's keys, which differ between one teacher-forced
     # forward and a one-token prefill, so simulated == streaming holds with it off
     "innerq": "innerq:sink=4,recent=0,key_norm=false",
-    "innerq-sym-outer": "innerq:bits=3,sink=0,recent=32,mode=sym,outer=true,key_norm=false",
-    "innerq-asym": "innerq:bits=4,sink=7,recent=0,mode=asym,key_norm=false",
+    "innerq-sym-outer": "innerq:bits=3,sink=0,recent=32,quant_mode=sym,outer=true,key_norm=false",
+    "innerq-asym": "innerq:bits=4,sink=7,recent=0,quant_mode=asym,key_norm=false",
 }
 T = 48
 

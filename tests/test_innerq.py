@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_paper_defaults():
     assert str(CacheSpec.parse("innerq")) == \
-        "innerq:bits=2,group_size=32,sink=32,recent=96,mode=hybrid,key_norm=True,outer=False"
+        "innerq:bits=2,group_size=32,sink=32,recent=96,quant_mode=hybrid,key_norm=True,outer=False"
 
 
 def test_ratio_at_2048_tokens_matches_formula():
@@ -29,14 +29,14 @@ def test_ratio_at_2048_tokens_matches_formula():
 
 
 def test_inner_layout_groups_keys_per_token_and_values_per_channel():
-    cache = smollm_shaped_layer_cache("innerq:sink=0,recent=0,mode=asym,key_norm=false", 64, torch.float32)
+    cache = smollm_shaped_layer_cache("innerq:sink=0,recent=0,quant_mode=asym,key_norm=false", 64, torch.float32)
     k, v = torch.randn(2, 1, 3, 64, 64)
     cache._append(k, v)
     got_k, got_v = cache._stored_quantized(64)
     assert torch.equal(got_k, dequantize_unified(quantize_unified(k, 2, -1, "asym")))
     assert torch.equal(got_v, dequantize_unified(quantize_unified(v, 2, -2, "asym")))
     assert cache.k_scale.shape[-2:] == (64, 2) and cache.v_scale.shape[-2:] == (2, 64)
-    outer = smollm_shaped_layer_cache("innerq:sink=0,recent=0,mode=asym,key_norm=false,outer=true", 64,
+    outer = smollm_shaped_layer_cache("innerq:sink=0,recent=0,quant_mode=asym,key_norm=false,outer=true", 64,
                                       torch.float32)
     outer._append(k, v)
     assert torch.equal(outer._stored_quantized(64)[0], dequantize_unified(quantize_unified(k, 2, -2, "asym")))
@@ -51,7 +51,7 @@ def test_hybrid_picks_the_lower_error_per_group():
 
 
 def test_hybrid_prefill_masks_only_the_prompt():
-    cache = smollm_shaped_layer_cache("innerq:sink=0,recent=32,mode=hybrid_prefill,key_norm=false", 256, torch.float32)
+    cache = smollm_shaped_layer_cache("innerq:sink=0,recent=32,quant_mode=hybrid_prefill,key_norm=false", 256, torch.float32)
     k, v = torch.randn(2, 1, 3, 256, 64)
     cache.in_first_call = True
     cache._append(k[:, :, :128], v[:, :, :128])          # the prompt: 96 tokens quantized with hybrid groups
@@ -85,7 +85,7 @@ def test_key_normalization_is_tied_per_rope_pair_and_stores_normalized_keys():
 
 @pytest.mark.parametrize("text, message", [
     ("innerq:group_size=64", "innerq group_size must be 32"),
-    ("innerq:mode=fancy", "unknown innerq mode 'fancy'; accepted: asym, sym, hybrid, hybrid_prefill"),
+    ("innerq:quant_mode=fancy", "unknown innerq quant_mode 'fancy'; accepted: asym, sym, hybrid, hybrid_prefill"),
     ("innerq:recent=100", "recent must be a non-negative multiple of 32"),
     ("innerq:bits=1", "unsupported bit width 1"),
     ("innerq:key_norm=maybe", "key_norm='maybe' is not a valid bool"),

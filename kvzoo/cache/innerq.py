@@ -55,7 +55,7 @@ class InnerQOptions:
     group_size: int = GROUP
     sink: int = 32
     recent: int = 96
-    mode: str = "hybrid"
+    quant_mode: str = "hybrid"
     key_norm: bool = True
     outer: bool = False
 
@@ -64,8 +64,8 @@ class InnerQOptions:
         if self.group_size != GROUP:
             raise ValueError(f"innerq group_size must be {GROUP} (one 32-bit slot holds a group's zero point "
                              f"or its sign bits), got {self.group_size}")
-        if self.mode not in MODES:
-            raise ValueError(f"unknown innerq mode {self.mode!r}; accepted: {', '.join(MODES)}")
+        if self.quant_mode not in MODES:
+            raise ValueError(f"unknown innerq quant_mode {self.quant_mode!r}; accepted: {', '.join(MODES)}")
         if self.recent < 0 or self.recent % GROUP:
             raise ValueError(f"recent must be a non-negative multiple of {GROUP}, got {self.recent}")
         if self.sink < 0:
@@ -94,7 +94,7 @@ class InnerQCache(KIVICache):
 
     @property
     def has_mask(self) -> bool:
-        return self.opts.mode in ("hybrid", "hybrid_prefill")
+        return self.opts.quant_mode in ("hybrid", "hybrid_prefill")
 
     def _group_shape(self, axis: int, n: int) -> tuple[int, int]:
         d = self.attn.head_dim
@@ -118,7 +118,7 @@ class InnerQCache(KIVICache):
 
     # ---- the storage hooks -------------------------------------------------------------------------
     def _write_quantized(self, a: int, b: int, k: Tensor, v: Tensor) -> None:
-        mode = self.opts.mode
+        mode = self.opts.quant_mode
         if mode == "hybrid_prefill":
             mode = "hybrid" if self.in_first_call else "sym"
             if self.in_first_call:
@@ -139,7 +139,7 @@ class InnerQCache(KIVICache):
     def _sym_flags(self, name: str, axis: int, upto: int) -> Tensor:
         """Which groups of quantized slots [0, upto) are symmetric: (B, H, *group shape) booleans."""
         shape = (self.batch_size, self.attn.n_kv_heads, *self._group_shape(axis, upto))
-        mode = self.opts.mode
+        mode = self.opts.quant_mode
         if mode in ("asym", "sym"):
             return torch.full(shape, mode == "sym", dtype=torch.bool, device=self.k_codes.device)
         mask = getattr(self, f"{name}_mask")
@@ -169,9 +169,9 @@ class InnerQCache(KIVICache):
 
     def _mask_tokens(self, n: int) -> int:
         """Quantized tokens whose groups carry a mask bit."""
-        if self.opts.mode == "hybrid":
+        if self.opts.quant_mode == "hybrid":
             return n
-        return min(n, self.first_call_q) if self.opts.mode == "hybrid_prefill" else 0
+        return min(n, self.first_call_q) if self.opts.quant_mode == "hybrid_prefill" else 0
 
     def _quantized_nbytes(self, n: int) -> int:
         total = 0

@@ -1,0 +1,423 @@
+"""Fused dequantize-and-multiply kernels for the two vector-matrix products of a decode step (InnerQ §4.4,
+§5.3, Tables 3-4): one query vector per (batch, KV head) against the quantized keys, and one weight vector
+against the quantized values, each in the inner-grouped layout (InnerQ) and the outer-grouped one (KIVI).
+
+    scores = q · dequant(K)ᵀ     q (B, H, d) fp16/bf16/fp32      ->  (B, H, N) fp32
+    out    = p · dequant(V)      p (B, H, N) fp16/bf16/fp32      ->  (B, H, d) fp32
+
+Codes are b-bit (b in {2, 4}) integers packed along the last dim (head_dim d) into int32 words as one
+little-endian bit stream (kvzoo.cache.quant.pack): channel j of a token sits at bits (j*b) % 32 of word
+(j*b) // 32, so a token's codes are W = d*b/32 words and a group of 32 channels is exactly b words. Groups
+hold G = 32 values. Per KV head (N quantized tokens, N a multiple of 32):
+
+  inner layout (InnerQ; unified groups of kvzoo.cache.quant.quantize_unified)
+    keys, per-token groups along d        k_codes int32 (B, H, N, W)  k_scale fp16 (B, H, N, d/32)
+                                          k_slot int32 (B, H, N, d/32)  k_sym bool (B, H, N, d/32) or None
+    values, per-channel groups of tokens  v_codes int32 (B, H, N, W)  v_scale fp16 (B, H, N/32, d)
+                                          v_slot int32 (B, H, N/32, d)  v_sym bool (B, H, N/32, d) or None
+    an asymmetric group decodes to code*scale + zero (zero = the slot's bits read as fp32); a symmetric
+    one to code*scale, negated where bit j of the slot is set (j = the element's index in its group).
+    sym=None means every group is asymmetric (the sign path is compiled out).
+  outer layout (KIVI; plain asymmetric kvzoo.cache.quant.quantize)
+    keys, per-channel groups of tokens    k_codes int32 (B, H, N, W)  k_scale, k_zero fp16 (B, H, N/32, d)
+    values, per-token groups along d      v_codes int32 (B, H, N, W)  v_scale, v_zero fp16 (B, H, N, d/32)
+
+Tiling. Codes are unpacked in registers: a tile of words, broadcast against the per-code shifts, masked,
+and turned into exact fp32 by OR-ing 0x4B000000 (2^23 + code) and subtracting 2^23 (no int-to-float
+conversion). Inner-grouped products reduce each group of 32 first and apply its scale (and zero, through
+the sum of the other operand over the group) once per group, which is what makes the inner layout cheap:
+    q·Kᵀ inner   a program scores BLOCK_N tokens of one head: codes (BLOCK_N, d/32, b, 32/b), q (d/32, b, 32/b)
+    q·Kᵀ outer   a program scores BLOCK_N tokens: codes (BLOCK_N/32, 32, W, 32/b); q*scale is formed once
+                 per 32 tokens, and every token still needs its own sum over all d channels
+    p·V inner    split-K over token groups: a program loops over GROUPS groups of 32 tokens at a time,
+                 codes (GROUPS, 32, W, 32/b), and applies scale/zero per (group, channel) after the sum
+                 over the group's 32 tokens
+    p·V outer    split-K over tokens: codes (BLOCK_N, d/32, b, 32/b); every token's weight is multiplied
+                 into its d/32 scales before the sum over tokens
+The split-K partials (B*H, splits, d) are summed by torch when there is more than one split.
+
+Every launcher checks bits, shapes, dtypes and devices and raises ValueError; each has a pure-torch
+`*_ref` built on kvzoo.cache.quant's dequantizers. CPU tensors need TRITON_INTERPRET=1 (set before triton
+is imported). The helpers at the top are shared with innerq_attention.py and quantize_pack.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+
+from kvzoo.cache.quant import QTensor, UnifiedQTensor, dequantize, dequantize_unified
+
+GROUP = 32
+KERNEL_BITS = (2, 4)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launcher checks, shared by the kernel modules
+# ----------------------------------------------------------------------------------------------------
+def check_bits(bits: int) -> int:
+    if bits not in KERNEL_BITS:
+        raise ValueError(f"the kernels support bits in {KERNEL_BITS} (codes that never straddle an int32 word "
+                         f"and a power-of-two count per word), got {bits}")
+    return bits
+
+
+def check_head_dim(d: int) -> int:
+    if d < GROUP or d & (d - 1):
+        raise ValueError(f"the kernels need a head dimension that is a power of two >= {GROUP}, got {d}")
+    return d
+
+
+def check_tensor(t: Tensor, name: str, shape: tuple, dtypes: tuple[torch.dtype, ...], device: torch.device) -> None:
+    if not isinstance(t, Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {t.dtype}, expected {' or '.join(map(str, dtypes))}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} like the other inputs")
+
+
+def check_runnable(kernel, device: torch.device) -> None:
+    """Triton runs CUDA tensors, or any tensor under the interpreter."""
+    if device.type != "cuda" and not isinstance(kernel, InterpretedFunction):
+        raise ValueError(f"tensors on {device} need a CUDA device, or TRITON_INTERPRET=1 set before triton "
+                         f"is imported (the interpreter, for tests)")
+
+
+def head_rows(t: Tensor) -> tuple[Tensor, int]:
+    """(t, stride between consecutive (batch, head) rows) for t (B, H, *inner): no copy when the inner dims
+    are packed and the batch stride is H head strides, as for a cache buffer sliced along its token dim."""
+    packed = t.stride(-1) == 1 and all(t.stride(i) == t.stride(i + 1) * t.shape[i + 1] for i in range(2, t.dim() - 1))
+    if not packed or (t.shape[0] > 1 and t.stride(0) != t.shape[1] * t.stride(1)):
+        t = t.contiguous()
+    return t, t.stride(1)
+
+
+def sym_flags(sym: Tensor | None, name: str, shape: tuple, device: torch.device) -> tuple[Tensor | None, int]:
+    """Dense per-group symmetric flags (bool or uint8) as uint8 rows, or (None, 0) for all-asymmetric."""
+    if sym is None:
+        return None, 0
+    check_tensor(sym, name, shape, (torch.bool, torch.uint8), device)
+    return head_rows(sym.view(torch.uint8) if sym.dtype == torch.bool else sym)
+
+
+def target_programs(device: torch.device) -> int:
+    """Programs that fill the device a few times over (split-K sizing); a handful under the interpreter."""
+    if device.type == "cuda":
+        return 8 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def split_groups(n_groups: int, rows: int, device: torch.device, num_splits: int | None,
+                 min_groups: int = 4) -> tuple[int, int]:
+    """(splits, groups per split) for a split-K over n_groups token groups of `rows` independent rows: enough
+    programs to fill the device, each with at least min_groups groups unless num_splits says otherwise."""
+    if num_splits is None:
+        num_splits = min(-(-n_groups // min_groups), -(-target_programs(device) // rows))
+    num_splits = max(1, min(num_splits, n_groups))
+    per_split = -(-n_groups // num_splits)
+    return -(-n_groups // per_split), per_split
+
+
+@triton.jit
+def unpack_codes(words, shifts, BITS: tl.constexpr):
+    """int32 words broadcast against per-code bit offsets -> the codes as exact fp32 values: the code is OR-ed
+    into the mantissa of 2^23 and 2^23 subtracted, cheaper than an int-to-float conversion."""
+    codes = (words >> shifts) & ((1 << BITS) - 1)
+    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+# ----------------------------------------------------------------------------------------------------
+# q · Kᵀ
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _qk_inner_kernel(q_ptr, codes_ptr, scale_ptr, slot_ptr, sym_ptr, out_ptr, N,
+                     s_q, s_codes, s_scale, s_slot, s_sym, s_out,
+                     D: tl.constexpr, BITS: tl.constexpr, HAS_SYM: tl.constexpr, BLOCK_N: tl.constexpr):
+    CPW: tl.constexpr = 32 // BITS               # codes per word
+    NG: tl.constexpr = D // 32                   # groups per token
+    W: tl.constexpr = D * BITS // 32             # words per token
+    row = tl.program_id(0).to(tl.int64)          # b * H + h; 64-bit row offsets
+    q_ptr += row * s_q
+    codes_ptr += row * s_codes
+    scale_ptr += row * s_scale
+    slot_ptr += row * s_slot
+    sym_ptr += row * s_sym
+    out_ptr += row * s_out
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = n < N
+    g = tl.arange(0, NG)
+    wi = tl.arange(0, BITS)                      # word within a group (a group of 32 codes is BITS words)
+    c = tl.arange(0, CPW)                        # code within a word
+    q = tl.load(q_ptr + g[:, None, None] * 32 + wi[None, :, None] * CPW + c[None, None, :]).to(tl.float32)
+    q_sum = tl.sum(tl.sum(q, 2), 1)                                                  # (NG,)
+    words = tl.load(codes_ptr + n[:, None, None] * W + g[None, :, None] * BITS + wi[None, None, :],
+                    mask=live[:, None, None], other=0)                               # (BLOCK_N, NG, BITS)
+    x = unpack_codes(words[:, :, :, None], (c * BITS)[None, None, None, :], BITS)   # (BLOCK_N, NG, BITS, CPW)
+    group = n[:, None] * NG + g[None, :]
+    scale = tl.load(scale_ptr + group, mask=live[:, None], other=0).to(tl.float32)
+    slot = tl.load(slot_ptr + group, mask=live[:, None], other=0)
+    zero = slot.to(tl.float32, bitcast=True)
+    if HAS_SYM:
+        sym = tl.load(sym_ptr + group, mask=live[:, None], other=0) != 0
+        bit = wi[:, None] * CPW + c[None, :]                                         # index in the group
+        negative = ((slot[:, :, None, None] >> bit[None, None, :, :]) & 1) != 0
+        x = tl.where(negative & sym[:, :, None, None], -x, x)
+        zero = tl.where(sym, 0.0, zero)
+    dots = tl.sum(tl.sum(x * q[None, :, :, :], 3), 2)                                # (BLOCK_N, NG)
+    tl.store(out_ptr + n, tl.sum(scale * dots + zero * q_sum[None, :], 1), mask=live)
+
+
+@triton.jit
+def _qk_outer_kernel(q_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, N,
+                     s_q, s_codes, s_scale, s_zero, s_out,
+                     D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr):
+    CPW: tl.constexpr = 32 // BITS
+    W: tl.constexpr = D * BITS // 32
+    row = tl.program_id(0).to(tl.int64)
+    q_ptr += row * s_q
+    codes_ptr += row * s_codes
+    scale_ptr += row * s_scale
+    zero_ptr += row * s_zero
+    out_ptr += row * s_out
+    t = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)                             # token groups
+    live = t < N // 32
+    i = tl.arange(0, 32)
+    w = tl.arange(0, W)
+    c = tl.arange(0, CPW)
+    channel = w[:, None] * CPW + c[None, :]                                          # (W, CPW)
+    q = tl.load(q_ptr + channel).to(tl.float32)
+    per_group = t[:, None, None] * D + channel[None, :, :]
+    scale = tl.load(scale_ptr + per_group, mask=live[:, None, None], other=0).to(tl.float32)
+    zero = tl.load(zero_ptr + per_group, mask=live[:, None, None], other=0).to(tl.float32)
+    q_scaled = q[None, :, :] * scale                                                 # (GROUPS, W, CPW)
+    q_zero = tl.sum(tl.sum(q[None, :, :] * zero, 2), 1)                              # (GROUPS,)
+    n = t[:, None] * 32 + i[None, :]                                                 # (GROUPS, 32)
+    words = tl.load(codes_ptr + n[:, :, None] * W + w[None, None, :],
+                    mask=live[:, None, None], other=0)                               # (GROUPS, 32, W)
+    x = unpack_codes(words[:, :, :, None], (c * BITS)[None, None, None, :], BITS)   # (GROUPS, 32, W, CPW)
+    scores = tl.sum(tl.sum(x * q_scaled[:, None, :, :], 3), 2) + q_zero[:, None]
+    tl.store(out_ptr + n, scores, mask=live[:, None])
+
+
+def _check_codes(codes: Tensor, bits: int, name: str) -> tuple[int, int, int, int]:
+    """(B, H, N, d) of a packed code tensor, validated."""
+    check_bits(bits)
+    if not isinstance(codes, Tensor) or codes.dim() != 4 or codes.dtype != torch.int32:
+        raise ValueError(f"{name} must be an int32 tensor (B, H, N, d*bits/32)")
+    B, H, N, words = codes.shape
+    d = check_head_dim(words * 32 // bits)
+    if N % GROUP:
+        raise ValueError(f"{name} holds {N} tokens; quantized tokens come in whole groups of {GROUP}")
+    return B, H, N, d
+
+
+def _check_vector(x: Tensor, name: str, shape: tuple, device: torch.device) -> Tensor:
+    check_tensor(x, name, shape, (torch.float16, torch.bfloat16, torch.float32), device)
+    return x.contiguous()
+
+
+def qk_inner(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot: Tensor, k_sym: Tensor | None, bits: int,
+             block_n: int = 64, num_warps: int = 4) -> Tensor:
+    """scores (B, H, N) fp32 = q (B, H, d) · dequant(K)ᵀ for InnerQ's per-token key groups."""
+    B, H, N, d = _check_codes(k_codes, bits, "k_codes")
+    dev = k_codes.device
+    check_runnable(_qk_inner_kernel, dev)
+    q = _check_vector(q, "q", (B, H, d), dev)
+    check_tensor(k_scale, "k_scale", (B, H, N, d // GROUP), (torch.float16,), dev)
+    check_tensor(k_slot, "k_slot", (B, H, N, d // GROUP), (torch.int32,), dev)
+    sym, s_sym = sym_flags(k_sym, "k_sym", (B, H, N, d // GROUP), dev)
+    (codes, s_codes), (scale, s_scale), (slot, s_slot) = map(head_rows, (k_codes, k_scale, k_slot))
+    out = torch.empty(B, H, N, dtype=torch.float32, device=dev)
+    if B * H * N:
+        _qk_inner_kernel[(B * H, triton.cdiv(N, block_n))](
+            q, codes, scale, slot, slot if sym is None else sym, out, N, d, s_codes, s_scale, s_slot, s_sym, N,
+            D=d, BITS=bits, HAS_SYM=sym is not None, BLOCK_N=block_n, num_warps=num_warps, enable_fp_fusion=True)
+    return out
+
+
+def qk_outer(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, bits: int,
+             groups: int = 2, num_warps: int = 4) -> Tensor:
+    """scores (B, H, N) fp32 = q (B, H, d) · dequant(K)ᵀ for KIVI's per-channel key groups."""
+    B, H, N, d = _check_codes(k_codes, bits, "k_codes")
+    dev = k_codes.device
+    check_runnable(_qk_outer_kernel, dev)
+    q = _check_vector(q, "q", (B, H, d), dev)
+    check_tensor(k_scale, "k_scale", (B, H, N // GROUP, d), (torch.float16,), dev)
+    check_tensor(k_zero, "k_zero", (B, H, N // GROUP, d), (torch.float16,), dev)
+    (codes, s_codes), (scale, s_scale), (zero, s_zero) = map(head_rows, (k_codes, k_scale, k_zero))
+    out = torch.empty(B, H, N, dtype=torch.float32, device=dev)
+    if B * H * N:
+        _qk_outer_kernel[(B * H, triton.cdiv(N // GROUP, groups))](
+            q, codes, scale, zero, out, N, d, s_codes, s_scale, s_zero, N,
+            D=d, BITS=bits, GROUPS=groups, num_warps=num_warps, enable_fp_fusion=True)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# p · V
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _pv_inner_kernel(p_ptr, codes_ptr, scale_ptr, slot_ptr, sym_ptr, out_ptr, N_GROUPS, PER_SPLIT,
+                     s_p, s_codes, s_scale, s_slot, s_sym,
+                     D: tl.constexpr, BITS: tl.constexpr, HAS_SYM: tl.constexpr, GROUPS: tl.constexpr):
+    CPW: tl.constexpr = 32 // BITS
+    W: tl.constexpr = D * BITS // 32
+    row = tl.program_id(0).to(tl.int64)
+    p_ptr += row * s_p
+    codes_ptr += row * s_codes
+    scale_ptr += row * s_scale
+    slot_ptr += row * s_slot
+    sym_ptr += row * s_sym
+    split = tl.program_id(1)
+    i = tl.arange(0, 32)                                                             # token in its group
+    w = tl.arange(0, W)
+    c = tl.arange(0, CPW)
+    channel = w[:, None] * CPW + c[None, :]                                          # (W, CPW)
+    start = split * PER_SPLIT
+    stop = tl.minimum(start + PER_SPLIT, N_GROUPS)
+    acc = tl.zeros((W, CPW), dtype=tl.float32)
+    for t0 in range(start, stop, GROUPS):
+        t = t0 + tl.arange(0, GROUPS)
+        live = t < stop
+        n = t[:, None] * 32 + i[None, :]                                             # (GROUPS, 32)
+        p = tl.load(p_ptr + n, mask=live[:, None], other=0).to(tl.float32)
+        words = tl.load(codes_ptr + n[:, :, None] * W + w[None, None, :],
+                        mask=live[:, None, None], other=0)                           # (GROUPS, 32, W)
+        x = unpack_codes(words[:, :, :, None], (c * BITS)[None, None, None, :], BITS)   # (GROUPS, 32, W, CPW)
+        per_group = t[:, None, None] * D + channel[None, :, :]                       # (GROUPS, W, CPW)
+        scale = tl.load(scale_ptr + per_group, mask=live[:, None, None], other=0).to(tl.float32)
+        slot = tl.load(slot_ptr + per_group, mask=live[:, None, None], other=0)
+        zero = slot.to(tl.float32, bitcast=True)
+        if HAS_SYM:
+            sym = tl.load(sym_ptr + per_group, mask=live[:, None, None], other=0) != 0
+            negative = ((slot[:, None, :, :] >> i[None, :, None, None]) & 1) != 0    # bit i: token i's sign
+            x = tl.where(negative & sym[:, None, :, :], -x, x)
+            zero = tl.where(sym, 0.0, zero)
+        px = tl.sum(x * p[:, :, None, None], 1)                                      # (GROUPS, W, CPW)
+        acc += tl.sum(scale * px + zero * tl.sum(p, 1)[:, None, None], 0)
+    tl.store(out_ptr + (row * tl.num_programs(1) + split) * D + channel, acc)
+
+
+@triton.jit
+def _pv_outer_kernel(p_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, N, PER_SPLIT,
+                     s_p, s_codes, s_scale, s_zero,
+                     D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    CPW: tl.constexpr = 32 // BITS
+    NG: tl.constexpr = D // 32
+    W: tl.constexpr = D * BITS // 32
+    row = tl.program_id(0).to(tl.int64)
+    p_ptr += row * s_p
+    codes_ptr += row * s_codes
+    scale_ptr += row * s_scale
+    zero_ptr += row * s_zero
+    split = tl.program_id(1)
+    g = tl.arange(0, NG)
+    wi = tl.arange(0, BITS)
+    c = tl.arange(0, CPW)
+    start = split * PER_SPLIT
+    stop = tl.minimum(start + PER_SPLIT, N)
+    acc = tl.zeros((NG, BITS, CPW), dtype=tl.float32)
+    zero_acc = tl.zeros((NG,), dtype=tl.float32)
+    for n0 in range(start, stop, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        live = n < stop
+        p = tl.load(p_ptr + n, mask=live, other=0).to(tl.float32)
+        words = tl.load(codes_ptr + n[:, None, None] * W + g[None, :, None] * BITS + wi[None, None, :],
+                        mask=live[:, None, None], other=0)                           # (BLOCK_N, NG, BITS)
+        x = unpack_codes(words[:, :, :, None], (c * BITS)[None, None, None, :], BITS)   # (BLOCK_N, NG, BITS, CPW)
+        group = n[:, None] * NG + g[None, :]
+        scale = tl.load(scale_ptr + group, mask=live[:, None], other=0).to(tl.float32)
+        zero = tl.load(zero_ptr + group, mask=live[:, None], other=0).to(tl.float32)
+        acc += tl.sum(x * (p[:, None] * scale)[:, :, None, None], 0)
+        zero_acc += tl.sum(p[:, None] * zero, 0)
+    out = acc + zero_acc[:, None, None]
+    tl.store(out_ptr + (row * tl.num_programs(1) + split) * D + g[:, None, None] * 32 + wi[None, :, None] * CPW
+             + c[None, None, :], out)
+
+
+def _finish_splits(partial: Tensor, B: int, H: int) -> Tensor:
+    """(B*H, splits, d) partial sums -> (B, H, d)."""
+    out = partial[:, 0] if partial.shape[1] == 1 else partial.sum(1)
+    return out.view(B, H, -1)
+
+
+def pv_inner(p: Tensor, v_codes: Tensor, v_scale: Tensor, v_slot: Tensor, v_sym: Tensor | None, bits: int,
+             groups: int = 2, num_splits: int | None = None, num_warps: int = 4) -> Tensor:
+    """out (B, H, d) fp32 = p (B, H, N) · dequant(V) for InnerQ's per-channel value groups (32 tokens)."""
+    B, H, N, d = _check_codes(v_codes, bits, "v_codes")
+    dev = v_codes.device
+    check_runnable(_pv_inner_kernel, dev)
+    p = _check_vector(p, "p", (B, H, N), dev)
+    check_tensor(v_scale, "v_scale", (B, H, N // GROUP, d), (torch.float16,), dev)
+    check_tensor(v_slot, "v_slot", (B, H, N // GROUP, d), (torch.int32,), dev)
+    sym, s_sym = sym_flags(v_sym, "v_sym", (B, H, N // GROUP, d), dev)
+    if B * H == 0 or N == 0:
+        return torch.zeros(B, H, d, dtype=torch.float32, device=dev)
+    (codes, s_codes), (scale, s_scale), (slot, s_slot) = map(head_rows, (v_codes, v_scale, v_slot))
+    splits, per_split = split_groups(N // GROUP, B * H, dev, num_splits)
+    partial = torch.empty(B * H, splits, d, dtype=torch.float32, device=dev)
+    _pv_inner_kernel[(B * H, splits)](
+        p, codes, scale, slot, slot if sym is None else sym, partial, N // GROUP, per_split,
+        N, s_codes, s_scale, s_slot, s_sym,
+        D=d, BITS=bits, HAS_SYM=sym is not None, GROUPS=groups, num_warps=num_warps, enable_fp_fusion=True)
+    return _finish_splits(partial, B, H)
+
+
+def pv_outer(p: Tensor, v_codes: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int,
+             block_n: int = 64, num_splits: int | None = None, num_warps: int = 4) -> Tensor:
+    """out (B, H, d) fp32 = p (B, H, N) · dequant(V) for KIVI's per-token value groups (32 channels)."""
+    B, H, N, d = _check_codes(v_codes, bits, "v_codes")
+    dev = v_codes.device
+    check_runnable(_pv_outer_kernel, dev)
+    p = _check_vector(p, "p", (B, H, N), dev)
+    check_tensor(v_scale, "v_scale", (B, H, N, d // GROUP), (torch.float16,), dev)
+    check_tensor(v_zero, "v_zero", (B, H, N, d // GROUP), (torch.float16,), dev)
+    if B * H == 0 or N == 0:
+        return torch.zeros(B, H, d, dtype=torch.float32, device=dev)
+    (codes, s_codes), (scale, s_scale), (zero, s_zero) = map(head_rows, (v_codes, v_scale, v_zero))
+    splits, per_split = split_groups(N // GROUP, B * H, dev, num_splits)
+    partial = torch.empty(B * H, splits, d, dtype=torch.float32, device=dev)
+    _pv_outer_kernel[(B * H, splits)](
+        p, codes, scale, zero, partial, N, per_split * GROUP, N, s_codes, s_scale, s_zero,
+        D=d, BITS=bits, BLOCK_N=block_n, num_warps=num_warps, enable_fp_fusion=True)
+    return _finish_splits(partial, B, H)
+
+
+# ----------------------------------------------------------------------------------------------------
+# References (pure torch, on kvzoo.cache.quant's dequantizers)
+# ----------------------------------------------------------------------------------------------------
+def dequant_inner(codes: Tensor, scale: Tensor, slot: Tensor, sym: Tensor | None, bits: int, axis: int) -> Tensor:
+    """(B, H, N, d) fp32 of an inner-layout tensor; axis -1: per-token groups (keys), -2: per-channel groups
+    of tokens (values); sym None: every group asymmetric."""
+    B, H, N, words = codes.shape
+    flags = torch.zeros(scale.shape, dtype=torch.bool, device=scale.device) if sym is None else sym.bool()
+    return dequantize_unified(UnifiedQTensor(codes, scale, slot, flags, bits, axis, (B, H, N, words * 32 // bits)))
+
+
+def dequant_outer(codes: Tensor, scale: Tensor, zero: Tensor, bits: int, axis: int) -> Tensor:
+    """(B, H, N, d) fp32 of an outer-layout tensor; axis -2: per-channel groups of tokens (keys), -1: per-token
+    groups (values)."""
+    B, H, N, words = codes.shape
+    return dequantize(QTensor(codes, scale, zero, bits, GROUP, axis, (B, H, N, words * 32 // bits)))
+
+
+def qk_inner_ref(q, k_codes, k_scale, k_slot, k_sym, bits):
+    return torch.einsum("bhd,bhnd->bhn", q.float(), dequant_inner(k_codes, k_scale, k_slot, k_sym, bits, -1))
+
+
+def qk_outer_ref(q, k_codes, k_scale, k_zero, bits):
+    return torch.einsum("bhd,bhnd->bhn", q.float(), dequant_outer(k_codes, k_scale, k_zero, bits, -2))
+
+
+def pv_inner_ref(p, v_codes, v_scale, v_slot, v_sym, bits):
+    return torch.einsum("bhn,bhnd->bhd", p.float(), dequant_inner(v_codes, v_scale, v_slot, v_sym, bits, -2))
+
+
+def pv_outer_ref(p, v_codes, v_scale, v_zero, bits):
+    return torch.einsum("bhn,bhnd->bhd", p.float(), dequant_outer(v_codes, v_scale, v_zero, bits, -1))

@@ -1,0 +1,128 @@
+"""Quantize-and-pack kernel for InnerQ's key layout (per-token groups of 32 channels along head_dim), in the
+asymmetric, symmetric or hybrid mode of the unified representation (InnerQ §4.1, Figure 1; Figure 4 compares
+the latency of hybrid and symmetric quantization).
+
+    x (..., d) fp16/bf16/fp32, d a power of two >= 32  ->  UnifiedQTensor with
+        codes int32 (..., d*b/32)   b-bit codes packed along d (kvzoo.cache.quant.pack's bit stream)
+        scale fp16  (..., d/32)     one per group of 32 channels
+        slot  int32 (..., d/32)     fp32 bits of the zero point (asymmetric) or the 32 sign bits (symmetric)
+        sym   bool  (..., d/32)     which mode the group uses
+
+Per group (top = 2^b - 1): asymmetric scale = fp16((max - min) / top), codes round((x - min) / scale);
+symmetric scale = fp16(max|x| / top), codes round(|x| / scale) and the signs in the slot; hybrid computes
+both reconstructions' squared errors on the loaded values and keeps the symmetric group where its error is
+strictly lower. The results equal kvzoo.cache.quant.quantize_unified(x, b, axis=-1, mode): IEEE divisions
+(div_rn), round-half-to-even (the 1.5 * 2^23 trick), fp16 rounding of the scales, no fused multiply-adds.
+The one possible difference is a hybrid flag on a near-tie, where the two errors are equal up to the order
+in which the 32 squared errors are summed.
+
+Tiling: a program quantizes BLOCK_T rows (tokens); the tile is loaded as (BLOCK_T, d/32, b, 32/b), i.e.
+(row, group, word in the group, code in the word), so group reductions are sums over the last two axes and
+packing a word is a sum of shifted codes over the last one.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kvzoo.cache.quant import UnifiedQTensor, quantize_unified
+from kvzoo.kernels.quant_matvec import GROUP, check_bits, check_head_dim, check_runnable
+
+MODES = ("asym", "sym", "hybrid")
+ROUND = tl.constexpr(12582912.0)   # 1.5 * 2^23: x + ROUND - ROUND rounds |x| < 2^22 to nearest, ties to even
+
+
+@triton.jit
+def _round_clamp(v, TOP: tl.constexpr):
+    return tl.minimum(tl.maximum((v + ROUND) - ROUND, 0.0), TOP)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, codes_ptr, scale_ptr, slot_ptr, sym_ptr, T,
+                     D: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr, TOP: tl.constexpr,
+                     BLOCK_T: tl.constexpr):
+    CPW: tl.constexpr = 32 // BITS
+    NG: tl.constexpr = D // 32
+    W: tl.constexpr = D * BITS // 32
+    first = tl.program_id(0).to(tl.int64) * BLOCK_T                                 # 64-bit tile offsets
+    x_ptr += first * D
+    codes_ptr += first * W
+    scale_ptr += first * NG
+    slot_ptr += first * NG
+    sym_ptr += first * NG
+    t = tl.arange(0, BLOCK_T)                                                        # row in the tile
+    live = first + t < T
+    g = tl.arange(0, NG)
+    wi = tl.arange(0, BITS)
+    c = tl.arange(0, CPW)
+    bit = wi[:, None] * CPW + c[None, :]                                             # index in the group
+    x = tl.load(x_ptr + t[:, None, None, None] * D + g[None, :, None, None] * 32 + bit[None, None, :, :],
+                mask=live[:, None, None, None], other=0).to(tl.float32)              # (BLOCK_T, NG, BITS, CPW)
+    negative = x < 0
+    signs = tl.sum(tl.sum(negative.to(tl.int32) << bit[None, None, :, :], 3), 2)    # (BLOCK_T, NG)
+    if MODE != 1:
+        lo = tl.min(tl.min(x, 3), 2)
+        scale_a = tl.math.div_rn(tl.max(tl.max(x, 3), 2) - lo, TOP).to(tl.float16).to(tl.float32)
+        safe_a = tl.where(scale_a > 0, scale_a, 1.0)
+        code_a = _round_clamp(tl.math.div_rn(x - lo[:, :, None, None], safe_a[:, :, None, None]), TOP)
+    if MODE != 0:
+        magnitude = tl.abs(x)
+        scale_s = tl.math.div_rn(tl.max(tl.max(magnitude, 3), 2), TOP).to(tl.float16).to(tl.float32)
+        safe_s = tl.where(scale_s > 0, scale_s, 1.0)
+        code_s = _round_clamp(tl.math.div_rn(magnitude, safe_s[:, :, None, None]), TOP)
+    if MODE == 0:
+        sym = tl.full((BLOCK_T, NG), 0, tl.int1)
+        codes = code_a
+        scale = scale_a
+        slot = lo.to(tl.int32, bitcast=True)
+    elif MODE == 1:
+        sym = tl.full((BLOCK_T, NG), 1, tl.int1)
+        codes = code_s
+        scale = scale_s
+        slot = signs
+    else:
+        err_a = code_a * scale_a[:, :, None, None] + lo[:, :, None, None] - x
+        err_s = tl.where(negative, -code_s, code_s) * scale_s[:, :, None, None] - x
+        sym = tl.sum(tl.sum(err_s * err_s, 3), 2) < tl.sum(tl.sum(err_a * err_a, 3), 2)
+        codes = tl.where(sym[:, :, None, None], code_s, code_a)
+        scale = tl.where(sym, scale_s, scale_a)
+        slot = tl.where(sym, signs, lo.to(tl.int32, bitcast=True))
+    words = tl.sum(codes.to(tl.int32) << (c * BITS)[None, None, None, :], 3)        # (BLOCK_T, NG, BITS)
+    tl.store(codes_ptr + t[:, None, None] * W + g[None, :, None] * BITS + wi[None, None, :], words,
+             mask=live[:, None, None])
+    group = t[:, None] * NG + g[None, :]
+    tl.store(scale_ptr + group, scale.to(tl.float16), mask=live[:, None])
+    tl.store(slot_ptr + group, slot, mask=live[:, None])
+    tl.store(sym_ptr + group, sym, mask=live[:, None])
+
+
+def quantize_inner(x: Tensor, bits: int, mode: str = "hybrid", block_t: int = 32, num_warps: int = 4) -> UnifiedQTensor:
+    """InnerQ's key quantizer: groups of 32 along the last dim of x (..., d), packed; equals
+    quantize_unified(x, bits, -1, mode)."""
+    check_bits(bits)
+    if mode not in MODES:
+        raise ValueError(f"unknown quantization mode {mode!r}; accepted: {', '.join(MODES)}")
+    if not isinstance(x, Tensor) or x.dim() < 1 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("x must be a floating-point tensor (..., d) of fp16, bf16 or fp32")
+    check_runnable(_quantize_kernel, x.device)
+    d = check_head_dim(x.shape[-1])
+    lead = tuple(x.shape[:-1])
+    rows = x.contiguous().view(-1, d)
+    T = rows.shape[0]
+    codes = torch.empty(*lead, d * bits // 32, dtype=torch.int32, device=x.device)
+    scale = torch.empty(*lead, d // GROUP, dtype=torch.float16, device=x.device)
+    slot = torch.empty(*lead, d // GROUP, dtype=torch.int32, device=x.device)
+    sym = torch.empty(*lead, d // GROUP, dtype=torch.bool, device=x.device)
+    if T:
+        _quantize_kernel[(triton.cdiv(T, block_t),)](
+            rows, codes, scale, slot, sym, T, D=d, BITS=bits, MODE=MODES.index(mode), TOP=float(2 ** bits - 1),
+            BLOCK_T=block_t, num_warps=num_warps, enable_fp_fusion=False)
+    return UnifiedQTensor(codes=codes, scale=scale, slot=slot, sym=sym, bits=bits, axis=-1, shape=tuple(x.shape))
+
+
+def quantize_inner_ref(x: Tensor, bits: int, mode: str = "hybrid") -> UnifiedQTensor:
+    """The reference: kvzoo.cache.quant.quantize_unified over per-token groups."""
+    return quantize_unified(x, bits, -1, mode)

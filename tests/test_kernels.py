@@ -1,0 +1,185 @@
+"""Triton kernels (kvzoo/kernels) against their pure-torch references, under the Triton interpreter.
+
+TRITON_INTERPRET=1 is set before triton is first imported, so the kernels run on CPU tensors. On a GPU
+machine, `TRITON_INTERPRET=0 python -m pytest tests/test_kernels.py` runs the compiled kernels on CUDA instead.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import itertools  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kvzoo.cache.quant import quantize, quantize_unified  # noqa: E402
+from kvzoo.kernels.innerq_attention import innerq_decode_attention, innerq_decode_attention_ref  # noqa: E402
+from kvzoo.kernels.quant_matvec import (pv_inner, pv_inner_ref, pv_outer, pv_outer_ref, qk_inner,  # noqa: E402
+                                        qk_inner_ref, qk_outer, qk_outer_ref)
+from kvzoo.kernels.quantize_pack import quantize_inner, quantize_inner_ref  # noqa: E402
+
+DEVICE = "cpu" if os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on", "yes") else "cuda"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}        # relative to the largest reference magnitude
+
+
+def name(value) -> str:
+    """Readable test ids: float16, not dtype3."""
+    return str(value).replace("torch.", "").replace(" ", "")
+
+
+def assert_close(got, want, dtype):
+    scale = want.float().abs().max().item() or 1.0
+    torch.testing.assert_close(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype] * scale)
+
+
+def unified(x, bits, axis, mode):
+    """Inner-layout tensors of x in `mode`; the dense sym flags the kernels take (None for all-asymmetric)."""
+    q = quantize_unified(x, bits, axis, mode)
+    return q.codes, q.scale, q.slot, None if mode == "asym" else q.sym
+
+
+# ----------------------------------------------------------------------------------------------------
+# q·Kᵀ and p·V, inner and outer layouts
+# ----------------------------------------------------------------------------------------------------
+MATVEC = [(bits, d, n, dtype, bh, mode) for (bits, d, n, dtype), bh, mode in zip(
+    itertools.product((2, 4), (64, 128), (32, 96, 160), (torch.float32, torch.float16)),
+    itertools.cycle([(1, 1), (2, 2), (1, 2), (2, 1)]), itertools.cycle(["hybrid", "asym", "sym"]))]
+
+
+@pytest.mark.parametrize("bits,d,n,dtype,bh,mode", MATVEC, ids=name)
+def test_matvec_matches_reference(bits, d, n, dtype, bh, mode):
+    torch.manual_seed(n + d + bits)
+    B, H = bh
+    k, v = torch.randn(2, B, H, n, d, device=DEVICE)
+    q = torch.randn(B, H, d, device=DEVICE).to(dtype)
+    p = torch.softmax(torch.randn(B, H, n, device=DEVICE), -1).to(dtype)
+    kq, vq = unified(k, bits, -1, mode), unified(v, bits, -2, mode)
+    assert_close(qk_inner(q, *kq, bits, block_n=32), qk_inner_ref(q, *kq, bits), dtype)
+    assert_close(pv_inner(p, *vq, bits, num_splits=2), pv_inner_ref(p, *vq, bits), dtype)
+    ko, vo = quantize(k, bits, 32, axis=-2), quantize(v, bits, 32, axis=-1)
+    assert_close(qk_outer(q, ko.codes, ko.scale, ko.zero, bits), qk_outer_ref(q, ko.codes, ko.scale, ko.zero, bits),
+                 dtype)
+    assert_close(pv_outer(p, vo.codes, vo.scale, vo.zero, bits, block_n=32, num_splits=2),
+                 pv_outer_ref(p, vo.codes, vo.scale, vo.zero, bits), dtype)
+
+
+def test_matvec_reads_cache_slices_without_copies_going_wrong():
+    """Cache buffers are allocated for max_len tokens and sliced along the token dim: strided rows."""
+    k = torch.randn(2, 3, 128, 64, device=DEVICE)
+    full = quantize_unified(k, 2, -1, "hybrid")
+    sliced = (full.codes[:, :, :64], full.scale[:, :, :64], full.slot[:, :, :64], full.sym[:, :, :64])
+    dense = tuple(t.contiguous() for t in sliced)
+    q = torch.randn(2, 3, 64, device=DEVICE)
+    assert not sliced[0].is_contiguous()
+    torch.testing.assert_close(qk_inner(q, *sliced, 2), qk_inner(q, *dense, 2), rtol=0, atol=0)
+    torch.testing.assert_close(qk_inner(q, *sliced, 2), qk_inner_ref(q, *dense, 2), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fused decode attention
+# ----------------------------------------------------------------------------------------------------
+ATTENTION = [(bits, d, dtype, *case) for (bits, d, dtype), case in zip(
+    itertools.product((2, 4), (64, 128), (torch.float32, torch.float16)),
+    itertools.cycle([  # B, H, n_rep, N, W, mode, num_splits
+        (1, 1, 1, 32, 0, "asym", None), (2, 2, 3, 160, 5, "hybrid", 2), (2, 1, 2, 96, 5, "sym", None),
+        (1, 2, 1, 160, 0, "hybrid", 5), (1, 2, 3, 96, 0, "asym", 3), (2, 1, 1, 32, 5, "hybrid", None),
+        (1, 1, 2, 0, 5, "hybrid", None)]))] + [
+    (2, 64, torch.float16, 1, 2, 4, 160, 5, "hybrid", None), (4, 128, torch.float32, 2, 2, 2, 96, 5, "sym", 2),
+    (2, 128, torch.float16, 1, 1, 3, 32, 5, "asym", None), (4, 64, torch.float32, 1, 2, 1, 160, 5, "hybrid", 4)]
+
+
+@pytest.mark.parametrize("bits,d,dtype,B,H,rep,n,w,mode,splits", ATTENTION, ids=name)
+def test_fused_attention_matches_reference(bits, d, dtype, B, H, rep, n, w, mode, splits):
+    torch.manual_seed(n + w + rep)
+    k, v = torch.randn(2, B, H, n, d, device=DEVICE)
+    k_win, v_win = torch.randn(2, B, H, w, d, device=DEVICE).to(dtype)
+    q = torch.randn(B, H * rep, d, device=DEVICE).to(dtype)
+    kq, vq = unified(k, bits, -1, mode), unified(v, bits, -2, mode)
+    args = (q, *kq, *vq, k_win, v_win, bits)
+    got = innerq_decode_attention(*args, num_splits=splits)
+    assert got.dtype == dtype and got.shape == (B, H * rep, d)
+    assert_close(got, innerq_decode_attention_ref(*args), dtype)
+
+
+def test_fused_attention_scale_and_peaked_softmax():
+    """A large softmax scale: one key dominates, so the online max and the split merge must be right."""
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 1, 2, 160, 64, device=DEVICE)
+    k_win, v_win = torch.randn(2, 1, 2, 5, 64, device=DEVICE)
+    q = torch.randn(1, 4, 64, device=DEVICE)
+    args = (q, *unified(k, 2, -1, "hybrid"), *unified(v, 2, -2, "hybrid"), k_win, v_win, 2)
+    for splits in (1, 5):
+        assert_close(innerq_decode_attention(*args, sm_scale=3.0, num_splits=splits),
+                     innerq_decode_attention_ref(*args, sm_scale=3.0), torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Quantize and pack
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits,d,dtype,mode", list(itertools.product(
+    (2, 4), (64, 128), (torch.float32, torch.float16), ("asym", "sym", "hybrid"))), ids=name)
+def test_quantize_is_bit_identical_to_quantize_unified(bits, d, dtype, mode):
+    torch.manual_seed(bits * d)
+    x = torch.randn(2, 3, 37, d, device=DEVICE) * torch.rand(2, 3, 37, 1, device=DEVICE) * 3
+    x = (x + torch.randn(2, 3, 37, 1, device=DEVICE)).to(dtype)         # offsets: both modes get picked
+    x[0, 0, 0] = 0                                                      # all-zero groups: scale 0
+    x[0, 0, 1, :32] = 1.5                                               # a constant group
+    got, want = quantize_inner(x, bits, mode), quantize_inner_ref(x, bits, mode)
+    for part in ("codes", "scale", "slot", "sym"):
+        assert torch.equal(getattr(got, part), getattr(want, part)), part
+    if mode == "hybrid":
+        assert 0 < want.sym.float().mean() < 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launcher errors
+# ----------------------------------------------------------------------------------------------------
+def test_unsupported_bits_are_rejected():
+    x = torch.randn(1, 1, 32, 64, device=DEVICE)
+    q = torch.randn(1, 1, 64, device=DEVICE)
+    for bits in (3, 8):
+        kq, vq = unified(x, bits, -1, "asym"), unified(x, bits, -2, "asym")
+        ko = quantize(x, bits, 32, axis=-2)
+        calls = [lambda: qk_inner(q, *kq, bits), lambda: pv_inner(q[..., :32], *vq, bits),
+                 lambda: qk_outer(q, ko.codes, ko.scale, ko.zero, bits),
+                 lambda: innerq_decode_attention(q, *kq, *vq, x[:, :, :0], x[:, :, :0], bits),
+                 lambda: quantize_inner(x, bits)]
+        for call in calls:
+            with pytest.raises(ValueError, match="bits"):
+                call()
+
+
+def test_mismatched_inputs_are_rejected():
+    k = torch.randn(1, 2, 64, 64, device=DEVICE)
+    kq, vq = unified(k, 2, -1, "hybrid"), unified(k, 2, -2, "hybrid")
+    win = torch.randn(1, 2, 3, 64, device=DEVICE)
+    q = torch.randn(1, 4, 64, device=DEVICE)
+    codes, scale, slot, sym = kq
+    with pytest.raises(ValueError, match="k_scale has shape"):
+        qk_inner(q[:, :2], codes, scale[:, :, :32], slot, sym, 2)
+    with pytest.raises(ValueError, match="k_slot has dtype"):
+        qk_inner(q[:, :2], codes, scale, slot.float(), sym, 2)
+    with pytest.raises(ValueError, match="q has shape"):
+        qk_inner(q, *kq, 2)
+    with pytest.raises(ValueError, match="whole groups"):
+        qk_inner(q[:, :2], codes[:, :, :40], scale[:, :, :40], slot[:, :, :40], sym[:, :, :40], 2)
+    with pytest.raises(ValueError, match="power of two"):
+        qk_inner(q[:, :2, :48], codes[..., :3], scale, slot, sym, 2)
+    with pytest.raises(ValueError, match="not a multiple"):
+        innerq_decode_attention(q[:, :3], *kq, *vq, win, win, 2)
+    with pytest.raises(ValueError, match="k_win has dtype"):
+        innerq_decode_attention(q, *kq, *vq, win.half(), win.half(), 2)
+    with pytest.raises(ValueError, match="v_scale has shape"):
+        innerq_decode_attention(q, *kq, codes, scale, slot, sym, win, win, 2)
+    with pytest.raises(ValueError, match="both k_sym and v_sym"):
+        innerq_decode_attention(q, *kq, *vq[:3], None, win, win, 2)
+    with pytest.raises(ValueError, match="nothing to attend"):
+        innerq_decode_attention(q, *(t[:, :, :0] for t in kq), *(t[:, :, :0] for t in vq), win[:, :, :0],
+                                win[:, :, :0], 2)
+    with pytest.raises(ValueError, match="unknown quantization mode"):
+        quantize_inner(k, 2, "hybrid_prefill")
+    with pytest.raises(ValueError, match="power of two"):
+        quantize_inner(k[..., :48], 2)
