@@ -144,3 +144,17 @@ def test_json_output_never_overwrites(tmp_path):
     assert target.read_text() == "precious"
     write_json(target, {"a": 1}, overwrite=True)
     assert json.loads(target.read_text()) == {"a": 1}
+
+
+def test_every_script_builds_its_command_line():
+    """Strategy options become flags (--bits, --quant-mode ...): none may clash with a script's own."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    for script in ("chat.py", "perplexity.py", "report.py"):
+        out = subprocess.run([sys.executable, str(repo / "scripts" / script), "--help"], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "--cache" in out.stdout
