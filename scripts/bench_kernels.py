@@ -1,0 +1,278 @@
+"""Kernel latencies of InnerQ's §5.3 on a CUDA GPU: Tables 3-4 (decode vector-matrix products), Figure 4
+(hybrid vs symmetric quantization) and fused 2-bit decode attention against fp16 SDPA.
+
+    python scripts/bench_kernels.py --out results/kernels            # the full sweep, N = 512 ... 131072
+    python scripts/bench_kernels.py --out results/kernels-quick --quick
+
+Head shapes (batch 1): Llama 3.2-1B (8 KV heads of 64, 32 query heads), Llama 3.1-8B (8 KV heads of 128, 32
+query heads), Llama 2-13B (40 heads of 128, MHA). For each N:
+  q·Kᵀ and p·V: fp16 torch.matmul (one vector per KV head, as the paper) vs the 2-bit inner-grouped kernel
+    (InnerQ layout, asymmetric groups) vs the 2-bit outer-grouped kernel (KIVI layout)
+  quantize: InnerQ's 2-bit key quantizer, symmetric vs hybrid, on N fp16 keys per KV head
+  attention: one decode query per query head; fp16 F.scaled_dot_product_attention (GQA) over N tokens vs the
+    fused 2-bit kernel over N - 128 quantized tokens plus a 128-token exact window (sink 32 + recent 96)
+Each latency is the median of --runs CUDA-graph replays (CUDA events) after --warmup replays, with L2 flushed
+before each one (a decode step finds a layer's cache cold). Bandwidth is the bytes each method must read
+(inputs, not outputs) divided by its latency. Before timing, every kernel is checked against its torch
+reference on real quantized data; a mismatch stops the run.
+
+Writes OUT.json and OUT.md (GPU, versions, settings, tables); refuses to replace them without --overwrite.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODELS = {                      # name: (KV heads, head_dim, query heads)
+    "Llama 3.2-1B": (8, 64, 32),
+    "Llama 3.1-8B": (8, 128, 32),
+    "Llama 2-13B": (40, 128, 40),
+}
+FULL_N = [512 * 2 ** i for i in range(9)]          # 512 ... 131072
+QUICK_N = [1024, 16384, 131072]
+BITS = 2
+WINDOW = 128                                       # InnerQ's sink 32 + recent 96, exact
+DEVICE = "cuda"
+FLUSH_BYTES = 256 * 2 ** 20                        # > the H100's 50 MB L2
+
+# (op, baseline method, compared method, comparison row, table title); the paper's "speedup" is the latency
+# reduction 1 - t / t_baseline
+TABLES = [
+    ("qk", "fp16 matmul", "inner 2-bit", "reduction", "Table 3: q·Kᵀ, fp16 torch.matmul vs 2-bit inner-grouped"),
+    ("qk", "outer 2-bit", "inner 2-bit", "reduction",
+     "Table 4: q·Kᵀ, 2-bit outer-grouped (KIVI) vs inner-grouped (InnerQ)"),
+    ("pv", "fp16 matmul", "inner 2-bit", "reduction",
+     "Table 3 (values): p·V, fp16 torch.matmul vs 2-bit inner-grouped"),
+    ("pv", "outer 2-bit", "inner 2-bit", "reduction", "Table 4 (values): p·V, 2-bit outer-grouped vs inner-grouped"),
+    ("quantize", "sym", "hybrid", "ratio", "Figure 4: 2-bit key quantization (InnerQ layout), symmetric vs hybrid"),
+    ("attention", "fp16 SDPA", "fused 2-bit", "speedup",
+     f"Decode attention: fp16 SDPA (GQA) over N tokens vs fused 2-bit InnerQ kernel over N - {WINDOW} quantized "
+     f"+ {WINDOW} exact tokens"),
+]
+COMPARISONS = {   # row label, formatter of t_baseline / t_compared
+    "reduction": ("latency reduction", lambda r: f"{100 * (1 - 1 / r):.1f}%"),
+    "ratio": ("latency ratio hybrid / sym", lambda r: f"{1 / r:.3f}"),
+    "speedup": ("speedup (×)", lambda r: f"{r:.2f}×"),
+}
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="results/kernels", help="output path without suffix: OUT.json, OUT.md")
+    parser.add_argument("--quick", action="store_true", help=f"N in {QUICK_N} instead of {FULL_N[0]}..{FULL_N[-1]}")
+    parser.add_argument("--runs", type=int, default=100, help="timed replays per latency (median; at least 100)")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed replays first")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing OUT.json / OUT.md")
+    args = parser.parse_args()
+    if args.runs < 100:
+        parser.error("--runs must be at least 100")
+    return args
+
+
+class Timer:
+    """Median latency (ms) of a callable captured in a CUDA graph, L2 flushed before each replay."""
+
+    def __init__(self, runs: int, warmup: int):
+        self.runs, self.warmup = runs, warmup
+        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=DEVICE)
+
+    def __call__(self, fn) -> float:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):             # compile / autotune outside the graph
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        for _ in range(self.warmup):
+            graph.replay()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(self.runs)]
+        for start, end in events:
+            self.flush.zero_()
+            start.record()
+            graph.replay()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def synthetic_inner(H: int, N: int, d: int, gen: torch.Generator):
+    """Random codes, fp16 scales and fp32 zero points (as slots) in the inner layout: latency does not
+    depend on the values, and random data spares quantizing gigabytes."""
+    def codes():
+        return torch.randint(-2 ** 31, 2 ** 31, (1, H, N, d * BITS // 32), dtype=torch.int32, device=DEVICE,
+                             generator=gen)
+
+    def groups(shape):
+        scale = (torch.rand(shape, device=DEVICE, generator=gen) * 0.1).half()
+        return scale, torch.randn(shape, device=DEVICE, generator=gen).view(torch.int32)
+
+    return (codes(), *groups((1, H, N, d // 32))), (codes(), *groups((1, H, N // 32, d)))
+
+
+def synthetic_outer(H: int, N: int, d: int, gen: torch.Generator):
+    def codes():
+        return torch.randint(-2 ** 31, 2 ** 31, (1, H, N, d * BITS // 32), dtype=torch.int32, device=DEVICE,
+                             generator=gen)
+
+    def groups(shape):
+        return (torch.rand(shape, device=DEVICE, generator=gen) * 0.1).half(), \
+            torch.randn(shape, device=DEVICE, generator=gen).half()
+
+    return (codes(), *groups((1, H, N // 32, d))), (codes(), *groups((1, H, N, d // 32)))
+
+
+def sanity_check(H: int, d: int, Hq: int) -> dict:
+    """Max relative error of each kernel against its torch reference at N = 1024 (real quantized data)."""
+    from kvzoo.cache.quant import quantize, quantize_unified
+    from kvzoo.kernels import innerq_attention as att, quant_matvec as mv, quantize_pack as qp
+
+    torch.manual_seed(0)
+    N = 1024
+    k, v = torch.randn(2, 1, H, N, d, device=DEVICE)
+    q, p = torch.randn(1, H, d, device=DEVICE).half(), torch.softmax(torch.randn(1, H, N, device=DEVICE), -1).half()
+
+    def rel(got, want):
+        return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+    ku, vu = quantize_unified(k, BITS, -1, "hybrid"), quantize_unified(v, BITS, -2, "hybrid")
+    kin, vin = (ku.codes, ku.scale, ku.slot, ku.sym), (vu.codes, vu.scale, vu.slot, vu.sym)
+    ko, vo = quantize(k, BITS, 32, axis=-2), quantize(v, BITS, 32, axis=-1)
+    kout, vout = (ko.codes, ko.scale, ko.zero), (vo.codes, vo.scale, vo.zero)
+    win = torch.randn(2, 1, H, WINDOW, d, device=DEVICE).half()
+    qa = torch.randn(1, Hq, d, device=DEVICE).half()
+    errors = {
+        "qk inner": rel(mv.qk_inner(q, *kin, BITS), mv.qk_inner_ref(q, *kin, BITS)),
+        "qk outer": rel(mv.qk_outer(q, *kout, BITS), mv.qk_outer_ref(q, *kout, BITS)),
+        "pv inner": rel(mv.pv_inner(p, *vin, BITS), mv.pv_inner_ref(p, *vin, BITS)),
+        "pv outer": rel(mv.pv_outer(p, *vout, BITS), mv.pv_outer_ref(p, *vout, BITS)),
+        "attention": rel(att.innerq_decode_attention(qa, *kin, *vin, *win, BITS),
+                         att.innerq_decode_attention_ref(qa, *kin, *vin, *win, BITS)),
+    }
+    bad = {name: err for name, err in errors.items() if err > 2e-3}
+    for mode in ("sym", "hybrid"):
+        got, want = qp.quantize_inner(k.half(), BITS, mode), qp.quantize_inner_ref(k.half(), BITS, mode)
+        same = all(torch.equal(getattr(got, f), getattr(want, f)) for f in ("codes", "scale", "slot", "sym"))
+        errors[f"quantize {mode} bit-identical"] = same
+        if not same:
+            bad[f"quantize {mode}"] = "differs from quantize_unified"
+    if bad:
+        raise SystemExit(f"kernel check failed for H={H}, d={d}: {bad}")
+    return errors
+
+
+def measure(model: str, N: int, timer: Timer, gen: torch.Generator) -> list[dict]:
+    from kvzoo.kernels import innerq_attention as att, quant_matvec as mv, quantize_pack as qp
+
+    H, d, Hq = MODELS[model]
+    rows = []
+
+    def record(op, method, fn, read):
+        ms = timer(fn)
+        rows.append({"model": model, "N": N, "op": op, "method": method, "ms": ms, "bytes": read,
+                     "GBps": read / ms / 1e6})
+
+    k16, v16 = torch.randn(2, 1, H, N, d, device=DEVICE, generator=gen).half()
+    q16 = torch.randn(1, H, 1, d, device=DEVICE, generator=gen).half()
+    p16 = torch.softmax(torch.randn(1, H, 1, N, device=DEVICE, generator=gen), -1).half()
+    (kc, ks, kz), (vc, vs, vz) = synthetic_inner(H, N, d, gen)
+    (okc, oks, okz), (ovc, ovs, ovz) = synthetic_outer(H, N, d, gen)
+    q, p = q16.view(1, H, d), p16.view(1, H, N)
+
+    kt = k16.transpose(-1, -2)
+    record("qk", "fp16 matmul", lambda: torch.matmul(q16, kt), nbytes(q16, k16))
+    record("qk", "inner 2-bit", lambda: mv.qk_inner(q, kc, ks, kz, None, BITS), nbytes(q, kc, ks, kz))
+    record("qk", "outer 2-bit", lambda: mv.qk_outer(q, okc, oks, okz, BITS), nbytes(q, okc, oks, okz))
+    record("pv", "fp16 matmul", lambda: torch.matmul(p16, v16), nbytes(p16, v16))
+    record("pv", "inner 2-bit", lambda: mv.pv_inner(p, vc, vs, vz, None, BITS), nbytes(p, vc, vs, vz))
+    record("pv", "outer 2-bit", lambda: mv.pv_outer(p, ovc, ovs, ovz, BITS), nbytes(p, ovc, ovs, ovz))
+    for mode in ("sym", "hybrid"):
+        record("quantize", mode, lambda mode=mode: qp.quantize_inner(k16, BITS, mode), nbytes(k16))
+
+    qa = torch.randn(1, Hq, 1, d, device=DEVICE, generator=gen).half()
+    record("attention", "fp16 SDPA", lambda: F.scaled_dot_product_attention(qa, k16, v16, enable_gqa=Hq != H),
+           nbytes(qa, k16, v16))
+    n_q = N - WINDOW
+    cut = (kc[:, :, :n_q], ks[:, :, :n_q], kz[:, :, :n_q], None,
+           vc[:, :, :n_q], vs[:, :, :n_q // 32], vz[:, :, :n_q // 32], None)
+    k_win, v_win = k16[:, :, n_q:].contiguous(), v16[:, :, n_q:].contiguous()
+    record("attention", "fused 2-bit", lambda: att.innerq_decode_attention(qa.view(1, Hq, d), *cut, k_win, v_win, BITS),
+           nbytes(qa, *cut, k_win, v_win))
+    return rows
+
+
+def cell(row: dict) -> str:
+    return f"{row['ms']:.4f} ({row['GBps']:.0f})"
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    ns = sorted({r["N"] for r in rows})
+    by = {(r["model"], r["N"], r["op"], r["method"]): r for r in rows}
+    out = [f"# Kernel latencies ({meta['gpu']})", "",
+           f"torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}; batch 1, {BITS}-bit codes, "
+           f"groups of 32; median of {meta['runs']} CUDA-graph replays after {meta['warmup']}, L2 flushed before "
+           f"each. Cells: latency in ms (bandwidth in GB/s = bytes read / latency).", ""]
+    for op, base, new, comparison, title in TABLES:
+        label, show = COMPARISONS[comparison]
+        out += [f"## {title}", "", "| model | method | " + " | ".join(map(str, ns)) + " |",
+                "|---|---|" + "---|" * len(ns)]
+        for model in MODELS:
+            if (model, ns[0], op, base) not in by:
+                continue
+            for method in (base, new):
+                out.append(f"| {model} | {method} | " + " | ".join(cell(by[model, n, op, method]) for n in ns) + " |")
+            ratios = [by[model, n, op, base]["ms"] / by[model, n, op, new]["ms"] for n in ns]
+            out.append(f"| {model} | {label} | " + " | ".join(map(show, ratios)) + " |")
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernels.py measures Triton kernels on a CUDA GPU and found none; on CPU the kernels "
+                         "only run under the Triton interpreter (tests/test_kernels.py)")
+    if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"):
+        raise SystemExit("unset TRITON_INTERPRET: the benchmark times compiled kernels")
+    import triton
+
+    paths = [Path(args.out + ".json"), Path(args.out + ".md")]
+    existing = [str(p) for p in paths if p.exists()]
+    if existing and not args.overwrite:
+        raise SystemExit(f"{', '.join(existing)} already exist; pass --overwrite to replace them")
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "cuda": torch.version.cuda, "bits": BITS, "window": WINDOW, "runs": args.runs, "warmup": args.warmup,
+            "models": {m: {"kv_heads": h, "head_dim": d, "q_heads": hq} for m, (h, d, hq) in MODELS.items()}}
+    sanity = {model: sanity_check(*MODELS[model]) for model in tqdm(MODELS, desc="checking kernels")}
+    timer, gen = Timer(args.runs, args.warmup), torch.Generator(device=DEVICE).manual_seed(0)
+    rows = []
+    tasks = [(model, n) for model in MODELS for n in (QUICK_N if args.quick else FULL_N)]
+    for model, n in tqdm(tasks, desc="timing"):
+        rows += measure(model, n, timer, gen)
+        torch.cuda.empty_cache()
+    text = markdown(rows, meta)
+    print(text)
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    paths[0].write_text(json.dumps({**meta, "sanity_max_rel_error": sanity, "rows": rows}, indent=1) + "\n")
+    paths[1].write_text(text)
+    print(f"wrote {paths[0]} and {paths[1]}")
+
+
+if __name__ == "__main__":
+    main()
