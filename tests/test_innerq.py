@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_paper_defaults():
     assert str(CacheSpec.parse("innerq")) == \
-        "innerq:bits=2,group_size=32,sink=32,recent=96,quant_mode=hybrid,key_norm=True,outer=False"
+        "innerq:bits=2,group_size=32,sink=32,recent=96,quant_mode=hybrid,key_norm=True,outer=False,fused=True"
 
 
 def test_ratio_at_2048_tokens_matches_formula():
@@ -101,3 +101,20 @@ def test_chat_with_innerq():
                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout and "cache innerq" in out.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused decode kernel needs CUDA (run on the GPU machine)")
+@pytest.mark.parametrize("spec", ["innerq", "innerq:quant_mode=asym,bits=4", "innerq:quant_mode=hybrid_prefill,sink=0"])
+@torch.no_grad()
+def test_fused_decode_matches_torch_decode_on_cuda(spec, tmp_path):
+    from kvzoo.models.loader import load_weights
+    from tests.tiny import tiny_llama
+
+    model = load_weights(tiny_llama(tmp_path, head_dim=64, hidden_size=128), device="cuda")
+    x = torch.randint(0, 97, (2, 200), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    outs = []
+    for fused in ("true", "false"):
+        cache = model.new_cache(f"{spec},fused={fused}" if ":" in spec else f"{spec}:fused={fused}", 2, 200)
+        steps = [model(x[:, :150], cache)] + [model(x[:, t:t + 1], cache) for t in range(150, 200)]
+        outs.append(torch.cat(steps, dim=1))
+    assert (outs[0] - outs[1]).abs().max() < 1e-3

@@ -58,6 +58,7 @@ class InnerQOptions:
     quant_mode: str = "hybrid"
     key_norm: bool = True
     outer: bool = False
+    fused: bool = True     # decode through the Triton kernel (kvzoo/kernels/innerq_attention.py) on CUDA
 
     def __post_init__(self):
         check_bits(self.bits)
@@ -201,6 +202,33 @@ class InnerQCache(KIVICache):
     def reset(self) -> None:
         super().reset()
         self.first_call_q = 0
+
+    # ---- decode: the fused kernel on CUDA ------------------------------------------------------------
+    def _fused_ok(self, q: Tensor, pos: Positions) -> bool:
+        d = self.attn.head_dim
+        return (self.opts.fused and q.is_cuda and not self.opts.outer and self.opts.bits in (2, 4)
+                and pos.mask is None and d >= 32 and d & (d - 1) == 0)
+
+    def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
+        """One token: dequantize-and-attend in one Triton kernel over the packed codes plus the exact
+        windows; the torch path (prefill) where the kernel does not apply (CPU, padding, outer layout)."""
+        if not self._fused_ok(q, pos):
+            return self.prefill(x, q, k, v, pos)
+        from kvzoo.kernels.innerq_attention import innerq_decode_attention
+
+        q, _, k_store = self._qk(q, k, pos)
+        n, in_sink = self.n_q, min(self.length, self.opts.sink)
+        r = self.length - in_sink - n
+        k_win = torch.cat([self.k_sink[:, :, :in_sink], self.k_res[:, :, :r], k_store], dim=2)   # (B, H, W, d)
+        v_win = torch.cat([self.v_sink[:, :, :in_sink], self.v_res[:, :, :r], v], dim=2)
+        sym = self.opts.quant_mode != "asym"
+        out = innerq_decode_attention(
+            q[:, :, 0], self.k_codes[:, :, :n], self.k_scale[:, :, :n], self.k_slot[:, :, :n],
+            self._sym_flags("k", -1, n) if sym else None,
+            self.v_codes[:, :, :n], self.v_scale[:, :, :n // GROUP], self.v_slot[:, :, :n // GROUP],
+            self._sym_flags("v", -2, n) if sym else None, k_win, v_win, self.opts.bits)
+        self._append(k_store, v)
+        return out[:, :, None]                                                 # (B, Hq, 1, d)
 
     # ---- key normalization -------------------------------------------------------------------------
     def _qk(self, q: Tensor, k: Tensor, pos: Positions) -> tuple[Tensor, Tensor, Tensor]:
