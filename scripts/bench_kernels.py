@@ -10,7 +10,9 @@ query heads), Llama 2-13B (40 heads of 128, MHA). For each N:
     (InnerQ layout, asymmetric groups) vs the 2-bit outer-grouped kernel (KIVI layout)
   quantize: InnerQ's 2-bit key quantizer, symmetric vs hybrid, on N fp16 keys per KV head
   attention: one decode query per query head; fp16 F.scaled_dot_product_attention (GQA) over N tokens vs the
-    fused 2-bit kernel over N - 128 quantized tokens plus a 128-token exact window (sink 32 + recent 96)
+    fused 2-bit kernel over N - 128 quantized tokens plus a 128-token exact window (sink 32 + recent 96), and
+    the read floor: a kernel that only streams the fused kernel's input bytes (one contiguous buffer of the
+    same size, 16-byte loads, XOR-reduced), the fastest any kernel over that cache could be on this GPU
 Each latency is the median of --runs CUDA-graph replays (CUDA events) after --warmup replays, with L2 flushed
 before each one (a decode step finds a layer's cache cold). Bandwidth is the bytes each method must read
 (inputs, not outputs) divided by its latency. Before timing, every kernel is checked against its torch
@@ -28,6 +30,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -57,6 +61,8 @@ TABLES = [
     ("attention", "fp16 SDPA", "fused 2-bit", "speedup",
      f"Decode attention: fp16 SDPA (GQA) over N tokens vs fused 2-bit InnerQ kernel over N - {WINDOW} quantized "
      f"+ {WINDOW} exact tokens"),
+    ("attention", "fp16 SDPA", "read floor", "speedup",
+     "Decode attention bound: fp16 SDPA vs a kernel that only reads the fused kernel's input bytes"),
 ]
 COMPARISONS = {   # row label, formatter of t_baseline / t_compared
     "reduction": ("latency reduction", lambda r: f"{100 * (1 - 1 / r):.1f}%"),
@@ -105,6 +111,25 @@ class Timer:
             end.record()
         torch.cuda.synchronize()
         return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+@triton.jit
+def _stream_read_kernel(ptr, out_ptr, n_words, BLOCK: tl.constexpr):
+    """XOR of every int32 word of ptr[:n_words], read in BLOCK-word tiles by a grid-stride loop."""
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for start in range(tl.program_id(0) * BLOCK, n_words, tl.num_programs(0) * BLOCK):
+        acc ^= tl.load(ptr + start + offs, mask=start + offs < n_words, other=0)
+    tl.store(out_ptr + tl.program_id(0), tl.xor_sum(acc, 0))
+
+
+def read_floor(n_bytes: int):
+    """A launch that reads n_bytes from device memory and nothing else: the floor of any kernel that must
+    read them (one launch, like the fused kernel's split pass)."""
+    words = torch.randint(-2 ** 31, 2 ** 31, (-(-n_bytes // 4),), dtype=torch.int32, device=DEVICE)
+    programs = 4 * torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    out = torch.empty(programs, dtype=torch.int32, device=DEVICE)
+    return lambda: _stream_read_kernel[(programs,)](words, out, words.numel(), BLOCK=4096, num_warps=8)
 
 
 def nbytes(*tensors) -> int:
@@ -211,8 +236,10 @@ def measure(model: str, N: int, timer: Timer, gen: torch.Generator) -> list[dict
     cut = (kc[:, :, :n_q], ks[:, :, :n_q], kz[:, :, :n_q], None,
            vc[:, :, :n_q], vs[:, :, :n_q // 32], vz[:, :, :n_q // 32], None)
     k_win, v_win = k16[:, :, n_q:].contiguous(), v16[:, :, n_q:].contiguous()
+    fused_bytes = nbytes(qa, *cut, k_win, v_win)
     record("attention", "fused 2-bit", lambda: att.innerq_decode_attention(qa.view(1, Hq, d), *cut, k_win, v_win, BITS),
-           nbytes(qa, *cut, k_win, v_win))
+           fused_bytes)
+    record("attention", "read floor", read_floor(fused_bytes), fused_bytes)
     return rows
 
 
@@ -226,13 +253,14 @@ def markdown(rows: list[dict], meta: dict) -> str:
     out = [f"# Kernel latencies ({meta['gpu']})", "",
            f"torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}; batch 1, {BITS}-bit codes, "
            f"groups of 32; median of {meta['runs']} CUDA-graph replays after {meta['warmup']}, L2 flushed before "
-           f"each. Cells: latency in ms (bandwidth in GB/s = bytes read / latency).", ""]
+           f"each. Cells: latency in ms (bandwidth in GB/s = bytes read / latency). Device-to-device copy of 1 GiB: "
+           f"{meta['copy_GBps']:.0f} GB/s (bytes read + written).", ""]
     for op, base, new, comparison, title in TABLES:
         label, show = COMPARISONS[comparison]
         out += [f"## {title}", "", "| model | method | " + " | ".join(map(str, ns)) + " |",
                 "|---|---|" + "---|" * len(ns)]
         for model in MODELS:
-            if (model, ns[0], op, base) not in by:
+            if (model, ns[0], op, new) not in by:
                 continue
             for method in (base, new):
                 out.append(f"| {model} | {method} | " + " | ".join(cell(by[model, n, op, method]) for n in ns) + " |")
@@ -249,8 +277,6 @@ def main() -> None:
                          "only run under the Triton interpreter (tests/test_kernels.py)")
     if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"):
         raise SystemExit("unset TRITON_INTERPRET: the benchmark times compiled kernels")
-    import triton
-
     paths = [Path(args.out + ".json"), Path(args.out + ".md")]
     existing = [str(p) for p in paths if p.exists()]
     if existing and not args.overwrite:
@@ -258,6 +284,10 @@ def main() -> None:
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "cuda": torch.version.cuda, "bits": BITS, "window": WINDOW, "runs": args.runs, "warmup": args.warmup,
             "models": {m: {"kv_heads": h, "head_dim": d, "q_heads": hq} for m, (h, d, hq) in MODELS.items()}}
+    src = torch.empty(2 ** 30, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    meta["copy_GBps"] = 2 * src.numel() / Timer(args.runs, args.warmup)(lambda: dst.copy_(src)) / 1e6
+    del src, dst
     sanity = {model: sanity_check(*MODELS[model]) for model in tqdm(MODELS, desc="checking kernels")}
     timer, gen = Timer(args.runs, args.warmup), torch.Generator(device=DEVICE).manual_seed(0)
     rows = []
