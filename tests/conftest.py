@@ -1,10 +1,17 @@
 """Shared fixtures: the converted default model and the evaluation data in ../shared/data."""
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvzoo.eval.datasets import data_dir
+
+# Triton kernels run on CPU tensors only under the interpreter, which must be chosen before triton is first
+# imported (by whichever test module or strategy imports it first); a CUDA machine runs them compiled
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def shared_data_file(name: str) -> Path:

@@ -1,0 +1,115 @@
+"""XQuant's rematerialization (xquant.md §3.1, §3.3, §3.4): dequantize cached codes and multiply them by a
+projection in one pass, so the dequantized activations never reach device memory.
+
+    out (..., N, n_out) = dequant(codes) (..., N, r) @ weight (r, n_out)
+
+XQuant caches X (MHA) or its latent X·U (GQA) as b-bit codes and rebuilds K = X̂ W_k, V = X̂ W_v (or the fused
+Σ Bᵀ of the SVD) at every decode step; XQuant-CL up-projects its latent deltas the same way. The input is a
+`kvzoo.cache.quant.QTensor` quantized along one of its last two axes:
+    per-token   (axis -1): groups of G consecutive channels of one row      scale/zero (..., N, r/G)
+    per-channel (axis -2): groups of G consecutive rows of one channel      scale/zero (..., N/G, r)
+asymmetric (code*scale + zero) or symmetric ((code - 2^(b-1))*scale), b in {2, 4, 8} (codes that never
+straddle an int32 word; 3-bit caches use the torch reference). Codes are packed along r as one bit stream
+(kvzoo.cache.quant.pack): channel j sits at bits (j*b) % 32 of word (j*b) // 32.
+
+Tiling: a program computes a (BLOCK_M, BLOCK_N) tile of out, looping over r in BLOCK_K steps; each step
+loads a (BLOCK_M, BLOCK_K*b/32) tile of words, unpacks it (BLOCK_M, BLOCK_K/cpw, cpw) -> (BLOCK_M, BLOCK_K)
+with the exact 2^23 trick of quant_matvec.unpack_codes, applies each element's scale and zero (gathered:
+any G that divides its axis), rounds to the weight's dtype and accumulates tl.dot in fp32 (exact fp32
+products, input_precision "ieee", when the weight is fp32). Rows past N, channels past r and columns past
+n_out are masked, so r need not be a power of two (SmolLM2's latent has r = 192).
+
+Cost per call (§3.4): 2*N*r*n_out FLOPs against N*r*b/8 bytes of codes plus scales and r*n_out weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kvzoo.cache.quant import QTensor, dequantize
+from kvzoo.kernels.quant_matvec import check_runnable, unpack_codes
+
+REMAT_BITS = (2, 4, 8)
+
+
+@triton.jit
+def _remat_kernel(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_ptr, M, R, N_OUT, WORDS, GROUP,
+                  BITS: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_ZERO: tl.constexpr, IEEE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    CPW: tl.constexpr = 32 // BITS                   # codes per word
+    KW: tl.constexpr = BLOCK_K // CPW                # words per row per step
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live_m = m < M
+    live_n = n < N_OUT
+    rows = m.to(tl.int64)
+    shifts = (tl.arange(0, CPW) * BITS)[None, None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, R, BLOCK_K):
+        wi = k0 // CPW + tl.arange(0, KW)                                          # word index in the row
+        words = tl.load(codes_ptr + rows[:, None] * WORDS + wi[None, :],
+                        mask=live_m[:, None] & (wi < WORDS)[None, :], other=0)      # (BLOCK_M, KW)
+        x = tl.reshape(unpack_codes(words[:, :, None], shifts, BITS), (BLOCK_M, BLOCK_K), can_reorder=False)
+        k = k0 + tl.arange(0, BLOCK_K)
+        live = live_m[:, None] & (k < R)[None, :]
+        if PER_TOKEN:
+            meta = rows[:, None] * (R // GROUP) + (k // GROUP)[None, :]
+        else:
+            meta = (rows // GROUP)[:, None] * R + k[None, :]
+        scale = tl.load(scale_ptr + meta, mask=live, other=0).to(tl.float32)
+        if HAS_ZERO:
+            x = x * scale + tl.load(zero_ptr + meta, mask=live, other=0).to(tl.float32)
+        else:
+            x = (x - (1 << (BITS - 1))) * scale
+        w = tl.load(w_ptr + k[:, None] * N_OUT + n[None, :], mask=(k < R)[:, None] & live_n[None, :], other=0)
+        if IEEE:
+            acc += tl.dot(x, w, input_precision="ieee")
+        else:
+            acc += tl.dot(x.to(w.dtype), w)
+    tl.store(out_ptr + rows[:, None] * N_OUT + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=live_m[:, None] & live_n[None, :])
+
+
+def _check(q: QTensor, weight: Tensor) -> None:
+    if not isinstance(q, QTensor):
+        raise ValueError(f"expected a kvzoo.cache.quant.QTensor, got {type(q).__name__}")
+    if q.bits not in REMAT_BITS:
+        raise ValueError(f"the rematerialization kernel supports bits in {REMAT_BITS}, got {q.bits} "
+                         "(use dequant_matmul_ref)")
+    if q.axis not in (-1, -2) or len(q.shape) < 2:
+        raise ValueError(f"codes must be quantized per token (axis -1) or per channel (axis -2), got axis {q.axis}")
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] != q.shape[-1]:
+        raise ValueError(f"weight must be (r, n_out) with r = {q.shape[-1]}, got "
+                         f"{tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__}")
+    if weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"weight must be fp16, bf16 or fp32, got {weight.dtype}")
+    if weight.device != q.codes.device:
+        raise ValueError(f"weight is on {weight.device}, the codes on {q.codes.device}")
+
+
+def dequant_matmul(q: QTensor, weight: Tensor, block_m: int = 64, block_n: int = 64, num_warps: int = 4) -> Tensor:
+    """dequant(q) @ weight, (..., N, r) @ (r, n_out) -> (..., N, n_out) in weight's dtype."""
+    _check(q, weight)
+    check_runnable(_remat_kernel, weight.device)
+    r, n_out = weight.shape
+    rows = q.codes.numel() // max(q.codes.shape[-1], 1)                 # M = prod(leading dims) * N
+    out = torch.empty(*q.shape[:-1], n_out, dtype=weight.dtype, device=weight.device)
+    if rows == 0 or n_out == 0:
+        return out
+    codes, scale = q.codes.contiguous(), q.scale.contiguous()
+    zero = q.zero.contiguous() if q.zero is not None else scale        # never read when symmetric
+    block_k = max(32, 32 // q.bits * 4)                                # at least 4 words per row per step
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(n_out, block_n))
+    _remat_kernel[grid](codes, scale, zero, weight.contiguous(), out, rows, r, n_out, codes.shape[-1],
+                        q.group_size, BITS=q.bits, PER_TOKEN=q.axis == -1, HAS_ZERO=q.zero is not None,
+                        IEEE=weight.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                        num_warps=num_warps)
+    return out
+
+
+def dequant_matmul_ref(q: QTensor, weight: Tensor) -> Tensor:
+    """The torch reference: dequantize in fp32, multiply in fp32, cast to weight's dtype."""
+    return (dequantize(q, torch.float32) @ weight.float()).to(weight.dtype)

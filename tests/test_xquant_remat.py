@@ -1,0 +1,61 @@
+"""XQuant's rematerialization kernel (kvzoo/kernels/xquant_remat.py) against its torch reference, under the
+Triton interpreter on CPU (`TRITON_INTERPRET=0` on a GPU machine runs it compiled on CUDA)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kvzoo.cache.quant import quantize  # noqa: E402
+from kvzoo.kernels.xquant_remat import dequant_matmul, dequant_matmul_ref  # noqa: E402
+
+DEVICE = "cpu" if os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on", "yes") else "cuda"
+
+
+def check(q, weight, tol):
+    got, want = dequant_matmul(q, weight), dequant_matmul_ref(q, weight)
+    assert got.shape == want.shape and got.dtype == weight.dtype
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("axis,group", [(-1, 32), (-1, 64), (-2, 16)])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_matches_reference_fp32(bits, axis, group, symmetric):
+    g = torch.Generator().manual_seed(bits * 10 + group)
+    # two sequences of 48 rows (not a multiple of the 64-row tile), r = 192 as SmolLM2's latent, 40 outputs
+    x = torch.randn(2, 48, 192, generator=g).to(DEVICE)
+    x[..., 0] *= 20                                                  # an outlier channel, as X·U_k has
+    w = torch.randn(192, 40, generator=g).to(DEVICE)
+    check(quantize(x, bits, group, axis=axis, symmetric=symmetric), w, 1e-5)
+
+
+# the interpreter's bf16 tl.dot is wrong (numpy has no bf16), so bf16 runs only compiled on CUDA
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+def test_half_weights(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(70, 96, generator=g).to(DEVICE)
+    w = (torch.randn(96, 72, generator=g) / 10).to(DEVICE, dtype)
+    check(quantize(x, 4, 32, axis=-1), w, 2e-2 if dtype == torch.bfloat16 else 3e-3)
+
+
+def test_r_not_a_multiple_of_the_step():
+    """r = 48 with 2-bit codes: the second 64-channel step reads past the row's 3 words, masked."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 48, generator=g).to(DEVICE)
+    check(quantize(x, 2, 16, axis=-1), torch.randn(48, 8, generator=g).to(DEVICE), 1e-5)
+
+
+def test_bad_input_is_named():
+    x = torch.randn(32, 64).to(DEVICE)
+    with pytest.raises(ValueError, match="bits in"):
+        dequant_matmul(quantize(x, 3, 32), torch.randn(64, 8).to(DEVICE))
+    with pytest.raises(ValueError, match="weight must be"):
+        dequant_matmul(quantize(x, 2, 32), torch.randn(32, 8).to(DEVICE))
+    with pytest.raises(ValueError, match="QTensor"):
+        dequant_matmul(x, torch.randn(64, 8).to(DEVICE))
