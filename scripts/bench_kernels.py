@@ -23,8 +23,6 @@ Writes OUT.json and OUT.md (GPU, versions, settings, tables); refuses to replace
 
 import argparse
 import json
-import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -36,6 +34,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvzoo.kernels.bench import Timer, output_paths, require_compiled_gpu  # noqa: E402
+
 MODELS = {                      # name: (KV heads, head_dim, query heads)
     "Llama 3.2-1B": (8, 64, 32),
     "Llama 3.1-8B": (8, 128, 32),
@@ -46,7 +46,6 @@ QUICK_N = [1024, 16384, 131072]
 BITS = 2
 WINDOW = 128                                       # InnerQ's sink 32 + recent 96, exact
 DEVICE = "cuda"
-FLUSH_BYTES = 256 * 2 ** 20                        # > the H100's 50 MB L2
 
 # (op, baseline method, compared method, comparison row, table title); the paper's "speedup" is the latency
 # reduction 1 - t / t_baseline
@@ -82,35 +81,6 @@ def parse_args():
     if args.runs < 100:
         parser.error("--runs must be at least 100")
     return args
-
-
-class Timer:
-    """Median latency (ms) of a callable captured in a CUDA graph, L2 flushed before each replay."""
-
-    def __init__(self, runs: int, warmup: int):
-        self.runs, self.warmup = runs, warmup
-        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=DEVICE)
-
-    def __call__(self, fn) -> float:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):             # compile / autotune outside the graph
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        for _ in range(self.warmup):
-            graph.replay()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(self.runs)]
-        for start, end in events:
-            self.flush.zero_()
-            start.record()
-            graph.replay()
-            end.record()
-        torch.cuda.synchronize()
-        return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 @triton.jit
@@ -272,15 +242,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 def main() -> None:
     args = parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_kernels.py measures Triton kernels on a CUDA GPU and found none; on CPU the kernels "
-                         "only run under the Triton interpreter (tests/test_kernels.py)")
-    if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"):
-        raise SystemExit("unset TRITON_INTERPRET: the benchmark times compiled kernels")
-    paths = [Path(args.out + ".json"), Path(args.out + ".md")]
-    existing = [str(p) for p in paths if p.exists()]
-    if existing and not args.overwrite:
-        raise SystemExit(f"{', '.join(existing)} already exist; pass --overwrite to replace them")
+    require_compiled_gpu("bench_kernels.py", "tests/test_kernels.py")
+    paths = output_paths(args.out, args.overwrite)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "cuda": torch.version.cuda, "bits": BITS, "window": WINDOW, "runs": args.runs, "warmup": args.warmup,
             "models": {m: {"kv_heads": h, "head_dim": d, "q_heads": hq} for m, (h, d, hq) in MODELS.items()}}

@@ -30,8 +30,6 @@ Writes OUT.json and OUT.md; refuses to replace them without --overwrite.
 
 import argparse
 import json
-import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -40,6 +38,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvzoo.kernels.bench import Timer, output_paths, require_compiled_gpu  # noqa: E402
 
 SHAPES = {            # name: (hidden d, KV heads, head_dim, query heads)
     "Llama-2-7B (MHA)": (4096, 32, 128, 32),
@@ -51,7 +51,6 @@ QUICK_N = [4096, 32768, 131072]
 GROUP = 128           # the paper's quantization group (§4: 128 for every method); per-token groups of a
                       # width that 128 does not divide (SmolLM2's r = 192) use one head (64) instead
 DEVICE = "cuda"
-FLUSH_BYTES = 256 * 2 ** 20
 
 
 def parse_args():
@@ -69,35 +68,6 @@ def parse_args():
     if bad:
         parser.error(f"--bits {bad}: the rematerialization kernel takes 2, 4 or 8")
     return args
-
-
-class Timer:
-    """Median latency (ms) of a callable captured in a CUDA graph, L2 flushed before each replay."""
-
-    def __init__(self, runs: int, warmup: int):
-        self.runs, self.warmup = runs, warmup
-        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=DEVICE)
-
-    def __call__(self, fn) -> float:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        for _ in range(self.warmup):
-            graph.replay()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(self.runs)]
-        for start, end in events:
-            self.flush.zero_()
-            start.record()
-            graph.replay()
-            end.record()
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
 def rope(x, cos, sin):
@@ -145,7 +115,7 @@ def measure(shape: str, n: int, bits: int, timer: Timer, ceilings: dict) -> list
 
     k16 = torch.randn(1, h, n, hd, device=DEVICE, generator=g).half()
     v16 = torch.randn_like(k16)
-    record(f"fp16 KV", lambda: attend(k16, v16), 2 * k16.nbytes)
+    record("fp16 KV", lambda: attend(k16, v16), 2 * k16.nbytes)
     sdpa_ms = rows[-1]["ms"]
 
     # XQuant: quantized X (MHA) or latents (GQA), rematerialized by the fused kernel
@@ -241,20 +211,13 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 def main() -> None:
     args = parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_xquant.py times Triton kernels on a CUDA GPU and found none; on CPU the kernel "
-                         "runs only under the Triton interpreter (tests/test_xquant_remat.py)")
-    if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"):
-        raise SystemExit("unset TRITON_INTERPRET: the benchmark times compiled kernels")
+    require_compiled_gpu("bench_xquant.py", "tests/test_xquant_remat.py")
     import triton
 
     from kvzoo.cache.quant import quantize
     from kvzoo.kernels.xquant_remat import dequant_matmul, dequant_matmul_ref
 
-    paths = [Path(args.out + ".json"), Path(args.out + ".md")]
-    existing = [str(p) for p in paths if p.exists()]
-    if existing and not args.overwrite:
-        raise SystemExit(f"{', '.join(existing)} already exist; pass --overwrite to replace them")
+    paths = output_paths(args.out, args.overwrite)
     for bits in args.bits:                         # the kernel against its reference before any timing
         for axis in (-1, -2):
             qx = quantize(torch.randn(2, 256, 192, device=DEVICE), bits, 64, axis=axis)

@@ -1,0 +1,60 @@
+"""What the GPU benchmark scripts (scripts/bench_*.py) share: a CUDA-graph timer that finds the cache cold,
+the checks that refuse to time on the wrong machine, and output paths that are never overwritten silently."""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+
+import torch
+
+FLUSH_BYTES = 256 * 2 ** 20                        # > the 50-60 MB L2 of an H100 / H200
+
+
+class Timer:
+    """Median latency (ms) of a callable captured in a CUDA graph: warm-up replays, then `runs` timed
+    replays (CUDA events), L2 flushed before each one (a decode step finds a layer's cache cold)."""
+
+    def __init__(self, runs: int, warmup: int, device: str = "cuda"):
+        self.runs, self.warmup = runs, warmup
+        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
+
+    def __call__(self, fn) -> float:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):             # compile / autotune outside the graph
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        for _ in range(self.warmup):
+            graph.replay()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(self.runs)]
+        for start, end in events:
+            self.flush.zero_()
+            start.record()
+            graph.replay()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def require_compiled_gpu(script: str, tests: str) -> None:
+    """Exit with a clear message unless a CUDA GPU is there and the Triton interpreter is off."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} times Triton kernels on a CUDA GPU and found none; on CPU the kernels run only "
+                         f"under the Triton interpreter ({tests})")
+    if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"):
+        raise SystemExit("unset TRITON_INTERPRET: the benchmark times compiled kernels")
+
+
+def output_paths(out: str, overwrite: bool) -> list[Path]:
+    """OUT.json and OUT.md; exits before any work if either exists and overwrite is off."""
+    paths = [Path(out + ".json"), Path(out + ".md")]
+    existing = [str(p) for p in paths if p.exists()]
+    if existing and not overwrite:
+        raise SystemExit(f"{', '.join(existing)} already exist; pass --overwrite to replace them")
+    return paths
