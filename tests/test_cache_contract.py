@@ -17,6 +17,8 @@ LOSSLESS = {
     "kivi": "kivi:bits=2,group_size=8,residual=64",      # the window covers every token of the tests
     "kivi-pre": "kivi-pre:bits=2,group_size=8,residual=64",
     "innerq": "innerq:sink=16,recent=64",                 # key normalization on: must stay exact
+    "xquant": "xquant:bits=16",                           # no quantization: K, V rematerialized from X U_k, X U_v
+    "xquant-cl": "xquant-cl:bits=16,high_bits=16,base_layer=0",   # layer 1 caches its latent delta
 }
 LOSSY = {
     "fp16": "fp16",
@@ -28,6 +30,10 @@ LOSSY = {
     "innerq": "innerq:sink=4,recent=0,key_norm=false",
     "innerq-sym-outer": "innerq:bits=3,sink=0,recent=32,quant_mode=sym,outer=true,key_norm=false",
     "innerq-asym": "innerq:bits=4,sink=7,recent=0,quant_mode=asym,key_norm=false",
+    "xquant": "xquant:bits=2,group_size=8,residual=8",
+    "xquant-outlier": "xquant:bits=3,group_size=16,residual=0,outlier_channel=true",
+    "xquant-cl": "xquant-cl:bits=2,high_layers=1,base_layer=0,group_size=16",        # base 4-bit, a 2-bit delta
+    "xquant-cl-plain-first": "xquant-cl:bits=3,high_layers=0,base_layer=1,group_size=8,residual=8",
 }
 T = 48
 

@@ -1,0 +1,202 @@
+"""XQuant-CL: XQuant over cross-layer deltas of X, accumulated from a higher-precision base layer.
+
+Paper: Tomar, Hooper et al., "XQuant" (../shared/papers/xquant.md): §3.2 (MHA), §3.3.2 (GQA), Figure 4
+(decode), Figure A.1 (prefill), §4.3 (settings). Plain XQuant, whose storage this reuses, is xquant.py.
+
+The residual stream changes little from one layer to the next, so the layer inputs X_i (after RMSNorm)
+of successive layers are close. From the base layer b on, layer i > b caches only its delta against the
+running approximation, quantized:
+
+    X̂_b = Q(X_b)                          the base, kept in higher precision
+    ΔX̂_i = Q(X_i - X̂_{i-1})               (MHA; GQA: Q((X_i - X̂_{i-1}) U_kv), see below)
+    X̂_i = X̂_{i-1} + ΔX̂_i                  the accumulator, handed from layer i to layer i + 1
+    K_i = X̂_i W_k,  V_i = X̂_i W_v          (then RoPE at the cached positions)
+
+so a layer reads the accumulator and its own delta, never all the deltas before it. The accumulator is
+rebuilt in every forward pass: the base layer dequantizes X̂_b for every stored token, and each layer
+adds its delta and hands X̂_i (B, L, hidden), fp32, to the next (`prev` is the previous layer's cache),
+which takes it and drops the reference. Its storage between passes is therefore the base's codes, at
+the base's precision high_bits (the paper's accumulator precision e_b = 4 bits, §3.4); the running sum
+is working memory of one pass, like the dequantized history of any strategy's torch path, and is not
+in nbytes(). New tokens are stored before attention (Figure A.1 for a prompt, Figure 4 for one token):
+layer i's delta of a new token is taken against X̂_{i-1} of that token, which the previous layers wrote
+in this same pass.
+
+GQA (§3.3.2): a delta is as wide as X, wider than K+V. The thin SVD [W_k | W_v] = U_kv Σ_kv B_kvᵀ
+(hidden x 2*n_kv*hd, fp32, at cache construction) gives a shared basis U_kv (hidden, r_kv),
+r_kv = min(hidden, 2*n_kv*hd); the delta is cached as the latent (X_i - X̂_{i-1}) U_kv and added back
+as ΔX̂ U_kvᵀ. Without quantization this is lossless for layer i's K and V, because U_kv U_kvᵀ W_kv = W_kv:
+(X̂_{i-1} + (X_i - X̂_{i-1}) U_kv U_kvᵀ) W_kv = X_i W_kv.
+
+Layers (§4.3: "the first 3 layers are quantized in 4-bit ... we use the third layer as the
+higher-precision base layer which becomes the accumulator"; base_layer counts from 0):
+    i < base_layer   plain XQuant (xquant.py, with its window) at high_bits if i < high_layers, else bits
+    i = base_layer   X_i per token at high_bits (hidden wide, also for GQA: the accumulator lives in X's space)
+    i > base_layer   the delta per token at high_bits if i < high_layers, else bits
+Deltas and the base are quantized per token (groups of Gt = the largest divisor of the row width <= G
+channels), so a token is quantized as soon as it is stored and no full-precision window is needed; the
+paper's residual window exists for per-channel groups (§4), which only the layers before the base have.
+
+Stored per layer i >= base_layer (B rows, N = max_len slots, w = hidden (base, MHA deltas) or r_kv):
+    codes int32 (B, N, w*b/32), scale/zero fp16 (B, N, w/Gt)     (bits = 16: rows (B, N, w) at the model's dtype)
+    GQA deltas: U_kv (hidden, r_kv) fp32, a weight factor not counted in nbytes()
+Bytes per token and layer: w*b/8 + 4*w/Gt; layers before the base: xquant.py's formula.
+SmolLM2-135M (hidden 576, r_kv = 384, 30 layers; fp16 K+V: 30 * 768 = 23,040 B/token), defaults, L = 2048:
+    layers 0-1 XQuant 4-bit 2 * 206 + base 576*4/8 + 4*576/96 = 312 + 27 deltas * (384*3/8 + 4*384/128 = 156)
+    = 4,936 B/token, ratio 0.214 (paper: 0.21 at 3 bits); bits = 2: 3,640 B, 0.158 (paper: 0.15).
+
+Paper settings (the defaults): bits = 3 (the abstract's "10x with 0.01 perplexity degradation"; Table 4
+also reports 4 and 2), high_bits = 4 for the first high_layers = 3 layers, base_layer = 2 (the third
+layer), G = 128 (§4), residual R = 0 for the layers before the base, asymmetric uniform quantization.
+bits = high_bits = 16 turn quantization off (rows at the model's precision): the fp16 attention up to
+fp32 rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvzoo.cache.base import CacheSpec, LayerCache, Positions, attend, attend_split, full_mask, register
+from kvzoo.cache.quant import QTensor
+from kvzoo.cache.xquant import (LatentStore, XQuantCache, XQuantOptions, check_latent_bits, check_window,
+                                dequantize_latent, heads, rope_stored_keys, svd_factors)
+
+
+@dataclass(frozen=True)
+class XQuantCLOptions:
+    bits: int = 3
+    high_bits: int = 4
+    high_layers: int = 3
+    base_layer: int = 2
+    group_size: int = 128
+    residual: int = 0       # the window of the plain-XQuant layers before the base
+
+    def __post_init__(self):
+        check_latent_bits(self.bits)
+        check_latent_bits(self.high_bits, "high_bits")
+        check_window(self.group_size, self.residual)
+        if self.high_layers < 0:
+            raise ValueError(f"high_layers must be >= 0, got {self.high_layers}")
+        if self.base_layer < 0:
+            raise ValueError(f"base_layer must be >= 0 (a layer index, counted from 0), got {self.base_layer}")
+
+
+def accumulate(acc: Tensor | None, delta: QTensor | Tensor, up: Tensor | None) -> Tensor:
+    """X̂_i = X̂_{i-1} + ΔX̂_i U_kvᵀ: dequantize a layer's cached rows (B, N, w), up-project them (GQA:
+    up = U_kvᵀ (r_kv, hidden); MHA: None) and add them to the accumulator (None at the base layer).
+    (B, N, hidden) fp32. The step a fused rematerialization kernel replaces, with the K/V projection."""
+    x = dequantize_latent(delta, None, torch.float32)
+    if up is not None:
+        x = x @ up
+    return x if acc is None else acc + x
+
+
+@register("xquant-cl")
+class XQuantCLCache(LayerCache):
+    Options = XQuantCLOptions
+
+    def __init__(self, spec, layer, prev, batch_size, max_len):
+        super().__init__(spec, layer, prev, batch_size, max_len)
+        o, i = self.opts, layer.layer_idx
+        self.chain = prev.chain if prev is not None else []     # every layer's cache, shared (a plain list)
+        self.chain.append(self)
+        self.bits = o.high_bits if i < o.high_layers or i == o.base_layer else o.bits
+        self.role = "xquant" if i < o.base_layer else "base" if i == o.base_layer else "delta"
+        self._acc: Tensor | None = None                          # X̂_i of this pass, for the next layer
+        if self.role == "xquant":
+            plain = XQuantOptions(bits=self.bits, group_size=o.group_size, residual=o.residual)
+            self.plain = XQuantCache(CacheSpec("xquant", plain), layer, None, batch_size, max_len)
+            return
+        weight = layer.k_proj.weight
+        width = weight.shape[1]                                   # hidden
+        self.gqa = self.role == "delta" and layer.n_kv_heads < layer.n_heads
+        if self.gqa:
+            kv = torch.cat([layer.k_proj.weight, layer.v_proj.weight], dim=0)      # [W_k | W_v]ᵀ (2 n_kv hd, hidden)
+            self.register_buffer("down", svd_factors(kv)[0], persistent=False)     # U_kv (hidden, r_kv)
+            width = self.down.shape[1]
+        self.store = LatentStore(batch_size, max_len, 0, width, self.bits, o.group_size, False, weight.dtype,
+                                 weight.device)
+
+    def _check_base(self) -> None:
+        n = len(self.chain)
+        if self.opts.base_layer >= n:
+            raise ValueError(f"xquant-cl base_layer={self.opts.base_layer} is not a layer of this {n}-layer model; "
+                             f"accepted: 0 to {n - 1}")
+
+    # ---- the accumulator ---------------------------------------------------------------------------
+    def _advance(self, x: Tensor) -> Tensor:
+        """Store the chunk x (B, T, hidden) and return X̂ of this layer for every stored token
+        (B, L, hidden), fp32, handing it on to the next layer."""
+        a, b = self.length, self.length + x.shape[1]
+        if self.role == "base":
+            self.store.write(a, b, x)
+            acc = accumulate(None, self.store.quantized(b)[0], None)
+        else:
+            prev = self.prev[0]
+            acc_prev, prev._acc = prev._acc, None
+            assert acc_prev is not None and acc_prev.shape[1] == b, "the previous layer did not hand on X̂"
+            delta = x.float() - acc_prev[:, a:]                            # X_i - X̂_{i-1} (B, T, hidden)
+            if self.gqa:
+                delta = delta @ self.down                                   # its latent (B, T, r_kv)
+            self.store.write(a, b, delta)
+            acc = accumulate(acc_prev, self.store.quantized(b)[0], self.down.T if self.gqa else None)
+        self.length = b
+        self._acc = acc if self.attn.layer_idx + 1 < len(self.chain) else None
+        return acc
+
+    def _kv(self, acc: Tensor) -> tuple[Tensor, Tensor]:
+        """K = X̂ W_k and V = X̂ W_v (before RoPE) for rows of X̂ (B, N, hidden): (B, n_kv, N, hd) each."""
+        dtype, H = self.attn.k_proj.weight.dtype, self.attn.n_kv_heads
+        x = acc.to(dtype)
+        return heads(self.attn.k_proj(x), H, dtype), heads(self.attn.v_proj(x), H, dtype)
+
+    # ---- attention ---------------------------------------------------------------------------------
+    def prefill(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
+        """The history rematerialized from X̂ plus the new chunk exact."""
+        self._check_base()
+        if self.role == "xquant":
+            out = self.plain.prefill(x, q, k, v, pos)
+            self.length = self.plain.length
+            return out
+        start = self.length
+        hist_k, hist_v = self._kv(self._advance(x)[:, :start])
+        keys = rope_stored_keys(self.attn, torch.cat([hist_k, k], dim=2), pos)
+        return attend(self.attn.rope.apply(q, pos.ids), keys, torch.cat([hist_v, v], dim=2), pos.mask)
+
+    decode = prefill
+
+    def simulate(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
+        """Tokens are quantized as they are stored, so query slot s sees every earlier slot as stored
+        (rematerialized from X̂) and itself exact."""
+        self._check_base()
+        if self.role == "xquant":
+            out = self.plain.simulate(x, q, k, v, pos)
+            self.length = self.plain.length
+            return out
+        start = self.length
+        round_k, round_v = self._kv(self._advance(x))                          # (B, H, L, hd)
+        exact_k = torch.cat([round_k[:, :, :start], k], dim=2)
+        exact_v = torch.cat([round_v[:, :, :start], v], dim=2)
+        L = self.length
+        q_slots = torch.arange(start, L, device=q.device)
+        use_round = torch.arange(L, device=q.device)[None, :] < q_slots[:, None]   # (T, L)
+        return attend_split(self.attn.rope.apply(q, pos.ids), rope_stored_keys(self.attn, exact_k, pos), exact_v,
+                            rope_stored_keys(self.attn, round_k, pos), round_v, use_round, full_mask(pos, L, q.device))
+
+    # ---- bytes -------------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        return self.plain.nbytes() if self.role == "xquant" else self.store.nbytes(self.length, 0)
+
+    def formula_nbytes(self, length: int) -> int:
+        if self.role == "xquant":
+            return self.plain.formula_nbytes(length)
+        return round(self.batch_size * length * self.store.token_bytes())
+
+    def reset(self) -> None:
+        super().reset()
+        self._acc = None
+        if self.role == "xquant":
+            self.plain.reset()
