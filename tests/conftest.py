@@ -6,12 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvzoo.eval.datasets import data_dir
-
 # Triton kernels run on CPU tensors only under the interpreter, which must be chosen before triton is first
-# imported (by whichever test module or strategy imports it first); a CUDA machine runs them compiled
+# imported (importing kvzoo does: the XQuant cache imports its kernel); a CUDA machine runs them compiled
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kvzoo.eval.datasets import data_dir  # noqa: E402
 
 
 def shared_data_file(name: str) -> Path:

@@ -75,9 +75,9 @@ def test_cli_flags_and_cache_opts_make_one_spec():
     parser = argparse.ArgumentParser()
     add_model_args(parser)
     args = parser.parse_args(["--cache", "kivi", "--bits", "4", "--group-size", "32", "--residual", "64"])
-    assert str(parse_cache_args(parser, args)) == "kivi:bits=4,group_size=32,residual=64,sink=0"
+    assert str(parse_cache_args(parser, args)) == "kivi:bits=4,group_size=32,residual=64,sink=0,high_layers=0,high_bits=4"
     args = parser.parse_args(["--cache", "kivi-pre", "--cache-opts", "bits=3,residual=96"])
-    assert str(parse_cache_args(parser, args)) == "kivi-pre:bits=3,group_size=32,residual=96,sink=0"
+    assert str(parse_cache_args(parser, args)) == "kivi-pre:bits=3,group_size=32,residual=96,sink=0,high_layers=0,high_bits=4"
     args = parser.parse_args(["--cache", "fp16", "--bits", "2"])
     with pytest.raises(SystemExit):
         parse_cache_args(parser, args)

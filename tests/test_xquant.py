@@ -1,6 +1,7 @@
 """XQuant and XQuant-CL: what is cached (X for MHA, SVD latents for GQA, cross-layer deltas), exactness
 with quantization off, simulated == streaming, bytes at SmolLM2's shapes, options, chat."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import torch
 
 from kvzoo.cache.base import CacheSpec, fp16_kv_nbytes
 from kvzoo.cache.quant import dequantize, quantize
-from kvzoo.cache.xquant import token_group
+from kvzoo.cache.xquant import rematerialize, token_group
 from kvzoo.config import ModelConfig
 from kvzoo.models.llama import Transformer
 from kvzoo.models.loader import load_weights
@@ -19,6 +20,7 @@ from tests.test_kivi import SMOLLM_ATTENTION, smollm_shaped_layer_cache
 from tests.tiny import tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
+KERNEL_DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes") else "cuda"
 T = 48
 
 
@@ -43,7 +45,7 @@ def layer_inputs(model):
 
 
 def test_paper_defaults():
-    assert str(CacheSpec.parse("xquant")) == "xquant:bits=4,group_size=128,residual=0,outlier_channel=False"
+    assert str(CacheSpec.parse("xquant")) == "xquant:bits=4,group_size=128,residual=0,outlier_channel=False,high_layers=0,high_bits=4"
     assert str(CacheSpec.parse("xquant-cl")) == \
         "xquant-cl:bits=3,high_bits=4,high_layers=3,base_layer=2,group_size=128,residual=0"
     assert token_group(192, 128) == 96 and token_group(4096, 128) == 128 and token_group(576, 128) == 96
@@ -179,6 +181,46 @@ def test_cl_gqa_latent_is_narrower_than_x(tmp_path):
     assert (ours - reference).abs().max() < 1e-5
 
 
+# ---- the fused rematerialization kernel on the decode path ------------------------------------------------
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("axis, first", [(-2, False), (-2, True), (-1, False)])
+def test_fused_rematerialize_equals_torch_path(bits, axis, first):
+    """What the cache does on a GPU (dequant_matmul, here under the interpreter) equals its torch path:
+    X U_k per channel (with or without the exact first channel), X U_v per token, r = 192 as SmolLM2."""
+    gen = torch.Generator().manual_seed(bits)
+    z = torch.randn(2, 64, 192, generator=gen).to(KERNEL_DEVICE)
+    up = torch.randn(192, 96, generator=gen).to(KERNEL_DEVICE)
+    q = quantize(z[..., 1:] if first else z, bits, 32 if axis == -2 else 64 if not first else 191, axis=axis)
+    head = z[..., :1] if first else None
+    fused = rematerialize(q, head, up, fused=True)
+    assert torch.allclose(fused, rematerialize(q, head, up, fused=False), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the cache takes the fused path on CUDA tensors")
+@torch.no_grad()
+def test_cuda_decode_uses_the_kernel(tmp_path, monkeypatch):
+    """On a GPU every packed latent goes through dequant_matmul; swapping in its torch reference changes
+    the logits only by rounding."""
+    import kvzoo.cache.xquant as xq
+    from kvzoo.kernels import xquant_remat
+
+    model = load_weights(tiny_llama(tmp_path, num_hidden_layers=3)).cuda()
+    x = tokens().cuda()
+    spec = "xquant:bits=4,group_size=16,outlier_channel=true"
+    calls = []
+
+    def counting(q, weight):
+        calls.append(q.bits)
+        return xquant_remat.dequant_matmul(q, weight)
+
+    monkeypatch.setattr(xq, "dequant_matmul", counting)
+    fused, _ = stream(model, spec, x, prefill=20)
+    assert calls
+    monkeypatch.setattr(xq, "dequant_matmul", xquant_remat.dequant_matmul_ref)
+    reference, _ = stream(model, spec, x, prefill=20)
+    assert torch.allclose(fused, reference, rtol=1e-3, atol=1e-3)
+
+
 # ---- storage and bytes --------------------------------------------------------------------------------
 def test_quantized_once_whatever_the_chunking():
     cache = smollm_shaped_layer_cache("xquant:bits=3,group_size=32,residual=64", 400, dtype=torch.float32)
@@ -224,6 +266,7 @@ def smollm_shaped():
 @pytest.mark.parametrize("spec, per_token", [
     ("xquant", 30 * 206),
     ("xquant:bits=2", 30 * 110),
+    ("xquant:bits=2,high_layers=3", 3 * 206 + 27 * 110),     # Table 4's rule: the first 3 layers at 4 bits
     ("xquant-cl", 2 * 206 + 312 + 27 * 156),        # layers 0-1 XQuant 4-bit, base 2 (576 wide, 4-bit), 3-bit deltas
     ("xquant-cl:bits=2", 2 * 206 + 312 + 27 * 108),
 ])
@@ -233,6 +276,15 @@ def test_smollm_ratio_to_fp16_at_2048(smollm_shaped, spec, per_token):
     smollm_shaped(torch.randint(0, 64, (1, 2048)), cache)
     assert cache.nbytes() == sum(layer.formula_nbytes(2048) for layer in cache.layers) == 2048 * per_token
     assert cache.nbytes() / fp16_kv_nbytes(30, 3, 64, 2048) == pytest.approx(per_token / 23040)
+
+
+@torch.no_grad()
+def test_kivi_first_layers_at_high_bits(smollm_shaped):
+    """KIVI* of Table 4: layers 0-2 hold 4-bit codes (8 words per 64-wide head), the rest 2-bit (4 words)."""
+    cache = smollm_shaped.new_cache("kivi-pre:bits=2,high_layers=3", batch_size=1, max_len=256)
+    smollm_shaped(torch.randint(0, 64, (1, 256)), cache)
+    assert [layer.k_codes.shape[-1] for layer in cache.layers] == [8] * 3 + [4] * 27
+    assert all(layer.nbytes() == layer.formula_nbytes(256) for layer in cache.layers)
 
 
 @torch.no_grad()
@@ -253,7 +305,10 @@ def test_bf16_model_keeps_rows_in_bf16(tmp_path):
     ("xquant:group_size=0", "group_size must be >= 1, got 0"),
     ("xquant:outlier_channel=maybe", "outlier_channel='maybe' is not a valid bool"),
     ("xquant:window=4", "cache 'xquant' has no option window; accepted options: bits, group_size, residual, "
-                        "outlier_channel"),
+                        "outlier_channel, high_layers, high_bits"),
+    ("xquant:high_bits=7", "unsupported high_bits=7"),
+    ("kivi:high_bits=7", "unsupported bit width 7"),
+    ("kivi-pre:high_layers=-1", "high_layers must be >= 0, got -1"),
     ("xquant-cl:high_bits=1", "unsupported high_bits=1; accepted: 2, 3, 4, 8, or 16"),
     ("xquant-cl:base_layer=-1", "base_layer must be >= 0"),
     ("xquant-cl:high_layers=-2", "high_layers must be >= 0, got -2"),

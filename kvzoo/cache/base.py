@@ -180,6 +180,9 @@ class LayerCache(nn.Module):
                  batch_size: int, max_len: int):
         super().__init__()
         self.spec, self.opts = spec, spec.options
+        if layer.layer_idx < getattr(self.opts, "high_layers", 0):
+            # the papers' "first layers in higher precision" rule (XQuant Table 4: the first 3 at 4 bits)
+            self.opts = dataclasses.replace(self.opts, bits=self.opts.high_bits)
         self.layer = [layer]      # a list, so nn.Module does not register the model's weights as ours
         self.prev = [prev]
         self.batch_size, self.max_len = batch_size, max_len

@@ -25,7 +25,8 @@ Bytes per token, per layer and KV head: quantized d*b/4 (K and V codes, d a mult
 (fp16 key scale and zero) + 4*d/Gv (value scale and zero); residual 2*d*bytes(dtype). fp16 cache: 4*d.
 For b=2, G=32, d=64: 48 vs 256 bytes, and at L=2048, R=128: (1920*48 + 128*256) / (2048*256) = 0.2383 of the fp16 cache.
 
-Paper settings: b = 2 (also 4), G = 32, R = 128 (Llama/Mistral); scales and zeros in fp16.
+Paper settings: b = 2 (also 4), G = 32, R = 128 (Llama/Mistral); scales and zeros in fp16. The XQuant
+paper's KIVI* rows of its Table 4 keep the first 3 layers at 4 bits: `high_layers=3` (`high_bits=4`).
 """
 
 from __future__ import annotations
@@ -47,9 +48,14 @@ class KIVIOptions:
     group_size: int = 32
     residual: int = 128
     sink: int = 0          # "KIVI+sink" (InnerQ's baseline): the first tokens also stay exact
+    high_layers: int = 0   # the first high_layers layers use high_bits (XQuant Table 4: 3 layers at 4 bits)
+    high_bits: int = 4
 
     def __post_init__(self):
         check_bits(self.bits)
+        check_bits(self.high_bits)
+        if self.high_layers < 0:
+            raise ValueError(f"high_layers must be >= 0, got {self.high_layers}")
         if self.group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
         if self.residual < 0 or self.residual % self.group_size:

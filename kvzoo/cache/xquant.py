@@ -45,7 +45,8 @@ paper's 0.27); b = 3: 0.206; b = 2: 110 B, 0.143. At L = 2048 and R = 0 every to
 
 Paper settings (the defaults): b = 4 (the abstract's "<0.1 perplexity degradation" setting; Table 1
 also reports 3 and 2), G = 128 for every quantizer (§4), R = 0 (a window of < G tokens), asymmetric
-uniform quantization, fp16 scales and zeros, no outlier channel (Table B.1 turns it on).
+uniform quantization, fp16 scales and zeros, no outlier channel (Table B.1 turns it on). Table 4 keeps
+the first 3 layers at 4 bits for every method: `high_layers=3` (`high_bits=4`).
 bits = 16 turns quantization off: every row is kept at the model's precision (16-bit in an fp16/bf16
 run, fp32 in an fp32 one), which rematerializes the fp16 cache's attention up to fp32 rounding.
 """
@@ -59,6 +60,7 @@ from torch import Tensor, nn
 
 from kvzoo.cache.base import LayerCache, Positions, attend, attend_split, full_mask, register
 from kvzoo.cache.quant import SUPPORTED_BITS, QTensor, dequantize, packed_words, quantize
+from kvzoo.kernels.xquant_remat import REMAT_BITS, dequant_matmul
 
 SCALE_DTYPE = torch.float16
 EXACT = 16        # bits = 16: no quantization, rows kept at the model's precision
@@ -96,10 +98,18 @@ def dequantize_latent(latent: QTensor | Tensor, first: Tensor | None, dtype: tor
     return x if first is None else torch.cat([first.to(dtype), x], dim=-1)
 
 
-def rematerialize(latent: QTensor | Tensor, first: Tensor | None, up: Tensor) -> Tensor:
+def rematerialize(latent: QTensor | Tensor, first: Tensor | None, up: Tensor, fused: bool | None = None) -> Tensor:
     """K or V (flat heads, before RoPE) from cached rows: dequantize (B, N, c) and multiply by the
     up-projection `up` (c, n_kv*hd) -> (B, N, n_kv*hd) in up's dtype. This is all XQuant adds to a KV
-    cache's decode step, kept in one function so that a fused Triton kernel can replace it."""
+    cache's decode step. Packed 2/4/8-bit codes on a GPU (or with fused=True: the Triton interpreter in
+    tests) go through the fused kernel kvzoo.kernels.xquant_remat.dequant_matmul, so the dequantized rows
+    never reach device memory; 3-bit codes and exact rows take the torch path."""
+    if fused is None:
+        fused = isinstance(latent, QTensor) and latent.codes.is_cuda
+    if fused and isinstance(latent, QTensor) and latent.bits in REMAT_BITS:
+        if first is None:
+            return dequant_matmul(latent, up)
+        return dequant_matmul(latent, up[1:]) + first.to(up.dtype) @ up[:1]      # channel 0 kept exact
     return dequantize_latent(latent, first, up.dtype) @ up
 
 
@@ -198,9 +208,14 @@ class XQuantOptions:
     group_size: int = 128
     residual: int = 0
     outlier_channel: bool = False    # GQA: the first channel of X U_k at full precision (Table B.1)
+    high_layers: int = 0             # the first high_layers layers use high_bits (Table 4: 3 layers at 4 bits)
+    high_bits: int = 4
 
     def __post_init__(self):
         check_latent_bits(self.bits)
+        check_latent_bits(self.high_bits, "high_bits")
+        if self.high_layers < 0:
+            raise ValueError(f"high_layers must be >= 0, got {self.high_layers}")
         check_window(self.group_size, self.residual)
 
 

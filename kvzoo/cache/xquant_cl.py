@@ -62,7 +62,8 @@ from torch import Tensor
 from kvzoo.cache.base import CacheSpec, LayerCache, Positions, attend, attend_split, full_mask, register
 from kvzoo.cache.quant import QTensor
 from kvzoo.cache.xquant import (LatentStore, XQuantCache, XQuantOptions, check_latent_bits, check_window,
-                                dequantize_latent, heads, rope_stored_keys, svd_factors)
+                                dequantize_latent, heads, rematerialize, rope_stored_keys,
+                                svd_factors)
 
 
 @dataclass(frozen=True)
@@ -87,10 +88,8 @@ class XQuantCLOptions:
 def accumulate(acc: Tensor | None, delta: QTensor | Tensor, up: Tensor | None) -> Tensor:
     """X̂_i = X̂_{i-1} + ΔX̂_i U_kvᵀ: dequantize a layer's cached rows (B, N, w), up-project them (GQA:
     up = U_kvᵀ (r_kv, hidden); MHA: None) and add them to the accumulator (None at the base layer).
-    (B, N, hidden) fp32. The step a fused rematerialization kernel replaces, with the K/V projection."""
-    x = dequantize_latent(delta, None, torch.float32)
-    if up is not None:
-        x = x @ up
+    (B, N, hidden) fp32; GQA's up-projection goes through xquant.rematerialize (the fused kernel on a GPU)."""
+    x = dequantize_latent(delta, None, torch.float32) if up is None else rematerialize(delta, None, up)
     return x if acc is None else acc + x
 
 
