@@ -7,6 +7,7 @@ the evaluation mode, and the KV size ratio to an fp16 cache measured from the st
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -23,14 +24,28 @@ DEFAULT_MATRIX = ["fp16"] + [f"{name}:bits={bits},group_size={g},residual=128"
                              for name in ("kivi", "kivi-pre") for bits in (4, 2) for g in (32, 128)]
 
 
+def with_prompt(text: str, prompt_frac: float) -> CacheSpec:
+    """Parse a cache spec; a strategy whose subspace comes from a prompt (SQuat) gets --prompt-frac as its
+    prompt_frac, so the tokens it treats as the prompt are exactly the ones left unscored."""
+    spec = CacheSpec.parse(text)
+    if prompt_frac == 0 or not hasattr(spec.options, "prompt_frac"):
+        return spec
+    if "prompt_frac" in text and spec.options.prompt_frac != prompt_frac:
+        raise ValueError(f"{text!r} sets prompt_frac={spec.options.prompt_frac} but --prompt-frac is {prompt_frac}: "
+                         f"the prompt and the unscored tokens must be the same")
+    return CacheSpec(spec.name, dataclasses.replace(spec.options, prompt_frac=prompt_frac))
+
+
 def markdown(rows: list[dict], datasets: list[str], meta: dict) -> str:
     head = "| cache | mode | " + " | ".join(f"{d} ppl" for d in datasets) + " | KV ratio to fp16 |"
     lines = [head, "|" + "---|" * (len(datasets) + 3)]
     for row in rows:
         ppl = " | ".join(f"{row[d]['perplexity']:.3f}" for d in datasets)
         lines.append(f"| `{row['cache']}` | {row['mode']} | {ppl} | {row['kv_ratio']:.4f} |")
+    scored = (f"; the first {meta['score_from']} tokens of each window are the prompt and are not scored"
+              if meta["score_from"] else "")
     note = (f"\n{meta['model']}, {meta['dtype']}, {meta['device']}; first {meta['windows']} windows of "
-            f"{meta['seq_len']} tokens per dataset; KV ratio = nbytes() / fp16 K+V bytes at {meta['seq_len']} tokens.\n")
+            f"{meta['seq_len']} tokens per dataset{scored}; KV ratio = nbytes() / fp16 K+V bytes at {meta['seq_len']} tokens.\n")
     return "\n".join(lines) + "\n" + note
 
 
@@ -63,10 +78,16 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=256, help="streaming mode: tokens prefilled before decoding")
     parser.add_argument("--batch-size", type=int, default=1, help="windows run side by side")
     parser.add_argument("--mode", choices=["simulated", "streaming"], default="simulated")
+    parser.add_argument("--prompt-frac", type=float, default=0.0,
+                        help="the first share of each window is a prompt and is not scored (SQuat's protocol: 0.5); "
+                             "streaming mode prefills it, and caches with a prompt_frac option get this value")
     parser.add_argument("--out", default="results", help="folder for report.md, report.json, report.png")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing report in --out")
     args = parser.parse_args()
-    specs = [CacheSpec.parse(text) for text in args.caches]       # refuse bad specs before any work
+    if not 0 <= args.prompt_frac < 1:
+        raise ValueError(f"--prompt-frac must be in [0, 1), got {args.prompt_frac}")
+    specs = [with_prompt(text, args.prompt_frac) for text in args.caches]   # refuse bad specs early
+    score_from = int(args.prompt_frac * args.seq_len)
     out = Path(args.out)
     targets = [out / f"report.{ext}" for ext in ("md", "json", "png")]
     if not args.overwrite and any(t.exists() for t in targets):
@@ -79,7 +100,8 @@ def main() -> None:
         row = {"cache": str(spec), "mode": args.mode}
         for d in args.datasets:
             result = perplexity(model, ids[d], seq_len=args.seq_len, max_windows=args.windows, cache=spec,
-                                mode=args.mode, prefill=args.prefill, batch_size=args.batch_size)
+                                mode=args.mode, prefill=score_from or args.prefill, batch_size=args.batch_size,
+                                score_from=score_from)
             row[d] = result.to_dict()
             row["kv_ratio"] = result.kv_ratio
         print(f"{row['cache']:<45} " + " ".join(f"{d}={row[d]['perplexity']:.3f}" for d in args.datasets)
@@ -87,7 +109,8 @@ def main() -> None:
         rows.append(row)
 
     meta = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "dtype": str(model.dtype).removeprefix("torch."),
-            "device": str(model.device), "windows": args.windows, "seq_len": args.seq_len, "mode": args.mode}
+            "device": str(model.device), "windows": args.windows, "seq_len": args.seq_len, "mode": args.mode,
+            "score_from": score_from}
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(rows, args.datasets, meta)
     targets[0].write_text(table)

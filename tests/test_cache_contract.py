@@ -135,3 +135,21 @@ def test_streaming_perplexity_equals_simulated_when_decoding_from_one_token(mode
     assert sim.windows == stream_.windows == 3
     assert stream_.perplexity == pytest.approx(sim.perplexity, rel=1e-5)
     assert stream_.kv_nbytes == sim.kv_nbytes
+
+
+@torch.no_grad()
+def test_perplexity_scores_from_a_prompt(model):
+    """score_from = P scores the predictions of tokens P..L-1 only: the mean of exactly those losses."""
+    import torch.nn.functional as F
+
+    from kvzoo.eval.perplexity import perplexity
+
+    ids = torch.randint(0, 97, (T,), generator=torch.Generator().manual_seed(7))
+    result = perplexity(model, ids, seq_len=T, score_from=20, progress=False)
+    logits = model(ids[None], model.new_cache("fp16", 1, T))[0]
+    expected = F.cross_entropy(logits[19:-1].float(), ids[20:]).exp().item()
+    assert result.scored_tokens == T - 20 and result.perplexity == pytest.approx(expected, rel=1e-5)
+    assert perplexity(model, ids, seq_len=T, score_from=1, progress=False).perplexity == \
+        pytest.approx(perplexity(model, ids, seq_len=T, progress=False).perplexity, rel=1e-6)
+    with pytest.raises(ValueError, match=r"score_from must be in \[0, seq_len=48\), got 48"):
+        perplexity(model, ids, seq_len=T, score_from=T, progress=False)

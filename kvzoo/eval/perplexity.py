@@ -1,7 +1,8 @@
 """Teacher-forced perplexity over non-overlapping windows (the GPTQ protocol).
 
 The whole text is tokenized once; window w is tokens[w*L : (w+1)*L] and contributes the mean
-cross-entropy of its L-1 next-token predictions; perplexity = exp(mean over windows). Every window is a
+cross-entropy of its L-1 next-token predictions (or, with score_from = P, of the predictions of tokens
+P..L-1 only: the protocol of strategies that need a prompt, such as SQuat, whose first P tokens play it); perplexity = exp(mean over windows). Every window is a
 forward through a fresh cache: in "simulated" mode (the papers' protocol) every token sees the cache as
 token-by-token decoding would have shown it; in "streaming" mode a real prefill of the first tokens is
 followed by token-by-token decoding through the packed storage. The
@@ -28,7 +29,7 @@ class PerplexityResult:
     windows: int
     seq_len: int
     tokens: int              # tokens in the whole tokenized text
-    scored_tokens: int       # predictions scored: windows * (seq_len - 1)
+    scored_tokens: int       # predictions scored: windows * (seq_len - max(score_from, 1))
     cache: str
     mode: str
     kv_nbytes: int           # bytes held by the cache after one window
@@ -46,11 +47,12 @@ class PerplexityResult:
 @torch.inference_mode()
 def perplexity(model: Transformer, token_ids: list[int] | torch.Tensor, seq_len: int = 2048,
                max_windows: int | None = None, cache: str | CacheSpec = "fp16",
-               mode: str = "simulated", prefill: int = 256, batch_size: int = 1,
+               mode: str = "simulated", prefill: int = 256, batch_size: int = 1, score_from: int = 0,
                progress: bool = True) -> PerplexityResult:
     """mode "simulated": one teacher-forced forward per window. mode "streaming": a real prefill of the
     window's first `prefill` tokens, then every further token decoded one at a time through the packed
-    storage (teacher-forced), all predictions scored. `batch_size` windows run side by side."""
+    storage (teacher-forced). Predictions of tokens score_from..L-1 are scored (all with 0 or 1).
+    `batch_size` windows run side by side."""
     if isinstance(cache, str):
         cache = CacheSpec.parse(cache)
     if seq_len < 2:
@@ -59,6 +61,8 @@ def perplexity(model: Transformer, token_ids: list[int] | torch.Tensor, seq_len:
         raise ValueError(f"seq_len {seq_len} exceeds the model's context of {model.cfg.max_position_embeddings}")
     if mode == "streaming" and not 1 <= prefill <= seq_len:
         raise ValueError(f"prefill must be in [1, seq_len={seq_len}], got {prefill}")
+    if not 0 <= score_from < seq_len:
+        raise ValueError(f"score_from must be in [0, seq_len={seq_len}), got {score_from}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if max_windows is not None and max_windows < 1:
@@ -82,12 +86,14 @@ def perplexity(model: Transformer, token_ids: list[int] | torch.Tensor, seq_len:
             steps = [model(tokens[:, :prefill], kv)]
             steps += [model(tokens[:, t:t + 1], kv) for t in range(prefill, seq_len)]
             logits = torch.cat(steps, dim=1)
-        loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
-        nll += loss.view(n, seq_len - 1).mean(dim=1).sum().item()
+        first = max(score_from, 1)                                  # the first token scored (it has a context)
+        loss = F.cross_entropy(logits[:, first - 1:-1].float().flatten(0, 1), tokens[:, first:].flatten(),
+                               reduction="none")
+        nll += loss.view(n, seq_len - first).mean(dim=1).sum().item()
         kv_nbytes = kv.nbytes() // n
     cfg = model.cfg
     return PerplexityResult(
         perplexity=math.exp(nll / windows), windows=windows, seq_len=seq_len, tokens=ids.numel(),
-        scored_tokens=windows * (seq_len - 1), cache=str(cache), mode=mode, kv_nbytes=kv_nbytes,
+        scored_tokens=windows * (seq_len - max(score_from, 1)), cache=str(cache), mode=mode, kv_nbytes=kv_nbytes,
         fp16_kv_nbytes=fp16_kv_nbytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, seq_len),
         seconds=time.perf_counter() - start)
