@@ -23,16 +23,19 @@ def strategy_options() -> dict[str, type]:
     return found
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
+def add_model_args(parser: argparse.ArgumentParser, cache: bool = True) -> None:
+    """--model, --device, --dtype and (cache=True) --cache, --cache-opts and a flag per strategy option;
+    scripts that take their caches another way (report.py's --caches) or none pass cache=False."""
     parser.add_argument("--model", default=None,
                         help="local HF folder or hub id (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--cache", default="fp16",
-                        help=f"KV-cache strategy (available: {', '.join(list_caches())}); options may follow "
-                             "as name:key=value,...")
-    parser.add_argument("--cache-opts", default="", help="strategy options as key=value,key=value")
-    for name in strategy_options():
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=f"opt_{name}", default=None, metavar=name.upper(),
-                            help="strategy option (only for strategies that declare it)")
+    if cache:
+        parser.add_argument("--cache", default="fp16",
+                            help=f"KV-cache strategy (available: {', '.join(list_caches())}); options may follow "
+                                 "as name:key=value,...")
+        parser.add_argument("--cache-opts", default="", help="strategy options as key=value,key=value")
+        for name in strategy_options():
+            parser.add_argument(f"--{name.replace('_', '-')}", dest=f"opt_{name}", default=None,
+                                metavar=name.upper(), help="strategy option (only for strategies that declare it)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],

@@ -70,7 +70,7 @@ def plot(rows: list[dict], datasets: list[str], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(parser)
+    add_model_args(parser, cache=False)
     parser.add_argument("--caches", nargs="+", default=DEFAULT_MATRIX, help="cache specs name[:key=value,...]")
     parser.add_argument("--datasets", nargs="+", choices=list(DATASETS), default=list(DATASETS))
     parser.add_argument("--windows", type=int, default=16, help="windows per dataset")

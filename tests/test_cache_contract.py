@@ -19,6 +19,8 @@ LOSSLESS = {
     "innerq": "innerq:sink=16,recent=64",                 # key normalization on: must stay exact
     "xquant": "xquant:bits=16",                           # no quantization: K, V rematerialized from X U_k, X U_v
     "xquant-cl": "xquant-cl:bits=16,high_bits=16,base_layer=0",   # layer 1 caches its latent delta
+    "squat": "squat:bits=2,group_size=8,residual=64",     # the window covers every token of the tests
+    "squat-pre": "squat-pre:bits=2,group_size=8,residual=64",
 }
 LOSSY = {
     "fp16": "fp16",
@@ -33,6 +35,10 @@ LOSSY = {
     "xquant": "xquant:bits=2,group_size=8,residual=8",
     "xquant-outlier": "xquant:bits=3,group_size=16,residual=0,outlier_channel=true",
     "xquant-cl": "xquant-cl:bits=2,high_layers=1,base_layer=0,group_size=16",        # base 4-bit, a 2-bit delta
+    # per_sample: rows alone must equal the batch; prompt_frac=0: simulated mode's prompt is the first
+    # token, as a one-token streaming prefill's is
+    "squat": "squat:group_size=8,residual=8,rank=4,lam=0.05,prompt_frac=0,per_sample=true",
+    "squat-pre-g8": "squat-pre:bits=3,group_size=16,residual=0,rank=2,lam=0.5,block=8,prompt_frac=0,per_sample=true",
     "xquant-cl-plain-first": "xquant-cl:bits=3,high_layers=0,base_layer=1,group_size=8,residual=8",
 }
 T = 48

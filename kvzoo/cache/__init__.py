@@ -3,7 +3,7 @@
 from kvzoo.cache.base import (CacheSpec, LayerCache, ModelCache, Positions, attend, fp16_kv_nbytes,
                               get_strategy, list_caches, register)
 from kvzoo.cache import fp16, innerq, kivi  # noqa: F401  (register "fp16", "innerq", "kivi", "kivi-pre")
-from kvzoo.cache import xquant, xquant_cl  # noqa: F401  (register "xquant", "xquant-cl")
+from kvzoo.cache import squat, xquant, xquant_cl  # noqa: F401  (register "squat", "squat-pre", "xquant", "xquant-cl")
 
 __all__ = ["CacheSpec", "LayerCache", "ModelCache", "Positions", "attend", "fp16_kv_nbytes",
            "get_strategy", "list_caches", "register"]
