@@ -21,7 +21,9 @@ def main() -> None:
     parser.add_argument("--data-path", default=None, help="override the dataset file (default: ../shared/data)")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--max-windows", type=int, default=None, help="score only the first N windows")
-    parser.add_argument("--prefill", type=int, default=256, help="streaming mode: tokens prefilled before decoding")
+    parser.add_argument("--prefill", type=int, default=None,
+                        help="streaming mode: tokens prefilled before decoding (default 256, or the prompt of a "
+                             "strategy that takes one: SQuat's prompt_frac of the window)")
     parser.add_argument("--batch-size", type=int, default=1, help="windows run side by side")
     parser.add_argument("--mode", choices=["simulated", "streaming"], default="simulated",
                         help="simulated: each token sees the cache as token-by-token decoding would (the papers' "
@@ -40,6 +42,9 @@ def main() -> None:
     print(f"cache        {args.cache} ({args.mode})")
     print(f"perplexity   {result.perplexity:.3f}")
     print(f"tokens       {result.tokens:,} ({result.windows} windows of {result.seq_len} scored)")
+    if result.score_from:
+        print(f"protocol     the first {result.score_from} tokens of each window are the prompt ({args.cache.name} "
+              f"builds its subspace from them) and are not scored: {result.scored_tokens:,} predictions")
     print(f"KV bytes     {human_bytes(result.kv_nbytes)} per window "
           f"({result.kv_ratio:.3f}x the fp16 cache's {human_bytes(result.fp16_kv_nbytes)})")
     print(f"time         {result.seconds:.1f} s")

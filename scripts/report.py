@@ -24,16 +24,24 @@ DEFAULT_MATRIX = ["fp16"] + [f"{name}:bits={bits},group_size={g},residual=128"
                              for name in ("kivi", "kivi-pre") for bits in (4, 2) for g in (32, 128)]
 
 
-def with_prompt(text: str, prompt_frac: float) -> CacheSpec:
-    """Parse a cache spec; a strategy whose subspace comes from a prompt (SQuat) gets --prompt-frac as its
-    prompt_frac, so the tokens it treats as the prompt are exactly the ones left unscored."""
-    spec = CacheSpec.parse(text)
-    if prompt_frac == 0 or not hasattr(spec.options, "prompt_frac"):
-        return spec
-    if "prompt_frac" in text and spec.options.prompt_frac != prompt_frac:
-        raise ValueError(f"{text!r} sets prompt_frac={spec.options.prompt_frac} but --prompt-frac is {prompt_frac}: "
-                         f"the prompt and the unscored tokens must be the same")
-    return CacheSpec(spec.name, dataclasses.replace(spec.options, prompt_frac=prompt_frac))
+def with_prompt(texts: list[str], prompt_frac: float | None) -> tuple[list[CacheSpec], float]:
+    """Parse cache specs and settle the prompt share of each window. A strategy whose subspace comes from a
+    prompt (SQuat) gets --prompt-frac as its prompt_frac, so the tokens it treats as the prompt are exactly
+    the ones left unscored; every other row is scored on the same tokens. Without --prompt-frac, the
+    prompt strategies' own prompt_frac is used (they must agree), or 0 when there is none."""
+    specs = [CacheSpec.parse(text) for text in texts]
+    own = {spec.options.prompt_frac for spec in specs if hasattr(spec.options, "prompt_frac")}
+    if prompt_frac is None:
+        if len(own) > 1:
+            raise ValueError(f"the caches set different prompt_frac values {sorted(own)}: rows would be scored "
+                             f"on different tokens; pass --prompt-frac")
+        prompt_frac = own.pop() if own else 0.0
+    for text, spec in zip(texts, specs):
+        if "prompt_frac" in text and spec.options.prompt_frac != prompt_frac:
+            raise ValueError(f"{text!r} sets prompt_frac={spec.options.prompt_frac} but --prompt-frac is "
+                             f"{prompt_frac}: the prompt and the unscored tokens must be the same")
+    return [CacheSpec(s.name, dataclasses.replace(s.options, prompt_frac=prompt_frac))
+            if hasattr(s.options, "prompt_frac") else s for s in specs], prompt_frac
 
 
 def markdown(rows: list[dict], datasets: list[str], meta: dict) -> str:
@@ -78,16 +86,17 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=256, help="streaming mode: tokens prefilled before decoding")
     parser.add_argument("--batch-size", type=int, default=1, help="windows run side by side")
     parser.add_argument("--mode", choices=["simulated", "streaming"], default="simulated")
-    parser.add_argument("--prompt-frac", type=float, default=0.0,
+    parser.add_argument("--prompt-frac", type=float, default=None,
                         help="the first share of each window is a prompt and is not scored (SQuat's protocol: 0.5); "
-                             "streaming mode prefills it, and caches with a prompt_frac option get this value")
+                             "streaming mode prefills it, and caches with a prompt_frac option get this value "
+                             "(default: their own prompt_frac when such a cache is listed, else 0)")
     parser.add_argument("--out", default="results", help="folder for report.md, report.json, report.png")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing report in --out")
     args = parser.parse_args()
-    if not 0 <= args.prompt_frac < 1:
+    if args.prompt_frac is not None and not 0 <= args.prompt_frac < 1:
         raise ValueError(f"--prompt-frac must be in [0, 1), got {args.prompt_frac}")
-    specs = [with_prompt(text, args.prompt_frac) for text in args.caches]   # refuse bad specs early
-    score_from = int(args.prompt_frac * args.seq_len)
+    specs, prompt_frac = with_prompt(args.caches, args.prompt_frac)   # refuse bad specs before any work
+    score_from = int(prompt_frac * args.seq_len)
     out = Path(args.out)
     targets = [out / f"report.{ext}" for ext in ("md", "json", "png")]
     if not args.overwrite and any(t.exists() for t in targets):

@@ -20,6 +20,9 @@ Two evaluation modes, chosen when the cache is built (`model.new_cache(..., mode
               every key/value exactly as token-by-token decoding would have shown it at that moment
               (quantized where the strategy would have quantized it by then, full precision inside its
               windows), so its logits equal a streaming run that decodes the text one token at a time.
+              With a prompt of P tokens (`new_cache(..., prompt=P)`), the queries of slots [0, P) see
+              every key exact instead, as a streaming prefill of the prompt does: the logits then equal
+              a streaming run that prefills P tokens and decodes the rest one at a time.
 
 Shapes: x (B, T, hidden); q (B, n_heads, T, hd); k, v (B, n_kv_heads, T, hd); out (B, n_heads, T, hd).
 
@@ -187,6 +190,7 @@ class LayerCache(nn.Module):
         self.prev = [prev]
         self.batch_size, self.max_len = batch_size, max_len
         self.simulated = False    # set by ModelCache for mode="simulated"
+        self.prompt = 0           # simulated mode: slots [0, prompt) are prefilled exact (set by ModelCache)
         self.length = 0           # tokens stored so far
 
     @property
@@ -219,6 +223,11 @@ class LayerCache(nn.Module):
     def simulate(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
         """Simulated mode. A lossless strategy shows every token what it stored, so this is prefill."""
         return self.prefill(x, q, k, v, pos)
+
+    def after_prompt(self, use_round: Tensor, q_slots: Tensor) -> Tensor:
+        """Simulated mode: use_round (T, L) with the prompt's queries (slots < self.prompt) reading every
+        key exact, as one streaming prefill of the prompt would."""
+        return use_round & (q_slots >= self.prompt)[:, None]
 
     def nbytes(self) -> int:
         raise NotImplementedError
@@ -259,7 +268,7 @@ class ModelCache(nn.Module):
     MODES = ("streaming", "simulated")
 
     def __init__(self, spec: CacheSpec, layers: list["Attention"], batch_size: int, max_len: int,
-                 mode: str = "streaming"):
+                 mode: str = "streaming", prompt: int = 0):
         super().__init__()
         if mode not in self.MODES:
             raise ValueError(f"unknown evaluation mode {mode!r}; accepted: {', '.join(self.MODES)}")
@@ -270,8 +279,10 @@ class ModelCache(nn.Module):
         built: list[LayerCache] = []
         for attn in layers:
             built.append(strategy(spec, attn, built[-1] if built else None, batch_size, max_len))
+        if prompt and mode != "simulated":
+            raise ValueError("a prompt length applies to simulated mode only (streaming prefills the prompt)")
         for layer in built:
-            layer.simulated = mode == "simulated"
+            layer.simulated, layer.prompt = mode == "simulated", prompt
         self.layers = nn.ModuleList(built)
         self.mode = mode
         self.length = 0

@@ -236,7 +236,7 @@ class KIVICache(LayerCache):
         q_slots = torch.arange(pos.start, L, device=q.device)
         seen = ((q_slots - S - R) // G).clamp_min(0) * G                # quantized_len(s) per query (T,)
         key_slots = torch.arange(L, device=q.device)[None, :]
-        use_round = (key_slots >= S) & (key_slots < S + seen[:, None])  # (T, L)
+        use_round = self.after_prompt((key_slots >= S) & (key_slots < S + seen[:, None]), q_slots)   # (T, L)
         return attend_split(q, self._rope_keys(exact_k, pos), exact_v, self._rope_keys(round_k, pos), round_v,
                             use_round, full_mask(pos, L, q.device))
 

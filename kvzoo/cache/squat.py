@@ -197,8 +197,9 @@ class SQuatCache(KIVICache):
     decode = prefill
 
     def simulate(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
-        if not self.ready:                                  # the prompt: the first prompt_frac of the window
-            self._set_subspace(q, pos, max(1, int(self.opts.prompt_frac * q.shape[2])))
+        if not self.ready:       # the prompt (from perplexity, or the first prompt_frac of the window)
+            self.prompt = self.prompt or max(1, int(self.opts.prompt_frac * q.shape[2]))
+            self._set_subspace(q, pos, self.prompt)
         return super().simulate(x, q, k, v, pos)
 
     def reset(self) -> None:

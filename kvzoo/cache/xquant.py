@@ -332,6 +332,6 @@ class XQuantCache(LayerCache):
         q_slots = torch.arange(pos.start, L, device=q.device)
         G, R = self.opts.group_size, self.opts.residual
         seen = ((q_slots - R) // G).clamp_min(0) * G                  # quantized_len(s) per query (T,)
-        use_round = torch.arange(L, device=q.device)[None, :] < seen[:, None]      # (T, L)
+        use_round = self.after_prompt(torch.arange(L, device=q.device)[None, :] < seen[:, None], q_slots)  # (T, L)
         return attend_split(self.attn.rope.apply(q, pos.ids), rope_stored_keys(self.attn, exact_k, pos), exact_v,
                             rope_stored_keys(self.attn, round_k, pos), round_v, use_round, full_mask(pos, L, q.device))

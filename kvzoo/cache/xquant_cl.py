@@ -172,6 +172,7 @@ class XQuantCLCache(LayerCache):
         (rematerialized from X̂) and itself exact."""
         self._check_base()
         if self.role == "xquant":
+            self.plain.prompt = self.prompt
             out = self.plain.simulate(x, q, k, v, pos)
             self.length = self.plain.length
             return out
@@ -181,7 +182,7 @@ class XQuantCLCache(LayerCache):
         exact_v = torch.cat([round_v[:, :, :start], v], dim=2)
         L = self.length
         q_slots = torch.arange(start, L, device=q.device)
-        use_round = torch.arange(L, device=q.device)[None, :] < q_slots[:, None]   # (T, L)
+        use_round = self.after_prompt(torch.arange(L, device=q.device)[None, :] < q_slots[:, None], q_slots)
         return attend_split(self.attn.rope.apply(q, pos.ids), rope_stored_keys(self.attn, exact_k, pos), exact_v,
                             rope_stored_keys(self.attn, round_k, pos), round_v, use_round, full_mask(pos, L, q.device))
 

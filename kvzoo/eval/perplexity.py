@@ -30,6 +30,7 @@ class PerplexityResult:
     seq_len: int
     tokens: int              # tokens in the whole tokenized text
     scored_tokens: int       # predictions scored: windows * (seq_len - max(score_from, 1))
+    score_from: int          # the first token scored in each window (the ones before it are the prompt)
     cache: str
     mode: str
     kv_nbytes: int           # bytes held by the cache after one window
@@ -47,14 +48,27 @@ class PerplexityResult:
 @torch.inference_mode()
 def perplexity(model: Transformer, token_ids: list[int] | torch.Tensor, seq_len: int = 2048,
                max_windows: int | None = None, cache: str | CacheSpec = "fp16",
-               mode: str = "simulated", prefill: int = 256, batch_size: int = 1, score_from: int = 0,
-               progress: bool = True) -> PerplexityResult:
+               mode: str = "simulated", prefill: int | None = None, batch_size: int = 1,
+               score_from: int | None = None, progress: bool = True) -> PerplexityResult:
     """mode "simulated": one teacher-forced forward per window. mode "streaming": a real prefill of the
-    window's first `prefill` tokens, then every further token decoded one at a time through the packed
-    storage (teacher-forced). Predictions of tokens score_from..L-1 are scored (all with 0 or 1).
-    `batch_size` windows run side by side."""
+    window's first `prefill` tokens (default 256), then every further token decoded one at a time through
+    the packed storage (teacher-forced). Predictions of tokens score_from..L-1 are scored (default: all).
+    A strategy that takes something from a prompt (an option prompt_frac, as SQuat's subspace) gets its
+    prompt P = int(prompt_frac * seq_len): then score_from and the streaming prefill default to P and must
+    equal it. `batch_size` windows run side by side."""
     if isinstance(cache, str):
         cache = CacheSpec.parse(cache)
+    prompt_frac = getattr(cache.options, "prompt_frac", 0)
+    if prompt_frac:
+        prompt = int(prompt_frac * seq_len)
+        score_from = prompt if score_from is None else score_from
+        prefill = prompt if prefill is None else prefill
+        if score_from != prompt or (mode == "streaming" and prefill != prompt):
+            raise ValueError(f"cache {cache.name} takes the first prompt_frac={prompt_frac} of each window "
+                             f"({prompt} tokens) as its prompt: score_from and the streaming prefill must be "
+                             f"{prompt}, got {score_from} and {prefill}")
+    score_from = score_from or 0
+    prefill = 256 if prefill is None else prefill
     if seq_len < 2:
         raise ValueError(f"seq_len must be at least 2, got {seq_len}")
     if seq_len > model.cfg.max_position_embeddings:
@@ -79,7 +93,8 @@ def perplexity(model: Transformer, token_ids: list[int] | torch.Tensor, seq_len:
     for w in tqdm(range(0, windows, batch_size), desc=f"perplexity ({cache.name}, {mode})", disable=not progress):
         n = min(batch_size, windows - w)
         tokens = ids[w * seq_len:(w + n) * seq_len].view(n, seq_len).to(model.device)   # (n, L)
-        kv = model.new_cache(cache, batch_size=n, max_len=seq_len, mode=mode)
+        kv = model.new_cache(cache, batch_size=n, max_len=seq_len, mode=mode,
+                             prompt=score_from if mode == "simulated" else 0)
         if mode == "simulated":
             logits = model(tokens, kv)                                                   # (n, L, V)
         else:
@@ -94,6 +109,6 @@ def perplexity(model: Transformer, token_ids: list[int] | torch.Tensor, seq_len:
     cfg = model.cfg
     return PerplexityResult(
         perplexity=math.exp(nll / windows), windows=windows, seq_len=seq_len, tokens=ids.numel(),
-        scored_tokens=windows * (seq_len - max(score_from, 1)), cache=str(cache), mode=mode, kv_nbytes=kv_nbytes,
+        scored_tokens=windows * (seq_len - max(score_from, 1)), score_from=score_from, cache=str(cache), mode=mode, kv_nbytes=kv_nbytes,
         fp16_kv_nbytes=fp16_kv_nbytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, seq_len),
         seconds=time.perf_counter() - start)

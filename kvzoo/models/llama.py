@@ -167,16 +167,18 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
-    def new_cache(self, spec: CacheSpec | str, batch_size: int, max_len: int, mode: str = "streaming") -> ModelCache:
+    def new_cache(self, spec: CacheSpec | str, batch_size: int, max_len: int, mode: str = "streaming",
+                  prompt: int = 0) -> ModelCache:
         """A fresh cache for `batch_size` rows of at most `max_len` tokens (prompt + generation).
         mode "streaming" stores and attends for real; "simulated" makes every token's attention see
-        what token-by-token decoding would have shown it (see kvzoo/cache/base.py)."""
+        what token-by-token decoding would have shown it, after an exact prefill of the first `prompt`
+        tokens (see kvzoo/cache/base.py)."""
         if isinstance(spec, str):
             spec = CacheSpec.parse(spec)
         if max_len > self.cfg.max_position_embeddings:
             raise ValueError(f"{max_len} tokens exceed the model's context of "
                              f"{self.cfg.max_position_embeddings} (max_position_embeddings)")
-        return ModelCache(spec, [block.attn for block in self.layers], batch_size, max_len, mode)
+        return ModelCache(spec, [block.attn for block in self.layers], batch_size, max_len, mode, prompt)
 
     def forward(self, tokens: Tensor, cache: ModelCache | None = None, pad: Tensor | None = None,
                 last_only: bool = False) -> Tensor:
