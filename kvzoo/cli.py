@@ -76,6 +76,19 @@ def load_from_args(args: argparse.Namespace):
     return load_model(args.model, device=device, dtype=dtype, progress=True)
 
 
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+def check_output(path: str | None, overwrite: bool, suffixes: tuple[str, ...] | None = None) -> None:
+    """Before any work: refuse an output path that exists (unless overwrite) or has the wrong suffix."""
+    if path is None:
+        return
+    if suffixes and Path(path).suffix.lower() not in suffixes:
+        raise ValueError(f"--plot {path}: the file type is taken from its suffix; accepted: {', '.join(suffixes)}")
+    if Path(path).exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; choose another path or pass --overwrite")
+
+
 def write_json(path: str | Path, payload: dict, overwrite: bool = False) -> None:
     """Write results, refusing to replace an existing file unless asked to."""
     path = Path(path)

@@ -20,20 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from kvzoo.cli import add_model_args, load_from_args, run  # noqa: E402
+from kvzoo.cli import PLOT_SUFFIXES, add_model_args, check_output, load_from_args, run  # noqa: E402
 from kvzoo.eval.datasets import DATASETS, load_text  # noqa: E402
 from kvzoo.eval.squat_analysis import capture_qk, deviation_curves, score_errors  # noqa: E402
 
-PLOT_SUFFIXES = (".png", ".pdf", ".svg")
-
-
-def check_output(path: str | None, overwrite: bool, suffixes: tuple[str, ...] | None = None) -> None:
-    if path is None:
-        return
-    if suffixes and Path(path).suffix not in suffixes:
-        raise ValueError(f"--plot must end in one of {', '.join(suffixes)}, got {path!r}")
-    if Path(path).exists() and not overwrite:
-        raise FileExistsError(f"{path} exists; choose another path or pass --overwrite")
 
 
 def plot(result: dict, path: str, layer: int) -> None:

@@ -18,11 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvzoo.cli import add_model_args, load_from_args, parse_cache_args, run, write_json  # noqa: E402
+from kvzoo.cli import (PLOT_SUFFIXES, add_model_args, check_output, load_from_args, parse_cache_args, run,  # noqa: E402
+                       write_json)
 from kvzoo.eval.datasets import DATASETS, load_text  # noqa: E402
 from kvzoo.eval.outliers import analyze  # noqa: E402
 
-PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 
 
 def parse_ks(text: str) -> list[int]:
@@ -33,16 +33,6 @@ def parse_ks(text: str) -> list[int]:
     if not ks or ks[0] < 1:
         raise ValueError(f"--top-k takes comma-separated positive integers like 1,2,4,8, got {text!r}")
     return ks
-
-
-def check_output(path: str | None, overwrite: bool, suffixes: tuple[str, ...] | None = None) -> None:
-    """Refuse before any work is done, rather than after the run."""
-    if path is None:
-        return
-    if suffixes and Path(path).suffix.lower() not in suffixes:
-        raise ValueError(f"--plot {path}: the file type is taken from its suffix; accepted: {', '.join(suffixes)}")
-    if Path(path).exists() and not overwrite:
-        raise FileExistsError(f"{path} exists; choose another path or pass --overwrite")
 
 
 def channel_name(c: int, head_dim: int) -> str:

@@ -1,0 +1,372 @@
+"""AlignedKV: keep the KV cache in fp16, but read only the high-order bits each product needs.
+
+Paper: Tan, Wang, Yan, Deng, "AlignedKV: Reducing Memory Access of KV-Cache with Precision-Aligned
+Quantization" (alignedkv.md). The cache is not smaller; each decode step *reads* fewer bytes of it.
+
+Precision alignment: in a sum, an addend known more finely than the sum's largest addend (Rule 1) or than
+the result (Rule 2) wastes its low bits. An fp16 element is read at 16, 12 or 8 of its bits (sign, 5
+exponent bits and 10, 6 or 2 mantissa bits), the missing bits filled with 100... (the middle of the
+interval that was not read, so the error is at most half of it).
+
+    Rule 1 (keys, s_j = sum_i q_i k_ji). The largest addend is estimated from the per-channel column
+      maximum of each block of keys: A = max_i e(q_i) + e(colmax_i), e(x) = floor(log2|x|). Channel i of
+      that block differs from it by diff_i = A - e(q_i) - e(colmax_i) binary orders. Reading m mantissa
+      bits errs by |q_i| * 2^(e(k) - m - 1) < 2^(A - diff_i - m), which stays under the largest addend's
+      own fp16 rounding 2^(A - 10) when m >= 10 - diff_i: 8 bits (m = 2) once diff_i >= 8, 12 bits
+      (m = 6) once diff_i >= 4, else 16.
+    Rule 2 (values, o_c = sum_j p_j v_jc). O_est = the top-k probabilities times their (exact) values
+      estimates each output; with the per-token row maximum of |v|, element (j, c) differs from o_c's
+      order by diff_jc = e(O_est_c) - e(p_j) - e(rowmax_j), and the same thresholds give its bits.
+For GQA a KV head's bytes serve every query head of its group, so an element gets the most bits any of
+them asks for. Decisions come from magnitudes only (the block's colmax, the token's rowmax), so a kernel
+makes them before it loads the bytes (kvzoo/kernels/alignedkv_attention.py).
+
+Stored per layer (B rows, H = n_kv_heads, d = head_dim, BT = block tokens, NB = max_len / BT blocks), each
+fp16 element's bits split into a high byte and two 4-bit planes (Figure 8), so that reading 8/12/16 bits
+reads 1/1.5/2 bytes from contiguous arrays:
+    k_hi  uint8 (B, H, NB, d, BT)      bits 15..8 of every key, channel-major inside a block of BT tokens
+    k_mid, k_lo uint8 (B, H, NB, d, BT/2)   bits 7..4 and 3..0, two tokens per byte (token 2t low nibble)
+    k_exp int8 (B, H, NB, d)           e(max |k|) per channel of each complete block (K_colmax)
+    v_hi  uint8 (B, H, NB*BT, d)       bits 15..8 of every value, token-major
+    v_mid, v_lo uint8 (B, H, NB*BT, d/2)    two channels per byte (channel 2c low nibble)
+    v_exp int8 (B, H, NB*BT)           e(max |v|) per token (the row maximum)
+Only complete blocks are read aligned: the newest L mod BT tokens (the block being filled) and the chunk
+being prefilled are read exact. Keys are stored after RoPE. Models in fp32/bf16 have their K and V rounded
+to fp16 when stored (the format is fp16's); a chunk's own tokens are attended at the model's precision.
+
+Bytes per token per layer and KV head: 4*d (K and V planes; K in whole blocks of BT tokens) + d/BT (k_exp)
++ 1 (v_exp): 257.25 B at d = 64, BT = 64, against 256 for fp16 (ratio 1.005). What a decode step reads
+instead of 4*d bytes per token is what `stats` reports (bits per element, K and V apart).
+
+Paper settings: Llama-2-7B, fp16, levels of 8/12/16 bits; top-k for O_est is "approximate" (size not
+given); BT is the kernel's tile. kvzoo: BT = 64 (`block`), top-k = 32 (`topk`), `min_bits` = 8;
+`min_bits=16` reads every bit and is exactly the fp16 cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from kvzoo.cache.base import LayerCache, Positions, attend, attend_split, full_mask, register
+
+LEVELS = (8, 12, 16)
+DIFF_FOR_12, DIFF_FOR_8 = 4, 8        # binary orders below the target at which 12 / 8 bits suffice
+FILL = {8: 0x80, 12: 0x8}             # the bits not read are filled with 100...
+KEEP = {8: 0xFF00, 12: 0xFFF0}
+
+
+@dataclass(frozen=True)
+class AlignedKVOptions:
+    block: int = 64        # BT: tokens per key block (colmax granularity, the kernel's tile)
+    topk: int = 32         # probabilities used for the O_est estimate of Rule 2
+    min_bits: int = 8      # never read fewer bits than this; 16 = plain fp16 attention
+
+    def __post_init__(self):
+        if self.block < 2 or self.block % 2:
+            raise ValueError(f"block must be an even number of tokens >= 2, got {self.block}")
+        if self.topk < 1:
+            raise ValueError(f"topk must be >= 1, got {self.topk}")
+        if self.min_bits not in LEVELS:
+            raise ValueError(f"min_bits must be one of {', '.join(map(str, LEVELS))}, got {self.min_bits}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# fp16 bit planes
+# ----------------------------------------------------------------------------------------------------
+def fp16_bits(x: Tensor) -> Tensor:
+    """The 16 bits of x.half() as int32 in [0, 65535]."""
+    return x.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def from_bits(bits: Tensor) -> Tensor:
+    """int32 in [0, 65535] -> fp16 with those bits."""
+    return (bits - ((bits >> 15) << 16)).to(torch.int16).view(torch.float16)
+
+
+def split_planes(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """x (..., n) -> high byte (..., n), middle and low nibbles (..., n/2) with elements 2i, 2i+1 of the
+    last axis in the low and high nibble of byte i. All uint8."""
+    bits = fp16_bits(x)
+    mid, lo = (bits >> 4) & 0xF, bits & 0xF
+    pair = lambda n: n[..., 0::2] | (n[..., 1::2] << 4)            # noqa: E731  (..., n/2)
+    return (bits >> 8).to(torch.uint8), pair(mid).to(torch.uint8), pair(lo).to(torch.uint8)
+
+
+def join_planes(hi: Tensor, mid: Tensor, lo: Tensor) -> Tensor:
+    """Inverse of split_planes: fp16 (..., n)."""
+    unpair = lambda p: torch.stack([p & 0xF, p >> 4], dim=-1).flatten(-2)   # noqa: E731  (..., n)
+    bits = (hi.to(torch.int32) << 8) | (unpair(mid.to(torch.int32)) << 4) | unpair(lo.to(torch.int32))
+    return from_bits(bits)
+
+
+def truncate(x: Tensor, bits: int) -> Tensor:
+    """fp16 x read at its top `bits` bits, the rest filled with 100... (bits = 16: x itself)."""
+    if bits == 16:
+        return x.to(torch.float16)
+    return from_bits((fp16_bits(x) & KEEP[bits]) | FILL[bits])
+
+
+def exponent(x: Tensor) -> Tensor:
+    """floor(log2 |x|) as int32, from x's fp32 exponent field; 0 (and fp32 subnormals) give -127."""
+    return ((x.float().abs().view(torch.int32) >> 23) & 0xFF) - 127
+
+
+def level(diff: Tensor, min_bits: int) -> Tensor:
+    """Bits to read (8, 12 or 16) for addends `diff` binary orders below their alignment target."""
+    bits = torch.where(diff >= DIFF_FOR_8, 8, torch.where(diff >= DIFF_FOR_12, 12, 16))
+    return bits.clamp_min(min_bits).to(torch.int8)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The pure-torch reference of one aligned read: which bits each element needs, and the products
+# ----------------------------------------------------------------------------------------------------
+def key_levels(q: Tensor, k_exp: Tensor, min_bits: int) -> Tensor:
+    """Rule 1. q (B, Hq, T, d); k_exp (B, H, NB, d) colmax exponents -> bits (B, H, T, NB, d), the most
+    any query head of the KV head's group needs."""
+    B, Hq, T, d = q.shape
+    H = k_exp.shape[1]
+    a = exponent(q).view(B, H, Hq // H, T, 1, d) + k_exp[:, :, None, None].to(torch.int32)   # (B, H, G, T, NB, d)
+    diff = (a.amax(-1, keepdim=True) - a).amin(2)                                   # (B, H, T, NB, d)
+    return level(diff, min_bits)
+
+
+def value_levels(p: Tensor, o_est: Tensor, v_exp: Tensor, min_bits: int) -> Tensor:
+    """Rule 2. p (B, Hq, T, S) probabilities, o_est (B, Hq, T, d), v_exp (B, H, S) rowmax exponents ->
+    bits (B, H, T, S, d), the most any query head of the group needs."""
+    B, Hq, T, S = p.shape
+    H, d = v_exp.shape[1], o_est.shape[-1]
+    G = Hq // H
+    e_o = exponent(o_est).view(B, H, G, T, 1, d)
+    e_pv = (exponent(p).view(B, H, G, T, S) + v_exp[:, :, None, None].to(torch.int32))[..., None]
+    return level((e_o - e_pv).amin(2), min_bits)                                   # (B, H, T, S, d)
+
+
+def read_levels(x: Tensor, bits: Tensor) -> Tensor:
+    """x fp16 broadcast against bits (8/12/16 per element): each element read at its bits, as fp32."""
+    out = torch.where(bits == 8, truncate(x, 8), torch.where(bits == 12, truncate(x, 12), x.to(torch.float16)))
+    return out.float()
+
+
+def estimate_output(p: Tensor, values: Tensor, topk: int) -> Tensor:
+    """O_est (B, Hq, T, d): the top-k probabilities of each query times their exact values.
+    p (B, Hq, T, S); values (B, H, T, S, d) (each query's exact view of the values)."""
+    B, Hq, T, S = p.shape
+    H, d = values.shape[1], values.shape[-1]
+    top_p, idx = p.topk(min(topk, S), dim=-1)                                     # (B, Hq, T, k)
+    vals = values[:, :, None].expand(B, H, Hq // H, T, S, d).reshape(B, Hq, T, S, d)
+    top_v = vals.gather(3, idx[..., None].expand(*idx.shape, d))                  # (B, Hq, T, k, d)
+    return (top_p[..., None] * top_v).sum(3)
+
+
+@dataclass
+class ReadStats:
+    """Bits read per element of the aligned (complete-block) part, K and V apart, summed over calls.
+    An element is counted once per KV head and query token (GQA heads share the read)."""
+
+    k_bits: int = 0
+    k_elements: int = 0
+    v_bits: int = 0
+    v_elements: int = 0
+    per_call: list[tuple[int, float, float]] = field(default_factory=list)   # (keys seen, K bits, V bits)
+
+    def add(self, k_level: Tensor, v_level: Tensor, keys: int) -> None:
+        kb, vb = int(k_level.sum(dtype=torch.int64)), int(v_level.sum(dtype=torch.int64))
+        self.k_bits, self.k_elements = self.k_bits + kb, self.k_elements + k_level.numel()
+        self.v_bits, self.v_elements = self.v_bits + vb, self.v_elements + v_level.numel()
+        if k_level.numel():
+            self.per_call.append((keys, kb / k_level.numel(), vb / max(1, v_level.numel())))
+
+    @property
+    def mean_k_bits(self) -> float:
+        return self.k_bits / max(1, self.k_elements)
+
+    @property
+    def mean_v_bits(self) -> float:
+        return self.v_bits / max(1, self.v_elements)
+
+
+def aligned_attention(q: Tensor, k16: Tensor, v16: Tensor, k_exp: Tensor, v_exp: Tensor, exact_k: Tensor,
+                      exact_v: Tensor, n_aligned: Tensor, mask: Tensor, block: int, topk: int, min_bits: int,
+                      stats: ReadStats | None = None) -> Tensor:
+    """Attention of T queries where query t reads keys/values [0, n_aligned[t]) at aligned precision.
+
+    q (B, Hq, T, d) post-RoPE; k16, v16 (B, H, NA, d) fp16 as stored, NA = a multiple of `block` covering
+    max(n_aligned); k_exp (B, H, NA/block, d), v_exp (B, H, NA); exact_k, exact_v (B, H, T, S, d) or
+    broadcastable: what query t reads for key j when it reads it exact; n_aligned (T,) multiples of block;
+    mask (B, 1, T, S) booleans. Returns (B, Hq, T, d) in q's dtype. fp32 products and softmax."""
+    B, Hq, T, d = q.shape
+    H, NA = k16.shape[1], k16.shape[2]
+    S = mask.shape[-1]
+    G, NB = Hq // H, NA // block
+    qf = q.float().view(B, H, G, T, d)
+    slots = torch.arange(S, device=q.device)
+    aligned = slots[None, :] < n_aligned[:, None]                                   # (T, S)
+    exact_k = exact_k.expand(B, H, T, S, d)
+    exact_v = exact_v.expand(B, H, T, S, d)
+    # Rule 1: each key element read at its (query, block, channel) bits
+    k_bits = key_levels(q, k_exp[:, :, :NB], min_bits)                              # (B, H, T, NB, d)
+    k_blocks = k16.view(B, H, 1, NB, block, d)
+    k_read = read_levels(k_blocks, k_bits[:, :, :, :, None]).view(B, H, T, NA, d)   # (B, H, T, NA, d)
+    keys = exact_k.float().clone()
+    keys[:, :, :, :NA] = torch.where(aligned[None, None, :, :NA, None], k_read, keys[:, :, :, :NA])
+    scores = torch.einsum("bhgtd,bhtsd->bhgts", qf, keys) * d ** -0.5              # (B, H, G, T, S)
+    p = scores.masked_fill(~mask[:, :, None], float("-inf")).softmax(-1).view(B, Hq, T, S)
+    # Rule 2: O_est from the top-k exact values, then each value element's bits
+    o_est = estimate_output(p, exact_v.float(), topk)                                # (B, Hq, T, d)
+    v_bits = value_levels(p[..., :NA], o_est, v_exp[:, :, :NA], min_bits)           # (B, H, T, NA, d)
+    v_read = read_levels(v16[:, :, None], v_bits)                                   # (B, H, T, NA, d)
+    values = exact_v.float().clone()
+    values[:, :, :, :NA] = torch.where(aligned[None, None, :, :NA, None], v_read, values[:, :, :, :NA])
+    out = torch.einsum("bhgts,bhtsd->bhgtd", p.view(B, H, G, T, S), values).reshape(B, Hq, T, d)
+    if stats is not None:
+        blocks_read = (torch.arange(NB, device=q.device)[None, :] * block < n_aligned[:, None])   # (T, NB)
+        stats.add(k_bits[:, :, blocks_read], v_bits[:, :, aligned[:, :NA]], int(n_aligned.max()))
+    return out.to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The cache
+# ----------------------------------------------------------------------------------------------------
+@register("alignedkv")
+class AlignedKVCache(LayerCache):
+    Options = AlignedKVOptions
+
+    def __init__(self, spec, layer, prev, batch_size, max_len):
+        super().__init__(spec, layer, prev, batch_size, max_len)
+        BT, d = self.opts.block, layer.head_dim
+        if d % 2:
+            raise ValueError(f"alignedkv needs an even head dimension, got {d}")
+        NB = -(-max_len // BT)
+        shape = (batch_size, layer.n_kv_heads)
+        self._buf("k_hi", (*shape, NB, d, BT), torch.uint8)
+        self._buf("k_mid", (*shape, NB, d, BT // 2), torch.uint8)
+        self._buf("k_lo", (*shape, NB, d, BT // 2), torch.uint8)
+        self._buf("k_exp", (*shape, NB, d), torch.int8)
+        self._buf("v_hi", (*shape, NB * BT, d), torch.uint8)
+        self._buf("v_mid", (*shape, NB * BT, d // 2), torch.uint8)
+        self._buf("v_lo", (*shape, NB * BT, d // 2), torch.uint8)
+        self._buf("v_exp", (*shape, NB * BT), torch.int8)
+        self.stats = ReadStats()
+
+    def _buf(self, name: str, shape: tuple, dtype: torch.dtype) -> None:
+        device = self.attn.q_proj.weight.device
+        self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    # ---- storage -----------------------------------------------------------------------------------
+    def _append(self, k: Tensor, v: Tensor) -> None:
+        """Store a chunk (B, H, T, d) at slots [L, L + T): rewrite the key blocks it touches, write its
+        value rows, and record colmax exponents of the blocks it completes."""
+        BT, L, T = self.opts.block, self.length, k.shape[2]
+        first, last = L // BT, -(-(L + T) // BT)                       # blocks touched: [first, last)
+        blocks = self._stored_keys(first * BT, L)                      # (B, H, L - first*BT, d)
+        chunk = torch.cat([blocks, k.to(torch.float16)], dim=2)
+        n = last - first
+        chunk = torch.nn.functional.pad(chunk, (0, 0, 0, n * BT - chunk.shape[2]))   # (B, H, n*BT, d)
+        B, H, _, d = chunk.shape
+        by_channel = chunk.view(B, H, n, BT, d).transpose(-1, -2)       # (B, H, n, d, BT)
+        self.k_hi[:, :, first:last], self.k_mid[:, :, first:last], self.k_lo[:, :, first:last] = \
+            split_planes(by_channel)
+        done = (L + T) // BT                                            # complete blocks after the chunk
+        if done > first:
+            self.k_exp[:, :, first:done] = exponent(by_channel[:, :, :done - first].abs().amax(-1)).to(torch.int8)
+        v16 = v.to(torch.float16)
+        self.v_hi[:, :, L:L + T], self.v_mid[:, :, L:L + T], self.v_lo[:, :, L:L + T] = split_planes(v16)
+        self.v_exp[:, :, L:L + T] = exponent(v16.abs().amax(-1)).to(torch.int8)
+        self.length = L + T
+
+    def _stored_keys(self, a: int, b: int) -> Tensor:
+        """fp16 keys of slots [a, b), a a multiple of block: (B, H, b - a, d)."""
+        BT = self.opts.block
+        first, last = a // BT, -(-b // BT)
+        keys = join_planes(self.k_hi[:, :, first:last], self.k_mid[:, :, first:last], self.k_lo[:, :, first:last])
+        return keys.transpose(-1, -2).flatten(2, 3)[:, :, :b - a]      # (B, H, n*BT, d) -> (B, H, b - a, d)
+
+    def _stored_values(self, b: int) -> Tensor:
+        return join_planes(self.v_hi[:, :, :b], self.v_mid[:, :, :b], self.v_lo[:, :, :b])
+
+    # ---- attention ---------------------------------------------------------------------------------
+    def _attend(self, q: Tensor, hist_k: Tensor, hist_v: Tensor, k: Tensor, v: Tensor, exact_mask: Tensor,
+                n_aligned: Tensor, mask: Tensor) -> Tensor:
+        """q (B, Hq, T, d) over L stored slots (hist_*, fp16) and the chunk's T (k, v, model dtype).
+        exact_mask (T, L + T): True where query t reads the chunk's own exact copy of slot j."""
+        o = self.opts
+        keys = torch.cat([hist_k.to(k.dtype), k], dim=2)               # (B, H, S, d), stored then chunk
+        values = torch.cat([hist_v.to(v.dtype), v], dim=2)
+        if o.min_bits == 16 or int(n_aligned.max()) == 0:
+            return attend(q, keys, values, mask)
+        NA = -(-int(n_aligned.max()) // o.block) * o.block
+        stored16 = (torch.cat([hist_k, k.to(torch.float16)], dim=2),     # (B, H, S, d): every slot as stored
+                    torch.cat([hist_v, v.to(torch.float16)], dim=2))
+        em = exact_mask[None, None, :, :, None]                         # what an exact read of slot j gives
+        exact_k = torch.where(em, keys[:, :, None], stored16[0].to(k.dtype)[:, :, None])   # (B, H, T, S, d)
+        exact_v = torch.where(em, values[:, :, None], stored16[1].to(v.dtype)[:, :, None])
+        return aligned_attention(q, stored16[0][:, :, :NA], stored16[1][:, :, :NA], self.k_exp, self.v_exp,
+                                 exact_k, exact_v, n_aligned, mask, o.block, o.topk, o.min_bits, self.stats)
+
+    @staticmethod
+    def _zero_padding(k: Tensor, v: Tensor, pos: Positions) -> tuple[Tensor, Tensor]:
+        """Left-padding slots are never attended; stored as zeros they cannot inflate a block's colmax."""
+        slots = torch.arange(pos.start, pos.start + k.shape[2], device=k.device)
+        real = (slots[None, :] >= pos.pad[:, None])[:, None, :, None]          # (B, 1, T, 1)
+        return k * real, v * real
+
+    def prefill(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
+        """The history as stored (complete blocks aligned, the block being filled exact) plus the chunk
+        exact, then store the chunk."""
+        q, k = self.attn.rope(q, k, pos.ids)
+        k, v = self._zero_padding(k, v, pos)
+        L, T = self.length, q.shape[2]
+        hist_k, hist_v = self._stored_keys(0, L), self._stored_values(L)
+        n_aligned = torch.full((T,), L // self.opts.block * self.opts.block, device=q.device)
+        exact_mask = (torch.arange(L + T, device=q.device) >= L)[None, :].expand(T, L + T)
+        out = self._attend(q, hist_k, hist_v, k, v, exact_mask, n_aligned, full_mask(pos, L + T, q.device))
+        self._append(k, v)
+        return out
+
+    decode = prefill
+
+    def simulate(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
+        """Query slot t reads slot j < t from storage (aligned if j lies in a block complete before t,
+        i.e. j < floor(t / block) * block) and its own slot exact, as decoding it would."""
+        q, k = self.attn.rope(q, k, pos.ids)
+        k, v = self._zero_padding(k, v, pos)
+        L, T = self.length, q.shape[2]
+        self._append(k, v)
+        stored_k, stored_v = self._stored_keys(0, L + T), self._stored_values(L + T)
+        hist_k, hist_v = stored_k[:, :, :L], stored_v[:, :, :L]
+        q_slots = torch.arange(L, L + T, device=q.device)
+        key_slots = torch.arange(L + T, device=q.device)
+        mask = full_mask(pos, L + T, q.device)
+        if self.opts.min_bits == 16 and k.dtype == torch.float16:   # every bit read: the fp16 cache
+            return attend(q, torch.cat([hist_k, k], 2), torch.cat([hist_v, v], 2), mask)
+        if self.opts.min_bits == 16:   # every bit read: the stored copy for j < t, the exact one for j = t
+            use_stored = self.after_prompt(key_slots[None, :] < q_slots[:, None], q_slots)
+            keys, values = torch.cat([hist_k.to(k.dtype), k], 2), torch.cat([hist_v.to(v.dtype), v], 2)
+            return attend_split(q, keys, values, stored_k.to(k.dtype), stored_v.to(v.dtype), use_stored, mask)
+        n_aligned = torch.where(q_slots >= self.prompt, q_slots // self.opts.block * self.opts.block, 0)
+        exact_mask = ~self.after_prompt(key_slots[None, :] < q_slots[:, None], q_slots)   # (T, L + T)
+        chunks = [self._attend(q[:, :, a:a + 32], hist_k, hist_v, k, v, exact_mask[a:a + 32], n_aligned[a:a + 32],
+                               mask[:, :, a:a + 32])
+                  for a in range(0, T, 32)]                            # 32 queries at a time bounds memory
+        return torch.cat(chunks, dim=2)
+
+    # ---- bookkeeping -------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        BT, L = self.opts.block, self.length
+        touched, done = -(-L // BT), L // BT
+        keys = (self.k_hi[:, :, :touched], self.k_mid[:, :, :touched], self.k_lo[:, :, :touched],
+                self.k_exp[:, :, :done])
+        values = (self.v_hi[:, :, :L], self.v_mid[:, :, :L], self.v_lo[:, :, :L], self.v_exp[:, :, :L])
+        return sum(t.nbytes for t in keys + values)
+
+    def formula_nbytes(self, length: int) -> int:
+        BT, d = self.opts.block, self.attn.head_dim
+        per_head = 2 * d * BT * -(-length // BT) + d * (length // BT) + 2 * d * length + length
+        return self.batch_size * self.attn.n_kv_heads * per_head
+
+    def reset(self) -> None:
+        super().reset()
+        self.stats = ReadStats()
