@@ -1,0 +1,130 @@
+"""AlignedKV's decode kernels (kvzoo/kernels/alignedkv_attention.py) against their torch references, under the
+Triton interpreter on CPU (`TRITON_INTERPRET=0` on a GPU machine runs them compiled on CUDA)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kvzoo.cache.alignedkv import LEVELS, exponent, key_levels, split_planes, value_levels  # noqa: E402
+from kvzoo.kernels.alignedkv_attention import aligned_pv, aligned_pv_ref, aligned_qk, aligned_qk_ref  # noqa: E402
+
+DEVICE = "cpu" if os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on", "yes") else "cuda"
+B, H = 2, 2
+
+
+def outliers(x, g):
+    """x with three channels (last dim) scaled by 30 and three by 1/30, so that all three read levels occur."""
+    channels = torch.randperm(x.shape[-1], generator=g)
+    x[..., channels[:3]] *= 30
+    x[..., channels[3:6]] /= 30
+    return x
+
+
+def key_planes(keys, BT):
+    """keys (B, H, NB*BT, d) fp16 -> k_hi, k_mid, k_lo (B, H, NB, d, BT[/2]) and k_exp (B, H, NB, d) int8."""
+    b, h, n, d = keys.shape
+    blocks = keys.view(b, h, n // BT, BT, d).transpose(-1, -2)                     # (B, H, NB, d, BT)
+    k_exp = exponent(blocks.abs().amax(-1)).to(torch.int8)                         # (B, H, NB, d)
+    return (*(t.contiguous() for t in split_planes(blocks)), k_exp)
+
+
+def value_planes(values):
+    """values (B, H, N, d) fp16 -> v_hi (B, H, N, d), v_mid, v_lo (B, H, N, d/2), v_exp (B, H, N) int8."""
+    return (*split_planes(values), exponent(values.abs().amax(-1)).to(torch.int8))
+
+
+def check(got, want, tol=1e-5):
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def assert_all_levels(bits, min_bits):
+    assert set(bits.unique().tolist()) == {b for b in LEVELS if b >= min_bits}
+
+
+@pytest.mark.parametrize("G", [1, 3])
+@pytest.mark.parametrize("d", [32, 64])
+@pytest.mark.parametrize("BT", [16, 32])
+@pytest.mark.parametrize("min_bits", [8, 12, 16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_qk_matches_reference(G, d, BT, min_bits, dtype):
+    g = torch.Generator().manual_seed(G * 1000 + d * 10 + BT)
+    NB, n_blocks = 4, 3                                       # the buffer holds a block more than is read
+    keys = outliers(torch.randn(B, H, NB * BT, d, generator=g), g).half().to(DEVICE)
+    q = torch.randn(B, H * G, d, generator=g).to(DEVICE, dtype)
+    k_hi, k_mid, k_lo, k_exp = key_planes(keys, BT)
+    assert_all_levels(key_levels(q[:, :, None], k_exp[:, :, :n_blocks], min_bits), min_bits)
+    got = aligned_qk(q, k_hi, k_mid, k_lo, k_exp, n_blocks, min_bits)
+    check(got, aligned_qk_ref(q, k_hi, k_mid, k_lo, k_exp, n_blocks, min_bits))
+
+
+def test_qk_at_16_bits_is_the_fp16_product():
+    g = torch.Generator().manual_seed(7)
+    keys = torch.randn(B, H, 64, 32, generator=g).half().to(DEVICE)
+    q = torch.randn(B, 2 * H, 32, generator=g).half().to(DEVICE)
+    got = aligned_qk(q, *key_planes(keys, 16), 4, 16)
+    want = torch.einsum("bhgd,bhsd->bhgs", q.float().view(B, H, 2, 32), keys.float()).reshape(B, 2 * H, 64)
+    check(got, want)
+
+
+def pv_inputs(G, d, N, n_tokens, g):
+    values = outliers(torch.randn(B, H, N, d, generator=g), g).half().to(DEVICE)
+    S = N + 5                                                 # p has more slots than are read
+    p = (3 * torch.randn(B, H * G, S, generator=g)).softmax(-1).to(DEVICE)
+    v = values[:, :, None].expand(B, H, G, N, d).reshape(B, H * G, N, d).float()   # (B, Hq, N, d) per query head
+    o_est = torch.einsum("bhj,bhjc->bhc", p[..., :n_tokens], v[:, :, :n_tokens])     # (B, Hq, d)
+    return p, o_est, value_planes(values)
+
+
+@pytest.mark.parametrize("G", [1, 3])
+@pytest.mark.parametrize("d", [32, 64])
+@pytest.mark.parametrize("BT", [16, 32])
+@pytest.mark.parametrize("min_bits", [8, 12, 16])
+def test_pv_matches_reference(G, d, BT, min_bits):
+    g = torch.Generator().manual_seed(G * 1000 + d * 10 + BT + 1)
+    N, n_tokens = 4 * BT, 3 * BT
+    p, o_est, (v_hi, v_mid, v_lo, v_exp) = pv_inputs(G, d, N, n_tokens, g)
+    bits = value_levels(p[:, :, None, :n_tokens], o_est[:, :, None], v_exp[:, :, :n_tokens], min_bits)
+    assert_all_levels(bits, min_bits)
+    got = aligned_pv(p, o_est, v_hi, v_mid, v_lo, v_exp, n_tokens, min_bits, block_n=16)
+    check(got, aligned_pv_ref(p, o_est, v_hi, v_mid, v_lo, v_exp, n_tokens, min_bits))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+def test_pv_splits_and_a_partial_tile(num_splits):
+    """80 tokens in tiles of 32: the last tile is half masked, and 5 splits leave some programs without tokens."""
+    g = torch.Generator().manual_seed(num_splits)
+    p, o_est, planes = pv_inputs(3, 32, 96, 80, g)
+    got = aligned_pv(p, o_est, *planes, 80, 8, block_n=32, num_splits=num_splits)
+    check(got, aligned_pv_ref(p, o_est, *planes, 80, 8))
+
+
+def test_bad_input_is_named():
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(B, H, 64, 32, generator=g).half().to(DEVICE)
+    k_hi, k_mid, k_lo, k_exp = key_planes(keys, 16)
+    q = torch.randn(B, 4, 32).to(DEVICE)
+    with pytest.raises(ValueError, match="k_exp has dtype"):
+        aligned_qk(q, k_hi, k_mid, k_lo, k_exp.int(), 4, 8)
+    with pytest.raises(ValueError, match="k_mid has shape"):
+        aligned_qk(q, k_hi, k_mid[..., :4], k_lo, k_exp, 4, 8)
+    with pytest.raises(ValueError, match="query heads are not a multiple"):
+        aligned_qk(q[:, :3], k_hi, k_mid, k_lo, k_exp, 4, 8)
+    with pytest.raises(ValueError, match="n_blocks"):
+        aligned_qk(q, k_hi, k_mid, k_lo, k_exp, 5, 8)
+    with pytest.raises(ValueError, match="min_bits"):
+        aligned_qk(q, k_hi, k_mid, k_lo, k_exp, 4, 10)
+    p, o_est, (v_hi, v_mid, v_lo, v_exp) = pv_inputs(2, 32, 64, 64, g)
+    with pytest.raises(ValueError, match="p has dtype"):
+        aligned_pv(p.half(), o_est, v_hi, v_mid, v_lo, v_exp, 64, 8)
+    with pytest.raises(ValueError, match="o_est has shape"):
+        aligned_pv(p, o_est[..., :16], v_hi, v_mid, v_lo, v_exp, 64, 8)
+    with pytest.raises(ValueError, match="v_lo has dtype"):
+        aligned_pv(p, o_est, v_hi, v_mid, v_lo.to(torch.int8), v_exp, 64, 8)
+    with pytest.raises(ValueError, match="n_tokens"):
+        aligned_pv(p, o_est, v_hi, v_mid, v_lo, v_exp, 65, 8)
