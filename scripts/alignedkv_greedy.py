@@ -4,7 +4,8 @@
 
 Prompts: the paper's ("I have just received a letter from my brother,") and the opening words of the
 next C4 documents, --prompts in all. Each is continued greedily for --new-tokens tokens with
---baseline and with --cache, the whole batch at once; a row that diverges is reported at its first
+--baseline and with --cache (--batch prompts per call; one at a time by default, so that no row is padded
+and decode runs through the CUDA kernels on a GPU); a row that diverges is reported at its first
 differing token. The paper's setting is an fp16 model (--dtype float16): AlignedKV's format is fp16, so
 in an fp32 model its K/V are rounded to fp16 and the fair baseline is `alignedkv:min_bits=16`.
 """
@@ -16,6 +17,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tqdm import tqdm  # noqa: E402
 
 from kvzoo.cli import add_model_args, check_output, load_from_args, run, write_json  # noqa: E402
 from kvzoo.eval.datasets import dataset_path  # noqa: E402
@@ -47,20 +50,24 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--words", type=int, default=16, help="words of each C4 prompt")
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=1,
+                        help="prompts per generate() call; 1 (no padding) decodes through the CUDA kernels")
     parser.add_argument("--json", default=None, help="write the comparison to this JSON file")
     parser.add_argument("--overwrite", action="store_true", help="let --json replace an existing file")
     args = parser.parse_args()
-    if args.prompts < 1 or args.new_tokens < 1:
-        raise ValueError("--prompts and --new-tokens must be >= 1")
+    if min(args.prompts, args.new_tokens, args.batch) < 1:
+        raise ValueError("--prompts, --new-tokens and --batch must be >= 1")
     check_output(args.json, args.overwrite)
     model, tokenizer = load_from_args(args)
     texts = prompts(args.prompts, args.words)
     runs = {}
     for spec in (args.baseline, args.cache):
         t0 = time.perf_counter()
-        runs[spec] = generate(model, tokenizer, texts, max_new_tokens=args.new_tokens, temperature=0.0, cache=spec)
-        print(f"{spec}: {runs[spec].new_tokens} tokens in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    base, ours = runs[args.baseline].tokens, runs[args.cache].tokens
+        runs[spec] = [row for i in tqdm(range(0, len(texts), args.batch), desc=spec)
+                      for row in generate(model, tokenizer, texts[i:i + args.batch], max_new_tokens=args.new_tokens,
+                                          temperature=0.0, cache=spec).tokens]
+        print(f"{spec}: {sum(map(len, runs[spec]))} tokens in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    base, ours = runs[args.baseline], runs[args.cache]
     rows = []
     for i, (a, b) in enumerate(zip(base, ours)):
         first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)

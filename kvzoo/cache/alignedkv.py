@@ -63,6 +63,7 @@ class AlignedKVOptions:
     block: int = 64        # BT: tokens per key block (colmax granularity, the kernel's tile)
     topk: int = 32         # probabilities used for the O_est estimate of Rule 2
     min_bits: int = 8      # never read fewer bits than this; 16 = plain fp16 attention
+    fused: bool = True     # decode through the Triton kernels (kvzoo/kernels/alignedkv_attention.py) on CUDA
 
     def __post_init__(self):
         if self.block < 2 or self.block % 2:
@@ -284,8 +285,9 @@ class AlignedKVCache(LayerCache):
         keys = join_planes(self.k_hi[:, :, first:last], self.k_mid[:, :, first:last], self.k_lo[:, :, first:last])
         return keys.transpose(-1, -2).flatten(2, 3)[:, :, :b - a]      # (B, H, n*BT, d) -> (B, H, b - a, d)
 
-    def _stored_values(self, b: int) -> Tensor:
-        return join_planes(self.v_hi[:, :, :b], self.v_mid[:, :, :b], self.v_lo[:, :, :b])
+    def _stored_values(self, b: int, a: int = 0) -> Tensor:
+        """fp16 values of slots [a, b): (B, H, b - a, d)."""
+        return join_planes(self.v_hi[:, :, a:b], self.v_mid[:, :, a:b], self.v_lo[:, :, a:b])
 
     # ---- attention ---------------------------------------------------------------------------------
     def _attend(self, q: Tensor, hist_k: Tensor, hist_v: Tensor, k: Tensor, v: Tensor, exact_mask: Tensor,
@@ -326,7 +328,31 @@ class AlignedKVCache(LayerCache):
         self._append(k, v)
         return out
 
-    decode = prefill
+    # ---- decode: the kernels on CUDA ---------------------------------------------------------------
+    def _fused_ok(self, q: Tensor, pos: Positions) -> bool:
+        o, d = self.opts, self.attn.head_dim
+        pow2 = lambda n: n >= 16 and n & (n - 1) == 0                   # noqa: E731  (tl.dot tiles)
+        return (o.fused and q.is_cuda and o.min_bits < 16 and pos.mask is None and pow2(d) and pow2(o.block)
+                and self.length >= o.block)
+
+    def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
+        """One token: the complete blocks through aligned_qk / aligned_pv, which decide each element's bits
+        before loading its low bits; the block being filled and the new token exact, in torch. The torch
+        path (prefill) where the kernels do not apply (CPU, padding, min_bits=16, no complete block yet)."""
+        if not self._fused_ok(q, pos):
+            return self.prefill(x, q, k, v, pos)
+        from kvzoo.kernels.alignedkv_attention import aligned_decode
+
+        o = self.opts
+        q, k = self.attn.rope(q, k, pos.ids)
+        L = self.length
+        NA = L // o.block * o.block
+        tail_k = torch.cat([self._stored_keys(NA, L).to(k.dtype), k], dim=2)            # (B, H, W, d)
+        tail_v = torch.cat([self._stored_values(L, NA).to(v.dtype), v], dim=2)
+        out = aligned_decode(q[:, :, 0], self.k_hi, self.k_mid, self.k_lo, self.k_exp, self.v_hi, self.v_mid,
+                             self.v_lo, self.v_exp, L // o.block, tail_k, tail_v, o.topk, o.min_bits)
+        self._append(k, v)
+        return out.to(q.dtype)[:, :, None]                                              # (B, Hq, 1, d)
 
     def simulate(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
         """Query slot t reads slot j < t from storage (aligned if j lies in a block complete before t,

@@ -245,3 +245,41 @@ def aligned_pv_ref(p: Tensor, o_est: Tensor, v_hi: Tensor, v_mid: Tensor, v_lo: 
     bits = value_levels(p[:, :, None], o_est[:, :, None], v_exp[:, :, :n_tokens], min_bits)[:, :, 0]  # (B, H, n, d)
     out = torch.einsum("bhgj,bhjc->bhgc", p.view(B, H, Hq // H, n_tokens), read_levels(values, bits))
     return out.reshape(B, Hq, d)
+
+
+def aligned_decode(q: Tensor, k_hi: Tensor, k_mid: Tensor, k_lo: Tensor, k_exp: Tensor, v_hi: Tensor, v_mid: Tensor,
+                   v_lo: Tensor, v_exp: Tensor, n_blocks: int, tail_k: Tensor, tail_v: Tensor, topk: int,
+                   min_bits: int) -> Tensor:
+    """One decode step of AlignedKV attention, as kvzoo.cache.alignedkv runs it on CUDA: q (B, Hq, d) over the
+    first n_blocks complete blocks (read aligned by the two kernels) and an exact tail (B, H, W, d) of the
+    tokens after them (the block being filled and the new token). Returns (B, Hq, d) fp32.
+
+    scores = [aligned_qk | q·tail] / sqrt(d); p = softmax (fp32); O_est = the top-k probabilities times
+    their exact values (gathered from the planes or the tail); out = aligned_pv(p, O_est) + p_tail·tail."""
+    B, Hq, d = q.shape
+    H = tail_k.shape[1]
+    G, NA = Hq // H, n_blocks * k_hi.shape[-1]
+    s_tail = torch.einsum("bhgd,bhwd->bhgw", q.float().view(B, H, G, d), tail_k.float()).reshape(B, Hq, -1)
+    scores = torch.cat([aligned_qk(q, k_hi, k_mid, k_lo, k_exp, n_blocks, min_bits), s_tail], dim=-1)
+    p = (scores * d ** -0.5).softmax(-1)                                              # (B, Hq, S)
+    o_est = _estimate(p, v_hi, v_mid, v_lo, tail_v, NA, topk)
+    out = aligned_pv(p, o_est, v_hi, v_mid, v_lo, v_exp, NA, min_bits)
+    return out + torch.einsum("bhgw,bhwd->bhgd", p[..., NA:].view(B, H, G, -1), tail_v.float()).reshape(B, Hq, d)
+
+
+def _estimate(p: Tensor, v_hi: Tensor, v_mid: Tensor, v_lo: Tensor, tail_v: Tensor, NA: int, topk: int) -> Tensor:
+    """O_est (B, Hq, d): each head's top-k probabilities times their exact values, gathered from the planes
+    (slots < NA) or the exact tail, without copying the cache."""
+    B, Hq, S = p.shape
+    H, d = tail_v.shape[1], tail_v.shape[-1]
+    G = Hq // H
+    top_p, idx = p.topk(min(topk, S), dim=-1)                                         # (B, Hq, k)
+    idx = idx.view(B, H, G, -1, 1)
+
+    def rows(t: Tensor, i: Tensor) -> Tensor:                                         # (B, H, G, k, width)
+        return t[:, :, None].expand(B, H, G, *t.shape[2:]).gather(3, i.expand(*i.shape[:4], t.shape[-1]))
+
+    planes = idx.clamp_max(max(NA - 1, 0))
+    stored = join_planes(rows(v_hi, planes), rows(v_mid, planes), rows(v_lo, planes)).float()
+    vals = torch.where(idx < NA, stored, rows(tail_v, (idx - NA).clamp_min(0)).float())   # (B, H, G, k, d)
+    return (top_p.view(B, H, G, -1, 1) * vals).sum(3).view(B, Hq, d)
