@@ -59,7 +59,7 @@ def test_chat_script_refuses_unknown_cache():
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "chat.py"), "--cache", "zip", "--prompt", "hi"],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 2
-    assert "unknown cache 'zip'; available caches: fp16" in out.stderr
+    assert "unknown cache 'zip'; available caches: alignedkv, fp16" in out.stderr
     assert "Traceback" not in out.stderr
 
 
