@@ -17,8 +17,9 @@ Methods (each a CUDA graph; median of --runs replays, L2 flushed before each, kv
 Data: fp16 keys with per-channel scales 2^U(-2,2) and 4 outlier channels x16, values with per-token scales
 2^U(-1,1), queries with per-channel scales 2^U(-2,2): the columnar keys the paper's Figure 7 shows. The bits
 AlignedKV reads depend on the data; `KV bytes read` counts what its kernels fetch at this data (K: 1, 1.5 or
-2 bytes per element by (block, channel) decision, plus k_exp; V: the high byte, the middle / low byte of a
-channel pair when either channel needs it, plus v_exp), against 4 bytes per token-channel for fp16 K+V.
+2 bytes per element by (block, channel) decision, plus k_exp; V: the high byte, and a token's whole middle /
+low nibble row when any of its elements needs 12 / 16 bits (aligned_pv's default row_mask), plus v_exp),
+against 4 bytes per token-channel for fp16 K+V. `bits per element` is what each element uses.
 
 Writes OUT.json and OUT.md; refuses to replace them without --overwrite.
 """
@@ -91,8 +92,8 @@ def bytes_read(q, keys, values, k_exp, v_exp) -> dict:
     p = (scores * d ** -0.5).softmax(-1)                                                # (1, Hq, 1, N)
     o_est = estimate_output(p, values[:, :, None].float(), TOPK)                        # (1, Hq, 1, d)
     v_bits = value_levels(p, o_est, v_exp, 8)[:, :, 0]                                  # (1, H, N, d)
-    pair = v_bits.view(1, H, N, d // 2, 2).amax(-1)                                     # a byte per channel pair
-    v_bytes = H * N * d + (pair >= 12).sum() + (pair == 16).sum() + v_exp.numel()
+    row = v_bits.amax(-1)                                                               # (1, H, N): rows fetched whole
+    v_bytes = H * N * d + d // 2 * ((row >= 12).sum() + (row == 16).sum()) + v_exp.numel()
     fp16 = 2 * keys.numel() * 2
     return {"k_bits": k_bits.mean().item(), "v_bits": v_bits.float().mean().item(),
             "kv_bytes": int(k_bytes + v_bytes), "fp16_bytes": fp16, "bytes_ratio": float((k_bytes + v_bytes) / fp16)}

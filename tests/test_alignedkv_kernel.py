@@ -128,3 +128,17 @@ def test_bad_input_is_named():
         aligned_pv(p, o_est, v_hi, v_mid, v_lo.to(torch.int8), v_exp, 64, 8)
     with pytest.raises(ValueError, match="n_tokens"):
         aligned_pv(p, o_est, v_hi, v_mid, v_lo, v_exp, 65, 8)
+
+
+def test_wide_groups_and_row_mask():
+    """G = 16 query heads per KV head takes the tl.dot path; row_mask=False fetches single bytes, same result."""
+    g = torch.Generator().manual_seed(16)
+    keys = outliers(torch.randn(1, 1, 64, 32, generator=g), g).half().to(DEVICE)
+    q = torch.randn(1, 16, 32, generator=g).half().to(DEVICE)
+    planes = key_planes(keys, 32)
+    check(aligned_qk(q, *planes, 2, 8), aligned_qk_ref(q, *planes, 2, 8))
+    for G, row_mask in ((16, True), (3, False), (1, False)):
+        p, o_est, planes = pv_inputs(G, 32, 64, 48, g)
+        got = aligned_pv(p, o_est, *planes, 48, 8, block_n=16, row_mask=row_mask)
+        check(got, aligned_pv_ref(p, o_est, *planes, 48, 8))
+

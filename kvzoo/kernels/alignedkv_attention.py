@@ -24,17 +24,28 @@ diff >= DIFF_FOR_8, 12 once diff >= DIFF_FOR_12, else 16, never fewer than min_b
 The minimum over the G query heads of a group gives every head at least the bits it asks for, since they all
 share the KV head's bytes.
 
-Tiling.
-    aligned_qk  grid (B*H, n_blocks): a program takes one block of one KV head, all G query heads padded to
-                G_P = max(16, next_pow2(G)) rows. It decides the d channel levels from q and k_exp, loads the
-                k_hi tile (d, BT), then k_mid only for channels at >= 12 bits and k_lo only for channels at
-                16 bits (masked loads: a skipped channel issues no memory request), rebuilds the fp16 keys
-                in fp32 and multiplies with tl.dot (G_P, d) x (d, BT) at fp32 ("ieee") precision.
-    aligned_pv  grid (B*H, splits), split-K over the tokens: a program walks its tokens BLOCK_N at a time,
-                decides the (BLOCK_N, d) levels, loads v_hi and, element by element, the v_mid / v_lo byte
-                of an element that needs it (so a byte is fetched when either of its two channels needs it;
-                each element still gets its own level's fill), and accumulates tl.dot (G_P, BLOCK_N) x
-                (BLOCK_N, d). The partials (B*H, splits, G, d) are summed by torch.
+Tiling. Both kernels work on element pairs: the high-byte plane is loaded as uint16 words (two neighbouring
+high bytes), beside the one v_mid / v_lo byte holding the same two elements' nibbles, so every load is a
+contiguous row (vectorised) and no byte is unpacked twice; each pair is rebuilt in int32 (_pair) into an
+even and an odd element, and the two halves are reduced and stored separately (scores / output channels
+at stride 2).
+    aligned_qk  grid (B*H, programs): a program takes blocks_per_program (default 4) consecutive blocks of
+                one KV head. Per block it decides the d channel levels from q and k_exp, loads the k_hi words
+                (d, BT/2), then k_mid only for channels at >= 12 bits and k_lo only for channels at 16 bits
+                (masked loads, one mask per channel row: a skipped channel issues no memory request), rebuilds
+                the keys in fp32 and, for each of the G query heads, sums q_g[:, None] * k over the channels
+                (no padded tl.dot; tl.dot at fp32 "ieee" precision only for G >= 16).
+    aligned_pv  grid (B*H, splits), split-K over the tokens: a program walks its tokens BLOCK_N (64) at a time,
+                decides the (BLOCK_N, d) levels as even / odd (BLOCK_N, d/2) halves, loads the v_hi words and
+                the v_mid / v_lo byte rows, and accumulates p * v. By default (row_mask) a token's v_mid row is
+                fetched when any of its elements reads >= 12 bits and its v_lo row when any reads 16 (the
+                token's least diff over its channels, from min_c e(o_est): one decision a row, vector loads);
+                row_mask=False fetches a byte only when one of its two elements needs it. Either way each
+                element keeps only the nibbles its own level reads, so the result is the same. G = 1 keeps a
+                (BLOCK_N, d/2) fp32 accumulator per half and sums over tokens once at the end; 1 < G < 16
+                sums each head's products over the tile; G >= 16 uses tl.dot. The partials
+                (B*H, splits, G, d) are summed by torch.
+aligned_decode writes the tail scores into the aligned scores' buffer (no concatenation) and scales in place.
 
 Every launcher checks shapes, dtypes and devices and raises ValueError; each has a pure-torch `*_ref` built on
 kvzoo.cache.alignedkv's key_levels / value_levels / read_levels. CPU tensors need TRITON_INTERPRET=1.
@@ -48,7 +59,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kvzoo.cache.alignedkv import DIFF_FOR_8, DIFF_FOR_12, LEVELS, join_planes, key_levels, read_levels, value_levels
-from kvzoo.kernels.quant_matvec import check_runnable, check_tensor, head_rows, split_groups
+from kvzoo.kernels.quant_matvec import check_runnable, check_tensor, head_rows, split_groups, target_programs
 
 _D8 = tl.constexpr(DIFF_FOR_8)
 _D12 = tl.constexpr(DIFF_FOR_12)
@@ -68,71 +79,126 @@ def _level(diff, MIN_BITS: tl.constexpr):
 
 
 @triton.jit
-def _rebuild(hi, mid, lo, bits):
-    """High byte, middle and low nibbles (int32) read at `bits` -> the element as fp32. The nibbles an element
-    does not read are ignored (they are the masked loads' zeros) and replaced by the fill 100..."""
-    low = tl.where(bits == 8, 0x80, tl.where(bits == 12, (mid << 4) | 0x8, (mid << 4) | lo))
-    return ((hi << 8) | low).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+def _fp32(bits16):
+    """fp16 bit patterns held in int32 -> fp32."""
+    return bits16.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _qk_kernel(q_ptr, hi_ptr, mid_ptr, lo_ptr, exp_ptr, out_ptr, S_OUT, s_hi, s_mid, s_lo, s_exp,
-               G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, MIN_BITS: tl.constexpr):
+def _pair(hw, m, l, bits_a, bits_b):
+    """Two neighbouring elements a (even) and b (odd) from their high bytes as one uint16 word hw (a in the low
+    byte), their shared middle byte m and low byte l (a in the low nibbles; int32, 0 where a masked load skipped
+    them), each read at its bits -> (a, b) as fp32. The nibbles an element does not read are replaced by 100..."""
+    a = ((hw & 0xFF) << 8) | tl.where(bits_a == 8, 0x80, tl.where(bits_a == 12, ((m & 0xF) << 4) | 0x8,
+                                                                   ((m & 0xF) << 4) | (l & 0xF)))
+    b = (hw & 0xFF00) | tl.where(bits_b == 8, 0x80, tl.where(bits_b == 12, (m & 0xF0) | 0x8, (m & 0xF0) | (l >> 4)))
+    return _fp32(a), _fp32(b)
+
+
+@triton.jit
+def _qk_kernel(q_ptr, hi_ptr, mid_ptr, lo_ptr, exp_ptr, out_ptr, NBLK, PER_PROG, S_OUT, s_hi, s_mid, s_lo, s_exp,
+               G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, MIN_BITS: tl.constexpr,
+               USE_DOT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)                # b*H + KV head
-    n = tl.program_id(1)                               # block
+    HT: tl.constexpr = BT // 2                         # token pairs per block
     g = tl.arange(0, G_P)
     live_g = g < G
     i = tl.arange(0, D)
-    t = tl.arange(0, BT)
+    t = tl.arange(0, HT)
     heads = row * G + g                                # query rows b*Hq + kv*G + g
     q = tl.load(q_ptr + heads[:, None] * D + i[None, :], mask=live_g[:, None], other=0).to(tl.float32)  # (G_P, D)
-    # Rule 1, from q and the block's colmax exponents only
-    a = _exponent(q) + tl.load(exp_ptr + row * s_exp + n * D + i).to(tl.int32)[None, :]             # (G_P, D)
-    diff = tl.where(live_g[:, None], tl.max(a, axis=1)[:, None] - a, _FAR)
-    bits = _level(tl.min(diff, axis=0), MIN_BITS)[:, None]                                           # (D, 1)
-    hi = tl.load(hi_ptr + row * s_hi + n * (D * BT) + i[:, None] * BT + t[None, :]).to(tl.int32)     # (D, BT)
-    pair = n * (D * (BT // 2)) + i[:, None] * (BT // 2) + (t // 2)[None, :]     # (D, BT): each token's byte
-    shift = ((t & 1) * 4)[None, :]
-    mid = (tl.load(mid_ptr + row * s_mid + pair, mask=bits >= 12, other=0).to(tl.int32) >> shift) & 0xF
-    lo = (tl.load(lo_ptr + row * s_lo + pair, mask=bits == 16, other=0).to(tl.int32) >> shift) & 0xF
-    k = _rebuild(hi, mid, lo, bits)                                                                  # (D, BT)
-    s = tl.dot(q, k, input_precision="ieee")                                                         # (G_P, BT)
-    tl.store(out_ptr + heads[:, None] * S_OUT + n * BT + t[None, :], s, mask=live_g[:, None])
+    e_q = _exponent(q)
+    first = tl.program_id(1) * PER_PROG
+    for b in range(0, PER_PROG):
+        n = first + b                                  # block
+        if n < NBLK:
+            # Rule 1, from q and the block's colmax exponents only
+            a = e_q + tl.load(exp_ptr + row * s_exp + n * D + i).to(tl.int32)[None, :]                # (G_P, D)
+            diff = tl.where(live_g[:, None], tl.max(a, axis=1)[:, None] - a, _FAR)
+            bits = _level(tl.min(diff, axis=0), MIN_BITS)[:, None]                                   # (D, 1)
+            pair = n * (D * HT) + i[:, None] * HT + t[None, :]          # (D, HT): tokens 2t, 2t+1 of channel i
+            hw = tl.load(hi_ptr + row * s_hi + pair).to(tl.int32)                                    # uint16 words
+            m = tl.load(mid_ptr + row * s_mid + pair, mask=bits >= 12, other=0).to(tl.int32)
+            lo = tl.load(lo_ptr + row * s_lo + pair, mask=bits == 16, other=0).to(tl.int32)
+            k_even, k_odd = _pair(hw, m, lo, bits, bits)                                             # (D, HT)
+            base = out_ptr + n * BT + 2 * t
+            if USE_DOT:
+                s_even = tl.dot(q, k_even, input_precision="ieee")                                   # (G_P, HT)
+                s_odd = tl.dot(q, k_odd, input_precision="ieee")
+                tl.store(base[None, :] + heads[:, None] * S_OUT, s_even, mask=live_g[:, None])
+                tl.store(base[None, :] + heads[:, None] * S_OUT + 1, s_odd, mask=live_g[:, None])
+            else:
+                for h in tl.static_range(G):
+                    q_h = tl.load(q_ptr + (row * G + h) * D + i).to(tl.float32)[:, None]             # (D, 1)
+                    tl.store(base + (row * G + h) * S_OUT, tl.sum(q_h * k_even, axis=0))
+                    tl.store(base + (row * G + h) * S_OUT + 1, tl.sum(q_h * k_odd, axis=0))
 
 
 @triton.jit
 def _pv_kernel(p_ptr, o_ptr, hi_ptr, mid_ptr, lo_ptr, exp_ptr, part_ptr, N, S_P, PER_SPLIT, s_hi, s_mid, s_lo, s_exp,
-               G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_BITS: tl.constexpr):
+               G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_BITS: tl.constexpr,
+               USE_DOT: tl.constexpr, ROW_MASK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)                # b*H + KV head
     split = tl.program_id(1)
+    HD: tl.constexpr = D // 2                          # channel pairs
     g = tl.arange(0, G_P)
     live_g = g < G
-    c = tl.arange(0, D)
+    c = tl.arange(0, HD)
     heads = row * G + g                                # query rows b*Hq + kv*G + g
-    shift = ((c & 1) * 4)[None, :]
-    acc = tl.zeros((G_P, D), dtype=tl.float32)
+    acc_even = tl.zeros((G_P, HD), dtype=tl.float32)   # channels 2c
+    acc_odd = tl.zeros((G_P, HD), dtype=tl.float32)    # channels 2c+1
+    tile_even = tl.zeros((BLOCK_N, HD), dtype=tl.float32)   # G == 1: products summed over tokens at the end
+    tile_odd = tl.zeros((BLOCK_N, HD), dtype=tl.float32)
     for start in range(0, PER_SPLIT, BLOCK_N):
         j = split * PER_SPLIT + start + tl.arange(0, BLOCK_N)
         live = j < N
         # Rule 2: the least diff over the group's query heads, from o_est, p and the rowmax exponents
-        e_pv = tl.full((BLOCK_N, D), _FAR, tl.int32)
+        e_even = tl.full((BLOCK_N, HD), _FAR, tl.int32)
+        e_odd = tl.full((BLOCK_N, HD), _FAR, tl.int32)
+        e_row = tl.full((BLOCK_N,), _FAR, tl.int32)    # the least over the token's channels too
         for h in tl.static_range(G):
-            e_o = _exponent(tl.load(o_ptr + (row * G + h) * D + c))                                  # (D,)
-            e_p = _exponent(tl.load(p_ptr + (row * G + h) * S_P + j, mask=live, other=0))            # (BLOCK_N,)
-            e_pv = tl.minimum(e_pv, e_o[None, :] - e_p[:, None])
+            e_p = _exponent(tl.load(p_ptr + (row * G + h) * S_P + j, mask=live, other=0))           # (BLOCK_N,)
+            e_oe = _exponent(tl.load(o_ptr + (row * G + h) * D + 2 * c))                            # (HD,)
+            e_oo = _exponent(tl.load(o_ptr + (row * G + h) * D + 2 * c + 1))
+            e_even = tl.minimum(e_even, e_oe[None, :] - e_p[:, None])
+            e_odd = tl.minimum(e_odd, e_oo[None, :] - e_p[:, None])
+            if ROW_MASK:
+                e_row = tl.minimum(e_row, tl.minimum(tl.min(e_oe, axis=0), tl.min(e_oo, axis=0)) - e_p)
         e_v = tl.load(exp_ptr + row * s_exp + j, mask=live, other=0).to(tl.int32)
-        bits = _level(e_pv - e_v[:, None], MIN_BITS)                                                 # (BLOCK_N, D)
-        hi = tl.load(hi_ptr + row * s_hi + j[:, None] * D + c[None, :], mask=live[:, None], other=0).to(tl.int32)
-        byte = j[:, None] * (D // 2) + (c // 2)[None, :]                            # (BLOCK_N, D): each element's byte
-        mid = tl.load(mid_ptr + row * s_mid + byte, mask=live[:, None] & (bits >= 12), other=0)
-        lo = tl.load(lo_ptr + row * s_lo + byte, mask=live[:, None] & (bits == 16), other=0)
-        mid = (mid.to(tl.int32) >> shift) & 0xF
-        lo = (lo.to(tl.int32) >> shift) & 0xF
-        v = _rebuild(hi, mid, lo, bits)                                                              # (BLOCK_N, D)
-        p = tl.load(p_ptr + heads[:, None] * S_P + j[None, :], mask=live_g[:, None] & live[None, :], other=0)
-        acc += tl.dot(p, v, input_precision="ieee")                                                  # (G_P, D)
-    tl.store(part_ptr + ((row * tl.num_programs(1) + split) * G + g[:, None]) * D + c[None, :], acc,
-             mask=live_g[:, None])
+        bits_even = _level(e_even - e_v[:, None], MIN_BITS)                                          # (BLOCK_N, HD)
+        bits_odd = _level(e_odd - e_v[:, None], MIN_BITS)
+        pair = j[:, None] * HD + c[None, :]                           # (BLOCK_N, HD): channels 2c, 2c+1 of token j
+        if ROW_MASK:     # a token's whole byte row once any of its bytes is needed: level is monotone in diff
+            bits_row = _level(e_row - e_v, MIN_BITS)[:, None]                                        # (BLOCK_N, 1)
+            need_mid = bits_row >= 12
+            need_lo = bits_row == 16
+        else:
+            need_mid = (bits_even >= 12) | (bits_odd >= 12)
+            need_lo = (bits_even == 16) | (bits_odd == 16)
+        hw = tl.load(hi_ptr + row * s_hi + pair, mask=live[:, None], other=0).to(tl.int32)          # uint16 words
+        m = tl.load(mid_ptr + row * s_mid + pair, mask=live[:, None] & need_mid, other=0).to(tl.int32)
+        lo = tl.load(lo_ptr + row * s_lo + pair, mask=live[:, None] & need_lo, other=0).to(tl.int32)
+        v_even, v_odd = _pair(hw, m, lo, bits_even, bits_odd)                                        # (BLOCK_N, HD)
+        if USE_DOT:
+            p = tl.load(p_ptr + heads[:, None] * S_P + j[None, :], mask=live_g[:, None] & live[None, :], other=0)
+            acc_even += tl.dot(p, v_even, input_precision="ieee")                                   # (G_P, HD)
+            acc_odd += tl.dot(p, v_odd, input_precision="ieee")
+        elif G == 1:
+            p_1 = tl.load(p_ptr + row * S_P + j, mask=live, other=0)[:, None]                        # (BLOCK_N, 1)
+            tile_even += p_1 * v_even
+            tile_odd += p_1 * v_odd
+        else:
+            for h in tl.static_range(G):
+                p_h = tl.load(p_ptr + (row * G + h) * S_P + j, mask=live, other=0)[:, None]          # (BLOCK_N, 1)
+                this = (g == h)[:, None]
+                acc_even = tl.where(this, acc_even + tl.sum(p_h * v_even, axis=0)[None, :], acc_even)
+                acc_odd = tl.where(this, acc_odd + tl.sum(p_h * v_odd, axis=0)[None, :], acc_odd)
+    if G == 1 and not USE_DOT:
+        acc_even += tl.sum(tile_even, axis=0)[None, :]
+        acc_odd += tl.sum(tile_odd, axis=0)[None, :]
+    out = part_ptr + ((row * tl.num_programs(1) + split) * G + g[:, None]) * D + 2 * c[None, :]
+    tl.store(out, acc_even, mask=live_g[:, None])
+    tl.store(out + 1, acc_odd, mask=live_g[:, None])
 
 
 def _check_common(name: str, t: Tensor, dims: int, min_bits: int) -> None:
@@ -148,18 +214,34 @@ def _check_dim(name: str, n: int, least: int = 16) -> None:
 
 
 def _group(Hq: int, H: int) -> tuple[int, int]:
-    """(G, G_P): query heads per KV head and the tl.dot rows they are padded to."""
+    """(G, G_P): query heads per KV head and the rows a program holds them in (a power of two)."""
     if H == 0 or Hq % H:
         raise ValueError(f"{Hq} query heads are not a multiple of {H} KV heads")
     G = Hq // H
-    return G, max(16, triton.next_power_of_2(G))
+    return G, triton.next_power_of_2(G)
+
+
+def _use_dot(G: int, *dims: int) -> bool:
+    """tl.dot (fp32 FMA, rows padded to 16) only once the group fills its 16 rows; below, a loop over the G
+    heads of elementwise products and sums wastes no work on padding."""
+    return G >= 16 and min(dims) >= 16
+
+
+def _words(t: Tensor) -> Tensor:
+    """A uint8 plane viewed as uint16 words (two neighbouring bytes of its last dim in one load)."""
+    try:
+        return t.view(torch.uint16)
+    except RuntimeError:                              # an odd offset or stride: copy
+        return t.contiguous().view(torch.uint16)
 
 
 def aligned_qk(q: Tensor, k_hi: Tensor, k_mid: Tensor, k_lo: Tensor, k_exp: Tensor, n_blocks: int,
-               min_bits: int) -> Tensor:
+               min_bits: int, blocks_per_program: int | None = None, out: Tensor | None = None,
+               num_warps: int = 4) -> Tensor:
     """Unscaled scores q · k̃ᵀ (B, Hq, n_blocks*BT) fp32 over the first n_blocks key blocks, each key channel of
     each block read at the bits Rule 1 gives it. q (B, Hq, d) fp16/bf16/fp32; the planes may hold NB >= n_blocks
-    blocks (the cache's whole buffers)."""
+    blocks (the cache's whole buffers). blocks_per_program defaults to filling the device; `out`, a contiguous
+    fp32 (B, Hq, S >= n_blocks*BT), takes the scores in its first n_blocks*BT slots (and is returned whole)."""
     _check_common("k_hi", k_hi, 5, min_bits)
     B, H, NB, d, BT = k_hi.shape
     if not isinstance(q, Tensor) or q.dim() != 3:
@@ -178,12 +260,21 @@ def aligned_qk(q: Tensor, k_hi: Tensor, k_mid: Tensor, k_lo: Tensor, k_exp: Tens
         check_tensor(t, name, shape, (dtype,), dev)
     if not 0 <= n_blocks <= NB:
         raise ValueError(f"n_blocks = {n_blocks} is outside the {NB} stored blocks")
-    out = torch.empty(B, Hq, n_blocks * BT, dtype=torch.float32, device=dev)
+    if out is None:
+        out = torch.empty(B, Hq, n_blocks * BT, dtype=torch.float32, device=dev)
+    elif (not isinstance(out, Tensor) or out.dim() != 3 or out.shape[:2] != (B, Hq) or out.shape[2] < n_blocks * BT
+          or out.dtype != torch.float32 or out.device != dev or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous fp32 tensor ({B}, {Hq}, >= {n_blocks * BT}) on {dev}")
     if B == 0 or n_blocks == 0:
         return out
-    (hi, s_hi), (mid, s_mid), (lo, s_lo), (ex, s_exp) = map(head_rows, (k_hi, k_mid, k_lo, k_exp))
-    _qk_kernel[(B * H, n_blocks)](q.contiguous(), hi, mid, lo, ex, out, n_blocks * BT, s_hi, s_mid, s_lo, s_exp,
-                                  G=G, G_P=G_P, D=d, BT=BT, MIN_BITS=min_bits)
+    if blocks_per_program is None:                    # 4 blocks a program (a sweep's best) while the device stays full
+        blocks_per_program = max(1, min(4, n_blocks * B * H // target_programs(dev)))
+    progs, per_prog = split_groups(n_blocks, B * H, dev, -(-n_blocks // blocks_per_program))
+    (hi, s_hi), (mid, s_mid), (lo, s_lo), (ex, s_exp) = map(head_rows, (_words(k_hi), k_mid, k_lo, k_exp))
+    use_dot = _use_dot(G, BT // 2, d)
+    _qk_kernel[(B * H, progs)](q.contiguous(), hi, mid, lo, ex, out, n_blocks, per_prog, out.shape[2],
+                               s_hi, s_mid, s_lo, s_exp, G=G, G_P=max(G_P, 16) if use_dot else G_P, D=d, BT=BT,
+                               MIN_BITS=min_bits, USE_DOT=use_dot, num_warps=num_warps)
     return out
 
 
@@ -201,10 +292,13 @@ def aligned_qk_ref(q: Tensor, k_hi: Tensor, k_mid: Tensor, k_lo: Tensor, k_exp: 
 
 
 def aligned_pv(p: Tensor, o_est: Tensor, v_hi: Tensor, v_mid: Tensor, v_lo: Tensor, v_exp: Tensor, n_tokens: int,
-               min_bits: int, block_n: int = 32, num_splits: int | None = None) -> Tensor:
+               min_bits: int, block_n: int = 64, num_splits: int | None = None, row_mask: bool = True,
+               num_warps: int | None = None) -> Tensor:
     """p · ṽ (B, Hq, d) fp32 over the first n_tokens value rows, each element read at the bits Rule 2 gives it.
     p (B, Hq, S) fp32 probabilities, S >= n_tokens (only the first n_tokens are read); o_est (B, Hq, d) fp32;
-    the planes may hold N >= n_tokens rows. num_splits (split-K over tokens) defaults to filling the device."""
+    the planes may hold N >= n_tokens rows. num_splits (split-K over tokens) defaults to filling the device.
+    row_mask fetches a token's whole v_mid / v_lo row once any of its bytes is needed (vector loads; the same
+    result, since each element still keeps only the nibbles its own level reads)."""
     _check_common("v_hi", v_hi, 4, min_bits)
     B, H, N, d = v_hi.shape
     if not isinstance(p, Tensor) or p.dim() != 3:
@@ -229,9 +323,14 @@ def aligned_pv(p: Tensor, o_est: Tensor, v_hi: Tensor, v_mid: Tensor, v_lo: Tens
     splits, per_split = split_groups(triton.cdiv(n_tokens, block_n), B * H, dev, num_splits)
     partials = torch.empty(B * H, splits, G, d, dtype=torch.float32, device=dev)
     p = p.contiguous()
-    (hi, s_hi), (mid, s_mid), (lo, s_lo), (ex, s_exp) = map(head_rows, (v_hi, v_mid, v_lo, v_exp))
+    (hi, s_hi), (mid, s_mid), (lo, s_lo), (ex, s_exp) = map(head_rows, (_words(v_hi), v_mid, v_lo, v_exp))
+    use_dot = _use_dot(G, block_n, d // 2)
+    if num_warps is None:                             # a sweep's best at 128K tokens, d = 128
+        num_warps = 8 if G == 1 else 4
     _pv_kernel[(B * H, splits)](p, o_est.contiguous(), hi, mid, lo, ex, partials, n_tokens, S, per_split * block_n,
-                                s_hi, s_mid, s_lo, s_exp, G=G, G_P=G_P, D=d, BLOCK_N=block_n, MIN_BITS=min_bits)
+                                s_hi, s_mid, s_lo, s_exp, G=G, G_P=max(G_P, 16) if use_dot else G_P, D=d,
+                                BLOCK_N=block_n, MIN_BITS=min_bits, USE_DOT=use_dot, ROW_MASK=row_mask,
+                                num_warps=num_warps)
     return partials.sum(1).view(B, Hq, d)                                       # (B*H, G, d) -> (B, Hq, d)
 
 
@@ -259,9 +358,10 @@ def aligned_decode(q: Tensor, k_hi: Tensor, k_mid: Tensor, k_lo: Tensor, k_exp: 
     B, Hq, d = q.shape
     H = tail_k.shape[1]
     G, NA = Hq // H, n_blocks * k_hi.shape[-1]
-    s_tail = torch.einsum("bhgd,bhwd->bhgw", q.float().view(B, H, G, d), tail_k.float()).reshape(B, Hq, -1)
-    scores = torch.cat([aligned_qk(q, k_hi, k_mid, k_lo, k_exp, n_blocks, min_bits), s_tail], dim=-1)
-    p = (scores * d ** -0.5).softmax(-1)                                              # (B, Hq, S)
+    scores = torch.empty(B, Hq, NA + tail_k.shape[2], dtype=torch.float32, device=q.device)
+    aligned_qk(q, k_hi, k_mid, k_lo, k_exp, n_blocks, min_bits, out=scores)           # slots < NA
+    scores[..., NA:] = torch.einsum("bhgd,bhwd->bhgw", q.float().view(B, H, G, d), tail_k.float()).reshape(B, Hq, -1)
+    p = scores.mul_(d ** -0.5).softmax(-1)                                            # (B, Hq, S)
     o_est = _estimate(p, v_hi, v_mid, v_lo, tail_v, NA, topk)
     out = aligned_pv(p, o_est, v_hi, v_mid, v_lo, v_exp, NA, min_bits)
     return out + torch.einsum("bhgw,bhwd->bhgd", p[..., NA:].view(B, H, G, -1), tail_v.float()).reshape(B, Hq, d)
@@ -274,12 +374,9 @@ def _estimate(p: Tensor, v_hi: Tensor, v_mid: Tensor, v_lo: Tensor, tail_v: Tens
     H, d = tail_v.shape[1], tail_v.shape[-1]
     G = Hq // H
     top_p, idx = p.topk(min(topk, S), dim=-1)                                         # (B, Hq, k)
-    idx = idx.view(B, H, G, -1, 1)
-
-    def rows(t: Tensor, i: Tensor) -> Tensor:                                         # (B, H, G, k, width)
-        return t[:, :, None].expand(B, H, G, *t.shape[2:]).gather(3, i.expand(*i.shape[:4], t.shape[-1]))
-
+    b = torch.arange(B, device=p.device)[:, None, None]
+    h = (torch.arange(Hq, device=p.device) // G)[None, :, None]                       # each query head's KV head
     planes = idx.clamp_max(max(NA - 1, 0))
-    stored = join_planes(rows(v_hi, planes), rows(v_mid, planes), rows(v_lo, planes)).float()
-    vals = torch.where(idx < NA, stored, rows(tail_v, (idx - NA).clamp_min(0)).float())   # (B, H, G, k, d)
-    return (top_p.view(B, H, G, -1, 1) * vals).sum(3).view(B, Hq, d)
+    stored = join_planes(v_hi[b, h, planes], v_mid[b, h, planes], v_lo[b, h, planes]).float()   # (B, Hq, k, d)
+    vals = torch.where((idx < NA)[..., None], stored, tail_v[b, h, (idx - NA).clamp_min(0)].float())
+    return (top_p.view(B, H, G, -1, 1) * vals.view(B, H, G, -1, d)).sum(3).view(B, Hq, d)
