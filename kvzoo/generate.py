@@ -23,8 +23,15 @@ from kvzoo.cache.base import CacheSpec, ModelCache, fp16_kv_nbytes
 from kvzoo.models.llama import Transformer
 
 
-def prefill(model: Transformer, tokens: Tensor, cache: ModelCache, pad: Tensor | None) -> Tensor:
-    return model(tokens, cache, pad=pad, last_only=True)[:, -1]
+def prefill(model: Transformer, tokens: Tensor, cache: ModelCache, pad: Tensor | None,
+            chunk: int | None = None) -> Tensor:
+    """Logits (B, vocab) after the prompt tokens (B, P). chunk: fill the cache `chunk` tokens at a time
+    (chunked prefill, KV Pareto §4.1), so attention scores are at most (chunk x P) instead of (P x P);
+    each chunk attends over the history as the strategy stored it plus itself exact."""
+    step = chunk or tokens.shape[1]
+    for a in range(0, tokens.shape[1], step):
+        logits = model(tokens[:, a:a + step], cache, pad=pad, last_only=True)
+    return logits[:, -1]
 
 
 def decode_one_token(model: Transformer, token: Tensor, cache: ModelCache, pad: Tensor | None) -> Tensor:
@@ -91,10 +98,14 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, t
 def generate(model: Transformer, tokenizer, prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
              max_new_tokens: int = 256, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, cache: str | CacheSpec = "fp16",
-             stop: Sequence[str] = (), on_step: Callable[[list[int]], None] | None = None) -> Generation:
+             stop: Sequence[str] = (), on_step: Callable[[list[int]], None] | None = None,
+             prefill_chunk: int | None = None) -> Generation:
     """Generate for one prompt or a batch. Prompts are strings (encoded with the tokenizer's BOS rule)
-    or lists of token ids. on_step(ids) is called after every decode step with each row's new token."""
+    or lists of token ids. on_step(ids) is called after every decode step with each row's new token.
+    prefill_chunk: prefill the prompt that many tokens at a time (chunked prefill)."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
     rows = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
@@ -121,7 +132,7 @@ def generate(model: Transformer, tokenizer, prompts: str | Sequence[str] | Seque
     done = [False] * B
     steps = 0
     t0 = time.perf_counter()
-    logits = prefill(model, tokens, kv, pad)
+    logits = prefill(model, tokens, kv, pad, prefill_chunk)
     token = sample(logits, temperature, top_k, top_p, generator)
     t1 = time.perf_counter()
     for step in range(max_new_tokens):

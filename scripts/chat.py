@@ -50,7 +50,8 @@ def answer(model, tokenizer, messages: list[dict], args, stream: bool) -> str:
         ids = render(tokenizer, messages)
     streamer = Streamer(tokenizer) if stream else None
     out = generate(model, tokenizer, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, cache=args.cache, on_step=streamer)
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, cache=args.cache, on_step=streamer,
+                   prefill_chunk=args.prefill_chunk)
     if stream:
         print(out.texts[0][len(streamer.shown):])
     else:
@@ -71,6 +72,8 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="prefill the prompt this many tokens at a time (chunked prefill)")
     args = parser.parse_args()
     parse_cache_args(parser, args)
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)

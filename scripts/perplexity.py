@@ -25,6 +25,8 @@ def main() -> None:
                         help="streaming mode: tokens prefilled before decoding (default 256, or the prompt of a "
                              "strategy that takes one: SQuat's prompt_frac of the window)")
     parser.add_argument("--batch-size", type=int, default=1, help="windows run side by side")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="streaming mode: prefill this many tokens at a time (chunked prefill)")
     parser.add_argument("--mode", choices=["simulated", "streaming"], default="simulated",
                         help="simulated: each token sees the cache as token-by-token decoding would (the papers' "
                              "protocol); streaming: prefill --prefill tokens, then decode the rest token by token")
@@ -37,7 +39,8 @@ def main() -> None:
     model, tokenizer = load_from_args(args)
     ids = tokenizer.encode(text)
     result = perplexity(model, ids, seq_len=args.seq_len, max_windows=args.max_windows, cache=args.cache,
-                        mode=args.mode, prefill=args.prefill, batch_size=args.batch_size)
+                        mode=args.mode, prefill=args.prefill, batch_size=args.batch_size,
+                        prefill_chunk=args.prefill_chunk)
     print(f"dataset      {args.dataset}")
     print(f"cache        {args.cache} ({args.mode})")
     print(f"perplexity   {result.perplexity:.3f}")

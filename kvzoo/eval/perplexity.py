@@ -49,13 +49,15 @@ class PerplexityResult:
 def perplexity(model: Transformer, token_ids: list[int] | torch.Tensor, seq_len: int = 2048,
                max_windows: int | None = None, cache: str | CacheSpec = "fp16",
                mode: str = "simulated", prefill: int | None = None, batch_size: int = 1,
-               score_from: int | None = None, progress: bool = True) -> PerplexityResult:
+               score_from: int | None = None, prefill_chunk: int | None = None,
+               progress: bool = True) -> PerplexityResult:
     """mode "simulated": one teacher-forced forward per window. mode "streaming": a real prefill of the
     window's first `prefill` tokens (default 256), then every further token decoded one at a time through
     the packed storage (teacher-forced). Predictions of tokens score_from..L-1 are scored (default: all).
     A strategy that takes something from a prompt (an option prompt_frac, as SQuat's subspace) gets its
     prompt P = int(prompt_frac * seq_len): then score_from and the streaming prefill default to P and must
-    equal it. `batch_size` windows run side by side."""
+    equal it. `batch_size` windows run side by side. prefill_chunk (streaming): prefill that many tokens
+    at a time (chunked prefill)."""
     if isinstance(cache, str):
         cache = CacheSpec.parse(cache)
     prompt_frac = getattr(cache.options, "prompt_frac", 0)
@@ -79,6 +81,9 @@ def perplexity(model: Transformer, token_ids: list[int] | torch.Tensor, seq_len:
         raise ValueError(f"score_from must be in [0, seq_len={seq_len}), got {score_from}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if prefill_chunk is not None and (mode != "streaming" or prefill_chunk < 1):
+        raise ValueError(f"prefill_chunk applies to streaming mode and must be >= 1, got {prefill_chunk} "
+                         f"in {mode} mode")
     if max_windows is not None and max_windows < 1:
         raise ValueError(f"max_windows must be >= 1, got {max_windows}")
     ids = torch.as_tensor(token_ids, dtype=torch.long)
@@ -98,7 +103,8 @@ def perplexity(model: Transformer, token_ids: list[int] | torch.Tensor, seq_len:
         if mode == "simulated":
             logits = model(tokens, kv)                                                   # (n, L, V)
         else:
-            steps = [model(tokens[:, :prefill], kv)]
+            step = prefill_chunk or prefill
+            steps = [model(tokens[:, a:min(a + step, prefill)], kv) for a in range(0, prefill, step)]
             steps += [model(tokens[:, t:t + 1], kv) for t in range(prefill, seq_len)]
             logits = torch.cat(steps, dim=1)
         first = max(score_from, 1)                                  # the first token scored (it has a context)
