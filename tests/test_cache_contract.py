@@ -24,6 +24,7 @@ LOSSLESS = {
     "squat": "squat:bits=2,group_size=8,residual=64",     # the window covers every token of the tests
     "squat-pre": "squat-pre:bits=2,group_size=8,residual=64",
     "alignedkv": "alignedkv:min_bits=16",                 # every bit read
+    "kvpareto": "kvpareto:k_bits=16,v_bits=16,k_smooth=false",
 }
 LOSSY = {
     "fp16": "fp16",
@@ -45,6 +46,10 @@ LOSSY = {
     "xquant-cl-plain-first": "xquant-cl:bits=3,high_layers=0,base_layer=1,group_size=8,residual=8",
     "alignedkv": "alignedkv:block=8,topk=4",
     "alignedkv-12": "alignedkv:block=16,topk=2,min_bits=12",
+    "kvpareto": "kvpareto:k_bits=4,v_bits=2,group_size=16",
+    "kvpareto-block": "kvpareto:k_bits=2,v_bits=4,granularity=block,group_size=8",
+    "kvpareto-tensor": "kvpareto:k_bits=8,v_bits=4,granularity=tensor,k_smooth=false",
+    "kvpareto-k16": "kvpareto:k_bits=16,v_bits=2,granularity=tensor",
 }
 T = 48
 # Strategies whose storage format is fp16 itself (AlignedKV reads fp16 bit planes): an fp32 model rounds

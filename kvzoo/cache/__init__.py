@@ -4,7 +4,7 @@ from kvzoo.cache.base import (CacheSpec, LayerCache, ModelCache, Positions, atte
                               get_strategy, list_caches, register)
 from kvzoo.cache import fp16, innerq, kivi  # noqa: F401  (register "fp16", "innerq", "kivi", "kivi-pre")
 from kvzoo.cache import squat, xquant, xquant_cl  # noqa: F401  (register "squat", "squat-pre", "xquant", "xquant-cl")
-from kvzoo.cache import alignedkv  # noqa: F401  (registers "alignedkv")
+from kvzoo.cache import alignedkv, kvpareto  # noqa: F401  (register "alignedkv", "kvpareto")
 
 __all__ = ["CacheSpec", "LayerCache", "ModelCache", "Positions", "attend", "fp16_kv_nbytes",
            "get_strategy", "list_caches", "register"]

@@ -122,9 +122,11 @@ def _ungrouped(x: Tensor, axis: int) -> Tensor:
 
 
 def quantize(x: Tensor, bits: int, group_size: int, axis: int = -1, symmetric: bool = False,
-             scale_dtype: torch.dtype = torch.float16) -> QTensor:
+             scale_dtype: torch.dtype = torch.float16, limits: tuple[Tensor, Tensor] | None = None) -> QTensor:
     """Quantize x in groups of `group_size` along `axis` (negative). Scales (and zeros) are rounded to
-    scale_dtype before the codes are computed, so dequantization uses exactly what is stored."""
+    scale_dtype before the codes are computed, so dequantization uses exactly what is stored.
+    limits (asymmetric): each group's (min, max) given instead of measured, broadcastable to the grouped
+    shape (..., n_groups, ..., 1); values outside are clamped (a range shared beyond one group)."""
     check_bits(bits)
     assert axis < 0, "axis counts from the end so that leading batch dims do not matter"
     g = _grouped(x.float(), axis, group_size)                                   # (..., group_size)
@@ -135,7 +137,7 @@ def quantize(x: Tensor, bits: int, group_size: int, axis: int = -1, symmetric: b
         codes = (g / safe).round().clamp(-qmax, qmax) + 2 ** (bits - 1)
         zero = None
     else:
-        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+        lo, hi = (g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)) if limits is None else limits
         zero = lo.to(scale_dtype).float()
         scale = ((hi - zero) / (2 ** bits - 1)).to(scale_dtype).float()
         # min == max (e.g. a one-token per-channel group): scale 0 would divide by zero; every code is 0

@@ -1,0 +1,95 @@
+"""KV Pareto's KV quantization: K-smoothing leaves attention unchanged, what each granularity stores, the
+precisions and options, and chat."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvzoo.cache.base import CacheSpec
+from tests.test_cache_contract import model, stream, tokens  # noqa: F401  (the tiny model fixture)
+
+REPO = Path(__file__).resolve().parents[1]
+T = 48
+
+
+@pytest.mark.parametrize("mode", ["streaming", "simulated"])
+@torch.no_grad()
+def test_k_smoothing_leaves_softmax_unchanged(model, mode):  # noqa: F811
+    """q·(k - m) = q·k - q·m: every score of a query moves by the same amount, so without quantization
+    smoothing changes nothing but rounding."""
+    x = tokens(seed=20)
+    runs = {}
+    for smooth in ("true", "false"):
+        spec = f"kvpareto:k_bits=16,v_bits=16,k_smooth={smooth}"
+        if mode == "streaming":
+            runs[smooth], _ = stream(model, spec, x, prefill=20)
+        else:
+            runs[smooth] = model(x, model.new_cache(spec, 2, T, mode="simulated", prompt=20))
+    assert (runs["true"] - runs["false"]).abs().max() < 1e-5
+
+
+@torch.no_grad()
+def test_k_smoothing_stores_the_prefill_mean(model):  # noqa: F811
+    x = tokens(seed=21)
+    _, cache = stream(model, "kvpareto:k_bits=16,v_bits=16", x, prefill=20)
+    layer = cache.layers[0]
+    keys = layer.k_store.read(T, torch.float32) + layer.k_mean                # stored smoothed: add the mean back
+    assert (keys[:, :, :20].mean(2, keepdim=True) - layer.k_mean).abs().max() < 1e-5
+
+
+def test_k_smoothing_lowers_int4_error_on_offset_channels():
+    """Keys whose channels sit far from zero: per-token int4 groups waste their range on the offset."""
+    from kvzoo.cache.quant import dequantize, quantize
+
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 2, 256, 64, generator=g) + 8 * torch.randn(1, 2, 1, 64, generator=g)
+    q = torch.randn(1, 2, 64, 1, generator=g)
+    plain = dequantize(quantize(keys, 4, 32)) @ q
+    smooth_keys = keys - keys.mean(2, keepdim=True)
+    smoothed = dequantize(quantize(smooth_keys, 4, 32)) @ q
+    err_plain = (plain - keys @ q).abs().mean()
+    err_smooth = (smoothed - smooth_keys @ q).abs().mean()    # the same scores up to a per-query shift
+    assert err_smooth < err_plain / 4
+
+
+@torch.no_grad()
+def test_what_each_granularity_stores(model):  # noqa: F811
+    x = tokens(seed=22)
+    _, cache = stream(model, "kvpareto:k_bits=4,v_bits=2,group_size=16", x[:, :21], prefill=5)
+    ks = cache.layers[0].k_store
+    B, H, _, d = 2, 2, 0, 32
+    assert ks.scale.shape[-1] == d // 16 and ks.codes.shape[-1] == d * 4 // 32
+    _, cache = stream(model, "kvpareto:k_bits=4,v_bits=4,granularity=block,group_size=8", x[:, :21], prefill=5)
+    ks = cache.layers[0].k_store
+    assert ks.scale.shape[2] >= 2 and ks.exact.shape[2] == 8                 # 2 blocks quantized, 5 tokens exact
+    assert cache.layers[0].nbytes() == cache.layers[0].formula_nbytes(21)
+    _, cache = stream(model, "kvpareto:k_bits=8,v_bits=8,granularity=tensor", x[:, :21], prefill=5)
+    scale = cache.layers[0].v_store.scale[:, :21].float()
+    assert (scale[:, 1:] >= scale[:, :-1] - 1e-3).all()                     # a running range only grows
+    assert tuple(scale.shape) == (B, 21) and H == 2
+
+
+def test_paper_grid_and_bad_options():
+    for k, v in ((8, 8), (8, 4), (8, 2), (4, 4), (4, 2), (2, 2)):
+        for granularity in ("token", "block", "tensor"):
+            CacheSpec.parse(f"kvpareto:k_bits={k},v_bits={v},granularity={granularity},group_size=64")
+    with pytest.raises(ValueError, match="k_bits must be one of 2, 4, 8, 16, got 3"):
+        CacheSpec.parse("kvpareto:k_bits=3")
+    with pytest.raises(ValueError, match="granularity must be one of token, block, tensor, got 'row'"):
+        CacheSpec.parse("kvpareto:granularity=row")
+
+
+def test_token_groups_must_divide_the_head(model):  # noqa: F811
+    with pytest.raises(ValueError, match="group_size 24 must divide the head dimension 32"):
+        model.new_cache("kvpareto:group_size=24", 1, 8)
+
+
+def test_chat():
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "chat.py"), "--cache", "kvpareto:k_bits=8,v_bits=4",
+                          "--prompt", "What is the capital of France?", "--temperature", "0", "--prefill-chunk", "8"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout and "cache kvpareto:" in out.stderr
