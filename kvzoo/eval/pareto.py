@@ -1,0 +1,71 @@
+"""KV Pareto: configurations of KV quantization x prefill chunking, each scored for total memory and
+accuracy, and the non-dominated set (kv-pareto.md §4, Figure 2).
+
+A configuration is a KV cache spec and a prefill chunk (0 = none). Memory is the total of kvzoo.eval.memory
+(model + KV + peak activation) at the task's context: measured on CUDA, the Appendix I estimate elsewhere.
+Accuracy tasks, higher is better:
+    wikitext   -perplexity on the first windows of WikiText-2 at the context length (simulated mode, the
+               papers' protocol; chunking changes memory, not this score)
+    needle     the share of needle-in-a-haystack cells retrieved (kvzoo.eval.needle), prefilled in chunks
+A configuration is on the frontier when no other has at most its memory and at least its accuracy, one of
+them strictly. The chosen point is the frontier's smallest memory whose accuracy is within `tolerance`
+(relative) of the baseline's, as the paper picks its 68-78% reductions at 1-3% accuracy cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from kvzoo.cache.base import CacheSpec
+from kvzoo.eval.memory import estimate, measure
+from kvzoo.eval.needle import needle_grid
+from kvzoo.eval.perplexity import perplexity
+
+TASKS = ("wikitext", "needle")
+
+
+@dataclass
+class Point:
+    cache: str
+    chunk: int
+    memory: int            # bytes: model + KV + peak activation
+    memory_source: str     # "measured" (CUDA) or "estimate" (Appendix I)
+    accuracy: float
+    frontier: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def frontier(points: list[Point]) -> list[Point]:
+    """Mark and return the non-dominated points, by increasing memory."""
+    for p in points:
+        p.frontier = not any(o.memory <= p.memory and o.accuracy >= p.accuracy
+                             and (o.memory < p.memory or o.accuracy > p.accuracy) for o in points)
+    return sorted((p for p in points if p.frontier), key=lambda p: p.memory)
+
+
+def choose(front: list[Point], baseline: Point, tolerance: float) -> Point:
+    """The frontier's smallest memory within `tolerance` (relative) of the baseline's accuracy."""
+    ok = [p for p in front if p.accuracy >= baseline.accuracy - tolerance * abs(baseline.accuracy)]
+    return min(ok or [baseline], key=lambda p: p.memory)
+
+
+def evaluate(model, tokenizer, cache: str | CacheSpec, chunk: int, task: str, context: int, *, windows: int = 2,
+             wikitext_ids=None, filler=None, depths=(0.0, 0.5, 1.0)) -> Point:
+    """One configuration: its total memory at `context` tokens and its accuracy on `task`."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; accepted: {', '.join(TASKS)}")
+    spec = CacheSpec.parse(cache) if isinstance(cache, str) else cache
+    if model.device.type == "cuda":
+        memory, source = measure(model, spec, context, chunk or None).total, "measured"
+    else:
+        memory, source = estimate(model, spec, context, chunk or None).total, "estimate"
+    if task == "wikitext":
+        accuracy = -perplexity(model, wikitext_ids, seq_len=context, max_windows=windows, cache=spec,
+                               progress=False).perplexity
+    else:
+        cells = needle_grid(model, tokenizer, filler, [context - 32], list(depths), cache=spec,
+                            prefill_chunk=chunk or None)
+        accuracy = sum(c.found for c in cells) / len(cells)
+    return Point(str(spec), chunk, memory, source, accuracy)

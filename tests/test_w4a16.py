@@ -1,0 +1,102 @@
+"""The W4A16 weight-only matmul (kvzoo/kernels/w4a16.py) against its torch reference, under the Triton
+interpreter on CPU (`TRITON_INTERPRET=0` on a GPU machine runs it compiled on CUDA)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kvzoo.kernels.w4a16 import W4Weight, quantize_weight, w4a16_matmul, w4a16_matmul_ref  # noqa: E402
+
+DEVICE = "cpu" if os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on", "yes") else "cuda"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def check(x, w, tol):
+    got, want = w4a16_matmul(x, w), w4a16_matmul_ref(x, w)
+    assert got.shape == want.shape == (*x.shape[:-1], w.shape[0]) and got.dtype == x.dtype
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * scale)
+
+
+def weight(n, k, group, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    w[:, 3] *= 10                                                    # an outlier input channel, as AWQ targets
+    return quantize_weight(w.to(DEVICE), group)
+
+
+# the interpreter's bf16 tl.dot is wrong (numpy has no bf16), so bf16 runs only compiled on CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize("group", [128, 64])
+@pytest.mark.parametrize("n,k", [(48, 256), (96, 384)])
+@pytest.mark.parametrize("m", [1, 5, 70])
+def test_matches_reference(m, n, k, group, dtype):
+    """M = 1 (decode, one 16-row tile), 5 and 70 (prefill, a partial 64-row tile); N not a multiple of 64."""
+    w = weight(n, k, group, seed=m + n + group)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
+    check(x, w, TOL[dtype])
+
+
+def test_leading_dims_and_k_edge():
+    """x (2, 3, K) with K = 200, G = 8: the last 64-channel step is partly past K, masked."""
+    w = weight(40, 200, 8, seed=3)
+    x = torch.randn(2, 3, 200, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    check(x, w, TOL[torch.float32])
+
+
+def test_empty_batch():
+    w = weight(16, 128, 128, seed=4)
+    assert w4a16_matmul(torch.zeros(0, 128, device=DEVICE), w).shape == (0, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [128, 64])
+def test_round_trip_error(dtype, group):
+    """|w - w'| <= scale/2, plus the fp16 rounding of the zero point (the group's min) and fp32 slack."""
+    w = (torch.randn(32, 256, generator=torch.Generator().manual_seed(group)) * 0.05).to(dtype)
+    q = quantize_weight(w, group)
+    assert q.codes.shape == (32, 32) and q.codes.dtype == torch.int32
+    assert q.scale.shape == q.zero.shape == (32, 256 // group) and q.scale.dtype == q.zero.dtype == torch.float16
+    err = (w.float() - q.dequantize()).abs().unflatten(-1, (-1, group))                # (N, K/G, G)
+    scale, zero = q.scale.float()[..., None], q.zero.float()[..., None]
+    bound = scale / 2 + 2.0 ** -11 * zero.abs() + 1e-6 * (zero.abs() + 15 * scale)
+    assert (err <= bound).all()
+    assert q.dequantize(torch.float16).dtype == torch.float16
+
+
+@pytest.mark.parametrize("group", [128, 64, 32])
+def test_nbytes(group):
+    n, k = 48, 256
+    q = quantize_weight(torch.randn(n, k), group)
+    assert q.nbytes() == q.codes.nbytes + q.scale.nbytes + q.zero.nbytes
+    assert q.nbytes() == n * k // 2 + 4 * n * k // group                            # 0.5 + 4/G bytes per weight
+
+
+def test_bad_input_is_named():
+    w = weight(16, 256, 128, seed=5)
+    x = torch.randn(4, 256).to(DEVICE)
+    with pytest.raises(ValueError, match="not a multiple of the group size"):
+        quantize_weight(torch.randn(16, 192), 128)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        quantize_weight(torch.randn(16, 192), 12)
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_weight(torch.randn(192), 64)
+    with pytest.raises(ValueError, match="w must be fp16, bf16 or fp32"):
+        quantize_weight(torch.randn(16, 256, dtype=torch.float64), 128)
+    with pytest.raises(ValueError, match="x must be fp16, bf16 or fp32"):
+        w4a16_matmul(x.double(), w)
+    with pytest.raises(ValueError, match="input channels"):
+        w4a16_matmul(torch.randn(4, 128).to(DEVICE), w)
+    with pytest.raises(ValueError, match="W4Weight"):
+        w4a16_matmul(x, torch.randn(16, 256).to(DEVICE))
+    bad = W4Weight(w.codes, w.scale, w.zero, 96, w.shape)                            # 256 % 96 != 0
+    with pytest.raises(ValueError, match="not a multiple of the group size"):
+        w4a16_matmul(x, bad)
+    bad = W4Weight(w.codes, w.scale.float(), w.zero, 128, w.shape)
+    with pytest.raises(ValueError, match="scale has dtype"):
+        w4a16_matmul(x, bad)
