@@ -1,0 +1,1 @@
+"""Weight quantization (AWQ / RTN 4-bit) for the model zoo."""
