@@ -164,3 +164,23 @@ def test_every_script_builds_its_command_line():
         # benchmarks, the SQuat / AlignedKV analyses and the KV Pareto sweeps build their own caches (or none)
         if not script.name.startswith("bench_") and script.name not in OWN_QUANTIZERS:
             assert "--cache" in out.stdout, script.name
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("alignedkv_greedy.py", ["--batch", "0"], "--prompts, --new-tokens and --batch must be >= 1"),
+    ("pareto.py", ["--chunks", "a"], "--chunks and --group-sizes take comma-separated integers"),
+    ("pareto.py", ["--kv", "8/4"], "--kv takes pairs like k8v4"),
+    ("memory.py", ["--chunks", "-1"], "--tokens must be >= 1 and --chunks >= 0"),
+    ("needle.py", ["--depths", "x"], "--depths takes comma-separated numbers"),
+    ("chat.py", ["--prefill-chunk", "0", "--prompt", "hi"], "prefill_chunk must be >= 1, got 0"),
+])
+def test_new_script_options_refuse_bad_values(script, args, message):
+    """Refused with one line naming the problem (exit 2), before or instead of any long work."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(repo / "scripts" / script), "--device", "cpu", *args],
+                         capture_output=True, text=True, timeout=300, cwd=repo)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -58,18 +58,21 @@ def test_k_smoothing_lowers_int4_error_on_offset_channels():
 @torch.no_grad()
 def test_what_each_granularity_stores(model):  # noqa: F811
     x = tokens(seed=22)
+    d = model.cfg.head_dim
     _, cache = stream(model, "kvpareto:k_bits=4,v_bits=2,group_size=16", x[:, :21], prefill=5)
     ks = cache.layers[0].k_store
-    B, H, _, d = 2, 2, 0, 32
     assert ks.scale.shape[-1] == d // 16 and ks.codes.shape[-1] == d * 4 // 32
-    _, cache = stream(model, "kvpareto:k_bits=4,v_bits=4,granularity=block,group_size=8", x[:, :21], prefill=5)
-    ks = cache.layers[0].k_store
-    assert ks.scale.shape[2] >= 2 and ks.exact.shape[2] == 8                 # 2 blocks quantized, 5 tokens exact
+    # block: the two complete blocks of 8 are quantized, the 5 tokens of the third are held exact
+    _, cache = stream(model, "kvpareto:k_bits=2,v_bits=2,granularity=block,group_size=8", x[:, :21], prefill=5)
+    vs = cache.layers[0].v_store
+    values = vs.read(21, torch.float32)
+    assert torch.equal(values[:, :, 16:], vs.exact[:, :, :5])
+    assert values[:, :, :16].unique().numel() <= 2 * 2 * 2 * 4                 # 4 levels per (row, head, block)
     assert cache.layers[0].nbytes() == cache.layers[0].formula_nbytes(21)
+    # tensor: one scale per row and token, from a running range that only grows
     _, cache = stream(model, "kvpareto:k_bits=8,v_bits=8,granularity=tensor", x[:, :21], prefill=5)
     scale = cache.layers[0].v_store.scale[:, :21].float()
-    assert (scale[:, 1:] >= scale[:, :-1] - 1e-3).all()                     # a running range only grows
-    assert tuple(scale.shape) == (B, 21) and H == 2
+    assert tuple(scale.shape) == (2, 21) and (scale[:, 1:] >= scale[:, :-1] - 1e-3).all()
 
 
 def test_paper_grid_and_bad_options():
@@ -80,6 +83,8 @@ def test_paper_grid_and_bad_options():
         CacheSpec.parse("kvpareto:k_bits=3")
     with pytest.raises(ValueError, match="granularity must be one of token, block, tensor, got 'row'"):
         CacheSpec.parse("kvpareto:granularity=row")
+    with pytest.raises(ValueError, match="group_size must be >= 1, got 0"):
+        CacheSpec.parse("kvpareto:group_size=0")
 
 
 def test_token_groups_must_divide_the_head(model):  # noqa: F811

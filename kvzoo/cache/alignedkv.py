@@ -45,7 +45,7 @@ given); BT is the kernel's tile. kvzoo: BT = 64 (`block`), top-k = 32 (`topk`), 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -171,14 +171,12 @@ class ReadStats:
     k_elements: int = 0
     v_bits: int = 0
     v_elements: int = 0
-    per_call: list[tuple[int, float, float]] = field(default_factory=list)   # (keys seen, K bits, V bits)
 
-    def add(self, k_level: Tensor, v_level: Tensor, keys: int) -> None:
-        kb, vb = int(k_level.sum(dtype=torch.int64)), int(v_level.sum(dtype=torch.int64))
-        self.k_bits, self.k_elements = self.k_bits + kb, self.k_elements + k_level.numel()
-        self.v_bits, self.v_elements = self.v_bits + vb, self.v_elements + v_level.numel()
-        if k_level.numel():
-            self.per_call.append((keys, kb / k_level.numel(), vb / max(1, v_level.numel())))
+    def add(self, k_level: Tensor, v_level: Tensor) -> None:
+        self.k_bits += int(k_level.sum(dtype=torch.int64))
+        self.v_bits += int(v_level.sum(dtype=torch.int64))
+        self.k_elements += k_level.numel()
+        self.v_elements += v_level.numel()
 
     @property
     def mean_k_bits(self) -> float:
@@ -224,7 +222,7 @@ def aligned_attention(q: Tensor, k16: Tensor, v16: Tensor, k_exp: Tensor, v_exp:
     out = torch.einsum("bhgts,bhtsd->bhgtd", p.view(B, H, G, T, S), values).reshape(B, Hq, T, d)
     if stats is not None:
         blocks_read = (torch.arange(NB, device=q.device)[None, :] * block < n_aligned[:, None])   # (T, NB)
-        stats.add(k_bits[:, :, blocks_read], v_bits[:, :, aligned[:, :NA]], int(n_aligned.max()))
+        stats.add(k_bits[:, :, blocks_read], v_bits[:, :, aligned[:, :NA]])
     return out.to(q.dtype)
 
 

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from kvzoo.cache.alignedkv import (estimate_output, exponent, fp16_bits, from_bits, key_levels, read_levels,
                                    value_levels)
+from kvzoo.eval.capture import per_layer_attention
 
 BUCKETS = (0.0, 1 / 1024, 1 / 512, 1 / 256, 1 / 128)     # Table 1: 0, (0, 1/1024), ..., [1/128, inf)
 BUCKET_NAMES = ("0", "(0,1/1024)", "[1/1024,1/512)", "[1/512,1/256)", "[1/256,1/128)", "[1/128,inf)")
@@ -26,21 +27,12 @@ BUCKET_NAMES = ("0", "(0,1/1024)", "[1/1024,1/512)", "[1/512,1/256)", "[1/256,1/
 
 def capture_qkv(model, ids: Tensor) -> list[tuple[Tensor, Tensor, Tensor]]:
     """Per layer: post-RoPE queries (Hq, T, d), keys and values (Hkv, T, d) as fp16, for ids (T,)."""
-    out = []
+    def qkv(attn, x, pos):
+        q, k, v = attn.qkv(x)                                        # (1, Hq, T, d), (1, Hkv, T, d) x2
+        q, k = attn.rope(q, k, pos.ids)
+        return q[0].half(), k[0].half(), v[0].half()
 
-    def hook(attn, args):                                            # Attention.forward(x, pos, cache)
-        q, k, v = attn.qkv(args[0])                                  # (1, Hq, T, d), (1, Hkv, T, d) x2
-        q, k = attn.rope(q, k, args[1].ids)
-        out.append((q[0].half(), k[0].half(), v[0].half()))
-
-    handles = [block.attn.register_forward_pre_hook(hook) for block in model.layers]
-    try:
-        with torch.no_grad():
-            model(ids[None].to(model.device))
-    finally:
-        for h in handles:
-            h.remove()
-    return out
+    return per_layer_attention(model, ids, qkv)
 
 
 def truncate13(x: Tensor) -> Tensor:

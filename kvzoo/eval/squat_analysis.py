@@ -25,26 +25,18 @@ from torch import Tensor
 
 from kvzoo.cache.quant import dequantize, quantize
 from kvzoo.cache.squat import grouped_queries, query_subspace, squat_quantize_keys
+from kvzoo.eval.capture import per_layer_attention
 
 
 def capture_qk(model, ids: Tensor) -> tuple[list[Tensor], list[Tensor]]:
     """Pre-RoPE queries (Hq, T, d) and keys (Hkv, T, d) of every layer for one sequence ids (T,), fp32,
     from a forward without a cache."""
-    qs, ks = [], []
+    def qk(attn, x, pos):
+        q, k, _ = attn.qkv(x)                                        # (1, Hq, T, d), (1, Hkv, T, d)
+        return q[0].float(), k[0].float()
 
-    def hook(attn, args):                                            # Attention.forward(x, pos, cache)
-        q, k, _ = attn.qkv(args[0])                                  # (1, Hq, T, d), (1, Hkv, T, d)
-        qs.append(q[0].float())
-        ks.append(k[0].float())
-
-    handles = [block.attn.register_forward_pre_hook(hook) for block in model.layers]
-    try:
-        with torch.no_grad():
-            model(ids[None].to(model.device))
-    finally:
-        for h in handles:
-            h.remove()
-    return qs, ks
+    pairs = per_layer_attention(model, ids, qk)
+    return [q for q, _ in pairs], [k for _, k in pairs]
 
 
 def grouped(q: Tensor, n_kv: int) -> Tensor:
