@@ -43,11 +43,17 @@ def test_configuration_grid():
 
 def test_script_end_to_end(tmp_path):
     target, figure = tmp_path / "p.json", tmp_path / "p.png"
+    """Both weight formats: w4-awq's model memory is its 4-bit codes, the w16 model's its fp weights."""
     cmd = [sys.executable, str(REPO / "scripts" / "pareto.py"), "--device", "cpu", "--context", "256",
-           "--windows", "1", "--kv", "k8v8,k2v2", "--chunks", "0,64", "--json", str(target), "--plot", str(figure)]
+           "--windows", "1", "--kv", "k8v8,k2v2", "--chunks", "0,64", "--weights", "w16,w4-awq", "--calib-windows",
+           "1", "--json", str(target), "--plot", str(figure)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr
     result = json.loads(target.read_text())
-    assert len(result["points"]) == 3 * 2 and result["baseline"]["cache"] == "fp16"
-    assert any(p["frontier"] for p in result["points"]) and 0 < result["memory_reduction"] < 1
+    points = result["points"]
+    assert len(points) == 2 * 3 * 2 and result["baseline"]["label"] == "w16 / fp16 / chunk none"
+    assert any(p["frontier"] for p in points) and 0 < result["memory_reduction"] < 1
+    w16, w4 = (next(p for p in points if p["weights"] == w and p["cache"] == "fp16" and p["chunk"] == 0)
+               for w in ("w16", "w4-awq"))
+    assert w4["memory"] < w16["memory"] and w4["accuracy"] < 0 and w16["accuracy"] < 0
     assert figure.stat().st_size > 0 and "chosen (frontier" in out.stdout

@@ -3,7 +3,8 @@
     total = model bytes + KV-cache bytes + peak activation bytes
 
 Estimates (no run needed):
-    model       every parameter's bytes (count x element size)
+    model       the bytes of every parameter and persistent buffer (4-bit W4Linear codes, scales and zeros
+                included; a tied embedding counted once)
     KV          the strategy's documented bytes per token (LayerCache.formula_nbytes) at M tokens
     activation  Appendix I, eq. 6-8, in bytes: the attention score matrix of a prefill chunk,
                 n_heads x c x M x 4 (fp32 softmax; c = M without chunked prefill), against the logits,
@@ -41,7 +42,9 @@ class Memory:
 
 
 def model_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Parameters and persistent buffers (state_dict), each storage counted once (tied embeddings)."""
+    held = {(t.data_ptr(), t.numel()): t for t in model.state_dict().values()}
+    return sum(t.numel() * t.element_size() for t in held.values())
 
 
 def activation_estimate(model, tokens: int, chunk: int | None, logits_rows: int = 1) -> int:

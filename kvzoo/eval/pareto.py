@@ -1,8 +1,11 @@
 """KV Pareto: configurations of KV quantization x prefill chunking, each scored for total memory and
 accuracy, and the non-dominated set (kv-pareto.md §4, Figure 2).
 
-A configuration is a KV cache spec and a prefill chunk (0 = none). Memory is the total of kvzoo.eval.memory
-(model + KV + peak activation) at the task's context: measured on CUDA, the Appendix I estimate elsewhere.
+A configuration is a weight format (w16, or 4-bit w4-rtn / w4-awq from kvzoo.quant.awq, applied to the model
+before it is evaluated), a KV cache spec and a prefill chunk (0 = none), written like the paper's
+`w4-awq / kvpareto:k_bits=4,... / chunk 256`. Memory is the total of kvzoo.eval.memory (model + KV + peak
+activation) at the task's context, the model's 4-bit codes counted as held: measured on CUDA, the Appendix I
+estimate elsewhere.
 Accuracy tasks, higher is better:
     wikitext   -perplexity on the first windows of WikiText-2 at the context length (simulated mode, the
                papers' protocol; chunking changes memory, not this score)
@@ -31,10 +34,15 @@ class Point:
     memory: int            # bytes: model + KV + peak activation
     memory_source: str     # "measured" (CUDA) or "estimate" (Appendix I)
     accuracy: float
+    weights: str = "w16"   # w16, w4-rtn or w4-awq
     frontier: bool = False
 
+    @property
+    def label(self) -> str:
+        return f"{self.weights} / {self.cache} / chunk {self.chunk or 'none'}"
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "label": self.label}
 
 
 def frontier(points: list[Point]) -> list[Point]:
@@ -52,8 +60,9 @@ def choose(front: list[Point], baseline: Point, tolerance: float) -> Point:
 
 
 def evaluate(model, tokenizer, cache: str | CacheSpec, chunk: int, task: str, context: int, *, windows: int = 2,
-             wikitext_ids=None, filler=None, depths=(0.0, 0.5, 1.0)) -> Point:
-    """One configuration: its total memory at `context` tokens and its accuracy on `task`."""
+             wikitext_ids=None, filler=None, depths=(0.0, 0.5, 1.0), weights: str = "w16") -> Point:
+    """One configuration: its total memory at `context` tokens and its accuracy on `task`. `model` already
+    holds the weight format named by `weights`."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; accepted: {', '.join(TASKS)}")
     spec = CacheSpec.parse(cache) if isinstance(cache, str) else cache
@@ -68,4 +77,4 @@ def evaluate(model, tokenizer, cache: str | CacheSpec, chunk: int, task: str, co
         cells = needle_grid(model, tokenizer, filler, [context - 32], list(depths), cache=spec,
                             prefill_chunk=chunk or None)
         accuracy = sum(c.found for c in cells) / len(cells)
-    return Point(str(spec), chunk, memory, source, accuracy)
+    return Point(str(spec), chunk, memory, source, accuracy, weights)

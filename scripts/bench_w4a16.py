@@ -1,0 +1,102 @@
+"""The W4A16 weight-only matmul on a CUDA GPU (kvzoo/kernels/w4a16.py, KV Pareto's AWQ weights, kv-pareto.md §4.3)
+against the fp16 product a w16 model runs (cuBLAS through torch) and the dequantize-then-multiply reference.
+
+    python scripts/bench_w4a16.py --out results/kvpareto/bench_w4a16
+
+Layers (out_features N, in_features K, group G):
+    SmolLM2-135M   q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536 (G = 64, the embedded model)
+    Llama-2-7B     q/k/v/o 4096x4096, gate/up 11008x4096, down 4096x11008 (G = 128)
+Rows M = 1 (decode), 16, 256 and 4096 (prefill chunks). Each cell is the median of --runs CUDA-graph replays
+with the L2 flushed first (kvzoo.kernels.bench.Timer): a decode step finds a layer's weights cold. The kernel
+runs at its default tiles and at the best of a small sweep (BLOCK_N x BLOCK_K x stages; the tiles are printed).
+"weight GB/s" is the 4-bit weight's bytes (codes, scales, zeros) over the kernel's time: at M = 1 the product
+is bound by reading the weight, so that is the figure to hold against the GPU's copy bandwidth, also measured.
+
+Writes OUT.json and OUT.md; refuses to replace them without --overwrite.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvzoo.kernels.bench import Timer, output_paths, require_compiled_gpu  # noqa: E402
+from kvzoo.kernels.w4a16 import quantize_weight, w4a16_matmul, w4a16_matmul_ref  # noqa: E402
+
+LAYERS = {            # model: (group, [(name, N, K)])
+    "SmolLM2-135M": (64, [("q/o", 576, 576), ("k/v", 192, 576), ("gate/up", 1536, 576), ("down", 576, 1536)]),
+    "Llama-2-7B": (128, [("q/k/v/o", 4096, 4096), ("gate/up", 11008, 4096), ("down", 4096, 11008)]),
+}
+TILES = [dict(block_n=n, block_k=k, num_stages=s) for n in (32, 64, 128) for k in (64, 128) for s in (3, 4)]
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="results/kvpareto/bench_w4a16", help="output path without suffix")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256, 4096], help="rows M of x")
+    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--overwrite", action="store_true", help="replace existing OUT.json / OUT.md")
+    args = parser.parse_args()
+    if min(args.rows) < 1 or args.runs < 1 or args.warmup < 0:
+        raise SystemExit("--rows and --runs must be >= 1 and --warmup >= 0")
+    return args
+
+
+def copy_bandwidth(timer: Timer) -> float:
+    """GB/s of a 1 GiB device-to-device copy (read + write bytes)."""
+    src = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    return 2 * src.numel() / ms / 1e6
+
+
+def main() -> None:
+    args = parse_args()
+    require_compiled_gpu("bench_w4a16.py", "TRITON_INTERPRET=1 pytest tests/test_w4a16.py")
+    paths = output_paths(args.out, args.overwrite)
+    timer = Timer(args.runs, args.warmup)
+    copy_gbs = copy_bandwidth(timer)
+    cells = [(model, group, name, N, K, M) for model, (group, layers) in LAYERS.items()
+             for name, N, K in layers for M in args.rows]
+    rows = []
+    for model, group, name, N, K, M in tqdm(cells, desc="layers x rows"):
+        g = torch.Generator(device="cuda").manual_seed(N + K + M)
+        w = torch.randn(N, K, device="cuda", generator=g, dtype=torch.float16) / K ** 0.5
+        x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.float16)
+        w4 = quantize_weight(w, group)
+        err = (w4a16_matmul(x, w4).float() - w4a16_matmul_ref(x, w4).float()).abs().max().item()
+        fp16 = timer(lambda: x @ w.T)
+        ref = timer(lambda: w4a16_matmul_ref(x, w4))
+        default = timer(lambda: w4a16_matmul(x, w4))
+        tuned = {str(t): timer(lambda t=t: w4a16_matmul(x, w4, **t)) for t in TILES}
+        best_tiles = min(tuned, key=tuned.get)
+        best = min(default, tuned[best_tiles])
+        rows.append({"model": model, "layer": name, "N": N, "K": K, "M": M, "group": group,
+                     "fp16_ms": fp16, "reference_ms": ref, "w4a16_default_ms": default, "w4a16_best_ms": best,
+                     "best_tiles": best_tiles if tuned[best_tiles] < default else "default",
+                     "speedup_vs_fp16": fp16 / best, "weight_gbs": w4.nbytes() / best / 1e6,
+                     "max_abs_diff_vs_reference": err})
+    header = ("| model | layer | M | fp16 (μs) | dequant+matmul (μs) | w4a16 default (μs) | w4a16 best (μs) | "
+              "vs fp16 | weight GB/s | best tiles |")
+    lines = [f"GPU: {torch.cuda.get_device_name()}; copy bandwidth {copy_gbs:.0f} GB/s; median of {args.runs} "
+             f"CUDA-graph replays, L2 flushed", "", header, "|" + "---|" * 10]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['layer']} {r['N']}x{r['K']} | {r['M']} | {r['fp16_ms'] * 1e3:.1f} | "
+                     f"{r['reference_ms'] * 1e3:.1f} | {r['w4a16_default_ms'] * 1e3:.1f} | "
+                     f"{r['w4a16_best_ms'] * 1e3:.1f} | {r['speedup_vs_fp16']:.2f}x | {r['weight_gbs']:.0f} | "
+                     f"{r['best_tiles']} |")
+    print("\n".join(lines))
+    paths[1].parent.mkdir(parents=True, exist_ok=True)
+    paths[0].write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "runs": args.runs,
+                                    "rows": rows}, indent=2))
+    paths[1].write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
