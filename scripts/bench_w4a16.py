@@ -8,7 +8,8 @@ Layers (out_features N, in_features K, group G):
     Llama-2-7B     q/k/v/o 4096x4096, gate/up 11008x4096, down 4096x11008 (G = 128)
 Rows M = 1 (decode), 16, 256 and 4096 (prefill chunks). Each cell is the median of --runs CUDA-graph replays
 with the L2 flushed first (kvzoo.kernels.bench.Timer): a decode step finds a layer's weights cold. The kernel
-runs at its default tiles and at the best of a small sweep (BLOCK_N x BLOCK_K x stages; the tiles are printed).
+runs at its default tiles (kvzoo.kernels.w4a16.default_tiles) and at the best of a small sweep (`candidates`;
+the winning tiles are printed).
 "weight GB/s" is the 4-bit weight's bytes (codes, scales, zeros) over the kernel's time: at M = 1 the product
 is bound by reading the weight, so that is the figure to hold against the GPU's copy bandwidth, also measured.
 
@@ -26,13 +27,22 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvzoo.kernels.bench import Timer, output_paths, require_compiled_gpu  # noqa: E402
-from kvzoo.kernels.w4a16 import quantize_weight, w4a16_matmul, w4a16_matmul_ref  # noqa: E402
+from kvzoo.kernels.w4a16 import GEMV_ROWS, Tiles, quantize_weight, w4a16_matmul, w4a16_matmul_ref  # noqa: E402
 
 LAYERS = {            # model: (group, [(name, N, K)])
     "SmolLM2-135M": (64, [("q/o", 576, 576), ("k/v", 192, 576), ("gate/up", 1536, 576), ("down", 576, 1536)]),
     "Llama-2-7B": (128, [("q/k/v/o", 4096, 4096), ("gate/up", 11008, 4096), ("down", 4096, 11008)]),
 }
-TILES = [dict(block_n=n, block_k=k, num_stages=s) for n in (32, 64, 128) for k in (64, 128) for s in (3, 4)]
+
+
+def candidates(M: int) -> list[Tiles]:
+    """The sweep: broadcast-path tiles for decode rows, tl.dot tiles (BLOCK_M by M) otherwise."""
+    if M <= GEMV_ROWS:
+        return [Tiles(block_n=n, block_k=k, num_warps=w) for n in (16, 32, 64) for k in (128, 256, 512)
+                for w in (4, 8) if n * k <= 16384]
+    sizes = [16] if M <= 16 else [64, 128]
+    return [Tiles(block_m=m, block_n=n, block_k=k, num_stages=s) for m in sizes for n in (64, 128)
+            for k in (64, 128) for s in (3, 4)]
 
 
 def parse_args():
@@ -74,12 +84,12 @@ def main() -> None:
         fp16 = timer(lambda: x @ w.T)
         ref = timer(lambda: w4a16_matmul_ref(x, w4))
         default = timer(lambda: w4a16_matmul(x, w4))
-        tuned = {str(t): timer(lambda t=t: w4a16_matmul(x, w4, **t)) for t in TILES}
+        tuned = {t: timer(lambda t=t: w4a16_matmul(x, w4, t)) for t in candidates(M)}
         best_tiles = min(tuned, key=tuned.get)
         best = min(default, tuned[best_tiles])
         rows.append({"model": model, "layer": name, "N": N, "K": K, "M": M, "group": group,
                      "fp16_ms": fp16, "reference_ms": ref, "w4a16_default_ms": default, "w4a16_best_ms": best,
-                     "best_tiles": best_tiles if tuned[best_tiles] < default else "default",
+                     "best_tiles": str(best_tiles) if tuned[best_tiles] < default else "default",
                      "speedup_vs_fp16": fp16 / best, "weight_gbs": w4.nbytes() / best / 1e6,
                      "max_abs_diff_vs_reference": err})
     header = ("| model | layer | M | fp16 (μs) | dequant+matmul (μs) | w4a16 default (μs) | w4a16 best (μs) | "

@@ -10,14 +10,14 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kvzoo.kernels.w4a16 import W4Weight, quantize_weight, w4a16_matmul, w4a16_matmul_ref  # noqa: E402
+from kvzoo.kernels.w4a16 import Tiles, W4Weight, quantize_weight, w4a16_matmul, w4a16_matmul_ref  # noqa: E402
 
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on", "yes") else "cuda"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
-def check(x, w, tol):
-    got, want = w4a16_matmul(x, w), w4a16_matmul_ref(x, w)
+def check(x, w, tol, tiles=None):
+    got, want = w4a16_matmul(x, w, tiles), w4a16_matmul_ref(x, w)
     assert got.shape == want.shape == (*x.shape[:-1], w.shape[0]) and got.dtype == x.dtype
     scale = want.float().abs().max().item()
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * scale)
@@ -34,12 +34,32 @@ def weight(n, k, group, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
 @pytest.mark.parametrize("group", [128, 64])
 @pytest.mark.parametrize("n,k", [(48, 256), (96, 384)])
-@pytest.mark.parametrize("m", [1, 5, 70])
+@pytest.mark.parametrize("m", [1, 3, 5, 70])
 def test_matches_reference(m, n, k, group, dtype):
-    """M = 1 (decode, one 16-row tile), 5 and 70 (prefill, a partial 64-row tile); N not a multiple of 64."""
+    """M = 1 and 3 (decode: broadcast products, no tl.dot), 5 (one 16-row tl.dot tile) and 70 (prefill, a
+    partial 64-row tile); N not a multiple of the tile."""
     w = weight(n, k, group, seed=m + n + group)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
     check(x, w, TOL[dtype])
+
+
+@pytest.mark.parametrize("m", [1, 3, 20])
+@pytest.mark.parametrize("split", [2, 3, 7])
+def test_split_k_matches_reference(m, split):
+    """K = 448 in 64-channel steps (7) split among 2, 3 (uneven: 3 + 3 + 1) or 7 programs; fp32 partial sums
+    rounded once, so fp16 stays within the unsplit tolerance."""
+    w = weight(40, 448, 64, seed=split)
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(m, 448, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
+        check(x, w, TOL[dtype], Tiles(block_n=32, block_k=64, split_k=split))
+
+
+def test_tile_choices_agree():
+    """The broadcast path forced into a tl.dot tile, and large K steps past the end of K, give the same."""
+    w = weight(24, 320, 64, seed=9)
+    x = torch.randn(2, 320, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    check(x, w, TOL[torch.float32], Tiles(block_m=16, block_n=16, block_k=128))
+    check(x, w, TOL[torch.float32], Tiles(block_n=16, block_k=256, split_k=2))
 
 
 def test_leading_dims_and_k_edge():

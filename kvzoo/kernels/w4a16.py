@@ -16,16 +16,20 @@ zero), rounded to x's dtype (a no-op for fp32), and multiplied with x in fp32 (f
 fp32 products, input_precision "ieee", when x is fp32); the result is rounded once to x's dtype. The only
 difference left is the summation order (and a possibly fused multiply-add in the compiled dequantization).
 
-Tiling: x is flattened to (M, K); a program computes a (BLOCK_M, BLOCK_N) tile of out, looping over K in
-BLOCK_K steps. Each step loads a (BLOCK_N, BLOCK_K/8) tile of words and the scale/zero of each word's group,
-unpacks the words (BLOCK_N, BLOCK_K/8, 8) -> (BLOCK_N, BLOCK_K) with the exact 2^23 trick of
-quant_matvec.unpack_codes, and feeds the transposed tile to tl.dot against the (BLOCK_M, BLOCK_K) tile of x.
-Rows past M, outputs past N and channels past K are masked; BLOCK_M is 16 for decode (M <= 16, the
-smallest tl.dot tile) and 64 for prefill.
+Tiling: x is flattened to (M, K); a program computes a (BLOCK_M, BLOCK_N) tile of out over its share of K
+(split-K: the K steps are divided among `split_k` programs, each writing fp32 partial sums that are added and
+rounded once afterwards), in BLOCK_K steps. Each step loads a (BLOCK_N, BLOCK_K/8) tile of words and the
+scale/zero of each word's group, unpacks the words (BLOCK_N, BLOCK_K/8, 8) -> (BLOCK_N, BLOCK_K) with the
+exact 2^23 trick of quant_matvec.unpack_codes, and multiplies by the (BLOCK_M, BLOCK_K) tile of x: tl.dot
+against the transposed tile for M > 4, broadcast products summed over K for decode (M <= 4, where a 16-row
+tensor-core tile would be mostly padding and the product is bound by reading the weight). Rows past M,
+outputs past N and channels past K are masked. Default tiles (`default_tiles`) were picked on an H100 with
+scripts/bench_w4a16.py; split_k by default makes about two programs per SM.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -82,13 +86,14 @@ def quantize_weight(w: Tensor, group_size: int = 128) -> W4Weight:
 
 
 @triton.jit
-def _w4a16_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K,
-                  GROUP: tl.constexpr, IEEE: tl.constexpr,
+def _w4a16_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, STEPS_PER_SPLIT,
+                  GROUP: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     CPW: tl.constexpr = 8                            # 4-bit codes per int32 word
     KW: tl.constexpr = BLOCK_K // CPW                # words per weight row per step
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
     live_m = m < M
     live_n = n < N
     rows = m.to(tl.int64)
@@ -97,7 +102,9 @@ def _w4a16_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K,
     groups_per_row = K // GROUP
     shifts = (tl.arange(0, CPW) * 4)[None, None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_first = split * STEPS_PER_SPLIT * BLOCK_K
+    k_end = tl.minimum(k_first + STEPS_PER_SPLIT * BLOCK_K, K)
+    for k0 in range(k_first, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         xt = tl.load(x_ptr + rows[:, None] * K + k[None, :],
                      mask=live_m[:, None] & (k < K)[None, :], other=0)                  # (BLOCK_M, BLOCK_K)
@@ -109,10 +116,14 @@ def _w4a16_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K,
         zero = tl.load(zero_ptr + meta, mask=live_w, other=0).to(tl.float32)
         w = unpack_codes(words[:, :, None], shifts, 4) * scale[:, :, None] + zero[:, :, None]  # (BLOCK_N, KW, CPW)
         w = tl.reshape(w, (BLOCK_N, BLOCK_K), can_reorder=False).to(xt.dtype)           # (BLOCK_N, BLOCK_K)
-        if IEEE:
-            acc += tl.dot(xt, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(xt, tl.trans(w))
+        if DOT:
+            if IEEE:
+                acc += tl.dot(xt, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(xt, tl.trans(w))
+        else:                                        # a few rows: broadcast products, no tensor-core tile
+            acc += tl.sum(xt.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    out_ptr += split.to(tl.int64) * M * N            # this split's partial sums (one plane when not split)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=live_m[:, None] & live_n[None, :])
 
@@ -133,25 +144,64 @@ def _check(x: Tensor, w: W4Weight) -> None:
     check_tensor(w.zero, "zero", (N, K // w.group_size), (torch.float16,), x.device)
 
 
-def w4a16_matmul(x: Tensor, w: W4Weight, block_m: int | None = None, block_n: int = 64, block_k: int = 64,
-                 num_warps: int = 4, num_stages: int = 3) -> Tensor:
-    """x (..., K) @ dequant(w)ᵀ -> (..., N) in x's dtype (see the module docstring for the rounding). The tiles
-    are untuned defaults: BLOCK_M 16 for M <= 16 (decode), else 64."""
+@dataclass(frozen=True)
+class Tiles:
+    """A launch configuration: rows BLOCK_M (0: by M), outputs BLOCK_N, channels BLOCK_K per step, split_k
+    (K divided among that many programs; 0: enough programs to fill the GPU)."""
+
+    block_m: int = 0
+    block_n: int = 64
+    block_k: int = 64
+    split_k: int = 0
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+GEMV_ROWS = 4                                   # up to this many rows, the broadcast (non-tl.dot) path
+DECODE = Tiles(block_n=32, block_k=256, num_stages=3)   # M <= GEMV_ROWS: bound by reading the weight
+SMALL = Tiles(block_m=16, block_n=32, block_k=128)      # M <= 16
+PREFILL = Tiles(block_m=64, block_n=64, block_k=64)     # larger M
+
+
+def default_tiles(M: int) -> Tiles:
+    return DECODE if M <= GEMV_ROWS else SMALL if M <= 16 else PREFILL
+
+
+@functools.lru_cache
+def _programs_wanted(device: torch.device) -> int:
+    """Twice the SM count on CUDA (enough programs in flight to keep the memory system busy), else 1."""
+    if device.type != "cuda":
+        return 1
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def w4a16_matmul(x: Tensor, w: W4Weight, tiles: Tiles | None = None) -> Tensor:
+    """x (..., K) @ dequant(w)ᵀ -> (..., N) in x's dtype (see the module docstring for the rounding).
+    tiles None: default_tiles(M), M = the number of rows of x."""
     _check(x, w)
     check_runnable(_w4a16_kernel, x.device)
-    if block_k % CODES_PER_WORD:
-        raise ValueError(f"block_k must be a multiple of {CODES_PER_WORD} (whole words of codes), got {block_k}")
     N, K = w.shape
     x2 = x.reshape(-1, K).contiguous()                                  # (M, K), M = prod(leading dims)
     M = x2.shape[0]
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)             # (M, N)
-    if M and N:
-        block_m = block_m or (16 if M <= 16 else 64)
-        grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-        _w4a16_kernel[grid](x2, w.codes.contiguous(), w.scale.contiguous(), w.zero.contiguous(), out, M, N, K,
-                            GROUP=w.group_size, IEEE=x.dtype == torch.float32,
-                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                            num_warps=num_warps, num_stages=num_stages)
+    t = tiles or default_tiles(M)
+    if t.block_k % CODES_PER_WORD:
+        raise ValueError(f"block_k must be a multiple of {CODES_PER_WORD} (whole words of codes), got {t.block_k}")
+    if not (M and N):
+        return torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    dot = M > GEMV_ROWS or t.block_m > GEMV_ROWS
+    block_m = t.block_m or (triton.next_power_of_2(M) if not dot else 16 if M <= 16 else 64)
+    grid_mn = triton.cdiv(M, block_m) * triton.cdiv(N, t.block_n)
+    steps = triton.cdiv(K, t.block_k)
+    split = t.split_k or max(1, min(steps, _programs_wanted(x.device) // max(grid_mn, 1)))
+    per_split = triton.cdiv(steps, split)
+    split = triton.cdiv(steps, per_split)                               # no empty splits
+    out = torch.empty(split, M, N, dtype=x.dtype if split == 1 else torch.float32, device=x.device)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, t.block_n), split)
+    _w4a16_kernel[grid](x2, w.codes.contiguous(), w.scale.contiguous(), w.zero.contiguous(), out, M, N, K, per_split,
+                        GROUP=w.group_size, IEEE=x.dtype == torch.float32, DOT=dot,
+                        BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                        num_warps=t.num_warps, num_stages=t.num_stages)
+    out = out[0] if split == 1 else out.sum(0).to(x.dtype)              # (M, N): fp32 partials rounded once
     return out.reshape(*x.shape[:-1], N)                                # (..., N)
 
 
