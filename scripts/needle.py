@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1]")
     parser.add_argument("--prefill-chunk", type=int, default=None, help="prefill this many tokens at a time")
     parser.add_argument("--seed", type=int, default=0, help="seed of the hidden numbers")
+    parser.add_argument("--batch-size", type=int, default=1, help="cells generated side by side")
     parser.add_argument("--json", default=None, help="write the grid to this JSON file")
     parser.add_argument("--plot", default=None, help="heat map (.png, .pdf, .svg)")
     parser.add_argument("--overwrite", action="store_true", help="let --json / --plot replace existing files")
@@ -64,7 +65,8 @@ def main() -> None:
     model, tokenizer = load_from_args(args)
     filler = tokenizer.encode(load_text(args.dataset), bos=False)
     cells = needle_grid(model, tokenizer, filler, lengths, depths, cache=cache, seed=args.seed,
-                        prefill_chunk=args.prefill_chunk, progress=lambda c: tqdm(c, desc="needle"))
+                        prefill_chunk=args.prefill_chunk, progress=lambda c: tqdm(c, desc="needle batches"),
+                        batch_size=args.batch_size)
     rows = [dataclasses.asdict(c) for c in cells]
     score = sum(c.found for c in cells) / len(cells)
     print(f"\nneedle retrieval, cache {cache}: {score:.2%} of {len(cells)} cells")

@@ -43,27 +43,34 @@ def configurations(kv: list[str], granularities: list[str], groups: list[int]) -
     return specs
 
 
-def plot(points: list[dict], baseline: dict, chosen: dict, title: str, path: str) -> None:
+def plot(points: list[dict], baseline: dict, chosen: dict, task: str, title: str, path: str) -> None:
+    """Memory vs accuracy; for wikitext the y axis is perplexity on a log scale, inverted (up is better)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    y = (lambda p: -p["accuracy"]) if task == "wikitext" else (lambda p: p["accuracy"])
+    fig, ax = plt.subplots(figsize=(9, 5.5))
     for weights, marker in MARKERS.items():
         mine = [p for p in points if p["weights"] == weights]
         if mine:
-            ax.scatter([p["memory"] / MB for p in mine], [p["accuracy"] for p in mine], marker=marker, s=30,
+            ax.scatter([p["memory"] / MB for p in mine], [y(p) for p in mine], marker=marker, s=30,
                        color="tab:blue" if weights == "w16" else "tab:green", alpha=0.7, label=weights)
     front = sorted((p for p in points if p["frontier"]), key=lambda p: p["memory"])
-    ax.scatter([p["memory"] / MB for p in front], [p["accuracy"] for p in front], marker="*", s=160,
+    ax.scatter([p["memory"] / MB for p in front], [y(p) for p in front], marker="*", s=160,
                color="tab:red", label="frontier", zorder=3)
-    ax.plot([p["memory"] / MB for p in front], [p["accuracy"] for p in front], color="tab:red", lw=1)
-    ax.axhline(baseline["accuracy"], color="gray", ls="--", label="fp16 cache, no chunking")
-    ax.annotate(f"chosen: {chosen['label']}", (chosen["memory"] / MB, chosen["accuracy"]), textcoords="offset points",
-                xytext=(8, -14), fontsize=8)
-    ax.set(xlabel="total memory (MiB): model + KV + peak activation", ylabel="accuracy", title=title)
-    ax.legend()
-    ax.grid(alpha=0.3)
+    ax.plot([p["memory"] / MB for p in front], [y(p) for p in front], color="tab:red", lw=1)
+    ax.axhline(y(baseline), color="gray", ls="--", label="w16, fp16 cache, no chunking")
+    ax.annotate(f"chosen: {chosen['short']}", (chosen["memory"] / MB, y(chosen)), textcoords="offset points",
+                xytext=(8, 8), fontsize=8, arrowprops={"arrowstyle": "-", "color": "gray"})
+    if task == "wikitext":
+        ax.set_yscale("log")
+        ax.invert_yaxis()
+    ax.set(xlabel="total memory (MiB): model + KV + peak activation",
+           ylabel="WikiText-2 perplexity (log; lower is better)" if task == "wikitext" else "needle score",
+           title=title)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -116,9 +123,10 @@ def main() -> None:
         if weights != "w16":
             quantized = copy.deepcopy(model)
             quantize_weights(quantized, tokenizer, weights, calib_windows=args.calib_windows)
-        points += [evaluate(quantized, tokenizer, spec, chunk, args.task, args.context, windows=args.windows,
-                            wikitext_ids=ids, filler=filler, depths=depths, weights=weights)
-                   for spec, chunk in tqdm([(s, c) for s in specs for c in chunks], desc=f"{weights} configurations")]
+        for spec, chunk in tqdm([(s, c) for s in specs for c in chunks], desc=f"{weights} configurations"):
+            points.append(evaluate(quantized, tokenizer, spec, chunk, args.task, args.context, windows=args.windows,
+                                   wikitext_ids=ids, filler=filler, depths=depths, weights=weights))
+            tqdm.write(f"{points[-1].label}: {points[-1].memory / MB:.1f} MiB, accuracy {points[-1].accuracy:.3f}")
         del quantized
     baseline = next((p for p in points if p.weights == "w16" and p.cache == "fp16" and p.chunk == 0), points[0])
     front = frontier(points)
@@ -141,8 +149,8 @@ def main() -> None:
         write_json(args.json, result, args.overwrite)
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        plot(result["points"], result["baseline"], result["chosen"], f"KV Pareto, {args.task} at {args.context}",
-             args.plot)
+        plot(result["points"], result["baseline"], result["chosen"], args.task,
+             f"KV Pareto on {args.model or 'the embedded model'}: {args.task} at {args.context} tokens", args.plot)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,10 @@ def test_grid_scores_exact_retrieval(smollm):
     cells = needle_grid(model, tokenizer, filler, [256], [0.0, 1.0])
     assert [c.depth for c in cells] == [0.0, 1.0] and all(c.found == (c.value in c.answer) for c in cells)
     assert all(c.found for c in cells)                       # the embedded model retrieves at 256 tokens
+    batched = needle_grid(model, tokenizer, filler, [256], [0.0, 1.0], batch_size=2)
+    assert [(c.value, c.answer) for c in batched] == [(c.value, c.answer) for c in cells]
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        needle_grid(model, tokenizer, filler, [256], [0.5], batch_size=0)
     with pytest.raises(ValueError, match="depths must lie in"):
         needle_grid(model, tokenizer, filler, [256], [1.5])
     with pytest.raises(ValueError, match="exceed the model's context"):

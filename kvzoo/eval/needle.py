@@ -51,8 +51,11 @@ def prompt_ids(tokenizer, filler: list[int], length: int, depth: float, value: s
 
 def needle_grid(model, tokenizer, filler: list[int], lengths: list[int], depths: list[float], cache="fp16",
                 max_new_tokens: int = 24, seed: int = 0, prefill_chunk: int | None = None,
-                progress=None) -> list[NeedleCell]:
-    """Score every (length, depth) cell; `progress` wraps the cell iterator (e.g. tqdm)."""
+                progress=None, batch_size: int = 1) -> list[NeedleCell]:
+    """Score every (length, depth) cell; `progress` wraps the iterator over batches of cells (e.g. tqdm).
+    batch_size cells are generated side by side (left-padded to the longest prompt of the batch)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if max(lengths) + max_new_tokens > model.cfg.max_position_embeddings:
         raise ValueError(f"lengths up to {max(lengths)} + {max_new_tokens} new tokens exceed the model's context "
                          f"of {model.cfg.max_position_embeddings}")
@@ -62,10 +65,12 @@ def needle_grid(model, tokenizer, filler: list[int], lengths: list[int], depths:
         raise ValueError(f"depths must lie in [0, 1], got {depths}")
     rng = random.Random(seed)
     cells = [(n, d, str(rng.randrange(10 ** 6, 10 ** 7))) for n in lengths for d in depths]
+    batches = [cells[i:i + batch_size] for i in range(0, len(cells), batch_size)]
     out = []
-    for n, d, value in (progress(cells) if progress else cells):
-        ids = prompt_ids(tokenizer, filler, n, d, value)
-        answer = generate(model, tokenizer, [ids], max_new_tokens=max_new_tokens, temperature=0.0, cache=cache,
-                          prefill_chunk=prefill_chunk).texts[0]
-        out.append(NeedleCell(len(ids), d, value, answer, value in answer))
+    for batch in (progress(batches) if progress else batches):
+        prompts = [prompt_ids(tokenizer, filler, n, d, value) for n, d, value in batch]
+        answers = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=0.0, cache=cache,
+                           prefill_chunk=prefill_chunk).texts
+        out += [NeedleCell(len(ids), d, value, answer, value in answer)
+                for ids, (n, d, value), answer in zip(prompts, batch, answers)]
     return out

@@ -41,8 +41,21 @@ class Point:
     def label(self) -> str:
         return f"{self.weights} / {self.cache} / chunk {self.chunk or 'none'}"
 
+    @property
+    def short(self) -> str:
+        """The paper's style of name: w4-awq_k4v4_token32_pc256 (k16v16 for the fp16 cache)."""
+        name, _, rest = self.cache.partition(":")
+        if name == "fp16":
+            kv = "k16v16"
+        elif name == "kvpareto":
+            o = dict(item.split("=") for item in rest.split(","))
+            kv = f"k{o['k_bits']}v{o['v_bits']}_{o['granularity']}{o['group_size'] if o['granularity'] != 'tensor' else ''}"
+        else:
+            kv = name
+        return f"{self.weights}_{kv}" + (f"_pc{self.chunk}" if self.chunk else "")
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "label": self.label}
+        return {**asdict(self), "label": self.label, "short": self.short}
 
 
 def frontier(points: list[Point]) -> list[Point]:
@@ -75,6 +88,6 @@ def evaluate(model, tokenizer, cache: str | CacheSpec, chunk: int, task: str, co
                                progress=False).perplexity
     else:
         cells = needle_grid(model, tokenizer, filler, [context - 32], list(depths), cache=spec,
-                            prefill_chunk=chunk or None)
+                            prefill_chunk=chunk or None, batch_size=len(depths))
         accuracy = sum(c.found for c in cells) / len(cells)
     return Point(str(spec), chunk, memory, source, accuracy, weights)
