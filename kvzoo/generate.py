@@ -99,10 +99,12 @@ def generate(model: Transformer, tokenizer, prompts: str | Sequence[str] | Seque
              max_new_tokens: int = 256, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, cache: str | CacheSpec = "fp16",
              stop: Sequence[str] = (), on_step: Callable[[list[int]], None] | None = None,
-             prefill_chunk: int | None = None) -> Generation:
+             prefill_chunk: int | None = None, compile: bool = False) -> Generation:
     """Generate for one prompt or a batch. Prompts are strings (encoded with the tokenizer's BOS rule)
     or lists of token ids. on_step(ids) is called after every decode step with each row's new token.
-    prefill_chunk: prefill the prompt that many tokens at a time (chunked prefill)."""
+    prefill_chunk: prefill the prompt that many tokens at a time (chunked prefill). compile: replay the
+    decode step from a CUDA graph (kvzoo.graphs; the static step runs eagerly on CPU), for the strategies
+    kvzoo.graphs.static_strategies() lists."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -132,6 +134,10 @@ def generate(model: Transformer, tokenizer, prompts: str | Sequence[str] | Seque
     done = [False] * B
     steps = 0
     t0 = time.perf_counter()
+    step_fn = (lambda token: decode_one_token(model, token, kv, pad))
+    if compile:
+        from kvzoo.graphs import GraphDecoder
+        step_fn = GraphDecoder(model, kv, pad)
     logits = prefill(model, tokens, kv, pad, prefill_chunk)
     token = sample(logits, temperature, top_k, top_p, generator)
     t1 = time.perf_counter()
@@ -150,7 +156,7 @@ def generate(model: Transformer, tokenizer, prompts: str | Sequence[str] | Seque
             on_step(ids)
         if all(done) or step == max_new_tokens - 1:
             break
-        token = sample(decode_one_token(model, token, kv, pad), temperature, top_k, top_p, generator)
+        token = sample(step_fn(token), temperature, top_k, top_p, generator)
         steps += 1
     t2 = time.perf_counter()
 

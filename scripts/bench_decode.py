@@ -11,12 +11,14 @@ Models (kvzoo.models.llama.Transformer built on the GPU, weights drawn N(0, 0.02
     smollm2        the embedded SmolLM2-135M-Instruct, its real weights
 For every model x context x batch x cache: a random prompt of `context` tokens is prefilled (chunks of
 --prefill-chunk tokens, so activations stay bounded at 128K), then --steps tokens are decoded one at a time
-(the kvzoo.generate decode step, eager); the decode latency is the median step, synchronized. A cell that runs
+(the kvzoo.generate decode step, eager; with --compile, kvzoo.graphs.GraphDecoder's CUDA-graph replay for the
+strategies that have a static step); one untimed step first, then the decode latency is the median step,
+synchronized. A cell that runs
 out of GPU memory is reported as OOM, and the largest batch that fits (--max-batch, by doubling) is searched
 per model x context x cache when --find-max-batch is given.
 
-This is the eager baseline of issue 9: the decode step still pays Python overhead per layer; the compiled
-step (CUDA graphs) and the Hugging Face comparison are not built yet.
+Not built yet (issue 9): static steps for the quantized strategies, the Hugging Face QuantizedCache
+comparison, the plot.
 
 Writes OUT.json and OUT.md; refuses to replace them without --overwrite.
 """
@@ -36,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvzoo.cache.base import CacheSpec, fp16_kv_nbytes  # noqa: E402
 from kvzoo.config import ModelConfig  # noqa: E402
 from kvzoo.generate import decode_one_token, prefill  # noqa: E402
+from kvzoo.graphs import GraphDecoder, static_strategies  # noqa: E402
 from kvzoo.kernels.bench import output_paths  # noqa: E402
 from kvzoo.models.llama import Transformer, rope_inv_freq  # noqa: E402
 
@@ -59,6 +62,7 @@ def parse_args():
                                                         "innerq:bits=4"])
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per cell")
     parser.add_argument("--prefill-chunk", type=int, default=8192)
+    parser.add_argument("--compile", action="store_true", help="also time the CUDA-graph step where it exists")
     parser.add_argument("--find-max-batch", action="store_true", help="search the largest batch that fits")
     parser.add_argument("--max-batch", type=int, default=256, help="upper end of the batch search")
     parser.add_argument("--out", default="results/decode/eager", help="output path without suffix")
@@ -94,21 +98,23 @@ def build(name: str) -> Transformer:
 
 
 @torch.inference_mode()
-def run_cell(model, cache: str, context: int, batch: int, steps: int, chunk: int) -> dict:
+def run_cell(model, cache: str, context: int, batch: int, steps: int, chunk: int, graphed: bool = False) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     ids = torch.randint(0, model.cfg.vocab_size, (batch, context), device="cuda")
-    kv = model.new_cache(cache, batch_size=batch, max_len=context + steps + 1)
+    kv = model.new_cache(cache, batch_size=batch, max_len=context + steps + 2)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     logits = prefill(model, ids, kv, None, chunk)
     torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0
     token = logits.argmax(-1)
+    step = GraphDecoder(model, kv) if graphed else (lambda t: decode_one_token(model, t, kv, None))
+    token = step(token).argmax(-1)                                   # untimed: CUDA-graph capture, autotuning
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        token = decode_one_token(model, token, kv, None).argmax(-1)
+        token = step(token).argmax(-1)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     latency = statistics.median(times)
@@ -146,11 +152,12 @@ def main() -> None:
     rows = []
     for name in args.models:
         model = build(name)
-        cells = [(c, n, b) for c in args.caches for n in args.contexts for b in args.batches]
-        for cache, context, batch in tqdm(cells, desc=name):
-            row = {"model": name, "cache": cache, "context": context, "batch": batch}
+        cells = [(c, n, b, g) for c in args.caches for n in args.contexts for b in args.batches
+                 for g in ([False, True] if args.compile and CacheSpec.parse(c).name in static_strategies() else [False])]
+        for cache, context, batch, graphed in tqdm(cells, desc=name):
+            row = {"model": name, "cache": cache, "context": context, "batch": batch, "step": "graph" if graphed else "eager"}
             try:
-                row.update(run_cell(model, cache, context, batch, args.steps, args.prefill_chunk))
+                row.update(run_cell(model, cache, context, batch, args.steps, args.prefill_chunk, graphed))
             except torch.cuda.OutOfMemoryError:
                 row["oom"] = True
             rows.append(row)
@@ -163,16 +170,16 @@ def main() -> None:
                     tqdm.write(json.dumps(rows[-1]))
         del model
     gpu = torch.cuda.get_device_name()
-    lines = [f"GPU: {gpu}; eager decode step (no CUDA graphs), bf16 weights, median of {args.steps} steps", "",
-             "| model | cache | context | batch | prefill (s) | decode (ms/token) | tokens/s | peak (GiB) | KV (GiB) | KV ratio |",
-             "|" + "---|" * 10]
+    lines = [f"GPU: {gpu}; bf16 weights; decode step eager or CUDA graph; median of {args.steps} steps", "",
+             "| model | cache | step | context | batch | prefill (s) | decode (ms/token) | tokens/s | peak (GiB) | KV (GiB) | KV ratio |",
+             "|" + "---|" * 11]
     for r in rows:
         if "max_batch" in r:
             continue
         if r.get("oom"):
-            lines.append(f"| {r['model']} | `{r['cache']}` | {r['context']} | {r['batch']} | OOM |  |  |  |  |  |")
+            lines.append(f"| {r['model']} | `{r['cache']}` | {r['step']} | {r['context']} | {r['batch']} | OOM |  |  |  |  |  |")
         else:
-            lines.append(f"| {r['model']} | `{r['cache']}` | {r['context']} | {r['batch']} | {r['prefill_s']:.2f} | "
+            lines.append(f"| {r['model']} | `{r['cache']}` | {r['step']} | {r['context']} | {r['batch']} | {r['prefill_s']:.2f} | "
                          f"{r['decode_ms']:.2f} | {r['tokens_per_s']:.1f} | {r['peak_gib']:.1f} | "
                          f"{r['kv_bytes'] / 2 ** 30:.2f} | {r['kv_ratio']:.3f} |")
     found = [r for r in rows if "max_batch" in r]

@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvzoo.cli import add_model_args, parse_cache_args, human_bytes, load_from_args, run  # noqa: E402
 from kvzoo.generate import check_sampling, generate  # noqa: E402
+from kvzoo.graphs import static_strategies  # noqa: E402
 
 
 class Streamer:
@@ -51,7 +52,7 @@ def answer(model, tokenizer, messages: list[dict], args, stream: bool) -> str:
     streamer = Streamer(tokenizer) if stream else None
     out = generate(model, tokenizer, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, cache=args.cache, on_step=streamer,
-                   prefill_chunk=args.prefill_chunk)
+                   prefill_chunk=args.prefill_chunk, compile=args.compile)
     if stream:
         print(out.texts[0][len(streamer.shown):])
     else:
@@ -74,8 +75,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="prefill the prompt this many tokens at a time (chunked prefill)")
+    parser.add_argument("--compile", action="store_true",
+                        help="replay each decode step from a CUDA graph (kvzoo/graphs.py; strategies: "
+                             f"{', '.join(static_strategies())})")
     args = parser.parse_args()
-    parse_cache_args(parser, args)
+    cache = parse_cache_args(parser, args)
+    if args.compile and cache.name not in static_strategies():
+        parser.error(f"--compile: cache strategy {cache.name} has no static decode step yet; accepted: "
+                     f"{', '.join(static_strategies())}")
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
 
     model, tokenizer = load_from_args(args)

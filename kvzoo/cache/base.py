@@ -79,6 +79,27 @@ class Positions:
         return cls(start, pad, ids, allowed[:, None])                       # (B, 1, T, S)
 
 
+@dataclass
+class StaticStep:
+    """One decode token whose cache slot lives in a device tensor, so that the same kernels serve every
+    step (a CUDA graph replays them; kvzoo/graphs.py). Attention runs over the whole preallocated buffer,
+    the slots not yet written masked out."""
+
+    slot: Tensor          # (1,) long: the slot this token writes (tokens stored before it)
+    ids: Tensor           # (B, 1) RoPE position of the token
+    mask: Tensor          # (B, 1, 1, max_len) True = may attend
+
+    @classmethod
+    def make(cls, slot: Tensor, pad: Tensor, max_len: int, sliding_window: int | None = None) -> "StaticStep":
+        """From device tensors only (no host sync): slot (1,), pad (B,) left padding of each row."""
+        k_slot = torch.arange(max_len, device=slot.device)                      # (S,)
+        allowed = (k_slot[None, :] <= slot) & (k_slot[None, :] >= pad[:, None])  # (B, S)
+        if sliding_window is not None:
+            allowed &= k_slot[None, :] > slot - sliding_window
+        ids = (slot - pad).clamp_min(0)[:, None]                                 # (B, 1)
+        return cls(slot, ids, allowed[:, None, None, :])
+
+
 def full_mask(pos: Positions, n_keys: int, device) -> Tensor:
     """pos.mask made explicit: (B or 1, 1, T, n_keys) booleans, also when pos.mask is None (causal)."""
     if pos.mask is not None:
@@ -218,6 +239,13 @@ class LayerCache(nn.Module):
         raise NotImplementedError
 
     def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
+        raise NotImplementedError
+
+    static_decode = False   # True where decode_static is implemented (CUDA-graph decode, kvzoo/graphs.py)
+
+    def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
+        """One token at a device-held slot, with fixed shapes and no host sync (see StaticStep). The caller
+        advances self.length afterwards."""
         raise NotImplementedError
 
     def simulate(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvzoo.cache.base import LayerCache, Positions, attend, register, used_nbytes
+from kvzoo.cache.base import LayerCache, Positions, StaticStep, attend, register, used_nbytes
 
 
 @register("fp16")
@@ -37,6 +37,14 @@ class FP16Cache(LayerCache):
 
     # Storing one token and attending over the history is the same operation as a one-token prefill.
     decode = prefill
+
+    static_decode = True
+
+    def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
+        q, k = self.attn.rope(q, k, step.ids)
+        self.k.index_copy_(2, step.slot, k)                       # k (B, Hkv, 1, d) into slot step.slot
+        self.v.index_copy_(2, step.slot, v)
+        return attend(q, self.k, self.v, step.mask)               # all max_len slots, unwritten ones masked
 
     def nbytes(self) -> int:
         return used_nbytes(self.k, self.v, length=self.length)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvzoo.cache.base import CacheSpec, LayerCache, ModelCache, Positions, attend
+from kvzoo.cache.base import CacheSpec, LayerCache, ModelCache, Positions, StaticStep, attend
 from kvzoo.config import ModelConfig
 
 
@@ -106,12 +106,14 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         return q, k, v
 
-    def forward(self, x: Tensor, pos: Positions, cache: LayerCache | None) -> Tensor:
+    def forward(self, x: Tensor, pos: Positions | StaticStep, cache: LayerCache | None) -> Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x)
         if cache is None:
             q, k = self.rope(q, k, pos.ids)
             out = attend(q, k, v, pos.mask)
+        elif isinstance(pos, StaticStep):
+            out = cache.decode_static(x, q, k, v, pos)
         elif cache.simulated:
             out = cache.simulate(x, q, k, v, pos)
         elif T == 1 and pos.start > 0:
@@ -142,7 +144,7 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, pos: Positions, cache: LayerCache | None) -> Tensor:
+    def forward(self, x: Tensor, pos: Positions | StaticStep, cache: LayerCache | None) -> Tensor:
         x = x + self.attn(self.attn_norm(x), pos, cache)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -201,3 +203,11 @@ class Transformer(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x))
+
+    def decode_static(self, token: Tensor, cache: ModelCache, step: StaticStep) -> Tensor:
+        """Logits (B, vocab) of one token (B, 1) written at the device-held slot of `step`: fixed shapes,
+        no host sync, so a CUDA graph can hold it (kvzoo/graphs.py). Does not advance cache.length."""
+        x = self.embed(token)                                    # (B, 1, hidden)
+        for i, block in enumerate(self.layers):
+            x = block(x, step, cache.layers[i])
+        return self.lm_head(self.norm(x))[:, -1]

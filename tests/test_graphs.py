@@ -1,0 +1,94 @@
+"""The static decode step behind CUDA-graph decoding (kvzoo/graphs.py): on CPU it runs eagerly and must equal
+the eager decode, token for token, with padding and with a sliding window; on CUDA the captured graph must
+equal it too."""
+
+import pytest
+import torch
+
+from kvzoo.generate import generate, prefill
+from kvzoo.graphs import GraphDecoder, static_strategies
+from kvzoo.models.loader import load_weights
+from tests.test_generate import CharTokenizer
+from tests.tiny import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_weights(tiny_llama(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """A tiny Mistral with a sliding window of 6 tokens."""
+    import transformers
+
+    path = tmp_path_factory.mktemp("tinyw")
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                     max_position_embeddings=256, sliding_window=6)
+    transformers.MistralForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    model = load_weights(path)
+    assert model.cfg.sliding_window == 6
+    return model
+
+
+def decode_both(model, prompts: torch.Tensor, pad, steps: int, device="cpu"):
+    """Logits of `steps` greedy decode steps, eager and static, from the same prefilled prompt."""
+    out = []
+    for static in (False, True):
+        kv = model.new_cache("fp16", prompts.shape[0], prompts.shape[1] + steps)
+        token = prefill(model, prompts.to(device), kv, pad).argmax(-1)
+        step = GraphDecoder(model, kv, pad) if static else (lambda t: model(t[:, None], kv, pad=pad)[:, -1])
+        logits = []
+        for _ in range(steps):
+            logits.append(step(token).clone())
+            token = logits[-1].argmax(-1)
+        out.append(torch.stack(logits, 1))
+        assert kv.length == prompts.shape[1] + steps
+    return out
+
+
+def test_static_step_equals_eager(model):
+    prompts = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    eager, static = decode_both(model, prompts, None, steps=8)
+    torch.testing.assert_close(static, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_static_step_with_padding_and_sliding_window(model, windowed):
+    prompts = torch.randint(3, 97, (3, 10), generator=torch.Generator().manual_seed(1))
+    pad = torch.tensor([0, 4, 7])
+    prompts[1, :4] = prompts[2, :7] = 0
+    for m in (model, windowed):
+        eager, static = decode_both(m, prompts, pad, steps=9)        # the window binds after a few steps
+        torch.testing.assert_close(static, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_generate_compile_gives_the_same_tokens(model):
+    tok = CharTokenizer()
+    prompts = [[5, 9, 11, 40, 2, 7, 7, 13], [8], [60, 61, 62, 63, 1]]
+    eager = generate(model, tok, prompts, max_new_tokens=10, temperature=0)
+    compiled = generate(model, tok, prompts, max_new_tokens=10, temperature=0, compile=True)
+    assert compiled.tokens == eager.tokens and compiled.cache_nbytes == eager.cache_nbytes
+
+
+def test_refuses_strategies_without_a_static_step(model):
+    assert "fp16" in static_strategies()
+    kv = model.new_cache("kivi", 1, 16)
+    with pytest.raises(ValueError, match="cache strategy kivi has no static decode step.*accepted: fp16"):
+        GraphDecoder(model, kv)
+    kv = model.new_cache("fp16", 1, 4)
+    prefill(model, torch.tensor([[3, 4, 5, 6]]), kv, None)
+    with pytest.raises(ValueError, match="holds at most 4 tokens and is full"):
+        GraphDecoder(model, kv)(torch.tensor([7]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_cuda_graph_equals_eager(model):
+    m = model.to("cuda")
+    prompts = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(2)).cuda()
+    pad = torch.tensor([0, 3], device="cuda")
+    prompts[1, :3] = 0
+    eager, graphed = decode_both(m, prompts, pad, steps=12, device="cuda")
+    torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
+    model.to("cpu")
