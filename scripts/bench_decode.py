@@ -17,8 +17,8 @@ synchronized. A cell that runs
 out of GPU memory is reported as OOM, and the largest batch that fits (--max-batch, by doubling) is searched
 per model x context x cache when --find-max-batch is given.
 
-Not built yet (issue 9): static steps for the quantized strategies, the Hugging Face QuantizedCache
-comparison, the plot.
+--plot draws tokens/s against context, a line per cache x step x batch (log-2 context axis).
+Not built yet (issue 9): static steps for the quantized strategies, the Hugging Face QuantizedCache comparison.
 
 Writes OUT.json and OUT.md; refuses to replace them without --overwrite.
 """
@@ -66,6 +66,7 @@ def parse_args():
     parser.add_argument("--find-max-batch", action="store_true", help="search the largest batch that fits")
     parser.add_argument("--max-batch", type=int, default=256, help="upper end of the batch search")
     parser.add_argument("--out", default="results/decode/eager", help="output path without suffix")
+    parser.add_argument("--plot", action="store_true", help="also write OUT.png: tokens/s vs context")
     parser.add_argument("--overwrite", action="store_true", help="replace existing OUT.json / OUT.md")
     args = parser.parse_args()
     unknown = [m for m in args.models if m not in SHAPES and m != "smollm2"]
@@ -144,6 +145,31 @@ def max_batch(model, cache, context, chunk, limit) -> int:
     return lo
 
 
+def plot(rows: list[dict], title: str, path: Path) -> None:
+    """tokens/s against context, one line per model x cache x step x batch (OOM cells left out)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines: dict[tuple, list[tuple[int, float]]] = {}
+    for r in rows:
+        if "tokens_per_s" in r:
+            key = (r["model"], r["cache"], r.get("step", "eager"), r["batch"])
+            lines.setdefault(key, []).append((r["context"], r["tokens_per_s"]))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, ((model, cache, step, batch), pts) in enumerate(sorted(lines.items())):
+        pts.sort()
+        ax.plot([c for c, _ in pts], [t for _, t in pts], marker="o", ls="-" if step == "graph" else "--",
+                color=plt.cm.tab20(i % 20), label=f"{model} {cache} {step} b{batch}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set(xlabel="context (tokens)", ylabel="decode tokens/s (batch total)", title=title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     args = parse_args()
     if not torch.cuda.is_available():
@@ -190,6 +216,8 @@ def main() -> None:
     paths[1].parent.mkdir(parents=True, exist_ok=True)
     paths[0].write_text(json.dumps({"gpu": gpu, "steps": args.steps, "rows": rows}, indent=2))
     paths[1].write_text("\n".join(lines) + "\n")
+    if args.plot:
+        plot(rows, f"decode throughput on {gpu}", paths[0].with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -92,3 +92,18 @@ def test_cuda_graph_equals_eager(model):
     eager, graphed = decode_both(m, prompts, pad, steps=12, device="cuda")
     torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
     model.to("cpu")
+
+
+def test_bench_decode_plot(tmp_path):
+    """The throughput plot from benchmark rows (the benchmark itself needs CUDA): OOM cells left out."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_decode", Path(__file__).parents[1] / "scripts" / "bench_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = [{"model": "m", "cache": "fp16", "step": s, "batch": 1, "context": n, "tokens_per_s": t}
+            for s, n, t in [("eager", 4096, 15.0), ("eager", 32768, 14.0), ("graph", 4096, 100.0)]]
+    rows.append({"model": "m", "cache": "fp16", "step": "graph", "batch": 8, "context": 32768, "oom": True})
+    bench.plot(rows, "t", tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
