@@ -103,8 +103,8 @@ def generate(model: Transformer, tokenizer, prompts: str | Sequence[str] | Seque
     """Generate for one prompt or a batch. Prompts are strings (encoded with the tokenizer's BOS rule)
     or lists of token ids. on_step(ids) is called after every decode step with each row's new token.
     prefill_chunk: prefill the prompt that many tokens at a time (chunked prefill). compile: replay the
-    decode step from a CUDA graph (kvzoo.graphs; the static step runs eagerly on CPU), for the strategies
-    kvzoo.graphs.static_strategies() lists."""
+    decode step from CUDA graphs (kvzoo.graphs.decoder: the whole step for strategies with a static step,
+    all but attention for the others; the same code runs eagerly on CPU)."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -136,8 +136,8 @@ def generate(model: Transformer, tokenizer, prompts: str | Sequence[str] | Seque
     t0 = time.perf_counter()
     step_fn = (lambda token: decode_one_token(model, token, kv, pad))
     if compile:
-        from kvzoo.graphs import GraphDecoder
-        step_fn = GraphDecoder(model, kv, pad)
+        from kvzoo.graphs import decoder
+        step_fn = decoder(model, kv, pad)
     logits = prefill(model, tokens, kv, pad, prefill_chunk)
     token = sample(logits, temperature, top_k, top_p, generator)
     t1 = time.perf_counter()

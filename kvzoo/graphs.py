@@ -10,9 +10,13 @@ once and replays them with one call. That needs the step to have fixed shapes an
 - attention runs over every preallocated slot, those not yet written masked out (so its cost grows with
   the buffer, `max_len`, not with the tokens stored: generation sizes the buffer to prompt + new tokens).
 
-A strategy opts in with `LayerCache.static_decode = True` and `decode_static`; the fp16 cache does. Others
-are refused with a message naming them. On a CPU (no CUDA graphs) the same static step runs eagerly, which
-is how the tests prove it equals the eager decode.
+A strategy opts in with `LayerCache.static_decode = True` and `decode_static`; the fp16 cache does. The
+others keep host-side counters in their decode (how many tokens are quantized, how full the residual window
+is), so `PiecewiseDecoder` captures everything except attention: per layer, one graph from the block's input
+to q, k, v and one from the attention output to the next block's input; the strategy's `decode` runs eagerly
+between them. `decoder()` picks the whole-step graph where every layer has a static step, else the piecewise
+one. On a CPU (no CUDA graphs) both run the same code eagerly, which is how the tests prove they equal the
+eager decode.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvzoo.cache.base import ModelCache, StaticStep, get_strategy, list_caches
+from kvzoo.cache.base import ModelCache, Positions, StaticStep, get_strategy, list_caches
 
 
 def static_strategies() -> list[str]:
@@ -80,3 +84,91 @@ class GraphDecoder:
         for layer in self.cache.layers:
             layer.length += 1
         return self.logits
+
+
+class _Captured:
+    """A function of fixed-shape device tensors, run eagerly on CPU and from a CUDA graph (captured on its
+    first call, after a warm-up on a side stream) on CUDA. Graphs share one memory pool and are replayed in
+    the order they were captured."""
+
+    def __init__(self, fn, pool):
+        self.fn, self.pool, self.graph, self.out = fn, pool, None, None
+
+    def __call__(self, cuda: bool):
+        if not cuda:
+            return self.fn()
+        if self.graph is None:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=self.pool):
+                self.out = self.fn()
+        self.graph.replay()
+        return self.out
+
+
+class PiecewiseDecoder:
+    """Decode steps for any streaming strategy: the projections, norms and MLPs of every layer replayed from
+    CUDA graphs, the strategy's own `decode` (attention over its compressed cache) run eagerly in between.
+    Same calling convention as GraphDecoder."""
+
+    def __init__(self, model, cache: ModelCache, pad: Tensor | None = None):
+        if cache.layers[0].simulated:
+            raise ValueError("graph decoding needs a streaming cache, not a simulated one")
+        self.model, self.cache, self.pad = model, cache, pad
+        cfg, device = model.cfg, model.device
+        B = cache.layers[0].batch_size
+        self.cuda = device.type == "cuda"
+        pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        self.token = torch.zeros(B, 1, dtype=torch.long, device=device)                 # (B, 1)
+        self.hidden = [torch.zeros(B, 1, cfg.hidden_size, dtype=model.dtype, device=device)]  # block inputs
+        self.attn_out = []                                                               # (B, Hq, 1, d) each
+        self.before, self.after = [], []
+        self.embed = _Captured(lambda: self.hidden[0].copy_(model.embed(self.token)), pool)
+        for i, block in enumerate(model.layers):
+            self.attn_out.append(torch.zeros(B, cfg.n_heads, 1, cfg.head_dim, dtype=model.dtype, device=device))
+            self.before.append(_Captured(self._before_fn(block, i), pool))
+            self.hidden.append(torch.zeros_like(self.hidden[0]))
+            self.after.append(_Captured(self._after_fn(block, i), pool))
+        self.head = _Captured(lambda: model.lm_head(model.norm(self.hidden[-1]))[:, -1], pool)
+
+    def _before_fn(self, block, i: int):
+        def fn():
+            x = block.attn_norm(self.hidden[i])                                          # (B, 1, hidden)
+            return (x, *block.attn.qkv(x))
+        return fn
+
+    def _after_fn(self, block, i: int):
+        def fn():
+            B = self.attn_out[i].shape[0]
+            out = self.attn_out[i].transpose(1, 2).reshape(B, 1, -1)                     # (B, 1, Hq * d)
+            h = self.hidden[i] + block.attn.o_proj(out)
+            return self.hidden[i + 1].copy_(h + block.mlp(block.mlp_norm(h)))
+        return fn
+
+    @torch.inference_mode()
+    def __call__(self, token: Tensor) -> Tensor:
+        cache, model = self.cache, self.model
+        if cache.length >= cache.max_len:
+            raise ValueError(f"cache holds at most {cache.max_len} tokens and is full")
+        B = self.token.shape[0]
+        pad = self.pad if self.pad is not None else torch.zeros(B, dtype=torch.long, device=self.token.device)
+        pos = Positions.make(cache.length, 1, pad, model.cfg.sliding_window, self.pad is not None)
+        self.token.copy_(token.view(-1, 1))
+        self.embed(self.cuda)
+        for i, layer in enumerate(cache.layers):
+            x, q, k, v = self.before[i](self.cuda)
+            self.attn_out[i].copy_(layer.decode(x, q, k, v, pos))
+            self.after[i](self.cuda)
+        cache.length += 1
+        return self.head(self.cuda)
+
+
+def decoder(model, cache: ModelCache, pad: Tensor | None = None) -> GraphDecoder | PiecewiseDecoder:
+    """The whole-step graph where every layer has a static step, else the piecewise one."""
+    if all(layer.static_decode for layer in cache.layers):
+        return GraphDecoder(model, cache, pad)
+    return PiecewiseDecoder(model, cache, pad)

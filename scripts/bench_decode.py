@@ -11,14 +11,15 @@ Models (kvzoo.models.llama.Transformer built on the GPU, weights drawn N(0, 0.02
     smollm2        the embedded SmolLM2-135M-Instruct, its real weights
 For every model x context x batch x cache: a random prompt of `context` tokens is prefilled (chunks of
 --prefill-chunk tokens, so activations stay bounded at 128K), then --steps tokens are decoded one at a time
-(the kvzoo.generate decode step, eager; with --compile, kvzoo.graphs.GraphDecoder's CUDA-graph replay for the
-strategies that have a static step); one untimed step first, then the decode latency is the median step,
+(the kvzoo.generate decode step, eager; with --compile also kvzoo.graphs.decoder's CUDA graphs: the whole
+step for fp16, all but attention for the other strategies); one untimed step first, then the decode latency is the median step,
 synchronized. A cell that runs
 out of GPU memory is reported as OOM, and the largest batch that fits (--max-batch, by doubling) is searched
 per model x context x cache when --find-max-batch is given.
 
 --plot draws tokens/s against context, a line per cache x step x batch (log-2 context axis).
-Not built yet (issue 9): static steps for the quantized strategies, the Hugging Face QuantizedCache comparison.
+Not built yet (issue 9): whole-step graphs for the quantized strategies, the Hugging Face QuantizedCache
+comparison.
 
 Writes OUT.json and OUT.md; refuses to replace them without --overwrite.
 """
@@ -38,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvzoo.cache.base import CacheSpec, fp16_kv_nbytes  # noqa: E402
 from kvzoo.config import ModelConfig  # noqa: E402
 from kvzoo.generate import decode_one_token, prefill  # noqa: E402
-from kvzoo.graphs import GraphDecoder, static_strategies  # noqa: E402
+from kvzoo.graphs import decoder  # noqa: E402
 from kvzoo.kernels.bench import output_paths  # noqa: E402
 from kvzoo.models.llama import Transformer, rope_inv_freq  # noqa: E402
 
@@ -62,7 +63,7 @@ def parse_args():
                                                         "innerq:bits=4"])
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per cell")
     parser.add_argument("--prefill-chunk", type=int, default=8192)
-    parser.add_argument("--compile", action="store_true", help="also time the CUDA-graph step where it exists")
+    parser.add_argument("--compile", action="store_true", help="also time the CUDA-graph step (kvzoo.graphs)")
     parser.add_argument("--find-max-batch", action="store_true", help="search the largest batch that fits")
     parser.add_argument("--max-batch", type=int, default=256, help="upper end of the batch search")
     parser.add_argument("--out", default="results/decode/eager", help="output path without suffix")
@@ -110,7 +111,7 @@ def run_cell(model, cache: str, context: int, batch: int, steps: int, chunk: int
     torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0
     token = logits.argmax(-1)
-    step = GraphDecoder(model, kv) if graphed else (lambda t: decode_one_token(model, t, kv, None))
+    step = decoder(model, kv) if graphed else (lambda t: decode_one_token(model, t, kv, None))
     token = step(token).argmax(-1)                                   # untimed: CUDA-graph capture, autotuning
     times = []
     for _ in range(steps):
@@ -179,7 +180,7 @@ def main() -> None:
     for name in args.models:
         model = build(name)
         cells = [(c, n, b, g) for c in args.caches for n in args.contexts for b in args.batches
-                 for g in ([False, True] if args.compile and CacheSpec.parse(c).name in static_strategies() else [False])]
+                 for g in ([False, True] if args.compile else [False])]
         for cache, context, batch, graphed in tqdm(cells, desc=name):
             row = {"model": name, "cache": cache, "context": context, "batch": batch, "step": "graph" if graphed else "eager"}
             try:

@@ -76,13 +76,10 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="prefill the prompt this many tokens at a time (chunked prefill)")
     parser.add_argument("--compile", action="store_true",
-                        help="replay each decode step from a CUDA graph (kvzoo/graphs.py; strategies: "
-                             f"{', '.join(static_strategies())})")
+                        help="replay decode steps from CUDA graphs (kvzoo/graphs.py): the whole step for "
+                             f"{', '.join(static_strategies())}, all but attention for the other strategies")
     args = parser.parse_args()
-    cache = parse_cache_args(parser, args)
-    if args.compile and cache.name not in static_strategies():
-        parser.error(f"--compile: cache strategy {cache.name} has no static decode step yet; accepted: "
-                     f"{', '.join(static_strategies())}")
+    parse_cache_args(parser, args)
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
 
     model, tokenizer = load_from_args(args)

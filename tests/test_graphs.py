@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvzoo.generate import generate, prefill
-from kvzoo.graphs import GraphDecoder, static_strategies
+from kvzoo.graphs import GraphDecoder, PiecewiseDecoder, decoder, static_strategies
 from kvzoo.models.loader import load_weights
 from tests.test_generate import CharTokenizer
 from tests.tiny import tiny_llama
@@ -14,7 +14,7 @@ from tests.tiny import tiny_llama
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return load_weights(tiny_llama(tmp_path_factory.mktemp("tiny")))
+    return load_weights(tiny_llama(tmp_path_factory.mktemp("tiny"), head_dim=32))       # InnerQ groups of 32
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +33,14 @@ def windowed(tmp_path_factory):
     return model
 
 
-def decode_both(model, prompts: torch.Tensor, pad, steps: int, device="cpu"):
-    """Logits of `steps` greedy decode steps, eager and static, from the same prefilled prompt."""
+def decode_both(model, prompts: torch.Tensor, pad, steps: int, device="cpu", cache="fp16", make=GraphDecoder):
+    """Logits of `steps` greedy decode steps, eager and through `make` (a decoder class), from the same
+    prefilled prompt."""
     out = []
     for static in (False, True):
-        kv = model.new_cache("fp16", prompts.shape[0], prompts.shape[1] + steps)
+        kv = model.new_cache(cache, prompts.shape[0], prompts.shape[1] + steps)
         token = prefill(model, prompts.to(device), kv, pad).argmax(-1)
-        step = GraphDecoder(model, kv, pad) if static else (lambda t: model(t[:, None], kv, pad=pad)[:, -1])
+        step = make(model, kv, pad) if static else (lambda t: model(t[:, None], kv, pad=pad)[:, -1])
         logits = []
         for _ in range(steps):
             logits.append(step(token).clone())
@@ -64,12 +65,32 @@ def test_static_step_with_padding_and_sliding_window(model, windowed):
         torch.testing.assert_close(static, eager, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache", ["fp16", "kivi:bits=2,group_size=32,residual=32", "innerq:bits=2",
+                                   "xquant:bits=4", "alignedkv"])
+def test_piecewise_step_equals_eager(model, cache):
+    """Every layer's non-attention work through the piecewise decoder, the strategy's decode between: the
+    same logits as the eager step, across residual-window flushes (40 steps > a 32-token window)."""
+    prompts = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(3))
+    pad = torch.tensor([0, 2])
+    prompts[1, :2] = 0
+    eager, piecewise = decode_both(model, prompts, pad, steps=40, cache=cache, make=PiecewiseDecoder)
+    torch.testing.assert_close(piecewise, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_decoder_picks_the_whole_step_where_it_can(model):
+    assert isinstance(decoder(model, model.new_cache("fp16", 1, 8)), GraphDecoder)
+    assert isinstance(decoder(model, model.new_cache("kivi", 1, 8)), PiecewiseDecoder)
+    with pytest.raises(ValueError, match="needs a streaming cache"):
+        decoder(model, model.new_cache("kivi", 1, 8, mode="simulated"))
+
+
 def test_generate_compile_gives_the_same_tokens(model):
     tok = CharTokenizer()
     prompts = [[5, 9, 11, 40, 2, 7, 7, 13], [8], [60, 61, 62, 63, 1]]
-    eager = generate(model, tok, prompts, max_new_tokens=10, temperature=0)
-    compiled = generate(model, tok, prompts, max_new_tokens=10, temperature=0, compile=True)
-    assert compiled.tokens == eager.tokens and compiled.cache_nbytes == eager.cache_nbytes
+    for cache in ("fp16", "innerq:bits=2"):
+        eager = generate(model, tok, prompts, max_new_tokens=10, temperature=0, cache=cache)
+        compiled = generate(model, tok, prompts, max_new_tokens=10, temperature=0, cache=cache, compile=True)
+        assert compiled.tokens == eager.tokens and compiled.cache_nbytes == eager.cache_nbytes
 
 
 def test_refuses_strategies_without_a_static_step(model):
@@ -91,6 +112,9 @@ def test_cuda_graph_equals_eager(model):
     prompts[1, :3] = 0
     eager, graphed = decode_both(m, prompts, pad, steps=12, device="cuda")
     torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
+    for cache in ("kivi:bits=2,group_size=32,residual=32", "innerq:bits=2"):    # innerq: its fused kernel
+        eager, graphed = decode_both(m, prompts, pad, steps=40, device="cuda", cache=cache, make=PiecewiseDecoder)
+        torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
     model.to("cpu")
 
 
