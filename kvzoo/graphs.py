@@ -50,23 +50,11 @@ class GraphDecoder:
         self.token = torch.zeros(B, 1, dtype=torch.long, device=device)        # (B, 1) static input
         self.slot = torch.zeros(1, dtype=torch.long, device=device)            # (1,) static input
         self.pad = (pad if pad is not None else torch.zeros(B, dtype=torch.long, device=device)).clone()
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: Tensor | None = None
+        self.step = _Captured(self._step, None)     # the warm-up is harmless: it rewrites the same slot
 
     def _step(self) -> Tensor:
         step = StaticStep.make(self.slot, self.pad, self.cache.max_len, self.model.cfg.sliding_window)
         return self.model.decode_static(self.token, self.cache, step)
-
-    def _capture(self) -> None:
-        """Warm up on a side stream (the step is idempotent: it rewrites the same slot), then record."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._step()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self._step()
 
     @torch.inference_mode()
     def __call__(self, token: Tensor) -> Tensor:
@@ -74,16 +62,11 @@ class GraphDecoder:
             raise ValueError(f"cache holds at most {self.cache.max_len} tokens and is full")
         self.token.copy_(token.view(-1, 1))
         self.slot.fill_(self.cache.length)
-        if self.token.is_cuda:
-            if self.graph is None:
-                self._capture()
-            self.graph.replay()
-        else:
-            self.logits = self._step()
+        logits = self.step(self.token.is_cuda)
         self.cache.length += 1
         for layer in self.cache.layers:
             layer.length += 1
-        return self.logits
+        return logits
 
 
 class _Captured:
