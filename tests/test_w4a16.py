@@ -54,6 +54,14 @@ def test_split_k_matches_reference(m, split):
         check(x, w, TOL[dtype], Tiles(block_n=32, block_k=64, split_k=split))
 
 
+@pytest.mark.parametrize("m", [1, 40])
+def test_default_tiles_for_long_k(m):
+    """K = 2048 picks the long-K decode tiles (BLOCK_K 512) at M = 1 and the 128-row prefill tile at M = 40."""
+    w = weight(24, 2048, 128, seed=11)
+    x = torch.randn(m, 2048, generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    check(x, w, TOL[torch.float32])
+
+
 def test_tile_choices_agree():
     """The broadcast path forced into a tl.dot tile, and large K steps past the end of K, give the same."""
     w = weight(24, 320, 64, seed=9)

@@ -158,13 +158,17 @@ class Tiles:
 
 
 GEMV_ROWS = 4                                   # up to this many rows, the broadcast (non-tl.dot) path
-DECODE = Tiles(block_n=32, block_k=256, num_stages=3)   # M <= GEMV_ROWS: bound by reading the weight
-SMALL = Tiles(block_m=16, block_n=32, block_k=128)      # M <= 16
-PREFILL = Tiles(block_m=64, block_n=64, block_k=64)     # larger M
+# The winners of scripts/bench_w4a16.py's sweep on an H100 (results/kvpareto/bench_w4a16.md):
+DECODE_LONG_K = Tiles(block_n=16, block_k=512)             # M <= GEMV_ROWS, K >= 2048 (Llama-2-7B layers)
+DECODE = Tiles(block_n=32, block_k=128, num_warps=8)       # M <= GEMV_ROWS, small K (SmolLM2's 576)
+SMALL = Tiles(block_m=16, block_n=32, block_k=128)         # M <= 16
+PREFILL = Tiles(block_m=128, block_n=64, block_k=64, num_stages=4)   # larger M
 
 
-def default_tiles(M: int) -> Tiles:
-    return DECODE if M <= GEMV_ROWS else SMALL if M <= 16 else PREFILL
+def default_tiles(M: int, K: int) -> Tiles:
+    if M <= GEMV_ROWS:
+        return DECODE_LONG_K if K >= 2048 else DECODE
+    return SMALL if M <= 16 else PREFILL
 
 
 @functools.lru_cache
@@ -177,19 +181,19 @@ def _programs_wanted(device: torch.device) -> int:
 
 def w4a16_matmul(x: Tensor, w: W4Weight, tiles: Tiles | None = None) -> Tensor:
     """x (..., K) @ dequant(w)ᵀ -> (..., N) in x's dtype (see the module docstring for the rounding).
-    tiles None: default_tiles(M), M = the number of rows of x."""
+    tiles None: default_tiles(M, K), M = the number of rows of x."""
     _check(x, w)
     check_runnable(_w4a16_kernel, x.device)
     N, K = w.shape
     x2 = x.reshape(-1, K).contiguous()                                  # (M, K), M = prod(leading dims)
     M = x2.shape[0]
-    t = tiles or default_tiles(M)
+    t = tiles or default_tiles(M, K)
     if t.block_k % CODES_PER_WORD:
         raise ValueError(f"block_k must be a multiple of {CODES_PER_WORD} (whole words of codes), got {t.block_k}")
     if not (M and N):
         return torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     dot = M > GEMV_ROWS or t.block_m > GEMV_ROWS
-    block_m = t.block_m or (triton.next_power_of_2(M) if not dot else 16 if M <= 16 else 64)
+    block_m = t.block_m or (triton.next_power_of_2(M) if not dot else 16 if M <= 16 else 128)
     grid_mn = triton.cdiv(M, block_m) * triton.cdiv(N, t.block_n)
     steps = triton.cdiv(K, t.block_k)
     split = t.split_k or max(1, min(steps, _programs_wanted(x.device) // max(grid_mn, 1)))
