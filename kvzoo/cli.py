@@ -110,6 +110,14 @@ def run(main) -> None:
         sys.exit(130)
 
 
+def numbers(text: str, kind, name: str) -> list:
+    """--name's comma-separated values as `kind` (int or float); a clear error naming the option otherwise."""
+    try:
+        return [kind(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--{name} takes comma-separated numbers, got {text!r}") from None
+
+
 def human_bytes(n: float) -> str:
     if n < 1024:
         return f"{n:.0f} B"

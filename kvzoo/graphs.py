@@ -27,6 +27,16 @@ from torch import Tensor
 from kvzoo.cache.base import ModelCache, Positions, StaticStep, get_strategy, list_caches
 
 
+def _check_streaming(cache: ModelCache) -> None:
+    if cache.layers[0].simulated:
+        raise ValueError("graph decoding needs a streaming cache, not a simulated one")
+
+
+def _check_room(cache: ModelCache) -> None:
+    if cache.length >= cache.max_len:
+        raise ValueError(f"cache holds at most {cache.max_len} tokens and is full")
+
+
 def static_strategies() -> list[str]:
     """The registered strategies whose decode step can be captured."""
     return [name for name in list_caches() if get_strategy(name).static_decode]
@@ -38,8 +48,7 @@ class GraphDecoder:
     tensor is the graph's output buffer: the next call overwrites it."""
 
     def __init__(self, model, cache: ModelCache, pad: Tensor | None = None):
-        if cache.layers[0].simulated:
-            raise ValueError("graph decoding needs a streaming cache, not a simulated one")
+        _check_streaming(cache)
         refused = {type(layer).name for layer in cache.layers if not layer.static_decode}
         if refused:
             raise ValueError(f"cache strategy {', '.join(sorted(refused))} has no static decode step for "
@@ -58,8 +67,7 @@ class GraphDecoder:
 
     @torch.inference_mode()
     def __call__(self, token: Tensor) -> Tensor:
-        if self.cache.length >= self.cache.max_len:
-            raise ValueError(f"cache holds at most {self.cache.max_len} tokens and is full")
+        _check_room(self.cache)
         self.token.copy_(token.view(-1, 1))
         self.slot.fill_(self.cache.length)
         logits = self.step(self.token.is_cuda)
@@ -99,11 +107,12 @@ class PiecewiseDecoder:
     Same calling convention as GraphDecoder."""
 
     def __init__(self, model, cache: ModelCache, pad: Tensor | None = None):
-        if cache.layers[0].simulated:
-            raise ValueError("graph decoding needs a streaming cache, not a simulated one")
-        self.model, self.cache, self.pad = model, cache, pad
+        _check_streaming(cache)
+        self.model, self.cache = model, cache
         cfg, device = model.cfg, model.device
         B = cache.layers[0].batch_size
+        self.has_pad = pad is not None      # as Transformer.forward: no pad tensor means no row is padded
+        self.pad = pad if pad is not None else torch.zeros(B, dtype=torch.long, device=device)
         self.cuda = device.type == "cuda"
         pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self.token = torch.zeros(B, 1, dtype=torch.long, device=device)                 # (B, 1)
@@ -135,11 +144,8 @@ class PiecewiseDecoder:
     @torch.inference_mode()
     def __call__(self, token: Tensor) -> Tensor:
         cache, model = self.cache, self.model
-        if cache.length >= cache.max_len:
-            raise ValueError(f"cache holds at most {cache.max_len} tokens and is full")
-        B = self.token.shape[0]
-        pad = self.pad if self.pad is not None else torch.zeros(B, dtype=torch.long, device=self.token.device)
-        pos = Positions.make(cache.length, 1, pad, model.cfg.sliding_window, self.pad is not None)
+        _check_room(cache)
+        pos = Positions.make(cache.length, 1, self.pad, model.cfg.sliding_window, self.has_pad)
         self.token.copy_(token.view(-1, 1))
         self.embed(self.cuda)
         for i, layer in enumerate(cache.layers):

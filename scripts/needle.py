@@ -16,18 +16,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tqdm import tqdm  # noqa: E402
 
-from kvzoo.cli import (PLOT_SUFFIXES, add_model_args, check_output, load_from_args, parse_cache_args, run,  # noqa: E402
-                       write_json)
+from kvzoo.cli import (PLOT_SUFFIXES, add_model_args, check_output, load_from_args, numbers,  # noqa: E402
+                       parse_cache_args, run, write_json)
 from kvzoo.eval.datasets import DATASETS, load_text  # noqa: E402
 from kvzoo.eval.needle import needle_grid  # noqa: E402
-
-
-def numbers(text: str, kind, name: str) -> list:
-    try:
-        values = [kind(v) for v in text.split(",")]
-    except ValueError:
-        raise ValueError(f"--{name} takes comma-separated numbers, got {text!r}") from None
-    return values
 
 
 def plot(cells: list[dict], lengths: list[int], depths: list[float], title: str, path: str) -> None:
@@ -60,6 +52,8 @@ def main() -> None:
     args = parser.parse_args()
     cache = parse_cache_args(parser, args)
     lengths, depths = numbers(args.lengths, int, "lengths"), numbers(args.depths, float, "depths")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     check_output(args.json, args.overwrite)
     check_output(args.plot, args.overwrite, PLOT_SUFFIXES)
     model, tokenizer = load_from_args(args)

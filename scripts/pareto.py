@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from kvzoo.cli import PLOT_SUFFIXES, add_model_args, check_output, load_from_args, run, write_json  # noqa: E402
+from kvzoo.cli import PLOT_SUFFIXES, add_model_args, check_output, load_from_args, numbers, run, write_json  # noqa: E402
 from kvzoo.eval.datasets import load_text  # noqa: E402
 from kvzoo.eval.pareto import TASKS, choose, evaluate, frontier  # noqa: E402
 from kvzoo.quant.awq import METHODS, quantize_weights  # noqa: E402
@@ -99,10 +99,9 @@ def main() -> None:
         groups = [int(g) for g in args.group_sizes.split(",")]
     except ValueError:
         raise ValueError("--chunks and --group-sizes take comma-separated integers") from None
-    try:
-        depths = [float(d) for d in args.depths.split(",")]
-    except ValueError:
-        raise ValueError(f"--depths takes comma-separated numbers in [0, 1], got {args.depths!r}") from None
+    depths = numbers(args.depths, float, "depths")
+    if any(not 0 <= d <= 1 for d in depths):
+        raise ValueError(f"--depths must lie in [0, 1], got {args.depths!r}")
     formats = args.weights.split(",")
     unknown = [w for w in formats if w not in METHODS]
     if unknown or "w16" not in formats:

@@ -173,6 +173,9 @@ def test_every_script_builds_its_command_line():
     ("pareto.py", ["--weights", "w16,w3"], "--weights takes a comma-separated list of w16, w4-rtn, w4-awq"),
     ("pareto.py", ["--weights", "w4-awq"], "that includes w16"),
     ("pareto.py", ["--depths", "mid"], "--depths takes comma-separated numbers"),
+    ("pareto.py", ["--depths", "0,1.5"], "--depths must lie in [0, 1]"),
+    ("pareto.py", ["--calib-windows", "0"], "--calib-windows must be >= 1, got 0"),
+    ("needle.py", ["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     ("memory.py", ["--chunks", "-1"], "--tokens must be >= 1 and --chunks >= 0"),
     ("needle.py", ["--depths", "x"], "--depths takes comma-separated numbers"),
     ("chat.py", ["--prefill-chunk", "0", "--prompt", "hi"], "prefill_chunk must be >= 1, got 0"),
@@ -187,3 +190,21 @@ def test_new_script_options_refuse_bad_values(script, args, message):
     out = subprocess.run([sys.executable, str(repo / "scripts" / script), "--device", "cpu", *args],
                          capture_output=True, text=True, timeout=300, cwd=repo)
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("bench_decode.py", ["--models", "gpt2"], "unknown model 'gpt2'; accepted: llama-3.1-8b, llama-2-7b, smollm2"),
+    ("bench_decode.py", ["--steps", "0"], "--contexts, --batches, --steps and --prefill-chunk must be >= 1"),
+    ("bench_decode.py", ["--caches", "nope"], "--caches: unknown cache 'nope'; available caches: alignedkv"),
+    ("bench_w4a16.py", ["--rows", "0"], "--rows and --runs must be >= 1"),
+])
+def test_gpu_benchmarks_refuse_bad_values_before_looking_for_a_gpu(script, args, message):
+    """The GPU benchmarks check their options first, so a bad value is named on any machine."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(repo / "scripts" / script), *args],
+                         capture_output=True, text=True, timeout=120, cwd=repo)
+    assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -44,14 +44,14 @@ class Point:
     @property
     def short(self) -> str:
         """The paper's style of name: w4-awq_k4v4_token32_pc256 (k16v16 for the fp16 cache)."""
-        name, _, rest = self.cache.partition(":")
-        if name == "fp16":
+        spec = CacheSpec.parse(self.cache)
+        if spec.name == "fp16":
             kv = "k16v16"
-        elif name == "kvpareto":
-            o = dict(item.split("=") for item in rest.split(","))
-            kv = f"k{o['k_bits']}v{o['v_bits']}_{o['granularity']}{o['group_size'] if o['granularity'] != 'tensor' else ''}"
+        elif spec.name == "kvpareto":
+            o = spec.options
+            kv = f"k{o.k_bits}v{o.v_bits}_{o.granularity}{o.group_size if o.granularity != 'tensor' else ''}"
         else:
-            kv = name
+            kv = spec.name
         return f"{self.weights}_{kv}" + (f"_pc{self.chunk}" if self.chunk else "")
 
     def to_dict(self) -> dict:
