@@ -10,13 +10,16 @@ once and replays them with one call. That needs the step to have fixed shapes an
 - attention runs over every preallocated slot, those not yet written masked out (so its cost grows with
   the buffer, `max_len`, not with the tokens stored: generation sizes the buffer to prompt + new tokens).
 
-A strategy opts in with `LayerCache.static_decode = True` and `decode_static`; the fp16 cache does. The
-others keep host-side counters in their decode (how many tokens are quantized, how full the residual window
-is), so `PiecewiseDecoder` captures everything except attention: per layer, one graph from the block's input
-to q, k, v and one from the attention output to the next block's input; the strategy's `decode` runs eagerly
-between them. `decoder()` picks the whole-step graph where every layer has a static step, else the piecewise
-one. On a CPU (no CUDA graphs) both run the same code eagerly, which is how the tests prove they equal the
-eager decode.
+A strategy opts in with `LayerCache.can_decode_static` and `decode_static`. The fp16 cache does (attention over
+every slot, the unwritten ones masked). InnerQ does through its fused kernel, which reads how many quantized
+and window tokens are live from a device tensor (grid sized by the buffer, programs past the live tokens
+return at once); its host-side counters only choose which of three recorded steps to replay
+(`static_phase`: the token joins the sink window, the recent window, or fills it and a group is quantized).
+Strategies without a static step use `PiecewiseDecoder`, which captures everything except attention: per
+layer, one graph from the block's input to q, k, v and one from the attention output to the next block's
+input; the strategy's `decode` runs eagerly between them. `decoder()` picks the whole-step graph where every
+layer has a static step, else the piecewise one. On a CPU (no CUDA graphs) both run the same code eagerly
+(InnerQ's kernel under the Triton interpreter), which is how the tests prove they equal the eager decode.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvzoo.cache.base import ModelCache, Positions, StaticStep, get_strategy, list_caches
+from kvzoo.cache.base import ModelCache, Positions, StaticStep
 
 
 def _check_streaming(cache: ModelCache) -> None:
@@ -37,29 +40,35 @@ def _check_room(cache: ModelCache) -> None:
         raise ValueError(f"cache holds at most {cache.max_len} tokens and is full")
 
 
-def static_strategies() -> list[str]:
-    """The registered strategies whose decode step can be captured."""
-    return [name for name in list_caches() if get_strategy(name).static_decode]
+def _padded(pad: Tensor | None) -> bool:
+    return pad is not None and bool(pad.any())
 
 
 class GraphDecoder:
     """Replays one decode step for `cache` (a ModelCache already holding the prompt). Call it with the
     last tokens (B,); it returns the logits (B, vocab) and advances the cache by one token. The returned
-    tensor is the graph's output buffer: the next call overwrites it."""
+    tensor is the graph's output buffer: the next call overwrites it.
+
+    A strategy whose step differs with its host-side counters (InnerQ: a token joins the sink window, joins
+    the recent window, or fills it and a group is quantized) names the difference `static_phase()`; one graph
+    is recorded per phase, when first needed, and the host picks which to replay."""
 
     def __init__(self, model, cache: ModelCache, pad: Tensor | None = None):
         _check_streaming(cache)
-        refused = {type(layer).name for layer in cache.layers if not layer.static_decode}
+        padded = _padded(pad)
+        refused = {type(layer).name for layer in cache.layers if not layer.can_decode_static(padded)}
         if refused:
-            raise ValueError(f"cache strategy {', '.join(sorted(refused))} has no static decode step for "
-                             f"compiled decoding yet; accepted: {', '.join(static_strategies())}")
+            raise ValueError(f"cache strategy {', '.join(sorted(refused))} has no static decode step here (whole-step "
+                             f"graphs serve fp16, and innerq through its kernel: 2 or 4 bits, inner layout, rows "
+                             f"without padding); PiecewiseDecoder serves every strategy")
         self.model, self.cache = model, cache
         device = model.device
         B = cache.layers[0].batch_size
         self.token = torch.zeros(B, 1, dtype=torch.long, device=device)        # (B, 1) static input
         self.slot = torch.zeros(1, dtype=torch.long, device=device)            # (1,) static input
         self.pad = (pad if pad is not None else torch.zeros(B, dtype=torch.long, device=device)).clone()
-        self.step = _Captured(self._step, None)     # the warm-up is harmless: it rewrites the same slot
+        self.scratch = tuple(t for layer in cache.layers for t in layer.static_scratch())
+        self.steps: dict[tuple[str, ...], _Captured] = {}
 
     def _step(self) -> Tensor:
         step = StaticStep.make(self.slot, self.pad, self.cache.max_len, self.model.cfg.sliding_window)
@@ -70,29 +79,36 @@ class GraphDecoder:
         _check_room(self.cache)
         self.token.copy_(token.view(-1, 1))
         self.slot.fill_(self.cache.length)
-        logits = self.step(self.token.is_cuda)
+        phase = tuple(layer.static_phase() for layer in self.cache.layers)
+        if phase not in self.steps:
+            self.steps[phase] = _Captured(self._step, None, self.scratch)
+        logits = self.steps[phase](self.token.is_cuda)
         self.cache.length += 1
         for layer in self.cache.layers:
-            layer.length += 1
+            layer.advance()
         return logits
 
 
 class _Captured:
     """A function of fixed-shape device tensors, run eagerly on CPU and from a CUDA graph (captured on its
-    first call, after a warm-up on a side stream) on CUDA. Graphs share one memory pool and are replayed in
-    the order they were captured."""
+    first call, after a warm-up on a side stream) on CUDA. Graphs given one memory pool must be replayed in
+    the order they were captured (None: a private pool). `scratch` tensors are restored after the warm-up,
+    for functions that are not idempotent."""
 
-    def __init__(self, fn, pool):
-        self.fn, self.pool, self.graph, self.out = fn, pool, None, None
+    def __init__(self, fn, pool, scratch: tuple[Tensor, ...] = ()):
+        self.fn, self.pool, self.scratch, self.graph, self.out = fn, pool, scratch, None, None
 
     def __call__(self, cuda: bool):
         if not cuda:
             return self.fn()
         if self.graph is None:
+            saved = [t.clone() for t in self.scratch]
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self.fn()
+                for t, before in zip(self.scratch, saved):
+                    t.copy_(before)
             torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=self.pool):
@@ -158,6 +174,7 @@ class PiecewiseDecoder:
 
 def decoder(model, cache: ModelCache, pad: Tensor | None = None) -> GraphDecoder | PiecewiseDecoder:
     """The whole-step graph where every layer has a static step, else the piecewise one."""
-    if all(layer.static_decode for layer in cache.layers):
+    padded = _padded(pad)
+    if all(layer.can_decode_static(padded) for layer in cache.layers):
         return GraphDecoder(model, cache, pad)
     return PiecewiseDecoder(model, cache, pad)

@@ -15,7 +15,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvzoo.cli import add_model_args, parse_cache_args, human_bytes, load_from_args, run  # noqa: E402
 from kvzoo.generate import check_sampling, generate  # noqa: E402
-from kvzoo.graphs import static_strategies  # noqa: E402
 
 
 class Streamer:
@@ -76,8 +75,8 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="prefill the prompt this many tokens at a time (chunked prefill)")
     parser.add_argument("--compile", action="store_true",
-                        help="replay decode steps from CUDA graphs (kvzoo/graphs.py): the whole step for "
-                             f"{', '.join(static_strategies())}, all but attention for the other strategies")
+                        help="replay decode steps from CUDA graphs (kvzoo/graphs.py): the whole step for fp16 and "
+                             "innerq (its kernel, unpadded rows), all but attention for the other strategies")
     args = parser.parse_args()
     parse_cache_args(parser, args)
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvzoo.generate import generate, prefill
-from kvzoo.graphs import GraphDecoder, PiecewiseDecoder, decoder, static_strategies
+from kvzoo.graphs import GraphDecoder, PiecewiseDecoder, decoder
 from kvzoo.models.loader import load_weights
 from tests.test_generate import CharTokenizer
 from tests.tiny import tiny_llama
@@ -77,9 +77,31 @@ def test_piecewise_step_equals_eager(model, cache):
     torch.testing.assert_close(piecewise, eager, rtol=1e-5, atol=1e-5)
 
 
+INNERQ_STATIC = ["innerq:bits=2,sink=4,recent=0", "innerq:bits=4,sink=4,recent=0,quant_mode=hybrid_prefill",
+                 "innerq:bits=2,sink=0,recent=32,quant_mode=asym,key_norm=false", "innerq:bits=2,sink=4,recent=0,quant_mode=sym"]
+
+
+@pytest.mark.parametrize("cache", INNERQ_STATIC)
+def test_innerq_whole_step_equals_eager(model, cache):
+    """InnerQ's static step (its kernel reading the live lengths from a device tensor, under the interpreter on
+    CPU) against the eager decode (the torch path), through every phase: tokens joining the sink window, the
+    recent window, and filling it so that a group is quantized inside the step (prompt of 2 tokens, 40 steps)."""
+    prompts = torch.randint(3, 97, (2, 2), generator=torch.Generator().manual_seed(4))
+    kv = model.new_cache(cache, 2, 42)
+    prefill(model, prompts, kv, None)
+    assert isinstance(decoder(model, kv), GraphDecoder)
+    eager, static = decode_both(model, prompts, None, steps=40, cache=cache)
+    torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
+
+
 def test_decoder_picks_the_whole_step_where_it_can(model):
     assert isinstance(decoder(model, model.new_cache("fp16", 1, 8)), GraphDecoder)
     assert isinstance(decoder(model, model.new_cache("kivi", 1, 8)), PiecewiseDecoder)
+    kv = model.new_cache("innerq", 2, 8)
+    prefill(model, torch.tensor([[0, 5, 6], [4, 5, 6]]), kv, torch.tensor([1, 0]))
+    assert isinstance(decoder(model, kv, torch.tensor([1, 0])), PiecewiseDecoder)      # padding: no kernel
+    assert isinstance(decoder(model, kv, torch.tensor([0, 0])), GraphDecoder)
+    assert isinstance(decoder(model, model.new_cache("innerq:outer=true", 1, 8)), PiecewiseDecoder)
     with pytest.raises(ValueError, match="needs a streaming cache"):
         decoder(model, model.new_cache("kivi", 1, 8, mode="simulated"))
 
@@ -94,9 +116,8 @@ def test_generate_compile_gives_the_same_tokens(model):
 
 
 def test_refuses_strategies_without_a_static_step(model):
-    assert "fp16" in static_strategies()
     kv = model.new_cache("kivi", 1, 16)
-    with pytest.raises(ValueError, match="cache strategy kivi has no static decode step.*accepted: fp16"):
+    with pytest.raises(ValueError, match="cache strategy kivi has no static decode step here.*PiecewiseDecoder"):
         GraphDecoder(model, kv)
     kv = model.new_cache("fp16", 1, 4)
     prefill(model, torch.tensor([[3, 4, 5, 6]]), kv, None)
@@ -114,6 +135,10 @@ def test_cuda_graph_equals_eager(model):
     torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
     for cache in ("kivi:bits=2,group_size=32,residual=32", "innerq:bits=2"):    # innerq: its fused kernel
         eager, graphed = decode_both(m, prompts, pad, steps=40, device="cuda", cache=cache, make=PiecewiseDecoder)
+        torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+    short = prompts[:, :2]
+    for cache in INNERQ_STATIC:          # one graph per phase, against the eager fused decode
+        eager, graphed = decode_both(m, short, None, steps=40, device="cuda", cache=cache)
         torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
     model.to("cpu")
 

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kvzoo.cache.quant import quantize, quantize_unified  # noqa: E402
+from kvzoo.cache.quant import pack, quantize, quantize_unified  # noqa: E402
 from kvzoo.kernels.innerq_attention import innerq_decode_attention, innerq_decode_attention_ref  # noqa: E402
 from kvzoo.kernels.quant_matvec import (pv_inner, pv_inner_ref, pv_outer, pv_outer_ref, qk_inner,  # noqa: E402
                                         qk_inner_ref, qk_outer, qk_outer_ref)
@@ -36,9 +36,28 @@ def assert_close(got, want, dtype):
 
 
 def unified(x, bits, axis, mode):
-    """Inner-layout tensors of x in `mode`; the dense sym flags the kernels take (None for all-asymmetric)."""
+    """Inner-layout tensors of x in `mode`; the dense sym flags the matvec kernels take (None: all-asymmetric)."""
     q = quantize_unified(x, bits, axis, mode)
     return q.codes, q.scale, q.slot, None if mode == "asym" else q.sym
+
+
+def packed(x, bits, axis, mode):
+    """Inner-layout tensors of x in `mode` as the InnerQ cache holds them, for the fused attention: packed
+    mask bits (None: all-asymmetric; no bits at all in the sym mode, whose groups are all symmetric)."""
+    q = quantize_unified(x, bits, axis, mode)
+    B, H, n, d = q.shape
+    if mode == "asym":
+        mask = None
+    elif mode == "sym":
+        mask = torch.zeros((B, H, d // 32, 0) if axis == -1 else (B, H, 0, d // 32), dtype=torch.int32, device=x.device)
+    else:   # bits along tokens (B, H, d/32, n/32) for per-token groups, along channels (B, H, n/32, d/32) for values
+        mask = pack(q.sym.transpose(-1, -2), 1) if axis == -1 else pack(q.sym, 1)
+    return q.codes, q.scale, q.slot, mask
+
+
+def upto(mode, n):
+    """mask_upto as the cache gives it: every token has a bit (hybrid), none (sym)."""
+    return 0 if mode == "sym" else n
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -97,11 +116,38 @@ def test_fused_attention_matches_reference(bits, d, dtype, B, H, rep, n, w, mode
     k, v = torch.randn(2, B, H, n, d, device=DEVICE)
     k_win, v_win = torch.randn(2, B, H, w, d, device=DEVICE).to(dtype)
     q = torch.randn(B, H * rep, d, device=DEVICE).to(dtype)
-    kq, vq = unified(k, bits, -1, mode), unified(v, bits, -2, mode)
+    kq, vq = packed(k, bits, -1, mode), packed(v, bits, -2, mode)
     args = (q, *kq, *vq, k_win, v_win, bits)
-    got = innerq_decode_attention(*args, num_splits=splits)
+    got = innerq_decode_attention(*args, num_splits=splits, mask_upto=upto(mode, n))
     assert got.dtype == dtype and got.shape == (B, H * rep, d)
-    assert_close(got, innerq_decode_attention_ref(*args), dtype)
+    assert_close(got, innerq_decode_attention_ref(*args, mask_upto=upto(mode, n)), dtype)
+
+
+@pytest.mark.parametrize("bits,dtype,mode,live,mask_upto", [
+    (2, torch.float32, "hybrid", (96, 3, 5), 160), (4, torch.float16, "hybrid", (160, 4, 8), 64),
+    (2, torch.float32, "asym", (32, 0, 1), 160), (2, torch.float16, "sym", (0, 4, 1), 0)], ids=name)
+def test_fused_attention_reads_live_lengths_from_the_device(bits, dtype, mode, live, mask_upto):
+    """The CUDA-graph form: buffers sized for 160 quantized tokens, a 4-token sink and an 8-token recent
+    window, of which `live` = (quantized, sink, recent) are in use, given as a device tensor; tokens from
+    mask_upto on are symmetric without a mask bit (hybrid_prefill). Splits past the live tokens add nothing."""
+    torch.manual_seed(bits + live[0])
+    B, H, rep, N, d = 2, 2, 3, 160, 64
+    k, v = torch.randn(2, B, H, N, d, device=DEVICE)
+    sink_k, sink_v = torch.randn(2, B, H, 4, d, device=DEVICE).to(dtype)
+    res_k, res_v = torch.randn(2, B, H, 8, d, device=DEVICE).to(dtype)
+    q = torch.randn(B, H * rep, d, device=DEVICE).to(dtype)
+    lengths = torch.tensor(live, dtype=torch.int32, device=DEVICE)
+    args = (q, *packed(k, bits, -1, mode), *packed(v, bits, -2, mode), sink_k, sink_v, bits)
+    extra = dict(k_win2=res_k, v_win2=res_v, lengths=lengths, mask_upto=mask_upto)
+    want = innerq_decode_attention_ref(*args, **extra)
+    assert_close(innerq_decode_attention(*args, num_splits=5, **extra), want, dtype)
+    n, w, w2 = live                        # the same as slicing the live tokens out
+    sliced = innerq_decode_attention_ref(q, *(t[:, :, :n] for t in packed(k, bits, -1, mode)[:3]), args[4],
+                                         *(t[:, :, :n] for t in packed(v, bits, -2, mode)[:1]),
+                                         *(t[:, :, :n // 32] for t in packed(v, bits, -2, mode)[1:3]), args[8],
+                                         sink_k[:, :, :w], sink_v[:, :, :w], bits, k_win2=res_k[:, :, :w2],
+                                         v_win2=res_v[:, :, :w2], mask_upto=mask_upto)
+    assert_close(sliced, want, dtype)
 
 
 def test_fused_attention_scale_and_peaked_softmax():
@@ -110,7 +156,7 @@ def test_fused_attention_scale_and_peaked_softmax():
     k, v = torch.randn(2, 1, 2, 160, 64, device=DEVICE)
     k_win, v_win = torch.randn(2, 1, 2, 5, 64, device=DEVICE)
     q = torch.randn(1, 4, 64, device=DEVICE)
-    args = (q, *unified(k, 2, -1, "hybrid"), *unified(v, 2, -2, "hybrid"), k_win, v_win, 2)
+    args = (q, *packed(k, 2, -1, "hybrid"), *packed(v, 2, -2, "hybrid"), k_win, v_win, 2)
     for splits in (1, 5):
         assert_close(innerq_decode_attention(*args, sm_scale=3.0, num_splits=splits),
                      innerq_decode_attention_ref(*args, sm_scale=3.0), torch.float32)
@@ -168,17 +214,25 @@ def test_mismatched_inputs_are_rejected():
         qk_inner(q[:, :2], codes[:, :, :40], scale[:, :, :40], slot[:, :, :40], sym[:, :, :40], 2)
     with pytest.raises(ValueError, match="power of two"):
         qk_inner(q[:, :2, :48], codes[..., :3], scale, slot, sym, 2)
+    kp, vp = packed(k, 2, -1, "hybrid"), packed(k, 2, -2, "hybrid")
     with pytest.raises(ValueError, match="not a multiple"):
-        innerq_decode_attention(q[:, :3], *kq, *vq, win, win, 2)
+        innerq_decode_attention(q[:, :3], *kp, *vp, win, win, 2)
     with pytest.raises(ValueError, match="k_win has dtype"):
-        innerq_decode_attention(q, *kq, *vq, win.half(), win.half(), 2)
+        innerq_decode_attention(q, *kp, *vp, win.half(), win.half(), 2)
     with pytest.raises(ValueError, match="v_scale has shape"):
-        innerq_decode_attention(q, *kq, codes, scale, slot, sym, win, win, 2)
-    with pytest.raises(ValueError, match="both k_sym and v_sym"):
-        innerq_decode_attention(q, *kq, *vq[:3], None, win, win, 2)
+        innerq_decode_attention(q, *kp, *kp, win, win, 2)
+    with pytest.raises(ValueError, match="both k_mask and v_mask"):
+        innerq_decode_attention(q, *kp, *vp[:3], None, win, win, 2)
+    with pytest.raises(ValueError, match="k_mask has shape"):
+        innerq_decode_attention(q, *kp[:3], kp[3][..., :1], *vp, win, win, 2)
+    with pytest.raises(ValueError, match="both k_win2 and v_win2"):
+        innerq_decode_attention(q, *kp, *vp, win, win, 2, k_win2=win)
+    with pytest.raises(ValueError, match="lengths has shape"):
+        innerq_decode_attention(q, *kp, *vp, win, win, 2, lengths=torch.zeros(2, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="nothing to attend"):
-        innerq_decode_attention(q, *(t[:, :, :0] for t in kq), *(t[:, :, :0] for t in vq), win[:, :, :0],
-                                win[:, :, :0], 2)
+        ka, va = packed(k, 2, -1, "asym"), packed(k, 2, -2, "asym")
+        innerq_decode_attention(q, *(t if t is None else t[:, :, :0] for t in ka),
+                                *(t if t is None else t[:, :, :0] for t in va), win[:, :, :0], win[:, :, :0], 2)
     with pytest.raises(ValueError, match="unknown quantization mode"):
         quantize_inner(k, 2, "hybrid_prefill")
     with pytest.raises(ValueError, match="power of two"):

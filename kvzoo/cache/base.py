@@ -88,6 +88,7 @@ class StaticStep:
     slot: Tensor          # (1,) long: the slot this token writes (tokens stored before it)
     ids: Tensor           # (B, 1) RoPE position of the token
     mask: Tensor          # (B, 1, 1, max_len) True = may attend
+    derived: dict = field(default_factory=dict)   # tensors computed from these once per step, shared by layers
 
     @classmethod
     def make(cls, slot: Tensor, pad: Tensor, max_len: int, sliding_window: int | None = None) -> "StaticStep":
@@ -241,12 +242,28 @@ class LayerCache(nn.Module):
     def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
         raise NotImplementedError
 
-    static_decode = False   # True where decode_static is implemented (CUDA-graph decode, kvzoo/graphs.py)
+    # ---- the static step: decode captured in CUDA graphs (kvzoo/graphs.py) -------------------------------
+    def can_decode_static(self, padded: bool) -> bool:
+        """Whether decode_static serves this cache now (`padded`: some row is left-padded)."""
+        return False
 
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
-        """One token at a device-held slot, with fixed shapes and no host sync (see StaticStep). The caller
-        advances self.length afterwards."""
+        """One token at a device-held slot, with fixed shapes and no host sync (see StaticStep); the graph
+        recorded from it is replayed for every token of the same `static_phase`. The caller calls advance()."""
         raise NotImplementedError
+
+    def static_phase(self) -> str:
+        """Which recorded step the next token needs, from host-side counters (one CUDA graph per phase)."""
+        return "step"
+
+    def static_scratch(self) -> tuple[Tensor, ...]:
+        """Buffers decode_static changes so that a second run would differ (restored after the warm-up run
+        that precedes a capture)."""
+        return ()
+
+    def advance(self) -> None:
+        """Host-side bookkeeping after a static step stored one token."""
+        self.length += 1
 
     def simulate(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
         """Simulated mode. A lossless strategy shows every token what it stored, so this is prefill."""

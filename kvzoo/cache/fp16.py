@@ -38,7 +38,8 @@ class FP16Cache(LayerCache):
     # Storing one token and attending over the history is the same operation as a one-token prefill.
     decode = prefill
 
-    static_decode = True
+    def can_decode_static(self, padded: bool) -> bool:
+        return True
 
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
         q, k = self.attn.rope(q, k, step.ids)

@@ -41,9 +41,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvzoo.cache.base import Positions, register
+from kvzoo.cache.base import Positions, StaticStep, register
 from kvzoo.cache.kivi import KIVICache
-from kvzoo.cache.quant import UnifiedQTensor, check_bits, dequantize_unified, pack, packed_words, quantize_unified, unpack
+from kvzoo.cache.quant import (UnifiedQTensor, check_bits, dequantize_unified, pack, packed_words, quantize_unified,
+                               unpack_sym_mask)
 
 GROUP = 32        # the unified slot holds 32 bits: an fp32 zero point or 32 sign bits
 MODES = ("asym", "sym", "hybrid", "hybrid_prefill")
@@ -110,9 +111,11 @@ class InnerQCache(KIVICache):
             self._buf(f"{name}_codes", (*shape, n_q, words), torch.int32)
             self._buf(f"{name}_scale", (*shape, *self._group_shape(axis, n_q)), torch.float16)
             self._buf(f"{name}_slot", (*shape, *self._group_shape(axis, n_q)), torch.int32)
-            # mask bits packed along tokens (per-token groups) or along channels (per-channel groups)
-            mask = (d // GROUP, n_q // 32) if axis == -1 else (n_q // GROUP, d // 32)
-            self._buf(f"{name}_mask", (*shape, *(mask if self.has_mask else (0, 0))), torch.int32)
+            # mask bits packed along tokens (per-token groups) or along channels (per-channel groups); no
+            # bits at all (zero columns along tokens) in the asym and sym modes
+            tokens = n_q // 32 if self.has_mask else 0
+            self._buf(f"{name}_mask", (*shape, *((d // GROUP, tokens) if axis == -1 else (tokens, d // 32))),
+                      torch.int32)
 
     def _group_slice(self, axis: int, a: int, b: int) -> slice:
         return slice(a, b) if axis == -1 else slice(a // GROUP, b // GROUP)
@@ -137,23 +140,17 @@ class InnerQCache(KIVICache):
                 else:              # sym (B, H, n/32, d) -> bits along channels (B, H, n/32, d/32)
                     mask[:, :, a // GROUP:b // GROUP] = pack(q.sym, 1)
 
+    def _mask_upto(self) -> int:
+        """Quantized tokens whose groups carry a mask bit; later groups are symmetric (hybrid_prefill) and
+        in the sym mode all are."""
+        return {"hybrid": self.k_codes.shape[2], "hybrid_prefill": self.first_call_q}.get(self.opts.quant_mode, 0)
+
     def _sym_flags(self, name: str, axis: int, upto: int) -> Tensor:
         """Which groups of quantized slots [0, upto) are symmetric: (B, H, *group shape) booleans."""
         shape = (self.batch_size, self.attn.n_kv_heads, *self._group_shape(axis, upto))
-        mode = self.opts.quant_mode
-        if mode in ("asym", "sym"):
-            return torch.full(shape, mode == "sym", dtype=torch.bool, device=self.k_codes.device)
-        mask = getattr(self, f"{name}_mask")
-        if axis == -1:
-            sym = unpack(mask[:, :, :, :-(-upto // 32)], 1, upto).transpose(-1, -2).bool()
-        else:
-            sym = unpack(mask[:, :, :upto // GROUP], 1, self.attn.head_dim).bool()
-        if mode == "hybrid_prefill":         # groups written after the first call are symmetric
-            tokens = torch.arange(upto, device=sym.device) if axis == -1 else \
-                torch.arange(0, upto, GROUP, device=sym.device)
-            later = (tokens >= self.first_call_q)[:, None]                      # (n or n/32, 1)
-            sym = sym | later
-        return sym
+        if self.opts.quant_mode == "asym":
+            return torch.zeros(shape, dtype=torch.bool, device=self.k_codes.device)
+        return unpack_sym_mask(getattr(self, f"{name}_mask"), axis, upto, self._mask_upto(), self.attn.head_dim)
 
     def _stored_quantized(self, upto: int) -> tuple[Tensor, Tensor]:
         dtype, d = self.k_res.dtype, self.attn.head_dim
@@ -203,32 +200,119 @@ class InnerQCache(KIVICache):
         super().reset()
         self.first_call_q = 0
 
-    # ---- decode: the fused kernel on CUDA ------------------------------------------------------------
-    def _fused_ok(self, q: Tensor, pos: Positions) -> bool:
+    # ---- decode: the fused kernel ---------------------------------------------------------------------
+    def _fused_ok(self, q: Tensor) -> bool:
+        """The kernel runs CUDA tensors (or any under the Triton interpreter) for 2/4 bits, the inner layout
+        and a power-of-two head_dim."""
+        from kvzoo.kernels.quant_matvec import kernels_run_on
         d = self.attn.head_dim
-        return (self.opts.fused and q.is_cuda and not self.opts.outer and self.opts.bits in (2, 4)
-                and pos.mask is None and d >= 32 and d & (d - 1) == 0)
+        return (self.opts.fused and kernels_run_on(q.device) and not self.opts.outer and self.opts.bits in (2, 4)
+                and d >= 32 and d & (d - 1) == 0)
 
-    def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
-        """One token: dequantize-and-attend in one Triton kernel over the packed codes plus the exact
-        windows; the torch path (prefill) where the kernel does not apply (CPU, padding, outer layout)."""
-        if not self._fused_ok(q, pos):
-            return self.prefill(x, q, k, v, pos)
+    def _kernel_inputs(self) -> tuple:
+        """The quantized buffers as innerq_decode_attention takes them (every allocated slot; lengths or a
+        slice say which are live)."""
+        masks = (None, None) if self.opts.quant_mode == "asym" else (self.k_mask, self.v_mask)
+        return (self.k_codes, self.k_scale, self.k_slot, masks[0], self.v_codes, self.v_scale, self.v_slot, masks[1])
+
+    def _attend_fused(self, q: Tensor, n: int | None, windows: tuple, lengths: Tensor | None = None) -> Tensor:
+        """q (B, Hq, 1, d) over quantized slots [0, n) (all of them, `lengths` saying how many are live,
+        when n is None) and the exact windows ((k, v), (k2, v2)): (B, Hq, 1, d)."""
         from kvzoo.kernels.innerq_attention import innerq_decode_attention
 
-        q, _, k_store = self._qk(q, k, pos)
-        n, in_sink = self.n_q, min(self.length, self.opts.sink)
-        r = self.length - in_sink - n
-        k_win = torch.cat([self.k_sink[:, :, :in_sink], self.k_res[:, :, :r], k_store], dim=2)   # (B, H, W, d)
-        v_win = torch.cat([self.v_sink[:, :, :in_sink], self.v_res[:, :, :r], v], dim=2)
-        sym = self.opts.quant_mode != "asym"
-        out = innerq_decode_attention(
-            q[:, :, 0], self.k_codes[:, :, :n], self.k_scale[:, :, :n], self.k_slot[:, :, :n],
-            self._sym_flags("k", -1, n) if sym else None,
-            self.v_codes[:, :, :n], self.v_scale[:, :, :n // GROUP], self.v_slot[:, :, :n // GROUP],
-            self._sym_flags("v", -2, n) if sym else None, k_win, v_win, self.opts.bits)
-        self._append(k_store, v)
+        kc, ks, kz, km, vc, vs, vz, vm = self._kernel_inputs()
+        if n is not None:
+            kc, ks, kz, vc, vs, vz = kc[:, :, :n], ks[:, :, :n], kz[:, :, :n], vc[:, :, :n], vs[:, :, :n // GROUP], \
+                vz[:, :, :n // GROUP]
+        (k_win, v_win), (k_win2, v_win2) = windows
+        out = innerq_decode_attention(q[:, :, 0], kc, ks, kz, km, vc, vs, vz, vm, k_win, v_win, self.opts.bits,
+                                      k_win2=k_win2, v_win2=v_win2, lengths=lengths, mask_upto=self._mask_upto())
         return out[:, :, None]                                                 # (B, Hq, 1, d)
+
+    def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
+        """One token: dequantize-and-attend in one Triton kernel over the packed codes plus the exact sink and
+        recent windows; the torch path (prefill) where the kernel does not apply (CPU, padding, outer layout)."""
+        if pos.mask is not None or not self._fused_ok(q) or not q.is_cuda:
+            return self.prefill(x, q, k, v, pos)
+        q, _, k_store = self._qk(q, k, pos)
+        S, L, n = self.opts.sink, self.length, self.n_q
+        if L < S:                     # the token joins the sink window; nothing is quantized yet
+            self.k_sink[:, :, L:L + 1], self.v_sink[:, :, L:L + 1] = k_store, v
+            windows = ((self.k_sink[:, :, :L + 1], self.v_sink[:, :, :L + 1]), (None, None))
+        else:                         # the token joins the recent window (room for R + G tokens)
+            r = L - S - n
+            self.k_res[:, :, r:r + 1], self.v_res[:, :, r:r + 1] = k_store, v
+            windows = ((self.k_sink, self.v_sink), (self.k_res[:, :, :r + 1], self.v_res[:, :, :r + 1]))
+        out = self._attend_fused(q, n, windows)
+        self._append(k_store, v)      # rewrites the window slot above, quantizes a group leaving the window
+        return out
+
+    # ---- the static step (CUDA graphs, kvzoo/graphs.py) ----------------------------------------------
+    def can_decode_static(self, padded: bool) -> bool:
+        """Whole-step graphs need the kernel (no mask: unpadded rows) and a prompt already stored."""
+        return not padded and self.length > 0 and self._fused_ok(self.k_res)
+
+    def static_phase(self) -> str:
+        """What the next token does, known on the host from the length: joins the sink window, joins the
+        recent window, or fills it, so that its oldest group is quantized (one graph each)."""
+        if self.length < self.opts.sink:
+            return "sink"
+        return "flush" if self.quantized_len(self.length + 1) > self.n_q else "recent"
+
+    def static_scratch(self) -> tuple[Tensor, ...]:
+        """Buffers a static step changes in a way that running it twice would not repeat (the window shift)."""
+        return (self.k_res, self.v_res)
+
+    def _static_lengths(self, step: StaticStep) -> tuple[Tensor, Tensor, Tensor]:
+        """From the device-held length L: (quantized tokens n_q (1,), window slot r of the new token (1,),
+        live lengths (3,) int32 [n_q, sink tokens, recent tokens] for the kernel), shared by every layer."""
+        key = ("innerq", self.opts.sink, self.opts.recent)
+        if key not in step.derived:
+            S, R, L = self.opts.sink, self.opts.recent, step.slot
+            n_q = torch.div(L - S - R, GROUP, rounding_mode="floor").clamp_min(0) * GROUP     # quantized_len(L)
+            sink = L.clamp_max(S - 1) if S else torch.zeros_like(L)                      # the token's sink slot
+            in_sink = L < S
+            r = torch.where(in_sink, sink, L - S - n_q)
+            lengths = torch.cat([torch.where(in_sink, 0, n_q), torch.where(in_sink, L + 1, S),
+                                 torch.where(in_sink, 0, r + 1)]).to(torch.int32)
+            step.derived[key] = (n_q, r, lengths)
+        return step.derived[key]
+
+    def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
+        q, k = self.attn.rope(q, k, step.ids)
+        if self.opts.key_norm:
+            q, k = q * self.norm.repeat_interleave(q.shape[1] // k.shape[1], dim=1), k / self.norm
+        n_q, r, lengths = self._static_lengths(step)
+        phase = self.static_phase()
+        k_win, v_win = (self.k_sink, self.v_sink) if phase == "sink" else (self.k_res, self.v_res)
+        k_win.index_copy_(2, r, k)                                      # k (B, H, 1, d) into window slot r
+        v_win.index_copy_(2, r, v)
+        out = self._attend_fused(q, None, ((self.k_sink, self.v_sink), (self.k_res, self.v_res)), lengths)
+        if phase == "flush":
+            self._flush_static(n_q)
+        return out
+
+    def _flush_static(self, n_q: Tensor) -> None:
+        """The full recent window's oldest group (G = 32 tokens) into quantized slots [n_q, n_q + G), n_q a
+        device tensor (1,); the rest of the window moves down by G."""
+        G, R = GROUP, self.opts.recent
+        mode = "sym" if self.opts.quant_mode == "hybrid_prefill" else self.opts.quant_mode
+        tokens = n_q + torch.arange(G, device=n_q.device)                                  # (G,)
+        group = torch.div(n_q, G, rounding_mode="floor")                                   # (1,)
+        for name, x, axis in (("k", self.k_res[:, :, :G], -1), ("v", self.v_res[:, :, :G], -2)):
+            q = quantize_unified(x, self.opts.bits, axis, mode)
+            getattr(self, f"{name}_codes").index_copy_(2, tokens, q.codes)
+            at = tokens if axis == -1 else group
+            getattr(self, f"{name}_scale").index_copy_(2, at, q.scale)
+            getattr(self, f"{name}_slot").index_copy_(2, at, q.slot)
+            if mode == "hybrid":      # sym (B, H, G, d/32) -> one word column; (B, H, 1, d) -> one word row
+                mask = getattr(self, f"{name}_mask")
+                if axis == -1:
+                    mask.index_copy_(3, group, pack(q.sym.transpose(-1, -2), 1))
+                else:
+                    mask.index_copy_(2, group, pack(q.sym, 1))
+        for buf in (self.k_res, self.v_res):
+            buf[:, :, :R] = buf[:, :, G:G + R].clone()
 
     # ---- key normalization -------------------------------------------------------------------------
     def _qk(self, q: Tensor, k: Tensor, pos: Positions) -> tuple[Tensor, Tensor, Tensor]:

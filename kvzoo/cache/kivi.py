@@ -149,6 +149,10 @@ class KIVICache(LayerCache):
         super().reset()
         self.n_q = 0
 
+    def advance(self) -> None:
+        super().advance()
+        self.n_q = self.quantized_len(self.length)
+
     def nbytes(self) -> int:
         S, n = self.opts.sink, self.n_q
         in_sink = min(self.length, S)

@@ -223,3 +223,21 @@ def dequantize_unified(q: UnifiedQTensor, dtype: torch.dtype = torch.float32) ->
     sym = q.sym.unsqueeze(-1)
     x = torch.where(sym, torch.where(negative, -magnitude, magnitude), magnitude + zero)
     return _ungrouped(x, q.axis).to(dtype)
+
+
+
+def unpack_sym_mask(mask: Tensor, axis: int, n: int, mask_upto: int, d: int) -> Tensor:
+    """InnerQ's packed mask bits (kvzoo/cache/innerq.py's layout) -> symmetric flags of the groups of quantized
+    tokens [0, n). axis -1 (per-token groups along d): mask int32 (B, H, d/32, >= n/32), bit t % 32 of word
+    [g, t // 32] for token t's group g -> (B, H, n, d/32). axis -2 (per-channel groups of 32 tokens): mask int32
+    (B, H, >= n/32, d/32), bit c % 32 of word [t // 32, c // 32] for channel c -> (B, H, n/32, d). Tokens from
+    mask_upto on carry no bit: symmetric."""
+    B, H = mask.shape[:2]
+    shape = (n, d // 32) if axis == -1 else (n // 32, d)
+    sym = torch.ones(B, H, *shape, dtype=torch.bool, device=mask.device)
+    m = min(n, mask_upto)
+    if m and axis == -1:
+        sym[:, :, :m] = unpack(mask[:, :, :, :-(-m // 32)], 1, m).transpose(-1, -2).bool()
+    elif m:
+        sym[:, :, :m // 32] = unpack(mask[:, :, :m // 32], 1, d).bool()
+    return sym

@@ -43,8 +43,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvzoo.cache.quant import unpack_sym_mask
 from kvzoo.kernels.quant_matvec import (GROUP, check_bits, check_head_dim, check_runnable, check_tensor, dequant_inner,
-                                        head_rows, split_groups, sym_flags, unpack_codes)
+                                        head_rows, split_groups, unpack_codes)
 
 LOG2E = 1.4426950408889634
 BLOCK_W = 32                 # window tokens per step of the combine kernel
@@ -138,11 +139,39 @@ def _join_codes(o, BITS: tl.constexpr):
 
 
 @triton.jit
-def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, ky_ptr, vc_ptr, vs_ptr, vz_ptr, vy_ptr, m_ptr, l_ptr, acc_ptr,
-                  N_GROUPS, PER_SPLIT, qk_scale,
-                  s_kc, s_ks, s_kz, s_ky, s_vc, s_vs, s_vz, s_vy,
+def _live(len_ptr, COUNT, i: tl.constexpr, DYN: tl.constexpr):
+    """How many entries are live: COUNT, or with DYN entry i of the device tensor `lengths` (CUDA graphs)."""
+    if DYN:
+        return tl.load(len_ptr + i)
+    return COUNT
+
+
+@triton.jit
+def _key_sym(km_ptr, s_kmg, n, w, live, MASK_UPTO, BITS: tl.constexpr):
+    """(tokens, words) symmetric flags of the key groups behind code words w of tokens n, from the packed mask
+    (D/32 rows, one bit per token): bit n % 32 of word [group, n // 32]; tokens >= MASK_UPTO have no bit and
+    are symmetric (hybrid_prefill's decoded groups)."""
+    has_bit = n < MASK_UPTO
+    word = tl.load(km_ptr + (w // BITS)[None, :] * s_kmg + (n // 32)[:, None], mask=(live & has_bit)[:, None],
+                   other=0)
+    return (((word >> (n % 32)[:, None]) & 1) != 0) | (~has_bit)[:, None]
+
+
+@triton.jit
+def _value_sym(vm_ptr, vg, ch, live, MASK_UPTO, D: tl.constexpr):
+    """Symmetric flags of value groups vg (32 tokens each) at channels ch (broadcast together), from the packed
+    mask (one row of D/32 words per value group): bit ch % 32 of word [vg, ch // 32]."""
+    has_bit = vg * 32 < MASK_UPTO
+    word = tl.load(vm_ptr + vg * (D // 32) + ch // 32, mask=live & has_bit, other=0)
+    return (((word >> (ch % 32)) & 1) != 0) | ~has_bit
+
+
+@triton.jit
+def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_ptr, vm_ptr, m_ptr, l_ptr, acc_ptr,
+                  len_ptr, N_GROUPS, PER_SPLIT, MASK_UPTO, qk_scale,
+                  s_kc, s_ks, s_kz, s_km, s_kmg, s_vc, s_vs, s_vz, s_vm,
                   D: tl.constexpr, BITS: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
-                  HAS_SYM: tl.constexpr, GS: tl.constexpr, FAST: tl.constexpr,
+                  HAS_SYM: tl.constexpr, DYN: tl.constexpr, GS: tl.constexpr, FAST: tl.constexpr,
                   K_ASM: tl.constexpr, K_CON: tl.constexpr, V_ASM: tl.constexpr, V_CON: tl.constexpr):
     CPW: tl.constexpr = 32 // BITS               # codes per word
     NG: tl.constexpr = D // 32                   # key groups per token
@@ -153,11 +182,11 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, ky_ptr, vc_ptr, vs_ptr, vz_ptr,
     kc_ptr += head * s_kc
     ks_ptr += head * s_ks
     kz_ptr += head * s_kz
-    ky_ptr += head * s_ky
+    km_ptr += head * s_km
     vc_ptr += head * s_vc
     vs_ptr += head * s_vs
     vz_ptr += head * s_vz
-    vy_ptr += head * s_vy
+    vm_ptr += head * s_vm
     split = tl.program_id(1)
     r = tl.arange(0, REP_P)
     live_r = r < REP
@@ -174,7 +203,7 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, ky_ptr, vc_ptr, vs_ptr, vz_ptr,
     l = tl.zeros((REP_P,), dtype=tl.float32)
     acc = tl.zeros((REP_P, D), dtype=tl.float32)
     start = split * PER_SPLIT
-    stop = tl.minimum(start + PER_SPLIT, N_GROUPS)
+    stop = tl.minimum(start + PER_SPLIT, _live(len_ptr, N_GROUPS, 0, DYN) // 32)
     stop_tok = stop * 32
     for t in range(start, stop, GS):
         n = t * 32 + j
@@ -194,7 +223,7 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, ky_ptr, vc_ptr, vs_ptr, vz_ptr,
             slot = tl.load(kz_ptr + per_word, mask=live[:, None], other=0)
             zero = slot.to(tl.float32, bitcast=True)[:, :, None]
             if HAS_SYM:
-                sym = (tl.load(ky_ptr + per_word, mask=live[:, None], other=0) != 0)[:, :, None]
+                sym = _key_sym(km_ptr, s_kmg, n, w, live, MASK_UPTO, BITS)[:, :, None]
                 negative = ((slot[:, :, None] >> bit[None, :, :]) & 1) != 0
                 x = tl.where(sym & negative, -x, x)
                 zero = tl.where(sym, 0.0, zero)
@@ -223,7 +252,7 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, ky_ptr, vc_ptr, vs_ptr, vz_ptr,
             v_slot = tl.load(vz_ptr + per_ch, mask=live_g, other=0)
             v_zero = v_slot.to(tl.float32, bitcast=True)
             if HAS_SYM:
-                v_sym = tl.load(vy_ptr + per_ch, mask=live_g, other=0) != 0
+                v_sym = _value_sym(vm_ptr, vg[:, None, None], d[None, None, :], live_g, MASK_UPTO, D)
                 negative = ((v_slot >> i[None, :, None]) & 1) != 0                   # bit i: token i's sign
                 vx = tl.where(v_sym & negative, -vx, vx)
                 v_zero = tl.where(v_sym, 0.0, v_zero)
@@ -236,11 +265,11 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, ky_ptr, vc_ptr, vs_ptr, vz_ptr,
 
 
 @triton.jit
-def _split_kernel_g1(q_ptr, kc_ptr, ks_ptr, kz_ptr, ky_ptr, vc_ptr, vs_ptr, vz_ptr, vy_ptr, m_ptr, l_ptr, acc_ptr,
-                  N_GROUPS, PER_SPLIT, qk_scale,
-                  s_kc, s_ks, s_kz, s_ky, s_vc, s_vs, s_vz, s_vy,
-                  D: tl.constexpr, BITS: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
-                  HAS_SYM: tl.constexpr):
+def _split_kernel_g1(q_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_ptr, vm_ptr, m_ptr, l_ptr, acc_ptr,
+                     len_ptr, N_GROUPS, PER_SPLIT, MASK_UPTO, qk_scale,
+                     s_kc, s_ks, s_kz, s_km, s_kmg, s_vc, s_vs, s_vz, s_vm,
+                     D: tl.constexpr, BITS: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
+                     HAS_SYM: tl.constexpr, DYN: tl.constexpr):
     CPW: tl.constexpr = 32 // BITS               # codes per word
     NG: tl.constexpr = D // 32                   # key groups per token
     W: tl.constexpr = D * BITS // 32             # words per token
@@ -249,11 +278,11 @@ def _split_kernel_g1(q_ptr, kc_ptr, ks_ptr, kz_ptr, ky_ptr, vc_ptr, vs_ptr, vz_p
     kc_ptr += head * s_kc
     ks_ptr += head * s_ks
     kz_ptr += head * s_kz
-    ky_ptr += head * s_ky
+    km_ptr += head * s_km
     vc_ptr += head * s_vc
     vs_ptr += head * s_vs
     vz_ptr += head * s_vz
-    vy_ptr += head * s_vy
+    vm_ptr += head * s_vm
     split = tl.program_id(1)
     r = tl.arange(0, REP_P)
     live_r = r < REP
@@ -269,7 +298,7 @@ def _split_kernel_g1(q_ptr, kc_ptr, ks_ptr, kz_ptr, ky_ptr, vc_ptr, vs_ptr, vz_p
     l = tl.zeros((REP_P,), dtype=tl.float32)
     acc = tl.zeros((REP_P, D), dtype=tl.float32)
     start = split * PER_SPLIT
-    stop = tl.minimum(start + PER_SPLIT, N_GROUPS)
+    stop = tl.minimum(start + PER_SPLIT, _live(len_ptr, N_GROUPS, 0, DYN) // 32)
     for t in range(start, stop):
         n = t * 32 + i
         # keys: (32 tokens, W, CPW) codes, one scale/slot per (token, group of 32 channels)
@@ -279,7 +308,7 @@ def _split_kernel_g1(q_ptr, kc_ptr, ks_ptr, kz_ptr, ky_ptr, vc_ptr, vs_ptr, vz_p
         slot = tl.load(kz_ptr + per_word)
         zero = slot.to(tl.float32, bitcast=True)[:, :, None]
         if HAS_SYM:
-            sym = (tl.load(ky_ptr + per_word) != 0)[:, :, None]
+            sym = _key_sym(km_ptr, s_kmg, n, w, n >= 0, MASK_UPTO, BITS)[:, :, None]
             negative = ((slot[:, :, None] >> bit[None, :, :]) & 1) != 0
             x = tl.where(sym & negative, -x, x)
             zero = tl.where(sym, 0.0, zero)
@@ -296,7 +325,7 @@ def _split_kernel_g1(q_ptr, kc_ptr, ks_ptr, kz_ptr, ky_ptr, vc_ptr, vs_ptr, vz_p
         v_slot = tl.load(vz_ptr + t * D + channel)                      # (W, CPW)
         v_zero = v_slot.to(tl.float32, bitcast=True)
         if HAS_SYM:
-            v_sym = tl.load(vy_ptr + t * D + channel) != 0
+            v_sym = _value_sym(vm_ptr, t + 0 * channel, channel, channel >= 0, MASK_UPTO, D)
             negative = ((v_slot[None, :, :] >> i[:, None, None]) & 1) != 0          # bit i: token i's sign
             vx = tl.where(v_sym[None, :, :] & negative, -vx, vx)
             v_zero = tl.where(v_sym, 0.0, v_zero)
@@ -311,29 +340,9 @@ def _split_kernel_g1(q_ptr, kc_ptr, ks_ptr, kz_ptr, ky_ptr, vc_ptr, vs_ptr, vz_p
 
 
 @triton.jit
-def _combine_kernel(q_ptr, kw_ptr, vw_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, WIN, qk_scale, s_kw, s_vw,
-                    D: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, BLOCK: tl.constexpr):
-    kv = tl.program_id(0)
-    kw_ptr += kv.to(tl.int64) * s_kw
-    vw_ptr += kv.to(tl.int64) * s_vw
-    r = tl.arange(0, REP_P)
-    live_r = r < REP
+def _attend_window(q, kw_ptr, vw_ptr, WIN, m, l, acc, qk_scale, D: tl.constexpr, BLOCK: tl.constexpr):
+    """The online softmax (m, l, acc) over WIN exact tokens (WIN, D) of one KV head, BLOCK at a time."""
     d = tl.arange(0, D)
-    heads = kv * REP + r
-    m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
-    l = tl.zeros((REP_P,), dtype=tl.float32)
-    acc = tl.zeros((REP_P, D), dtype=tl.float32)
-    for split in range(SPLITS):
-        rows = heads * SPLITS + split
-        m_s = tl.load(m_ptr + rows, mask=live_r, other=0.0)         # padded rows stay finite
-        m_new = tl.maximum(m, m_s)
-        alpha = tl.math.exp2(m - m_new)
-        beta = tl.math.exp2(m_s - m_new)
-        l = l * alpha + tl.load(l_ptr + rows, mask=live_r, other=0.0) * beta
-        acc = acc * alpha[:, None] + tl.load(acc_ptr + rows[:, None] * D + d[None, :], mask=live_r[:, None],
-                                             other=0.0) * beta[:, None]
-        m = m_new
-    q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=live_r[:, None], other=0)
     j = tl.arange(0, BLOCK)
     for w0 in range(0, WIN, BLOCK):
         live_w = w0 + j < WIN
@@ -348,17 +357,84 @@ def _combine_kernel(q_ptr, kw_ptr, vw_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, SPLIT
         v = tl.load(vw_ptr + window, mask=live_w[:, None], other=0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def _combine_kernel(q_ptr, kw_ptr, vw_ptr, kw2_ptr, vw2_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, len_ptr, SPLITS, WIN,
+                    WIN2, qk_scale, s_kw, s_vw, s_kw2, s_vw2,
+                    D: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, BLOCK: tl.constexpr,
+                    DYN: tl.constexpr):
+    kv = tl.program_id(0)
+    head = kv.to(tl.int64)
+    r = tl.arange(0, REP_P)
+    live_r = r < REP
+    d = tl.arange(0, D)
+    heads = kv * REP + r
+    m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((REP_P,), dtype=tl.float32)
+    acc = tl.zeros((REP_P, D), dtype=tl.float32)
+    for split in range(SPLITS):
+        rows = heads * SPLITS + split
+        m_s = tl.load(m_ptr + rows, mask=live_r, other=0.0)         # padded rows stay finite
+        m_new = tl.maximum(m, m_s)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)        # splits past the live tokens hold nothing
+        alpha = tl.math.exp2(m - m_ref)
+        beta = tl.math.exp2(m_s - m_ref)
+        l = l * alpha + tl.load(l_ptr + rows, mask=live_r, other=0.0) * beta
+        acc = acc * alpha[:, None] + tl.load(acc_ptr + rows[:, None] * D + d[None, :], mask=live_r[:, None],
+                                             other=0.0) * beta[:, None]
+        m = m_new
+    q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=live_r[:, None], other=0)
+    m, l, acc = _attend_window(q, kw_ptr + head * s_kw, vw_ptr + head * s_vw, _live(len_ptr, WIN, 1, DYN), m, l,
+                               acc, qk_scale, D, BLOCK)
+    m, l, acc = _attend_window(q, kw2_ptr + head * s_kw2, vw2_ptr + head * s_vw2, _live(len_ptr, WIN2, 2, DYN), m,
+                               l, acc, qk_scale, D, BLOCK)
     out = acc / tl.where(live_r, l, 1.0)[:, None]                 # padded rows: l = 0
     tl.store(out_ptr + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live_r[:, None])
 
 
-def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot: Tensor, k_sym: Tensor | None,
-                            v_codes: Tensor, v_scale: Tensor, v_slot: Tensor, v_sym: Tensor | None,
-                            k_win: Tensor, v_win: Tensor, bits: int, sm_scale: float | None = None,
-                            num_splits: int | None = None, num_warps: int = 4) -> Tensor:
+def _check_window(k: Tensor, v: Tensor, name: str, q: Tensor, B: int, H: int) -> int:
+    if not isinstance(k, Tensor) or k.dim() != 4:
+        raise ValueError(f"k_{name} must be a tensor (B, H, W, d)")
+    W = k.shape[2]
+    check_tensor(k, f"k_{name}", (B, H, W, q.shape[-1]), (q.dtype,), q.device)
+    check_tensor(v, f"v_{name}", (B, H, W, q.shape[-1]), (q.dtype,), q.device)
+    return W
+
+
+def _check_masks(k_mask: Tensor | None, v_mask: Tensor | None, B: int, H: int, N: int, d: int, mask_upto: int,
+                 dev: torch.device) -> None:
+    if (k_mask is None) != (v_mask is None):
+        raise ValueError("give both k_mask and v_mask, or neither (all groups asymmetric)")
+    if k_mask is None:
+        return
+    cols = -(-min(mask_upto, N) // GROUP)                  # mask words needed along tokens
+    for name, t, shape in (("k_mask", k_mask, (B, H, d // GROUP)), ("v_mask", v_mask, (B, H))):
+        if not isinstance(t, Tensor) or t.dim() != 4 or t.dtype != torch.int32 or t.device != dev:
+            raise ValueError(f"{name} must be an int32 tensor of 4 dims on {dev} (packed symmetric-group bits)")
+    if tuple(k_mask.shape[:3]) != (B, H, d // GROUP) or k_mask.shape[3] < cols:
+        raise ValueError(f"k_mask has shape {tuple(k_mask.shape)}, expected ({B}, {H}, {d // GROUP}, >= {cols})")
+    if tuple(v_mask.shape[:2]) != (B, H) or v_mask.shape[2] < cols or v_mask.shape[3] != d // GROUP:
+        raise ValueError(f"v_mask has shape {tuple(v_mask.shape)}, expected ({B}, {H}, >= {cols}, {d // GROUP})")
+
+
+def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot: Tensor, k_mask: Tensor | None,
+                            v_codes: Tensor, v_scale: Tensor, v_slot: Tensor, v_mask: Tensor | None,
+                            k_win: Tensor, v_win: Tensor, bits: int, *, k_win2: Tensor | None = None,
+                            v_win2: Tensor | None = None, lengths: Tensor | None = None, mask_upto: int | None = None,
+                            sm_scale: float | None = None, num_splits: int | None = None,
+                            num_warps: int = 4) -> Tensor:
     """Decode attention (B, Hq, d) in q's dtype of one query token per sequence over an InnerQ cache: the N
-    quantized tokens (inner layout) and the W exact window tokens. sm_scale defaults to 1/sqrt(d);
-    num_splits (split-K over the quantized tokens) defaults to enough programs to fill the device."""
+    quantized tokens (inner layout) and the exact tokens of one or two windows (sink and recent).
+
+    k_mask / v_mask are the cache's packed symmetric-group bits (None: every group asymmetric): int32
+    (B, H, d/32, >= N/32), bit n % 32 of word [g, n // 32] for token n's key group g, and (B, H, >= N/32, d/32),
+    bit c % 32 of word [n // 32, c // 32] for channel c's value group of tokens n // 32; tokens from mask_upto
+    on (default N) carry no bit and are symmetric. lengths, an int32 device tensor (3,), makes the live counts
+    device data, for CUDA graphs: [quantized tokens (a multiple of 32, <= N), window tokens (<= W), window-2
+    tokens (<= W2)]; the buffers behind them are sized for the most tokens, the grid by N. sm_scale defaults
+    to 1/sqrt(d); num_splits (split-K over the quantized tokens) to enough programs to fill the device."""
     check_bits(bits)
     if not isinstance(q, Tensor) or q.dim() != 3:
         raise ValueError("q must be a tensor (B, Hq, d)")
@@ -382,16 +458,15 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
                                   ("v_scale", v_scale, (B, H, N // GROUP, d), torch.float16),
                                   ("v_slot", v_slot, (B, H, N // GROUP, d), torch.int32)):
         check_tensor(t, name, shape, (dtype,), dev)
-    if not isinstance(k_win, Tensor) or k_win.dim() != 4:
-        raise ValueError("k_win must be a tensor (B, H, W, d)")
-    W = k_win.shape[2]
-    check_tensor(k_win, "k_win", (B, H, W, d), (q.dtype,), dev)
-    check_tensor(v_win, "v_win", (B, H, W, d), (q.dtype,), dev)
-    if (k_sym is None) != (v_sym is None):
-        raise ValueError("give both k_sym and v_sym, or neither (all groups asymmetric)")
-    ky, s_ky = sym_flags(k_sym, "k_sym", (B, H, N, d // GROUP), dev)
-    vy, s_vy = sym_flags(v_sym, "v_sym", (B, H, N // GROUP, d), dev)
-    if N + W == 0:
+    W = _check_window(k_win, v_win, "win", q, B, H)
+    if (k_win2 is None) != (v_win2 is None):
+        raise ValueError("give both k_win2 and v_win2, or neither")
+    W2 = 0 if k_win2 is None else _check_window(k_win2, v_win2, "win2", q, B, H)
+    mask_upto = N if mask_upto is None else mask_upto
+    _check_masks(k_mask, v_mask, B, H, N, d, mask_upto, dev)
+    if lengths is not None:
+        check_tensor(lengths, "lengths", (3,), (torch.int32,), dev)
+    elif N + W + W2 == 0:
         raise ValueError("nothing to attend to: no quantized and no window tokens")
     rep = Hq // H
     rep_p = max(16, triton.next_power_of_2(rep))
@@ -400,11 +475,13 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
     out = torch.empty_like(q)
     if B == 0:
         return out
-    fast = FAST_PATH and ky is None and q.dtype == torch.float16 and dev.type == "cuda" \
+    has_sym = k_mask is not None
+    dyn = lengths is not None
+    fast = FAST_PATH and not has_sym and q.dtype == torch.float16 and dev.type == "cuda" \
         and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
     # fp32 or sym groups at d >= 128 keep the original one-group-per-step kernel: their fp32 tiles and sign
     # masks take too many registers for multi-group steps (measured slower on an H100)
-    heavy = not fast and d >= 128 and (q.dtype == torch.float32 or ky is not None)
+    heavy = not fast and d >= 128 and (q.dtype == torch.float32 or has_sym)
     if heavy:
         splits, per_split = split_groups(N // GROUP, B * H, dev, num_splits) if N else (0, 0)
     else:
@@ -414,34 +491,50 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
     m = torch.empty(B * Hq, max(splits, 1), dtype=torch.float32, device=dev)   # never a null pointer
     l = torch.empty_like(m)
     acc = torch.empty(B * Hq, max(splits, 1), d, dtype=torch.float32, device=dev)
+    len_ptr = lengths if dyn else m
     if splits:
         (kc, s_kc), (ks, s_ks), (kz, s_kz), (vc, s_vc), (vs, s_vs), (vz, s_vz) = map(
             head_rows, (k_codes, k_scale, k_slot, v_codes, v_scale, v_slot))
-        common = (q, kc, ks, kz, kz if ky is None else ky, vc, vs, vz, vz if vy is None else vy, m, l, acc,
-                  N // GROUP, per_split, qk_scale, s_kc, s_ks, s_kz, s_ky, s_vc, s_vs, s_vz, s_vy)
+        # an empty mask (no bit ever stored: all symmetric) has no storage: pass the codes, never read
+        (km, s_km), (vm, s_vm) = (head_rows(k_mask), head_rows(v_mask)) if has_sym and k_mask.numel() \
+            else ((kc, 0), (kc, 0))
+        s_kmg = km.stride(2) if km is not kc else 0
+        common = (q, kc, ks, kz, km, vc, vs, vz, vm, m, l, acc, len_ptr, N, per_split, mask_upto, qk_scale,
+                  s_kc, s_ks, s_kz, s_km, s_kmg, s_vc, s_vs, s_vz, s_vm)
         if heavy:
-            _split_kernel_g1[(B * H, splits)](*common, D=d, BITS=bits, REP=rep, REP_P=rep_p, HAS_SYM=ky is not None,
-                                              num_warps=num_warps, enable_fp_fusion=True)
+            _split_kernel_g1[(B * H, splits)](*common, D=d, BITS=bits, REP=rep, REP_P=rep_p, HAS_SYM=has_sym,
+                                              DYN=dyn, num_warps=num_warps, enable_fp_fusion=True)
         else:
             _split_kernel[(B * H, splits)](
-                *common, D=d, BITS=bits, REP=rep, REP_P=rep_p, HAS_SYM=ky is not None, GS=gs, FAST=fast,
+                *common, D=d, BITS=bits, REP=rep, REP_P=rep_p, HAS_SYM=has_sym, DYN=dyn, GS=gs, FAST=fast,
                 K_ASM=_ASM[bits, True][0], K_CON=_ASM[bits, True][1], V_ASM=_ASM[bits, False][0],
                 V_CON=_ASM[bits, False][1], num_warps=split_warps, num_stages=stages, enable_fp_fusion=True)
     # an empty window may have no storage: pass q, never read, rather than a null pointer
     (kw, s_kw), (vw, s_vw) = (head_rows(k_win), head_rows(v_win)) if W else ((q, 0), (q, 0))
-    _combine_kernel[(B * H,)](q, kw, vw, m, l, acc, out, splits, W, qk_scale, s_kw, s_vw,
-                              D=d, REP=rep, REP_P=rep_p, BLOCK=BLOCK_W, num_warps=num_warps, enable_fp_fusion=True)
+    (kw2, s_kw2), (vw2, s_vw2) = (head_rows(k_win2), head_rows(v_win2)) if W2 else ((q, 0), (q, 0))
+    _combine_kernel[(B * H,)](q, kw, vw, kw2, vw2, m, l, acc, out, len_ptr, splits, W, W2, qk_scale,
+                              s_kw, s_vw, s_kw2, s_vw2, D=d, REP=rep, REP_P=rep_p, BLOCK=BLOCK_W, DYN=dyn,
+                              num_warps=num_warps, enable_fp_fusion=True)
     return out
 
 
-def innerq_decode_attention_ref(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot: Tensor, k_sym: Tensor | None,
-                                v_codes: Tensor, v_scale: Tensor, v_slot: Tensor, v_sym: Tensor | None,
-                                k_win: Tensor, v_win: Tensor, bits: int, sm_scale: float | None = None) -> Tensor:
-    """Torch attention over the dequantized cache (fp32) concatenated with the window, fp32 softmax."""
+def innerq_decode_attention_ref(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot: Tensor, k_mask: Tensor | None,
+                                v_codes: Tensor, v_scale: Tensor, v_slot: Tensor, v_mask: Tensor | None,
+                                k_win: Tensor, v_win: Tensor, bits: int, *, k_win2: Tensor | None = None,
+                                v_win2: Tensor | None = None, lengths: Tensor | None = None,
+                                mask_upto: int | None = None, sm_scale: float | None = None) -> Tensor:
+    """Torch attention over the dequantized cache (fp32) concatenated with the windows, fp32 softmax."""
     B, Hq, d = q.shape
-    H = k_codes.shape[1]
-    keys = torch.cat([dequant_inner(k_codes, k_scale, k_slot, k_sym, bits, -1), k_win.float()], dim=2)
-    values = torch.cat([dequant_inner(v_codes, v_scale, v_slot, v_sym, bits, -2), v_win.float()], dim=2)
+    H, N = k_codes.shape[1], k_codes.shape[2]
+    n, w, w2 = lengths.tolist() if lengths is not None else (N, k_win.shape[2], 0 if k_win2 is None else k_win2.shape[2])
+    upto = N if mask_upto is None else mask_upto
+    k_sym, v_sym = (None, None) if k_mask is None else \
+        (unpack_sym_mask(k_mask, -1, n, upto, d), unpack_sym_mask(v_mask, -2, n, upto, d))
+    k_win2, v_win2 = (k_win[:, :, :0], v_win[:, :, :0]) if k_win2 is None else (k_win2, v_win2)
+    keys = torch.cat([dequant_inner(k_codes[:, :, :n], k_scale[:, :, :n], k_slot[:, :, :n], k_sym, bits, -1),
+                      k_win[:, :, :w].float(), k_win2[:, :, :w2].float()], dim=2)
+    values = torch.cat([dequant_inner(v_codes[:, :, :n], v_scale[:, :, :n // GROUP], v_slot[:, :, :n // GROUP], v_sym,
+                                      bits, -2), v_win[:, :, :w].float(), v_win2[:, :, :w2].float()], dim=2)
     scale = 1 / math.sqrt(d) if sm_scale is None else sm_scale
     qh = q.float().view(B, H, Hq // H, d)
     weights = torch.softmax(torch.einsum("bhrd,bhnd->bhrn", qh, keys) * scale, dim=-1)

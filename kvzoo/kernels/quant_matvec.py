@@ -89,6 +89,11 @@ def check_runnable(kernel, device: torch.device) -> None:
                          f"is imported (the interpreter, for tests)")
 
 
+def kernels_run_on(device: torch.device) -> bool:
+    """Whether the kernels can run tensors on `device`: CUDA, or anything under the interpreter."""
+    return device.type == "cuda" or isinstance(_qk_inner_kernel, InterpretedFunction)
+
+
 def head_rows(t: Tensor) -> tuple[Tensor, int]:
     """(t, stride between consecutive (batch, head) rows) for t (B, H, *inner): no copy when the inner dims
     are packed and the batch stride is H head strides, as for a cache buffer sliced along its token dim."""
