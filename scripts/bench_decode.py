@@ -43,6 +43,8 @@ from kvzoo.graphs import decoder  # noqa: E402
 from kvzoo.kernels.bench import output_paths  # noqa: E402
 from kvzoo.models.llama import Transformer, rope_inv_freq  # noqa: E402
 
+WARMUP = 40        # untimed decode steps per cell: more than one 32-token period of every strategy's phases
+
 SHAPES = {
     "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
@@ -104,7 +106,7 @@ def run_cell(model, cache: str, context: int, batch: int, steps: int, chunk: int
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     ids = torch.randint(0, model.cfg.vocab_size, (batch, context), device="cuda")
-    kv = model.new_cache(cache, batch_size=batch, max_len=context + steps + 2)
+    kv = model.new_cache(cache, batch_size=batch, max_len=context + WARMUP + steps + 1)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     logits = prefill(model, ids, kv, None, chunk)
@@ -112,16 +114,18 @@ def run_cell(model, cache: str, context: int, batch: int, steps: int, chunk: int
     prefill_s = time.perf_counter() - t0
     token = logits.argmax(-1)
     step = decoder(model, kv) if graphed else (lambda t: decode_one_token(model, t, kv, None))
-    token = step(token).argmax(-1)                                   # untimed: CUDA-graph capture, autotuning
+    for _ in range(WARMUP):                # untimed: autotuning, a CUDA graph captured for every phase
+        token = step(token).argmax(-1)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         token = step(token).argmax(-1)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    latency = statistics.median(times)
+    latency = statistics.mean(times)       # a mean: the steps that quantize a group count
     cfg = model.cfg
-    return {"prefill_s": prefill_s, "decode_ms": latency * 1e3, "tokens_per_s": batch / latency,
+    return {"prefill_s": prefill_s, "decode_ms": latency * 1e3, "median_ms": statistics.median(times) * 1e3,
+            "tokens_per_s": batch / latency, "step_ms": [round(t * 1e3, 3) for t in times],
             "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30, "kv_bytes": kv.nbytes(),
             "kv_ratio": kv.nbytes() / fp16_kv_nbytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, batch * kv.length)}
 

@@ -22,15 +22,19 @@ Two kernels:
      scale/zero/sign, and computes the scores (REP_P, BLOCK_N) with one tl.dot in the model dtype (fp32
      accumulation); an online softmax in base 2 keeps running max m, sum l and output acc (REP_P, d); the value
      codes of the step form GS per-channel groups, dequantized as (GS, 32, d) tiles and multiplied by p in one
-     tl.dot. fp16 all-asymmetric caches on a GPU take a fast path: code words are unpacked two at a time into
+     tl.dot. fp16 and bf16 models on a GPU take a fast path: code words are unpacked two at a time into
      half2 registers with inline PTX (prmt, lop3 into the mantissa of 1024.0, sub.f16x2; keys also
-     fma.f16x2 with their scale and zero), so the dequantized tiles are fp16 from the start. fp32 or sym
-     groups at d >= 128 keep one group per step (_split_kernel_g1: scale and zero of the values after the dot).
-     It writes (m, l, acc) per split.
+     fma.f16x2 with their scale and zero and, for symmetric groups, the sign bits of the slot XOR-ed into the
+     halves' sign bits), so the dequantized tiles are fp16 from the start and the dots run in fp16 (exact for
+     the cache's fp16 scales; a bf16 query is converted); value signs flip the scale per element. The generic
+     path (fp32, the interpreter) keeps one group per step for fp32 or sym groups at d >= 128
+     (_split_kernel_g1: scale and zero of the values after the dot). Symmetric flags are read from the cache's
+     packed mask bits. It writes (m, l, acc) per split; with device lengths, a split past the live tokens
+     writes an empty partial (m = -inf).
   2. combine: grid (B*H,). Merges the splits' partials and the exact window tokens (32 at a time, tl.dot
      against k_win/v_win) with the same online softmax, divides by l and writes (B, Hq, d) in q's dtype.
 fp32 inputs use exact fp32 dots (input_precision "ieee"); fp16/bf16 round the dequantized keys and the
-softmax weights to that dtype before the dots, as flash attention does.
+softmax weights to fp16 (fast path) or the model dtype before the dots, as flash attention does.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from kvzoo.kernels.quant_matvec import (GROUP, check_bits, check_head_dim, check
 
 LOG2E = 1.4426950408889634
 BLOCK_W = 32                 # window tokens per step of the combine kernel
-FAST_PATH = True             # fp16 all-asymmetric caches: unpack/dequant codes as half2 in inline PTX
+FAST_PATH = True             # fp16/bf16 models on a GPU: unpack/dequant codes as half2 in inline PTX
 MAX_GS = None                # value groups (of 32 tokens) per step of the split kernel; None: by GQA ratio
 PROGRAMS_PER_SM = None       # split-K sizing: programs per SM of the device; None: by GQA ratio
 SPLIT_STAGES = None          # software-pipelining depth of the split kernel's token loop; None: by GQA ratio
@@ -85,25 +89,32 @@ def _plan_splits(n_groups: int, rows: int, device: torch.device, num_splits: int
 
 def _unpack_asm(bits: int, fma: bool) -> tuple[str, str]:
     """PTX for tl.inline_asm_elementwise (pack=2): two int32 code words in, 32/bits outputs of fp16 codes
-    (output k: code k of each word, as exact fp16 values), optionally times a per-word fp16 scale plus zero.
+    (output k: code k of each word, as exact fp16 values); with fma, times a per-word fp16 scale plus zero and
+    with the sign flipped where a per-word int32 of sign bits (bit k: code k is negative) says so.
     Codes k and k + cpw/2 sit in the low and high halves of a word: the two words' low (high) halves are
-    gathered into one register, a code is masked into the mantissa of 1024.0 (0x6400) and 1024 subtracted."""
+    gathered into one register, a code is masked into the mantissa of 1024.0 (0x6400) and 1024 subtracted.
+    The two words' sign bits are gathered as S = low16(signs a) | low16(signs b) << 16, so that S << (15 - k)
+    puts code k's signs on the two halves' sign bits."""
     cpw, half = 32 // bits, 16 // bits
     mask = ((1 << bits) - 1) * 0x00010001
     a, b = f"${cpw}", f"${cpw + 1}"
-    lines = ["{", ".reg .b32 lo, hi, t, magic;", "mov.b32 magic, 0x64006400;",
+    lines = ["{", ".reg .b32 lo, hi, t, magic, S, m;", "mov.b32 magic, 0x64006400;",
              f"prmt.b32 lo, {a}, {b}, 0x5410;", f"prmt.b32 hi, {a}, {b}, 0x7632;"]
+    if fma:
+        lines.append(f"prmt.b32 S, ${cpw + 4}, ${cpw + 5}, 0x5410;")
     for k in range(cpw):
         src, shift = ("lo", k * bits) if k < half else ("hi", (k - half) * bits)
         lines.append(f"shr.b32 t, {src}, {shift};" if shift else f"mov.b32 t, {src};")
         lines.append(f"lop3.b32 t, t, {mask}, magic, 0xEA;")
         if fma:
             lines.append("sub.f16x2 t, t, magic;")
-            lines.append(f"fma.rn.f16x2 ${k}, t, ${cpw + 2}, ${cpw + 3};")
+            lines.append(f"fma.rn.f16x2 t, t, ${cpw + 2}, ${cpw + 3};")
+            lines.append(f"shl.b32 m, S, {15 - k};" if k < 15 else "mov.b32 m, S;")
+            lines.append(f"lop3.b32 ${k}, t, m, 0x80008000, 0x78;")          # t ^ (m & sign bits)
         else:
             lines.append(f"sub.f16x2 ${k}, t, magic;")
     lines.append("}")
-    constraints = ",".join(["=r"] * cpw + ["r"] * (4 if fma else 2))
+    constraints = ",".join(["=r"] * cpw + ["r"] * (6 if fma else 2))
     return "\n".join(lines), constraints
 
 
@@ -136,6 +147,16 @@ def _join_codes(o, BITS: tl.constexpr):
     R: tl.constexpr = x.shape[0]
     W: tl.constexpr = x.shape[1]
     return tl.reshape(x, (R, W * (32 // BITS)), can_reorder=False)
+
+
+@triton.jit
+def _dot_dtype(q):
+    """The query (REP_P, D) in the dtype of the split kernels' dots: fp32 stays fp32, fp16 and bf16 become fp16
+    (the cache's scales and zeros are fp16, so its dequantized keys and values are fp16 values; a bf16 query
+    past the fp16 range is clamped)."""
+    if q.dtype == tl.float32:
+        return q
+    return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
 
 @triton.jit
@@ -199,6 +220,7 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_ptr,
     shifts = (c * BITS)[None, None, :]
     bit = (w % BITS)[:, None] * CPW + c[None, :]                                     # key: index in its group
     q = tl.load(q_ptr + (kv * REP + r[:, None]) * D + d[None, :], mask=live_r[:, None], other=0)   # (REP_P, D)
+    q = _dot_dtype(q)
     m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((REP_P,), dtype=tl.float32)
     acc = tl.zeros((REP_P, D), dtype=tl.float32)
@@ -211,10 +233,17 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_ptr,
         # keys: (BLOCK_N tokens, W, CPW) codes, one scale/slot per (token, group of 32 channels)
         kw = tl.load(kc_ptr + n[:, None] * W + w[None, :], mask=live[:, None], other=0)
         per_word = n[:, None] * NG + (w // BITS)[None, :]                            # (BLOCK_N, W)
-        if FAST:   # fp16, all groups asymmetric: packed half2 unpack and dequant in PTX
+        if FAST:   # packed half2 unpack, dequant and sign flip in PTX
             scale = tl.load(ks_ptr + per_word, mask=live[:, None], other=0)
-            zero = tl.load(kz_ptr + per_word, mask=live[:, None], other=0).to(tl.float32, bitcast=True)
-            o = tl.inline_asm_elementwise(K_ASM, K_CON, [kw, scale, zero.to(tl.float16)],
+            slot = tl.load(kz_ptr + per_word, mask=live[:, None], other=0)
+            zero = slot.to(tl.float32, bitcast=True)
+            if HAS_SYM:   # a symmetric group: no zero, and this word's CPW sign bits from the group's slot
+                sym = _key_sym(km_ptr, s_kmg, n, w, live, MASK_UPTO, BITS)
+                zero = tl.where(sym, 0.0, zero)
+                signs = tl.where(sym, (slot >> ((w % BITS) * CPW)[None, :]) & ((1 << CPW) - 1), 0)
+            else:
+                signs = tl.zeros_like(slot)
+            o = tl.inline_asm_elementwise(K_ASM, K_CON, [kw, scale, zero.to(tl.float16), signs],
                                           dtype=(tl.float16,) * CPW, is_pure=True, pack=2)
             k = _join_codes(o, BITS)
         else:
@@ -244,8 +273,14 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_ptr,
             o = tl.inline_asm_elementwise(V_ASM, V_CON, [vw], dtype=(tl.float16,) * CPW, is_pure=True, pack=2)
             vx = tl.reshape(_join_codes(o, BITS), (GS, 32, D), can_reorder=False)
             v_scale = tl.load(vs_ptr + per_ch, mask=live_g, other=0)
-            v_zero = tl.load(vz_ptr + per_ch, mask=live_g, other=0).to(tl.float32, bitcast=True).to(tl.float16)
-            v = tl.reshape(vx * v_scale + v_zero, (BLOCK_N, D), can_reorder=False)
+            v_slot = tl.load(vz_ptr + per_ch, mask=live_g, other=0)
+            v_zero = v_slot.to(tl.float32, bitcast=True)
+            if HAS_SYM:   # bit i of a symmetric group's slot: token i's sign
+                v_sym = _value_sym(vm_ptr, vg[:, None, None], d[None, None, :], live_g, MASK_UPTO, D)
+                v_zero = tl.where(v_sym, 0.0, v_zero)
+                negative = (((v_slot >> i[None, :, None]) & 1) != 0) & v_sym
+                v_scale = tl.where(negative, -v_scale, v_scale)                  # (GS, 32, D)
+            v = tl.reshape(vx * v_scale + v_zero.to(tl.float16), (BLOCK_N, D), can_reorder=False)
         else:
             vx = tl.reshape(unpack_codes(vw[:, :, None], shifts, BITS), (GS, 32, D), can_reorder=False)
             v_scale = tl.load(vs_ptr + per_ch, mask=live_g, other=0).to(tl.float32)
@@ -293,7 +328,7 @@ def _split_kernel_g1(q_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_p
     shifts = (c * BITS)[None, None, :]
     channel = w[:, None] * CPW + c[None, :]                                          # (W, CPW)
     bit = (w % BITS)[:, None] * CPW + c[None, :]                                     # key: index in its group
-    q = tl.load(q_ptr + (kv * REP + r[:, None]) * D + d[None, :], mask=live_r[:, None], other=0)   # (REP_P, D)
+    q = _dot_dtype(tl.load(q_ptr + (kv * REP + r[:, None]) * D + d[None, :], mask=live_r[:, None], other=0))
     m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((REP_P,), dtype=tl.float32)
     acc = tl.zeros((REP_P, D), dtype=tl.float32)
@@ -341,21 +376,22 @@ def _split_kernel_g1(q_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_p
 
 @triton.jit
 def _attend_window(q, kw_ptr, vw_ptr, WIN, m, l, acc, qk_scale, D: tl.constexpr, BLOCK: tl.constexpr):
-    """The online softmax (m, l, acc) over WIN exact tokens (WIN, D) of one KV head, BLOCK at a time."""
+    """The online softmax (m, l, acc) over WIN exact tokens (WIN, D) of one KV head, BLOCK at a time, in fp32
+    (at most a few hundred tokens)."""
     d = tl.arange(0, D)
     j = tl.arange(0, BLOCK)
     for w0 in range(0, WIN, BLOCK):
         live_w = w0 + j < WIN
         window = (w0 + j)[:, None] * D + d[None, :]
-        k = tl.load(kw_ptr + window, mask=live_w[:, None], other=0)
+        k = tl.load(kw_ptr + window, mask=live_w[:, None], other=0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         s = tl.where(live_w[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.math.exp2(m - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(vw_ptr + window, mask=live_w[:, None], other=0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        v = tl.load(vw_ptr + window, mask=live_w[:, None], other=0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m = m_new
     return m, l, acc
 
@@ -385,7 +421,7 @@ def _combine_kernel(q_ptr, kw_ptr, vw_ptr, kw2_ptr, vw2_ptr, m_ptr, l_ptr, acc_p
         acc = acc * alpha[:, None] + tl.load(acc_ptr + rows[:, None] * D + d[None, :], mask=live_r[:, None],
                                              other=0.0) * beta[:, None]
         m = m_new
-    q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=live_r[:, None], other=0)
+    q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=live_r[:, None], other=0).to(tl.float32)
     m, l, acc = _attend_window(q, kw_ptr + head * s_kw, vw_ptr + head * s_vw, _live(len_ptr, WIN, 1, DYN), m, l,
                                acc, qk_scale, D, BLOCK)
     m, l, acc = _attend_window(q, kw2_ptr + head * s_kw2, vw2_ptr + head * s_vw2, _live(len_ptr, WIN2, 2, DYN), m,
@@ -477,10 +513,10 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
         return out
     has_sym = k_mask is not None
     dyn = lengths is not None
-    fast = FAST_PATH and not has_sym and q.dtype == torch.float16 and dev.type == "cuda" \
+    fast = FAST_PATH and q.dtype in (torch.float16, torch.bfloat16) and dev.type == "cuda" \
         and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-    # fp32 or sym groups at d >= 128 keep the original one-group-per-step kernel: their fp32 tiles and sign
-    # masks take too many registers for multi-group steps (measured slower on an H100)
+    # the generic path (fp32, or the interpreter) keeps the one-group-per-step kernel at d >= 128 for fp32 or
+    # sym groups: their fp32 tiles and sign masks take too many registers for multi-group steps
     heavy = not fast and d >= 128 and (q.dtype == torch.float32 or has_sym)
     if heavy:
         splits, per_split = split_groups(N // GROUP, B * H, dev, num_splits) if N else (0, 0)
