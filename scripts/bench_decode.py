@@ -1,34 +1,44 @@
 """End-to-end decode on a CUDA GPU: prefill time, per-token decode latency, tokens/s, peak memory and KV bytes
-for every strategy, on models given by config only (random bf16 weights, no download) and the embedded model.
+for every strategy and for Hugging Face transformers' own caches, on models given by config only (random bf16
+weights, no download) and the embedded model; the largest batch and the largest context each strategy fits.
 
     python scripts/bench_decode.py --models llama-3.1-8b --contexts 4096 32768 --batches 1 8 \
-        --caches fp16 kivi:bits=2 innerq:bits=2 --out results/decode/eager
+        --caches fp16 innerq:bits=2 --hf fp16 quanto:2 --compile --find-max-batch --out results/decode/run
 
-Models (kvzoo.models.llama.Transformer built on the GPU, weights drawn N(0, 0.02)):
+Models (kvzoo.models.llama.Transformer on the GPU, weights drawn N(0, 0.02); with --hf the same shape as a
+transformers LlamaForCausalLM, also random):
     llama-3.1-8b   32 layers, 32 query / 8 KV heads of 128, MLP 14336, vocab 128256, llama3 RoPE
     llama-2-7b     32 layers, 32 heads of 128 (MHA), MLP 11008, vocab 32000 (context raised past its 4096
                    so the shape can be timed at long context; the numbers are about the shape, not the model)
     smollm2        the embedded SmolLM2-135M-Instruct, its real weights
-For every model x context x batch x cache: a random prompt of `context` tokens is prefilled (chunks of
---prefill-chunk tokens, so activations stay bounded at 128K), then --steps tokens are decoded one at a time
-(the kvzoo.generate decode step, eager; with --compile also kvzoo.graphs.decoder's CUDA graphs: the whole
-step for fp16, all but attention for the other strategies); one untimed step first, then the decode latency is the median step,
-synchronized. A cell that runs
-out of GPU memory is reported as OOM, and the largest batch that fits (--max-batch, by doubling) is searched
-per model x context x cache when --find-max-batch is given.
+Cells (model x context x batch x cache): a random prompt of `context` tokens is prefilled (chunks of
+--prefill-chunk tokens, so activations stay bounded at 128K), then 40 untimed decode steps (autotuning, a CUDA
+graph per phase), then --steps timed ones; the latency is their mean (the steps where a strategy quantizes a
+group count), synchronized each step. kvzoo's step is eager, and with --compile also kvzoo.graphs.decoder's
+CUDA graphs (the whole step for fp16 and InnerQ, all but attention for the others). Hugging Face caches
+(--hf: `fp16` = its default DynamicCache, `quanto:2` / `quanto:4` = QuantizedCache on optimum-quanto, its
+defaults: groups of 64, a 128-token residual) run HF's eager forward, the way `generate` does.
+
+--find-max-batch: per model x context x cache, the largest batch that fits (doubling, then bisection, up to
+--max-batch), then a cell timed at that batch. Those batches are filled by copying one prefilled row into
+every row (kvzoo: ModelCache.repeat_row; HF: the row's K/V given to the new cache's own update()): decoding
+costs the same whatever the rows hold, and prefilling 60 x 32K tokens per probe would take minutes.
+--find-max-context: per model x cache, the largest context that fits at batch 1 (doubling from 128K, then
+bisection to 1K): kvzoo allocates its buffers for that many tokens, prefills 64 and decodes (the static
+steps' memory does not depend on how full the buffers are, so this is only run with --compile and for
+strategies with a whole-step graph); HF's caches are given that many random K/V tokens through update().
 
 --plot draws tokens/s against context, a line per cache x step x batch (log-2 context axis).
-Not built yet (issue 9): whole-step graphs for the quantized strategies, the Hugging Face QuantizedCache
-comparison.
-
-Writes OUT.json and OUT.md; refuses to replace them without --overwrite.
+Writes OUT.json and OUT.md (the GPU named in both); refuses to replace them without --overwrite.
 """
 
 import argparse
+import gc
 import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -56,19 +66,25 @@ SHAPES = {
 }
 
 
+HF_CACHES = ("fp16", "quanto:2", "quanto:4")
+PROBE_TOKENS = 64   # prompt of a largest-context probe
+
+
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["llama-3.1-8b"], help=f"{', '.join(SHAPES)}, smollm2")
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1])
-    parser.add_argument("--caches", nargs="+", default=["fp16", "kivi:bits=2", "kivi:bits=4", "innerq:bits=2",
+    parser.add_argument("--batches", type=int, nargs="*", default=[1], help="batches of the grid (none: no grid)")
+    parser.add_argument("--caches", nargs="*", default=["fp16", "kivi:bits=2", "kivi:bits=4", "innerq:bits=2",
                                                         "innerq:bits=4"])
-    parser.add_argument("--steps", type=int, default=16, help="decode steps timed per cell")
+    parser.add_argument("--hf", nargs="*", default=[], help=f"Hugging Face caches: {', '.join(HF_CACHES)}")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps timed per cell")
     parser.add_argument("--prefill-chunk", type=int, default=8192)
     parser.add_argument("--compile", action="store_true", help="also time the CUDA-graph step (kvzoo.graphs)")
     parser.add_argument("--find-max-batch", action="store_true", help="search the largest batch that fits")
     parser.add_argument("--max-batch", type=int, default=256, help="upper end of the batch search")
-    parser.add_argument("--out", default="results/decode/eager", help="output path without suffix")
+    parser.add_argument("--find-max-context", action="store_true", help="search the largest context at batch 1")
+    parser.add_argument("--out", default="results/decode/run", help="output path without suffix")
     parser.add_argument("--plot", action="store_true", help="also write OUT.png: tokens/s vs context")
     parser.add_argument("--overwrite", action="store_true", help="replace existing OUT.json / OUT.md")
     args = parser.parse_args()
@@ -82,11 +98,22 @@ def parse_args():
             CacheSpec.parse(c)
         except ValueError as e:
             raise SystemExit(f"--caches: {e}") from None
+    bad = [c for c in args.hf if c not in HF_CACHES]
+    if bad:
+        raise SystemExit(f"--hf: unknown Hugging Face cache {bad[0]!r}; accepted: {', '.join(HF_CACHES)}")
+    if not args.caches and not args.hf:
+        raise SystemExit("nothing to run: give --caches and/or --hf")
     return args
 
 
+def randomize(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+
+
 def build(name: str) -> Transformer:
-    """A bf16 model on the GPU: random weights for a config-only shape, the real ones for smollm2."""
+    """A bf16 kvzoo model on the GPU: random weights for a config-only shape, the real ones for smollm2."""
     if name == "smollm2":
         from kvzoo import load_model
         return load_model(None, device="cuda", dtype=torch.bfloat16)[0]
@@ -94,60 +121,271 @@ def build(name: str) -> Transformer:
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to_empty(device="cuda").to(torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02)
+    randomize(model)
     model.rope.inv_freq = rope_inv_freq(cfg).to("cuda")              # fp32, as the loader sets it (to_empty blanked it)
     return model.eval()
 
 
+def build_hf(name: str):
+    """The same shape as a transformers LlamaForCausalLM in bf16 on the GPU (smollm2: its converted weights)."""
+    import transformers
+
+    if name == "smollm2":
+        from kvzoo.models.gguf_import import ensure_default_model
+        return transformers.LlamaForCausalLM.from_pretrained(ensure_default_model(), dtype=torch.bfloat16).cuda().eval()
+    cfg = transformers.LlamaConfig(**SHAPES[name])
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+    randomize(model)
+    return model.eval()
+
+
+@dataclass
+class Filled:
+    cache: object          # a kvzoo ModelCache or a transformers Cache
+    token: torch.Tensor    # (B,) the next token to decode
+
+
+class Kvzoo:
+    """kvzoo's model and caches behind the calls a cell makes."""
+
+    impl = "kvzoo"
+
+    def __init__(self, model: Transformer):
+        self.model, self.device = model, model.device
+        cfg = model.cfg
+        self.shape = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size)
+
+    def fill(self, cache: str, context: int, batch: int, max_len: int, chunk: int, src: Filled | None) -> Filled:
+        kv = self.model.new_cache(cache, batch_size=batch, max_len=max_len)
+        if src is not None:                                  # one prefilled row copied into every row
+            kv.repeat_row(src.cache)
+            return Filled(kv, src.token.expand(batch))
+        ids = torch.randint(0, self.shape[3], (batch, context), device=self.device)
+        return Filled(kv, prefill(self.model, ids, kv, None, chunk).argmax(-1))
+
+    def stepper(self, filled: Filled, graphed: bool):
+        if graphed:
+            return decoder(self.model, filled.cache)
+        return lambda t: decode_one_token(self.model, t, filled.cache, None)
+
+    def stored(self, filled: Filled) -> tuple[int, int]:
+        """(KV bytes held, tokens per row)."""
+        return filled.cache.nbytes(), filled.cache.length
+
+    def fits_context(self, cache: str, context: int) -> bool:
+        """Buffers for `context` tokens, a short prompt, two whole-step graph decodes."""
+        kv = self.model.new_cache(cache, batch_size=1, max_len=context)
+        ids = torch.randint(0, self.shape[3], (1, PROBE_TOKENS), device=self.device)
+        token = prefill(self.model, ids, kv, None).argmax(-1)
+        step = decoder(self.model, kv)
+        for _ in range(2):
+            token = step(token).argmax(-1)
+        sync()
+        return True
+
+
+class HuggingFace:
+    """transformers' LlamaForCausalLM with its DynamicCache or its QuantizedCache (optimum-quanto)."""
+
+    impl = "hf"
+
+    def __init__(self, model):
+        self.model, self.device = model, model.device
+        cfg = model.config
+        self.shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
+                      cfg.vocab_size)
+
+    def new_cache(self, cache: str):
+        from transformers import DynamicCache, QuantizedCache
+
+        if cache == "fp16":
+            return DynamicCache(config=self.model.config)
+        return QuantizedCache(backend="quanto", config=self.model.config, nbits=int(cache.split(":")[1]))
+
+    def forward(self, ids: torch.Tensor, cache) -> torch.Tensor:
+        return self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+    def fill(self, cache: str, context: int, batch: int, max_len: int, chunk: int, src: Filled | None) -> Filled:
+        kv = self.new_cache(cache)
+        if src is not None:                                  # the row's K/V through the new cache's update()
+            for i, layer in enumerate(src.cache.layers):
+                k, v = layer_kv(layer)
+                kv.update(k.expand(batch, -1, -1, -1).contiguous(), v.expand(batch, -1, -1, -1).contiguous(), i)
+            return Filled(kv, src.token.expand(batch))
+        ids = torch.randint(0, self.shape[3], (batch, context), device=self.device)
+        for start in range(0, context, chunk):
+            logits = self.forward(ids[:, start:start + chunk], kv)
+        return Filled(kv, logits.argmax(-1))
+
+    def stepper(self, filled: Filled, graphed: bool):
+        assert not graphed, "Hugging Face's caches run eagerly"
+        return lambda t: self.forward(t[:, None], filled.cache)
+
+    def stored(self, filled: Filled) -> tuple[int, int]:
+        held = sum(tensor_bytes(t) for layer in filled.cache.layers for t in vars(layer).values()
+                   if isinstance(t, torch.Tensor))
+        return held, filled.cache.get_seq_length()
+
+    def fits_context(self, cache: str, context: int) -> bool:
+        """`context` random K/V tokens through update(), then two decode steps."""
+        kv = self.new_cache(cache)
+        n_layers, n_kv, d, vocab = self.shape
+        for i in range(n_layers):
+            k = torch.randn(1, n_kv, context, d, device=self.device, dtype=self.model.dtype)
+            kv.update(k, torch.randn_like(k), i)
+            del k
+        token = torch.zeros(1, dtype=torch.long, device=self.device)
+        for _ in range(2):
+            token = self.forward(token[:, None], kv).argmax(-1)
+        sync()
+        return True
+
+
+def layer_kv(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """A transformers cache layer's keys and values (B, H, T, d), dequantized where it is quantized."""
+    if hasattr(layer, "_quantized_keys"):
+        keys = torch.cat([layer._dequantize(layer._quantized_keys), layer.keys], dim=-2)
+        return keys, torch.cat([layer._dequantize(layer._quantized_values), layer.values], dim=-2)
+    return layer.keys, layer.values
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes held by a tensor, or by the inner tensors of a tensor subclass (optimum-quanto's packed codes,
+    scales and shifts)."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def max_len(context: int, steps: int) -> int:
+    """Tokens a cell's cache is sized for: the prompt, the warm-up and the timed steps."""
+    return context + WARMUP + steps + 1
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
 @torch.inference_mode()
-def run_cell(model, cache: str, context: int, batch: int, steps: int, chunk: int, graphed: bool = False) -> dict:
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    ids = torch.randint(0, model.cfg.vocab_size, (batch, context), device="cuda")
-    kv = model.new_cache(cache, batch_size=batch, max_len=context + WARMUP + steps + 1)
-    torch.cuda.synchronize()
+def run_cell(runner, cache: str, context: int, batch: int, steps: int, chunk: int, graphed: bool = False,
+             src: Filled | None = None, warmup: int = WARMUP, size: int | None = None) -> dict:
+    """Fill a cache (prefill, or copies of src's row), run `warmup` untimed decode steps, time `steps`; the
+    cache is sized for `size` tokens (default: max_len(context, steps))."""
+    free_memory()
+    sync()
     t0 = time.perf_counter()
-    logits = prefill(model, ids, kv, None, chunk)
-    torch.cuda.synchronize()
+    filled = runner.fill(cache, context, batch, size or max_len(context, steps), chunk, src)
+    sync()
     prefill_s = time.perf_counter() - t0
-    token = logits.argmax(-1)
-    step = decoder(model, kv) if graphed else (lambda t: decode_one_token(model, t, kv, None))
-    for _ in range(WARMUP):                # untimed: autotuning, a CUDA graph captured for every phase
+    step = runner.stepper(filled, graphed)
+    token = filled.token
+    for _ in range(warmup):                # untimed: autotuning, a CUDA graph captured for every phase
         token = step(token).argmax(-1)
+    sync()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         token = step(token).argmax(-1)
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
     latency = statistics.mean(times)       # a mean: the steps that quantize a group count
-    cfg = model.cfg
-    return {"prefill_s": prefill_s, "decode_ms": latency * 1e3, "median_ms": statistics.median(times) * 1e3,
-            "tokens_per_s": batch / latency, "step_ms": [round(t * 1e3, 3) for t in times],
-            "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30, "kv_bytes": kv.nbytes(),
-            "kv_ratio": kv.nbytes() / fp16_kv_nbytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, batch * kv.length)}
+    held, length = runner.stored(filled)
+    n_layers, n_kv, d, _ = runner.shape
+    return {"prefill_s": None if src is not None else prefill_s, "filled": "row copies" if src is not None else "prefill",
+            "decode_ms": latency * 1e3, "median_ms": statistics.median(times) * 1e3, "tokens_per_s": batch / latency,
+            "step_ms": [round(t * 1e3, 3) for t in times], "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None,
+            "kv_bytes": held, "kv_ratio": held / fp16_kv_nbytes(n_layers, n_kv, d, batch * length)}
 
 
-def fits(model, cache, context, batch, chunk) -> bool:
+def fits(probe) -> bool:
+    """Whether probe() runs within GPU memory."""
     try:
-        run_cell(model, cache, context, batch, 1, chunk)
+        with torch.inference_mode():
+            probe()
         return True
     except torch.cuda.OutOfMemoryError:
         return False
+    finally:                                 # the failed probe's tensors are gone with its frames
+        free_memory()
 
 
-def max_batch(model, cache, context, chunk, limit) -> int:
-    """The largest batch that prefills and decodes: doubling, then bisection."""
-    lo, hi = 0, 1
-    while hi <= limit and fits(model, cache, context, hi, chunk):
+def largest(fits_at, lo: int, limit: int, step: int = 1) -> int:
+    """The largest n in [lo, limit] (multiples of `step`) with fits_at(n), assuming fits_at(lo) (0 if not):
+    doubling from lo, then bisection."""
+    if not fits_at(lo):
+        return 0
+    hi = lo * 2
+    while hi <= limit and fits_at(hi):
         lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(model, cache, context, mid, chunk) else (lo, mid)
+    hi = min(hi, limit + step)
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        lo, hi = (mid, hi) if fits_at(mid) else (lo, mid)
     return lo
+
+
+def cells(runner, args, label: str, caches: list[str], graph_modes: list[bool]) -> list[dict]:
+    rows = []
+    grid = [(c, n, b, g) for c in caches for n in args.contexts for b in args.batches for g in graph_modes]
+    for cache, context, batch, graphed in tqdm(grid, desc=f"{label} {runner.impl}"):
+        rows.append(cell_row(runner, args, label, cache, context, batch, graphed))
+    if args.find_max_batch:
+        for cache in caches:
+            graphed = graph_modes[-1]
+            for context in args.contexts:
+                with torch.inference_mode():
+                    src = runner.fill(cache, context, 1, max_len(context, args.steps), args.prefill_chunk, None)
+                size = max_len(context, args.steps)
+                best = largest(lambda b: fits(lambda: run_cell(runner, cache, context, b, 1, args.prefill_chunk,
+                                                               graphed, src, warmup=2, size=size)), 1, args.max_batch)
+                row = cell_row(runner, args, label, cache, context, best, graphed, src) if best else \
+                    {"model": label, "impl": runner.impl, "cache": cache, "context": context, "batch": 0, "oom": True}
+                row["max_batch"] = best
+                rows.append(row)
+                del src
+                free_memory()
+    if args.find_max_context:
+        for cache in caches:
+            if runner.impl == "kvzoo" and not (args.compile and static_step(runner, cache)):
+                continue
+            with torch.inference_mode():
+                best = largest(lambda n: fits(lambda: runner.fits_context(cache, n)), 131072, 2 ** 24, 1024)
+            rows.append({"model": label, "impl": runner.impl, "cache": cache, "max_context": best})
+            tqdm.write(json.dumps(rows[-1]))
+    return rows
+
+
+def static_step(runner: Kvzoo, cache: str) -> bool:
+    """Whether the strategy decodes through the whole-step graph (its memory independent of the fill)."""
+    from kvzoo.graphs import GraphDecoder
+
+    with torch.inference_mode():
+        kv = runner.model.new_cache(cache, batch_size=1, max_len=PROBE_TOKENS + 1)
+        prefill(runner.model, torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device=runner.device), kv, None)
+        return isinstance(decoder(runner.model, kv), GraphDecoder)
+
+
+def cell_row(runner, args, label, cache, context, batch, graphed, src=None) -> dict:
+    name = cache if runner.impl == "kvzoo" else f"hf:{cache}"
+    row = {"model": label, "impl": runner.impl, "cache": name, "context": context, "batch": batch,
+           "step": "graph" if graphed else "eager"}
+    try:
+        row.update(run_cell(runner, cache, context, batch, args.steps, args.prefill_chunk, graphed, src))
+    except torch.cuda.OutOfMemoryError:
+        row["oom"] = True
+    free_memory()
+    tqdm.write(json.dumps({k: v for k, v in row.items() if k != "step_ms"}))
+    return row
 
 
 def plot(rows: list[dict], title: str, path: Path) -> None:
@@ -159,10 +397,10 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     lines: dict[tuple, list[tuple[int, float]]] = {}
     for r in rows:
         if "tokens_per_s" in r:
-            key = (r["model"], r["cache"], r.get("step", "eager"), r["batch"])
+            key = (r["model"], r["cache"], r.get("step", "eager"), "max" if "max_batch" in r else r["batch"])
             lines.setdefault(key, []).append((r["context"], r["tokens_per_s"]))
     fig, ax = plt.subplots(figsize=(8, 5))
-    for i, ((model, cache, step, batch), pts) in enumerate(sorted(lines.items())):
+    for i, ((model, cache, step, batch), pts) in enumerate(sorted(lines.items(), key=str)):
         pts.sort()
         ax.plot([c for c, _ in pts], [t for _, t in pts], marker="o", ls="-" if step == "graph" else "--",
                 color=plt.cm.tab20(i % 20), label=f"{model} {cache} {step} b{batch}")
@@ -179,47 +417,50 @@ def main() -> None:
     args = parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py times decoding on a CUDA GPU and found none")
+    if args.hf:
+        try:
+            import optimum.quanto  # noqa: F401  (transformers' QuantizedCache backend)
+        except ImportError:
+            if any(c != "fp16" for c in args.hf):
+                raise SystemExit("--hf quanto:N needs optimum-quanto (pip install optimum-quanto)") from None
     paths = output_paths(args.out, args.overwrite)
     rows = []
     for name in args.models:
-        model = build(name)
-        cells = [(c, n, b, g) for c in args.caches for n in args.contexts for b in args.batches
-                 for g in ([False, True] if args.compile else [False])]
-        for cache, context, batch, graphed in tqdm(cells, desc=name):
-            row = {"model": name, "cache": cache, "context": context, "batch": batch, "step": "graph" if graphed else "eager"}
-            try:
-                row.update(run_cell(model, cache, context, batch, args.steps, args.prefill_chunk, graphed))
-            except torch.cuda.OutOfMemoryError:
-                row["oom"] = True
-            rows.append(row)
-            tqdm.write(json.dumps(row))
-        if args.find_max_batch:
-            for cache in args.caches:
-                for context in args.contexts:
-                    rows.append({"model": name, "cache": cache, "context": context,
-                                 "max_batch": max_batch(model, cache, context, args.prefill_chunk, args.max_batch)})
-                    tqdm.write(json.dumps(rows[-1]))
-        del model
+        if args.caches:
+            runner = Kvzoo(build(name))
+            rows += cells(runner, args, name, args.caches, [False, True] if args.compile else [False])
+            del runner
+            free_memory()
+        if args.hf:
+            runner = HuggingFace(build_hf(name))
+            rows += cells(runner, args, name, args.hf, [False])
+            del runner
+            free_memory()
     gpu = torch.cuda.get_device_name()
-    lines = [f"GPU: {gpu}; bf16 weights; decode step eager or CUDA graph; median of {args.steps} steps", "",
-             "| model | cache | step | context | batch | prefill (s) | decode (ms/token) | tokens/s | peak (GiB) | KV (GiB) | KV ratio |",
-             "|" + "---|" * 11]
+    lines = [f"GPU: {gpu}; bf16 weights; mean of {args.steps} decode steps after {WARMUP} untimed; "
+             f"torch {torch.__version__}", "",
+             "| model | cache | step | context | batch | filled by | prefill (s) | decode (ms/token) | tokens/s | "
+             "peak (GiB) | KV (GiB) | KV ratio |", "|" + "---|" * 12]
     for r in rows:
-        if "max_batch" in r:
+        if "max_context" in r:
             continue
+        head = f"| {r['model']} | `{r['cache']}` | {r.get('step', '')} | {r['context']} | {r['batch']}"
         if r.get("oom"):
-            lines.append(f"| {r['model']} | `{r['cache']}` | {r['step']} | {r['context']} | {r['batch']} | OOM |  |  |  |  |  |")
-        else:
-            lines.append(f"| {r['model']} | `{r['cache']}` | {r['step']} | {r['context']} | {r['batch']} | {r['prefill_s']:.2f} | "
-                         f"{r['decode_ms']:.2f} | {r['tokens_per_s']:.1f} | {r['peak_gib']:.1f} | "
-                         f"{r['kv_bytes'] / 2 ** 30:.2f} | {r['kv_ratio']:.3f} |")
-    found = [r for r in rows if "max_batch" in r]
+            lines.append(head + " | | OOM |  |  |  |  |  |")
+            continue
+        prefill_s = "" if r["prefill_s"] is None else f"{r['prefill_s']:.2f}"
+        lines.append(head + f"{' (largest)' if 'max_batch' in r else ''} | {r['filled']} | {prefill_s} | "
+                     f"{r['decode_ms']:.2f} | {r['tokens_per_s']:.1f} | {r['peak_gib']:.1f} | "
+                     f"{r['kv_bytes'] / 2 ** 30:.2f} | {r['kv_ratio']:.3f} |")
+    found = [r for r in rows if "max_context" in r]
     if found:
-        lines += ["", "| model | cache | context | largest batch |", "|---|---|---|---|"]
-        lines += [f"| {r['model']} | `{r['cache']}` | {r['context']} | {r['max_batch']} |" for r in found]
+        lines += ["", "| model | cache | largest context at batch 1 |", "|---|---|---|"]
+        lines += [f"| {r['model']} | `{r['cache'] if r['impl'] == 'kvzoo' else 'hf:' + r['cache']}` | "
+                  f"{r['max_context']} |" for r in found]
     print("\n".join(lines))
     paths[1].parent.mkdir(parents=True, exist_ok=True)
-    paths[0].write_text(json.dumps({"gpu": gpu, "steps": args.steps, "rows": rows}, indent=2))
+    paths[0].write_text(json.dumps({"gpu": gpu, "torch": torch.__version__, "steps": args.steps, "rows": rows},
+                                   indent=1))
     paths[1].write_text("\n".join(lines) + "\n")
     if args.plot:
         plot(rows, f"decode throughput on {gpu}", paths[0].with_suffix(".png"))

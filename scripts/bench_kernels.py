@@ -60,6 +60,8 @@ TABLES = [
     ("attention", "fp16 SDPA", "fused 2-bit", "speedup",
      f"Decode attention: fp16 SDPA (GQA) over N tokens vs fused 2-bit InnerQ kernel over N - {WINDOW} quantized "
      f"+ {WINDOW} exact tokens"),
+    ("attention", "fp16 SDPA", "fused 2-bit hybrid", "speedup",
+     "Decode attention with hybrid groups (InnerQ's default: random symmetric flags read from packed mask bits)"),
     ("attention", "fp16 SDPA", "read floor", "speedup",
      "Decode attention bound: fp16 SDPA vs a kernel that only reads the fused kernel's input bytes"),
 ]
@@ -134,7 +136,7 @@ def synthetic_outer(H: int, N: int, d: int, gen: torch.Generator):
 
 def sanity_check(H: int, d: int, Hq: int) -> dict:
     """Max relative error of each kernel against its torch reference at N = 1024 (real quantized data)."""
-    from kvzoo.cache.quant import quantize, quantize_unified
+    from kvzoo.cache.quant import pack, quantize, quantize_unified
     from kvzoo.kernels import innerq_attention as att, quant_matvec as mv, quantize_pack as qp
 
     torch.manual_seed(0)
@@ -147,6 +149,8 @@ def sanity_check(H: int, d: int, Hq: int) -> dict:
 
     ku, vu = quantize_unified(k, BITS, -1, "hybrid"), quantize_unified(v, BITS, -2, "hybrid")
     kin, vin = (ku.codes, ku.scale, ku.slot, ku.sym), (vu.codes, vu.scale, vu.slot, vu.sym)
+    # the fused attention reads the cache's packed mask bits: along tokens for keys, along channels for values
+    kat, vat = (*kin[:3], pack(ku.sym.transpose(-1, -2), 1)), (*vin[:3], pack(vu.sym, 1))
     ko, vo = quantize(k, BITS, 32, axis=-2), quantize(v, BITS, 32, axis=-1)
     kout, vout = (ko.codes, ko.scale, ko.zero), (vo.codes, vo.scale, vo.zero)
     win = torch.randn(2, 1, H, WINDOW, d, device=DEVICE).half()
@@ -156,8 +160,8 @@ def sanity_check(H: int, d: int, Hq: int) -> dict:
         "qk outer": rel(mv.qk_outer(q, *kout, BITS), mv.qk_outer_ref(q, *kout, BITS)),
         "pv inner": rel(mv.pv_inner(p, *vin, BITS), mv.pv_inner_ref(p, *vin, BITS)),
         "pv outer": rel(mv.pv_outer(p, *vout, BITS), mv.pv_outer_ref(p, *vout, BITS)),
-        "attention": rel(att.innerq_decode_attention(qa, *kin, *vin, *win, BITS),
-                         att.innerq_decode_attention_ref(qa, *kin, *vin, *win, BITS)),
+        "attention": rel(att.innerq_decode_attention(qa, *kat, *vat, *win, BITS),
+                         att.innerq_decode_attention_ref(qa, *kat, *vat, *win, BITS)),
     }
     bad = {name: err for name, err in errors.items() if err > 2e-3}
     for mode in ("sym", "hybrid"):
@@ -209,6 +213,14 @@ def measure(model: str, N: int, timer: Timer, gen: torch.Generator) -> list[dict
     fused_bytes = nbytes(qa, *cut, k_win, v_win)
     record("attention", "fused 2-bit", lambda: att.innerq_decode_attention(qa.view(1, Hq, d), *cut, k_win, v_win, BITS),
            fused_bytes)
+    masks = (torch.randint(-2 ** 31, 2 ** 31, (1, H, d // 32, n_q // 32), dtype=torch.int32, device=DEVICE,
+                           generator=gen),
+             torch.randint(-2 ** 31, 2 ** 31, (1, H, n_q // 32, d // 32), dtype=torch.int32, device=DEVICE,
+                           generator=gen))
+    hybrid = (*cut[:3], masks[0], *cut[4:7], masks[1])
+    record("attention", "fused 2-bit hybrid",
+           lambda: att.innerq_decode_attention(qa.view(1, Hq, d), *hybrid, k_win, v_win, BITS),
+           nbytes(qa, *hybrid, k_win, v_win))
     record("attention", "read floor", read_floor(fused_bytes), fused_bytes)
     return rows
 

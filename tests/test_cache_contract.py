@@ -190,3 +190,20 @@ def test_perplexity_scores_from_a_prompt(model):
         pytest.approx(perplexity(model, ids, seq_len=T, progress=False).perplexity, rel=1e-6)
     with pytest.raises(ValueError, match=r"score_from must be in \[0, seq_len=48\), got 48"):
         perplexity(model, ids, seq_len=T, score_from=T, progress=False)
+
+
+@pytest.mark.parametrize("name", sorted(LOSSY))
+def test_repeat_row_copies_a_prefilled_row(model, name):
+    """repeat_row (parallel sampling from one prefill; bench_decode's large batches): every row of the copy
+    decodes as the one-row cache does."""
+    x = tokens(batch=1, length=40, seed=5)
+    one = model.new_cache(LOSSY[name], 1, 44)
+    token = model(x, one)[:, -1].argmax(-1)                                    # (1,)
+    many = model.new_cache(LOSSY[name], 3, 44)
+    many.repeat_row(one)
+    assert many.length == one.length == 40
+    got = model(token.expand(3)[:, None], many)[:, -1]
+    want = model(token[:, None], one)[:, -1]
+    torch.testing.assert_close(got, want.expand(3, -1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="one-row cache of the same strategy"):
+        many.repeat_row(many)

@@ -143,16 +143,61 @@ def test_cuda_graph_equals_eager(model):
     model.to("cpu")
 
 
-def test_bench_decode_plot(tmp_path):
-    """The throughput plot from benchmark rows (the benchmark itself needs CUDA): OOM cells left out."""
+def bench_module():
     import importlib.util
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location("bench_decode", Path(__file__).parents[1] / "scripts" / "bench_decode.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_decode_plot(tmp_path):
+    """The throughput plot from benchmark rows (the benchmark itself needs CUDA): OOM cells left out."""
+    bench = bench_module()
     rows = [{"model": "m", "cache": "fp16", "step": s, "batch": 1, "context": n, "tokens_per_s": t}
             for s, n, t in [("eager", 4096, 15.0), ("eager", 32768, 14.0), ("graph", 4096, 100.0)]]
     rows.append({"model": "m", "cache": "fp16", "step": "graph", "batch": 8, "context": 32768, "oom": True})
+    rows.append({"model": "m", "cache": "fp16", "step": "graph", "batch": 12, "context": 32768, "max_batch": 12,
+                 "tokens_per_s": 500.0})
     bench.plot(rows, "t", tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_bench_decode_largest_search():
+    bench = bench_module()
+    assert bench.largest(lambda n: n <= 37, 1, 256) == 37
+    assert bench.largest(lambda n: n <= 300, 1, 256) == 256
+    assert bench.largest(lambda n: False, 1, 256) == 0
+    assert bench.largest(lambda n: n <= 200_000, 131072, 2 ** 24, 1024) == 199_680
+
+
+def test_bench_decode_cells_run_on_cpu(model, tmp_path):
+    """bench_decode's cells on CPU with tiny models: a kvzoo cell (InnerQ's whole-step graph path, eager here),
+    a batch filled by copying one prefilled row, and Hugging Face's DynamicCache the same ways."""
+    import transformers
+
+    bench = bench_module()
+    runner = bench.Kvzoo(model)
+    spec = "innerq:bits=2,sink=4,recent=0"
+    row = bench.run_cell(runner, spec, 20, 2, 3, 8, graphed=True, warmup=2)
+    assert row["filled"] == "prefill" and len(row["step_ms"]) == 3 and row["kv_bytes"] > 0
+    with torch.inference_mode():
+        src = runner.fill(spec, 20, 1, bench.max_len(20, 3), 8, None)
+    copied = bench.run_cell(runner, spec, 20, 3, 3, 8, graphed=True, src=src, warmup=2)
+    assert copied["filled"] == "row copies" and copied["prefill_s"] is None
+    assert runner.fits_context(spec, 200)
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    hf = bench.HuggingFace(transformers.LlamaForCausalLM(cfg).eval())
+    row = bench.run_cell(hf, "fp16", 20, 2, 3, 8, warmup=2)
+    assert row["kv_ratio"] == pytest.approx(2.0)          # an fp32 model's cache, against fp16 bytes
+    with torch.inference_mode():
+        src = hf.fill("fp16", 20, 1, 0, 8, None)
+        many = hf.fill("fp16", 20, 3, 0, 8, src)
+        torch.testing.assert_close(hf.forward(many.token[:, None], many.cache),
+                                   hf.forward(src.token[:, None], src.cache).expand(3, -1))
+    assert hf.fits_context("fp16", 300)

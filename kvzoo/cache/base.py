@@ -340,6 +340,23 @@ class ModelCache(nn.Module):
             layer.reset()
         self.length = 0
 
+    @torch.no_grad()
+    def repeat_row(self, src: "ModelCache") -> None:
+        """Make every row a copy of the single row of `src` (same strategy, options and max_len): one prompt
+        prefilled once and then decoded B ways (parallel sampling); bench_decode fills large batches so."""
+        if src.batch_size != 1 or src.spec != self.spec or src.max_len != self.max_len or src.mode != self.mode:
+            raise ValueError("repeat_row needs a one-row cache of the same strategy, options, max_len and mode")
+        for mine, theirs in zip(self.modules(), src.modules()):      # layers and their sub-stores, in order
+            loose = [k for k, v in vars(theirs).items() if isinstance(v, Tensor)]
+            if loose:
+                raise ValueError(f"cache strategy {self.spec.name} keeps state outside its buffers ({', '.join(loose)}); "
+                                 f"repeat_row cannot copy it")
+            for name, buf in mine.named_buffers(recurse=False):
+                buf.copy_(theirs.get_buffer(name).expand_as(buf))      # (1, ...) -> (B, ...)
+            for key, value in vars(theirs).items():                    # host-side counters
+                if isinstance(value, (bool, int, float)) and key not in ("batch_size", "max_len"):
+                    setattr(mine, key, value)
+
 
 def fp16_kv_nbytes(n_layers: int, n_kv_heads: int, head_dim: int, tokens: int) -> int:
     """Bytes an fp16 K and V cache needs for `tokens` tokens (summed over the batch): the baseline

@@ -87,10 +87,10 @@ def _plan_splits(n_groups: int, rows: int, device: torch.device, num_splits: int
     return -(-n_groups // per_split), per_split, gs
 
 
-def _unpack_asm(bits: int, fma: bool) -> tuple[str, str]:
+def _unpack_asm(bits: int, fma: bool, signed: bool = False) -> tuple[str, str]:
     """PTX for tl.inline_asm_elementwise (pack=2): two int32 code words in, 32/bits outputs of fp16 codes
-    (output k: code k of each word, as exact fp16 values); with fma, times a per-word fp16 scale plus zero and
-    with the sign flipped where a per-word int32 of sign bits (bit k: code k is negative) says so.
+    (output k: code k of each word, as exact fp16 values); with fma, times a per-word fp16 scale plus zero and,
+    signed, with the sign flipped where a per-word int32 of sign bits (bit k: code k is negative) says so.
     Codes k and k + cpw/2 sit in the low and high halves of a word: the two words' low (high) halves are
     gathered into one register, a code is masked into the mantissa of 1024.0 (0x6400) and 1024 subtracted.
     The two words' sign bits are gathered as S = low16(signs a) | low16(signs b) << 16, so that S << (15 - k)
@@ -100,25 +100,29 @@ def _unpack_asm(bits: int, fma: bool) -> tuple[str, str]:
     a, b = f"${cpw}", f"${cpw + 1}"
     lines = ["{", ".reg .b32 lo, hi, t, magic, S, m;", "mov.b32 magic, 0x64006400;",
              f"prmt.b32 lo, {a}, {b}, 0x5410;", f"prmt.b32 hi, {a}, {b}, 0x7632;"]
-    if fma:
+    if signed:
         lines.append(f"prmt.b32 S, ${cpw + 4}, ${cpw + 5}, 0x5410;")
     for k in range(cpw):
         src, shift = ("lo", k * bits) if k < half else ("hi", (k - half) * bits)
         lines.append(f"shr.b32 t, {src}, {shift};" if shift else f"mov.b32 t, {src};")
         lines.append(f"lop3.b32 t, t, {mask}, magic, 0xEA;")
-        if fma:
+        if signed:
             lines.append("sub.f16x2 t, t, magic;")
             lines.append(f"fma.rn.f16x2 t, t, ${cpw + 2}, ${cpw + 3};")
             lines.append(f"shl.b32 m, S, {15 - k};" if k < 15 else "mov.b32 m, S;")
             lines.append(f"lop3.b32 ${k}, t, m, 0x80008000, 0x78;")          # t ^ (m & sign bits)
+        elif fma:
+            lines.append("sub.f16x2 t, t, magic;")
+            lines.append(f"fma.rn.f16x2 ${k}, t, ${cpw + 2}, ${cpw + 3};")
         else:
             lines.append(f"sub.f16x2 ${k}, t, magic;")
     lines.append("}")
-    constraints = ",".join(["=r"] * cpw + ["r"] * (6 if fma else 2))
+    constraints = ",".join(["=r"] * cpw + ["r"] * (6 if signed else 4 if fma else 2))
     return "\n".join(lines), constraints
 
 
-_ASM = {(bits, fma): _unpack_asm(bits, fma) for bits in (2, 4) for fma in (False, True)}
+_ASM = {(bits, kind): _unpack_asm(bits, kind != "codes", kind == "signed") for bits in (2, 4)
+        for kind in ("codes", "dequant", "signed")}
 
 
 @triton.jit
@@ -154,9 +158,9 @@ def _dot_dtype(q):
     """The query (REP_P, D) in the dtype of the split kernels' dots: fp32 stays fp32, fp16 and bf16 become fp16
     (the cache's scales and zeros are fp16, so its dequantized keys and values are fp16 values; a bf16 query
     past the fp16 range is clamped)."""
-    if q.dtype == tl.float32:
-        return q
-    return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    if q.dtype != tl.float32:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
 
 
 @triton.jit
@@ -241,10 +245,11 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_ptr,
                 sym = _key_sym(km_ptr, s_kmg, n, w, live, MASK_UPTO, BITS)
                 zero = tl.where(sym, 0.0, zero)
                 signs = tl.where(sym, (slot >> ((w % BITS) * CPW)[None, :]) & ((1 << CPW) - 1), 0)
+                o = tl.inline_asm_elementwise(K_ASM, K_CON, [kw, scale, zero.to(tl.float16), signs],
+                                              dtype=(tl.float16,) * CPW, is_pure=True, pack=2)
             else:
-                signs = tl.zeros_like(slot)
-            o = tl.inline_asm_elementwise(K_ASM, K_CON, [kw, scale, zero.to(tl.float16), signs],
-                                          dtype=(tl.float16,) * CPW, is_pure=True, pack=2)
+                o = tl.inline_asm_elementwise(K_ASM, K_CON, [kw, scale, zero.to(tl.float16)],
+                                              dtype=(tl.float16,) * CPW, is_pure=True, pack=2)
             k = _join_codes(o, BITS)
         else:
             x = unpack_codes(kw[:, :, None], shifts, BITS)
@@ -535,6 +540,7 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
         (km, s_km), (vm, s_vm) = (head_rows(k_mask), head_rows(v_mask)) if has_sym and k_mask.numel() \
             else ((kc, 0), (kc, 0))
         s_kmg = km.stride(2) if km is not kc else 0
+        key_asm = "signed" if has_sym else "dequant"
         common = (q, kc, ks, kz, km, vc, vs, vz, vm, m, l, acc, len_ptr, N, per_split, mask_upto, qk_scale,
                   s_kc, s_ks, s_kz, s_km, s_kmg, s_vc, s_vs, s_vz, s_vm)
         if heavy:
@@ -543,8 +549,8 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
         else:
             _split_kernel[(B * H, splits)](
                 *common, D=d, BITS=bits, REP=rep, REP_P=rep_p, HAS_SYM=has_sym, DYN=dyn, GS=gs, FAST=fast,
-                K_ASM=_ASM[bits, True][0], K_CON=_ASM[bits, True][1], V_ASM=_ASM[bits, False][0],
-                V_CON=_ASM[bits, False][1], num_warps=split_warps, num_stages=stages, enable_fp_fusion=True)
+                K_ASM=_ASM[bits, key_asm][0], K_CON=_ASM[bits, key_asm][1], V_ASM=_ASM[bits, "codes"][0],
+                V_CON=_ASM[bits, "codes"][1], num_warps=split_warps, num_stages=stages, enable_fp_fusion=True)
     # an empty window may have no storage: pass q, never read, rather than a null pointer
     (kw, s_kw), (vw, s_vw) = (head_rows(k_win), head_rows(v_win)) if W else ((q, 0), (q, 0))
     (kw2, s_kw2), (vw2, s_vw2) = (head_rows(k_win2), head_rows(v_win2)) if W2 else ((q, 0), (q, 0))
