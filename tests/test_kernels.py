@@ -132,7 +132,8 @@ def test_fused_attention_matches_reference(bits, d, dtype, B, H, rep, n, w, mode
 def test_fused_attention_reads_live_lengths_from_the_device(bits, dtype, mode, live, mask_upto):
     """The CUDA-graph form: buffers sized for 160 quantized tokens, a 4-token sink and an 8-token recent
     window, of which `live` = (quantized, sink, recent) are in use, given as a device tensor; tokens from
-    mask_upto on are symmetric without a mask bit (hybrid_prefill). Splits past the live tokens add nothing."""
+    mask_upto on are symmetric without a mask bit (hybrid_prefill); the query scaled per KV head inside the
+    kernel (q_scale). Splits past the live tokens add nothing."""
     torch.manual_seed(bits + live[0])
     B, H, rep, N, d = 2, 2, 3, 160, 64
     k, v = torch.randn(2, B, H, N, d, device=DEVICE)
@@ -141,7 +142,8 @@ def test_fused_attention_reads_live_lengths_from_the_device(bits, dtype, mode, l
     q = torch.randn(B, H * rep, d, device=DEVICE).to(dtype)
     lengths = torch.tensor(live, dtype=torch.int32, device=DEVICE)
     args = (q, *packed(k, bits, -1, mode), *packed(v, bits, -2, mode), sink_k, sink_v, bits)
-    extra = dict(k_win2=res_k, v_win2=res_v, lengths=lengths, mask_upto=mask_upto)
+    q_scale = (torch.rand(B, H, d, device=DEVICE) + 0.5).to(dtype)          # InnerQ's key normalization
+    extra = dict(k_win2=res_k, v_win2=res_v, lengths=lengths, mask_upto=mask_upto, q_scale=q_scale)
     want = innerq_decode_attention_ref(*args, **extra)
     assert_close(innerq_decode_attention(*args, num_splits=5, **extra), want, dtype)
     n, w, w2 = live                        # the same as slicing the live tokens out
@@ -149,7 +151,7 @@ def test_fused_attention_reads_live_lengths_from_the_device(bits, dtype, mode, l
                                          *(t[:, :, :n] for t in packed(v, bits, -2, mode)[:1]),
                                          *(t[:, :, :n // 32] for t in packed(v, bits, -2, mode)[1:3]), args[8],
                                          sink_k[:, :, :w], sink_v[:, :, :w], bits, k_win2=res_k[:, :, :w2],
-                                         v_win2=res_v[:, :, :w2], mask_upto=mask_upto)
+                                         v_win2=res_v[:, :, :w2], mask_upto=mask_upto, q_scale=q_scale)
     assert_close(sliced, want, dtype)
 
 

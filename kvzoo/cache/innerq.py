@@ -215,9 +215,11 @@ class InnerQCache(KIVICache):
         masks = (None, None) if self.opts.quant_mode == "asym" else (self.k_mask, self.v_mask)
         return (self.k_codes, self.k_scale, self.k_slot, masks[0], self.v_codes, self.v_scale, self.v_slot, masks[1])
 
-    def _attend_fused(self, q: Tensor, n: int | None, windows: tuple, lengths: Tensor | None = None) -> Tensor:
-        """q (B, Hq, 1, d) over quantized slots [0, n) (all of them, `lengths` saying how many are live,
-        when n is None) and the exact windows ((k, v), (k2, v2)): (B, Hq, 1, d)."""
+    def _attend_fused(self, q: Tensor, n: int | None, windows: tuple, lengths: Tensor | None = None,
+                      q_scale: Tensor | None = None) -> Tensor:
+        """q (B, Hq, 1, d) after RoPE (times q_scale (B, H, d) inside the kernel where given) over quantized
+        slots [0, n) (all of them, `lengths` saying how many are live, when n is None) and the exact windows
+        ((k, v), (k2, v2)): (B, Hq, 1, d)."""
         from kvzoo.kernels.innerq_attention import innerq_decode_attention
 
         kc, ks, kz, km, vc, vs, vz, vm = self._kernel_inputs()
@@ -226,7 +228,8 @@ class InnerQCache(KIVICache):
                 vz[:, :, :n // GROUP]
         (k_win, v_win), (k_win2, v_win2) = windows
         out = innerq_decode_attention(q[:, :, 0], kc, ks, kz, km, vc, vs, vz, vm, k_win, v_win, self.opts.bits,
-                                      k_win2=k_win2, v_win2=v_win2, lengths=lengths, mask_upto=self._mask_upto())
+                                      k_win2=k_win2, v_win2=v_win2, lengths=lengths, mask_upto=self._mask_upto(),
+                                      q_scale=q_scale)
         return out[:, :, None]                                                 # (B, Hq, 1, d)
 
     def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
@@ -281,13 +284,14 @@ class InnerQCache(KIVICache):
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
         q, k = self.attn.rope(q, k, step.ids)
         if self.opts.key_norm:
-            q, k = q * self.norm.repeat_interleave(q.shape[1] // k.shape[1], dim=1), k / self.norm
+            k = k / self.norm                            # the kernel multiplies q by the norm
         n_q, r, lengths = self._static_lengths(step)
         phase = self.static_phase()
         k_win, v_win = (self.k_sink, self.v_sink) if phase == "sink" else (self.k_res, self.v_res)
         k_win.index_copy_(2, r, k)                                      # k (B, H, 1, d) into window slot r
         v_win.index_copy_(2, r, v)
-        out = self._attend_fused(q, None, ((self.k_sink, self.v_sink), (self.k_res, self.v_res)), lengths)
+        out = self._attend_fused(q, None, ((self.k_sink, self.v_sink), (self.k_res, self.v_res)), lengths,
+                                 self.norm[:, :, 0] if self.opts.key_norm else None)
         if phase == "flush":
             self._flush_static(n_q)
         return out

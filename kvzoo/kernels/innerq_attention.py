@@ -155,9 +155,9 @@ def _join_codes(o, BITS: tl.constexpr):
 
 @triton.jit
 def _dot_dtype(q):
-    """The query (REP_P, D) in the dtype of the split kernels' dots: fp32 stays fp32, fp16 and bf16 become fp16
-    (the cache's scales and zeros are fp16, so its dequantized keys and values are fp16 values; a bf16 query
-    past the fp16 range is clamped)."""
+    """A tile in the dtype of the kernels' dots: fp32 stays fp32, fp16 and bf16 become fp16 (the cache's scales
+    and zeros are fp16, so its dequantized keys and values are fp16 values; bf16 values past the fp16 range
+    are clamped)."""
     if q.dtype != tl.float32:
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     return q
@@ -192,11 +192,12 @@ def _value_sym(vm_ptr, vg, ch, live, MASK_UPTO, D: tl.constexpr):
 
 
 @triton.jit
-def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_ptr, vm_ptr, m_ptr, l_ptr, acc_ptr,
+def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_ptr, vm_ptr, m_ptr, l_ptr, acc_ptr,
                   len_ptr, N_GROUPS, PER_SPLIT, MASK_UPTO, qk_scale,
                   s_kc, s_ks, s_kz, s_km, s_kmg, s_vc, s_vs, s_vz, s_vm,
                   D: tl.constexpr, BITS: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
-                  HAS_SYM: tl.constexpr, DYN: tl.constexpr, GS: tl.constexpr, FAST: tl.constexpr,
+                  HAS_SYM: tl.constexpr, DYN: tl.constexpr, HAS_QS: tl.constexpr, GS: tl.constexpr,
+                  FAST: tl.constexpr,
                   K_ASM: tl.constexpr, K_CON: tl.constexpr, V_ASM: tl.constexpr, V_CON: tl.constexpr):
     CPW: tl.constexpr = 32 // BITS               # codes per word
     NG: tl.constexpr = D // 32                   # key groups per token
@@ -224,6 +225,8 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_ptr,
     shifts = (c * BITS)[None, None, :]
     bit = (w % BITS)[:, None] * CPW + c[None, :]                                     # key: index in its group
     q = tl.load(q_ptr + (kv * REP + r[:, None]) * D + d[None, :], mask=live_r[:, None], other=0)   # (REP_P, D)
+    if HAS_QS:                                   # InnerQ's key normalization, folded into the query
+        q = q * tl.load(qs_ptr + kv * D + d)[None, :]
     q = _dot_dtype(q)
     m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((REP_P,), dtype=tl.float32)
@@ -305,11 +308,11 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_ptr,
 
 
 @triton.jit
-def _split_kernel_g1(q_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_ptr, vm_ptr, m_ptr, l_ptr, acc_ptr,
+def _split_kernel_g1(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_ptr, vm_ptr, m_ptr, l_ptr, acc_ptr,
                      len_ptr, N_GROUPS, PER_SPLIT, MASK_UPTO, qk_scale,
                      s_kc, s_ks, s_kz, s_km, s_kmg, s_vc, s_vs, s_vz, s_vm,
                      D: tl.constexpr, BITS: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
-                     HAS_SYM: tl.constexpr, DYN: tl.constexpr):
+                     HAS_SYM: tl.constexpr, DYN: tl.constexpr, HAS_QS: tl.constexpr):
     CPW: tl.constexpr = 32 // BITS               # codes per word
     NG: tl.constexpr = D // 32                   # key groups per token
     W: tl.constexpr = D * BITS // 32             # words per token
@@ -333,7 +336,10 @@ def _split_kernel_g1(q_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_p
     shifts = (c * BITS)[None, None, :]
     channel = w[:, None] * CPW + c[None, :]                                          # (W, CPW)
     bit = (w % BITS)[:, None] * CPW + c[None, :]                                     # key: index in its group
-    q = _dot_dtype(tl.load(q_ptr + (kv * REP + r[:, None]) * D + d[None, :], mask=live_r[:, None], other=0))
+    q = tl.load(q_ptr + (kv * REP + r[:, None]) * D + d[None, :], mask=live_r[:, None], other=0)   # (REP_P, D)
+    if HAS_QS:
+        q = q * tl.load(qs_ptr + kv * D + d)[None, :]
+    q = _dot_dtype(q)
     m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((REP_P,), dtype=tl.float32)
     acc = tl.zeros((REP_P, D), dtype=tl.float32)
@@ -381,31 +387,31 @@ def _split_kernel_g1(q_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_p
 
 @triton.jit
 def _attend_window(q, kw_ptr, vw_ptr, WIN, m, l, acc, qk_scale, D: tl.constexpr, BLOCK: tl.constexpr):
-    """The online softmax (m, l, acc) over WIN exact tokens (WIN, D) of one KV head, BLOCK at a time, in fp32
-    (at most a few hundred tokens)."""
+    """The online softmax (m, l, acc) over WIN exact tokens (WIN, D) of one KV head, BLOCK at a time (dots in
+    the split kernels' dtype)."""
     d = tl.arange(0, D)
     j = tl.arange(0, BLOCK)
     for w0 in range(0, WIN, BLOCK):
         live_w = w0 + j < WIN
         window = (w0 + j)[:, None] * D + d[None, :]
-        k = tl.load(kw_ptr + window, mask=live_w[:, None], other=0).to(tl.float32)
+        k = _dot_dtype(tl.load(kw_ptr + window, mask=live_w[:, None], other=0))
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         s = tl.where(live_w[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.math.exp2(m - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(vw_ptr + window, mask=live_w[:, None], other=0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        v = _dot_dtype(tl.load(vw_ptr + window, mask=live_w[:, None], other=0))
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m = m_new
     return m, l, acc
 
 
 @triton.jit
-def _combine_kernel(q_ptr, kw_ptr, vw_ptr, kw2_ptr, vw2_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, len_ptr, SPLITS, WIN,
+def _combine_kernel(q_ptr, qs_ptr, kw_ptr, vw_ptr, kw2_ptr, vw2_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, len_ptr, SPLITS, WIN,
                     WIN2, qk_scale, s_kw, s_vw, s_kw2, s_vw2,
                     D: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, BLOCK: tl.constexpr,
-                    DYN: tl.constexpr):
+                    DYN: tl.constexpr, HAS_QS: tl.constexpr):
     kv = tl.program_id(0)
     head = kv.to(tl.int64)
     r = tl.arange(0, REP_P)
@@ -426,7 +432,10 @@ def _combine_kernel(q_ptr, kw_ptr, vw_ptr, kw2_ptr, vw2_ptr, m_ptr, l_ptr, acc_p
         acc = acc * alpha[:, None] + tl.load(acc_ptr + rows[:, None] * D + d[None, :], mask=live_r[:, None],
                                              other=0.0) * beta[:, None]
         m = m_new
-    q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=live_r[:, None], other=0).to(tl.float32)
+    q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=live_r[:, None], other=0)
+    if HAS_QS:
+        q = q * tl.load(qs_ptr + kv * D + d)[None, :]
+    q = _dot_dtype(q)
     m, l, acc = _attend_window(q, kw_ptr + head * s_kw, vw_ptr + head * s_vw, _live(len_ptr, WIN, 1, DYN), m, l,
                                acc, qk_scale, D, BLOCK)
     m, l, acc = _attend_window(q, kw2_ptr + head * s_kw2, vw2_ptr + head * s_vw2, _live(len_ptr, WIN2, 2, DYN), m,
@@ -464,8 +473,8 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
                             v_codes: Tensor, v_scale: Tensor, v_slot: Tensor, v_mask: Tensor | None,
                             k_win: Tensor, v_win: Tensor, bits: int, *, k_win2: Tensor | None = None,
                             v_win2: Tensor | None = None, lengths: Tensor | None = None, mask_upto: int | None = None,
-                            sm_scale: float | None = None, num_splits: int | None = None,
-                            num_warps: int = 4) -> Tensor:
+                            q_scale: Tensor | None = None, sm_scale: float | None = None,
+                            num_splits: int | None = None, num_warps: int = 4) -> Tensor:
     """Decode attention (B, Hq, d) in q's dtype of one query token per sequence over an InnerQ cache: the N
     quantized tokens (inner layout) and the exact tokens of one or two windows (sink and recent).
 
@@ -474,8 +483,10 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
     bit c % 32 of word [n // 32, c // 32] for channel c's value group of tokens n // 32; tokens from mask_upto
     on (default N) carry no bit and are symmetric. lengths, an int32 device tensor (3,), makes the live counts
     device data, for CUDA graphs: [quantized tokens (a multiple of 32, <= N), window tokens (<= W), window-2
-    tokens (<= W2)]; the buffers behind them are sized for the most tokens, the grid by N. sm_scale defaults
-    to 1/sqrt(d); num_splits (split-K over the quantized tokens) to enough programs to fill the device."""
+    tokens (<= W2)]; the buffers behind them are sized for the most tokens, the grid by N. q_scale (B, H, d),
+    in q's dtype, multiplies the query of every head of a KV head channel-wise first (InnerQ's key
+    normalization). sm_scale defaults to 1/sqrt(d); num_splits (split-K over the quantized tokens) to enough
+    programs to fill the device."""
     check_bits(bits)
     if not isinstance(q, Tensor) or q.dim() != 3:
         raise ValueError("q must be a tensor (B, Hq, d)")
@@ -505,6 +516,9 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
     W2 = 0 if k_win2 is None else _check_window(k_win2, v_win2, "win2", q, B, H)
     mask_upto = N if mask_upto is None else mask_upto
     _check_masks(k_mask, v_mask, B, H, N, d, mask_upto, dev)
+    if q_scale is not None:
+        check_tensor(q_scale, "q_scale", (B, H, d), (q.dtype,), dev)
+        q_scale = q_scale.contiguous()
     if lengths is not None:
         check_tensor(lengths, "lengths", (3,), (torch.int32,), dev)
     elif N + W + W2 == 0:
@@ -541,22 +555,25 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
             else ((kc, 0), (kc, 0))
         s_kmg = km.stride(2) if km is not kc else 0
         key_asm = "signed" if has_sym else "dequant"
-        common = (q, kc, ks, kz, km, vc, vs, vz, vm, m, l, acc, len_ptr, N, per_split, mask_upto, qk_scale,
+        common = (q, q if q_scale is None else q_scale, kc, ks, kz, km, vc, vs, vz, vm, m, l, acc, len_ptr, N, per_split, mask_upto, qk_scale,
                   s_kc, s_ks, s_kz, s_km, s_kmg, s_vc, s_vs, s_vz, s_vm)
         if heavy:
             _split_kernel_g1[(B * H, splits)](*common, D=d, BITS=bits, REP=rep, REP_P=rep_p, HAS_SYM=has_sym,
-                                              DYN=dyn, num_warps=num_warps, enable_fp_fusion=True)
+                                              DYN=dyn, HAS_QS=q_scale is not None, num_warps=num_warps,
+                                              enable_fp_fusion=True)
         else:
             _split_kernel[(B * H, splits)](
-                *common, D=d, BITS=bits, REP=rep, REP_P=rep_p, HAS_SYM=has_sym, DYN=dyn, GS=gs, FAST=fast,
+                *common, D=d, BITS=bits, REP=rep, REP_P=rep_p, HAS_SYM=has_sym, DYN=dyn, HAS_QS=q_scale is not None,
+                GS=gs, FAST=fast,
                 K_ASM=_ASM[bits, key_asm][0], K_CON=_ASM[bits, key_asm][1], V_ASM=_ASM[bits, "codes"][0],
                 V_CON=_ASM[bits, "codes"][1], num_warps=split_warps, num_stages=stages, enable_fp_fusion=True)
     # an empty window may have no storage: pass q, never read, rather than a null pointer
     (kw, s_kw), (vw, s_vw) = (head_rows(k_win), head_rows(v_win)) if W else ((q, 0), (q, 0))
     (kw2, s_kw2), (vw2, s_vw2) = (head_rows(k_win2), head_rows(v_win2)) if W2 else ((q, 0), (q, 0))
-    _combine_kernel[(B * H,)](q, kw, vw, kw2, vw2, m, l, acc, out, len_ptr, splits, W, W2, qk_scale,
-                              s_kw, s_vw, s_kw2, s_vw2, D=d, REP=rep, REP_P=rep_p, BLOCK=BLOCK_W, DYN=dyn,
-                              num_warps=num_warps, enable_fp_fusion=True)
+    _combine_kernel[(B * H,)](q, q if q_scale is None else q_scale, kw, vw, kw2, vw2, m, l, acc, out, len_ptr,
+                              splits, W, W2, qk_scale, s_kw, s_vw, s_kw2, s_vw2, D=d, REP=rep, REP_P=rep_p,
+                              BLOCK=BLOCK_W, DYN=dyn, HAS_QS=q_scale is not None, num_warps=num_warps,
+                              enable_fp_fusion=True)
     return out
 
 
@@ -564,7 +581,8 @@ def innerq_decode_attention_ref(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_s
                                 v_codes: Tensor, v_scale: Tensor, v_slot: Tensor, v_mask: Tensor | None,
                                 k_win: Tensor, v_win: Tensor, bits: int, *, k_win2: Tensor | None = None,
                                 v_win2: Tensor | None = None, lengths: Tensor | None = None,
-                                mask_upto: int | None = None, sm_scale: float | None = None) -> Tensor:
+                                mask_upto: int | None = None, q_scale: Tensor | None = None,
+                                sm_scale: float | None = None) -> Tensor:
     """Torch attention over the dequantized cache (fp32) concatenated with the windows, fp32 softmax."""
     B, Hq, d = q.shape
     H, N = k_codes.shape[1], k_codes.shape[2]
@@ -578,6 +596,7 @@ def innerq_decode_attention_ref(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_s
     values = torch.cat([dequant_inner(v_codes[:, :, :n], v_scale[:, :, :n // GROUP], v_slot[:, :, :n // GROUP], v_sym,
                                       bits, -2), v_win[:, :, :w].float(), v_win2[:, :, :w2].float()], dim=2)
     scale = 1 / math.sqrt(d) if sm_scale is None else sm_scale
-    qh = q.float().view(B, H, Hq // H, d)
+    qh = q.view(B, H, Hq // H, d)
+    qh = (qh if q_scale is None else qh * q_scale[:, :, None]).float()
     weights = torch.softmax(torch.einsum("bhrd,bhnd->bhrn", qh, keys) * scale, dim=-1)
     return torch.einsum("bhrn,bhnd->bhrd", weights, values).reshape(B, Hq, d).to(q.dtype)

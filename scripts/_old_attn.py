@@ -1,0 +1,448 @@
+"""Fused decode attention over an InnerQ cache: one new query token per sequence against N quantized tokens
+(inner layout, unified sym/asym groups) plus W exact window tokens (sink + recent), flash-decoding style.
+
+    out (B, Hq, d) = softmax(q · [dequant(K) ; K_win]ᵀ * sm_scale) · [dequant(V) ; V_win]
+
+Inputs (H KV heads, Hq = n_rep * H query heads, GQA: query head h*n_rep + r reads KV head h; b = bits in {2, 4};
+W_d = d*b/32 code words per token; N a multiple of 32, possibly 0):
+    q       (B, Hq, d)       fp16 / bf16 / fp32, the model dtype
+    k_codes int32 (B, H, N, W_d)  k_scale fp16, k_slot int32, k_sym bool|None (B, H, N, d/32)  per-token groups
+    v_codes int32 (B, H, N, W_d)  v_scale fp16, v_slot int32, v_sym bool|None (B, H, N/32, d)  per-channel groups
+    k_win, v_win (B, H, W, d)  in q's dtype, W >= 0 (W + N > 0)
+Groups decode as in quant_matvec.py: asymmetric code*scale + zero (the slot's fp32 bits), symmetric
+code*scale with the sign in bit j of the slot; sym None means all groups asymmetric (sign path compiled out).
+q is the query as the cache attends with it (after RoPE, times InnerQ's key-normalization factors). There is
+no mask: every quantized and window token is attended, as for one decode token of an unpadded sequence.
+
+Two kernels:
+  1. split: grid (B*H, splits). A program owns one KV head and a contiguous run of 32-token groups, and
+     serves all n_rep query heads of that KV head (rows padded to REP_P = max(16, pow2(n_rep)) for the tensor
+     cores), so every code is read from memory exactly once. Each step takes GS groups (BLOCK_N = 32*GS
+     tokens; up to 256): it unpacks the key codes (BLOCK_N, W_d, 32/b), applies per-(token, group)
+     scale/zero/sign, and computes the scores (REP_P, BLOCK_N) with one tl.dot in the model dtype (fp32
+     accumulation); an online softmax in base 2 keeps running max m, sum l and output acc (REP_P, d); the value
+     codes of the step form GS per-channel groups, dequantized as (GS, 32, d) tiles and multiplied by p in one
+     tl.dot. fp16 all-asymmetric caches on a GPU take a fast path: code words are unpacked two at a time into
+     half2 registers with inline PTX (prmt, lop3 into the mantissa of 1024.0, sub.f16x2; keys also
+     fma.f16x2 with their scale and zero), so the dequantized tiles are fp16 from the start. fp32 or sym
+     groups at d >= 128 keep one group per step (_split_kernel_g1: scale and zero of the values after the dot).
+     It writes (m, l, acc) per split.
+  2. combine: grid (B*H,). Merges the splits' partials and the exact window tokens (32 at a time, tl.dot
+     against k_win/v_win) with the same online softmax, divides by l and writes (B, Hq, d) in q's dtype.
+fp32 inputs use exact fp32 dots (input_precision "ieee"); fp16/bf16 round the dequantized keys and the
+softmax weights to that dtype before the dots, as flash attention does.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kvzoo.kernels.quant_matvec import (GROUP, check_bits, check_head_dim, check_runnable, check_tensor, dequant_inner,
+                                        head_rows, split_groups, sym_flags, unpack_codes)
+
+LOG2E = 1.4426950408889634
+BLOCK_W = 32                 # window tokens per step of the combine kernel
+FAST_PATH = True             # fp16 all-asymmetric caches: unpack/dequant codes as half2 in inline PTX
+MAX_GS = None                # value groups (of 32 tokens) per step of the split kernel; None: by GQA ratio
+PROGRAMS_PER_SM = None       # split-K sizing: programs per SM of the device; None: by GQA ratio
+SPLIT_STAGES = None          # software-pipelining depth of the split kernel's token loop; None: by GQA ratio
+SPLIT_WARPS = None           # warps of the split kernel; None: by GQA ratio
+
+
+def _split_config(rep: int, fast: bool) -> tuple[int, int, int, int]:
+    """(max groups per step, programs per SM, num_stages, num_warps) of the multi-group split kernel, tuned on
+    an H100 (N = 16K-128K, 2-bit). Fast path (fp16, asym): 256 tokens per step, 4 warps, 2 stages; 2 programs
+    per SM with several query heads per KV head, 4 with one. Generic path (bf16, or fp32/sym at d = 64): 128
+    tokens per step with several query heads per KV head, 64 with one."""
+    if fast:
+        cfg = (8, 2 if rep >= 4 else 4, 2, 4)
+    else:
+        cfg = (4, 2, 2, 4) if rep >= 4 else (2, 8, 3, 4)
+    return (MAX_GS or cfg[0], PROGRAMS_PER_SM or cfg[1], SPLIT_STAGES or cfg[2], SPLIT_WARPS or cfg[3])
+
+
+def _plan_splits(n_groups: int, rows: int, device: torch.device, num_splits: int | None, max_gs: int,
+                 programs_per_sm: int) -> tuple[int, int, int]:
+    """(splits, groups per split, groups per step GS) for the split kernel: GS a power of two <= max_gs that
+    divides the groups per split; by default enough programs for programs_per_sm per SM."""
+    if num_splits is None:
+        target = programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count \
+            if device.type == "cuda" else 4
+        num_splits = -(-target // rows)
+    num_splits = max(1, min(num_splits, n_groups))
+    per_split = -(-n_groups // num_splits)
+    gs = min(max_gs, triton.next_power_of_2(per_split))
+    per_split = -(-per_split // gs) * gs
+    return -(-n_groups // per_split), per_split, gs
+
+
+def _unpack_asm(bits: int, fma: bool) -> tuple[str, str]:
+    """PTX for tl.inline_asm_elementwise (pack=2): two int32 code words in, 32/bits outputs of fp16 codes
+    (output k: code k of each word, as exact fp16 values), optionally times a per-word fp16 scale plus zero.
+    Codes k and k + cpw/2 sit in the low and high halves of a word: the two words' low (high) halves are
+    gathered into one register, a code is masked into the mantissa of 1024.0 (0x6400) and 1024 subtracted."""
+    cpw, half = 32 // bits, 16 // bits
+    mask = ((1 << bits) - 1) * 0x00010001
+    a, b = f"${cpw}", f"${cpw + 1}"
+    lines = ["{", ".reg .b32 lo, hi, t, magic;", "mov.b32 magic, 0x64006400;",
+             f"prmt.b32 lo, {a}, {b}, 0x5410;", f"prmt.b32 hi, {a}, {b}, 0x7632;"]
+    for k in range(cpw):
+        src, shift = ("lo", k * bits) if k < half else ("hi", (k - half) * bits)
+        lines.append(f"shr.b32 t, {src}, {shift};" if shift else f"mov.b32 t, {src};")
+        lines.append(f"lop3.b32 t, t, {mask}, magic, 0xEA;")
+        if fma:
+            lines.append("sub.f16x2 t, t, magic;")
+            lines.append(f"fma.rn.f16x2 ${k}, t, ${cpw + 2}, ${cpw + 3};")
+        else:
+            lines.append(f"sub.f16x2 ${k}, t, magic;")
+    lines.append("}")
+    constraints = ",".join(["=r"] * cpw + ["r"] * (4 if fma else 2))
+    return "\n".join(lines), constraints
+
+
+_ASM = {(bits, fma): _unpack_asm(bits, fma) for bits in (2, 4) for fma in (False, True)}
+
+
+@triton.jit
+def _join_codes(o, BITS: tl.constexpr):
+    """The 32/BITS outputs of the unpack asm, each (R, W), as (R, W * 32/BITS) fp16 codes in channel order."""
+    if BITS == 2:
+        a0 = tl.join(o[0], o[8])
+        a1 = tl.join(o[1], o[9])
+        a2 = tl.join(o[2], o[10])
+        a3 = tl.join(o[3], o[11])
+        a4 = tl.join(o[4], o[12])
+        a5 = tl.join(o[5], o[13])
+        a6 = tl.join(o[6], o[14])
+        a7 = tl.join(o[7], o[15])
+        b0 = tl.join(a0, a4)
+        b1 = tl.join(a1, a5)
+        b2 = tl.join(a2, a6)
+        b3 = tl.join(a3, a7)
+        x = tl.join(tl.join(b0, b2), tl.join(b1, b3))
+    else:
+        b0 = tl.join(o[0], o[4])
+        b1 = tl.join(o[1], o[5])
+        b2 = tl.join(o[2], o[6])
+        b3 = tl.join(o[3], o[7])
+        x = tl.join(tl.join(b0, b2), tl.join(b1, b3))
+    R: tl.constexpr = x.shape[0]
+    W: tl.constexpr = x.shape[1]
+    return tl.reshape(x, (R, W * (32 // BITS)), can_reorder=False)
+
+
+@triton.jit
+def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, ky_ptr, vc_ptr, vs_ptr, vz_ptr, vy_ptr, m_ptr, l_ptr, acc_ptr,
+                  N_GROUPS, PER_SPLIT, qk_scale,
+                  s_kc, s_ks, s_kz, s_ky, s_vc, s_vs, s_vz, s_vy,
+                  D: tl.constexpr, BITS: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
+                  HAS_SYM: tl.constexpr, GS: tl.constexpr, FAST: tl.constexpr,
+                  K_ASM: tl.constexpr, K_CON: tl.constexpr, V_ASM: tl.constexpr, V_CON: tl.constexpr):
+    CPW: tl.constexpr = 32 // BITS               # codes per word
+    NG: tl.constexpr = D // 32                   # key groups per token
+    W: tl.constexpr = D * BITS // 32             # words per token
+    BLOCK_N: tl.constexpr = GS * 32              # tokens per step: GS value groups
+    kv = tl.program_id(0)                        # b * H + h
+    head = kv.to(tl.int64)                       # 64-bit offsets of the head's rows
+    kc_ptr += head * s_kc
+    ks_ptr += head * s_ks
+    kz_ptr += head * s_kz
+    ky_ptr += head * s_ky
+    vc_ptr += head * s_vc
+    vs_ptr += head * s_vs
+    vz_ptr += head * s_vz
+    vy_ptr += head * s_vy
+    split = tl.program_id(1)
+    r = tl.arange(0, REP_P)
+    live_r = r < REP
+    d = tl.arange(0, D)
+    i = tl.arange(0, 32)                         # token within a value group
+    j = tl.arange(0, BLOCK_N)                    # token within the step
+    g = tl.arange(0, GS)                         # value group within the step
+    w = tl.arange(0, W)
+    c = tl.arange(0, CPW)
+    shifts = (c * BITS)[None, None, :]
+    bit = (w % BITS)[:, None] * CPW + c[None, :]                                     # key: index in its group
+    q = tl.load(q_ptr + (kv * REP + r[:, None]) * D + d[None, :], mask=live_r[:, None], other=0)   # (REP_P, D)
+    m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((REP_P,), dtype=tl.float32)
+    acc = tl.zeros((REP_P, D), dtype=tl.float32)
+    start = split * PER_SPLIT
+    stop = tl.minimum(start + PER_SPLIT, N_GROUPS)
+    stop_tok = stop * 32
+    for t in range(start, stop, GS):
+        n = t * 32 + j
+        live = n < stop_tok
+        # keys: (BLOCK_N tokens, W, CPW) codes, one scale/slot per (token, group of 32 channels)
+        kw = tl.load(kc_ptr + n[:, None] * W + w[None, :], mask=live[:, None], other=0)
+        per_word = n[:, None] * NG + (w // BITS)[None, :]                            # (BLOCK_N, W)
+        if FAST:   # fp16, all groups asymmetric: packed half2 unpack and dequant in PTX
+            scale = tl.load(ks_ptr + per_word, mask=live[:, None], other=0)
+            zero = tl.load(kz_ptr + per_word, mask=live[:, None], other=0).to(tl.float32, bitcast=True)
+            o = tl.inline_asm_elementwise(K_ASM, K_CON, [kw, scale, zero.to(tl.float16)],
+                                          dtype=(tl.float16,) * CPW, is_pure=True, pack=2)
+            k = _join_codes(o, BITS)
+        else:
+            x = unpack_codes(kw[:, :, None], shifts, BITS)
+            scale = tl.load(ks_ptr + per_word, mask=live[:, None], other=0).to(tl.float32)[:, :, None]
+            slot = tl.load(kz_ptr + per_word, mask=live[:, None], other=0)
+            zero = slot.to(tl.float32, bitcast=True)[:, :, None]
+            if HAS_SYM:
+                sym = (tl.load(ky_ptr + per_word, mask=live[:, None], other=0) != 0)[:, :, None]
+                negative = ((slot[:, :, None] >> bit[None, :, :]) & 1) != 0
+                x = tl.where(sym & negative, -x, x)
+                zero = tl.where(sym, 0.0, zero)
+            k = tl.reshape(x * scale + zero, (BLOCK_N, D), can_reorder=False).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale                # (REP_P, BLOCK_N), base 2
+        s = tl.where(live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.math.exp2(m - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        m = m_new
+        # values: each run of 32 tokens is one group per channel: (GS, 32, D) codes, (GS, 1, D) scale/slot
+        vw = tl.load(vc_ptr + n[:, None] * W + w[None, :], mask=live[:, None], other=0)
+        vg = t + g
+        per_ch = (vg[:, None] * D + d[None, :])[:, None, :]                          # (GS, 1, D)
+        live_g = (vg < stop)[:, None, None]
+        if FAST:
+            o = tl.inline_asm_elementwise(V_ASM, V_CON, [vw], dtype=(tl.float16,) * CPW, is_pure=True, pack=2)
+            vx = tl.reshape(_join_codes(o, BITS), (GS, 32, D), can_reorder=False)
+            v_scale = tl.load(vs_ptr + per_ch, mask=live_g, other=0)
+            v_zero = tl.load(vz_ptr + per_ch, mask=live_g, other=0).to(tl.float32, bitcast=True).to(tl.float16)
+            v = tl.reshape(vx * v_scale + v_zero, (BLOCK_N, D), can_reorder=False)
+        else:
+            vx = tl.reshape(unpack_codes(vw[:, :, None], shifts, BITS), (GS, 32, D), can_reorder=False)
+            v_scale = tl.load(vs_ptr + per_ch, mask=live_g, other=0).to(tl.float32)
+            v_slot = tl.load(vz_ptr + per_ch, mask=live_g, other=0)
+            v_zero = v_slot.to(tl.float32, bitcast=True)
+            if HAS_SYM:
+                v_sym = tl.load(vy_ptr + per_ch, mask=live_g, other=0) != 0
+                negative = ((v_slot >> i[None, :, None]) & 1) != 0                   # bit i: token i's sign
+                vx = tl.where(v_sym & negative, -vx, vx)
+                v_zero = tl.where(v_sym, 0.0, v_zero)
+            v = tl.reshape(vx * v_scale + v_zero, (BLOCK_N, D), can_reorder=False).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
+    rows = (kv * REP + r) * tl.num_programs(1) + split
+    tl.store(m_ptr + rows, m, mask=live_r)
+    tl.store(l_ptr + rows, l, mask=live_r)
+    tl.store(acc_ptr + rows[:, None] * D + d[None, :], acc, mask=live_r[:, None])
+
+
+@triton.jit
+def _split_kernel_g1(q_ptr, kc_ptr, ks_ptr, kz_ptr, ky_ptr, vc_ptr, vs_ptr, vz_ptr, vy_ptr, m_ptr, l_ptr, acc_ptr,
+                  N_GROUPS, PER_SPLIT, qk_scale,
+                  s_kc, s_ks, s_kz, s_ky, s_vc, s_vs, s_vz, s_vy,
+                  D: tl.constexpr, BITS: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
+                  HAS_SYM: tl.constexpr):
+    CPW: tl.constexpr = 32 // BITS               # codes per word
+    NG: tl.constexpr = D // 32                   # key groups per token
+    W: tl.constexpr = D * BITS // 32             # words per token
+    kv = tl.program_id(0)                        # b * H + h
+    head = kv.to(tl.int64)                       # 64-bit offsets of the head's rows
+    kc_ptr += head * s_kc
+    ks_ptr += head * s_ks
+    kz_ptr += head * s_kz
+    ky_ptr += head * s_ky
+    vc_ptr += head * s_vc
+    vs_ptr += head * s_vs
+    vz_ptr += head * s_vz
+    vy_ptr += head * s_vy
+    split = tl.program_id(1)
+    r = tl.arange(0, REP_P)
+    live_r = r < REP
+    d = tl.arange(0, D)
+    i = tl.arange(0, 32)                         # token within the group
+    w = tl.arange(0, W)
+    c = tl.arange(0, CPW)
+    shifts = (c * BITS)[None, None, :]
+    channel = w[:, None] * CPW + c[None, :]                                          # (W, CPW)
+    bit = (w % BITS)[:, None] * CPW + c[None, :]                                     # key: index in its group
+    q = tl.load(q_ptr + (kv * REP + r[:, None]) * D + d[None, :], mask=live_r[:, None], other=0)   # (REP_P, D)
+    m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((REP_P,), dtype=tl.float32)
+    acc = tl.zeros((REP_P, D), dtype=tl.float32)
+    start = split * PER_SPLIT
+    stop = tl.minimum(start + PER_SPLIT, N_GROUPS)
+    for t in range(start, stop):
+        n = t * 32 + i
+        # keys: (32 tokens, W, CPW) codes, one scale/slot per (token, group of 32 channels)
+        x = unpack_codes(tl.load(kc_ptr + n[:, None] * W + w[None, :])[:, :, None], shifts, BITS)
+        per_word = n[:, None] * NG + (w // BITS)[None, :]                            # (32, W)
+        scale = tl.load(ks_ptr + per_word).to(tl.float32)[:, :, None]
+        slot = tl.load(kz_ptr + per_word)
+        zero = slot.to(tl.float32, bitcast=True)[:, :, None]
+        if HAS_SYM:
+            sym = (tl.load(ky_ptr + per_word) != 0)[:, :, None]
+            negative = ((slot[:, :, None] >> bit[None, :, :]) & 1) != 0
+            x = tl.where(sym & negative, -x, x)
+            zero = tl.where(sym, 0.0, zero)
+        k = tl.reshape(x * scale + zero, (32, D), can_reorder=False).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale                # (REP_P, 32), base 2
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.math.exp2(m - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        p_sum = tl.sum(p, 1)
+        l = l * alpha + p_sum
+        m = m_new
+        # values: the 32 tokens are one group per channel; scale/zero apply after the dot
+        vx = unpack_codes(tl.load(vc_ptr + n[:, None] * W + w[None, :])[:, :, None], shifts, BITS)
+        v_slot = tl.load(vz_ptr + t * D + channel)                      # (W, CPW)
+        v_zero = v_slot.to(tl.float32, bitcast=True)
+        if HAS_SYM:
+            v_sym = tl.load(vy_ptr + t * D + channel) != 0
+            negative = ((v_slot[None, :, :] >> i[:, None, None]) & 1) != 0          # bit i: token i's sign
+            vx = tl.where(v_sym[None, :, :] & negative, -vx, vx)
+            v_zero = tl.where(v_sym, 0.0, v_zero)
+        pc = tl.dot(p.to(q.dtype), tl.reshape(vx, (32, D), can_reorder=False).to(q.dtype), input_precision="ieee")
+        v_scale = tl.load(vs_ptr + t * D + d).to(tl.float32)
+        acc = acc * alpha[:, None] + pc * v_scale[None, :] \
+            + p_sum[:, None] * tl.reshape(v_zero, (D,), can_reorder=False)[None, :]
+    rows = (kv * REP + r) * tl.num_programs(1) + split
+    tl.store(m_ptr + rows, m, mask=live_r)
+    tl.store(l_ptr + rows, l, mask=live_r)
+    tl.store(acc_ptr + rows[:, None] * D + d[None, :], acc, mask=live_r[:, None])
+
+
+@triton.jit
+def _combine_kernel(q_ptr, kw_ptr, vw_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, WIN, qk_scale, s_kw, s_vw,
+                    D: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, BLOCK: tl.constexpr):
+    kv = tl.program_id(0)
+    kw_ptr += kv.to(tl.int64) * s_kw
+    vw_ptr += kv.to(tl.int64) * s_vw
+    r = tl.arange(0, REP_P)
+    live_r = r < REP
+    d = tl.arange(0, D)
+    heads = kv * REP + r
+    m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((REP_P,), dtype=tl.float32)
+    acc = tl.zeros((REP_P, D), dtype=tl.float32)
+    for split in range(SPLITS):
+        rows = heads * SPLITS + split
+        m_s = tl.load(m_ptr + rows, mask=live_r, other=0.0)         # padded rows stay finite
+        m_new = tl.maximum(m, m_s)
+        alpha = tl.math.exp2(m - m_new)
+        beta = tl.math.exp2(m_s - m_new)
+        l = l * alpha + tl.load(l_ptr + rows, mask=live_r, other=0.0) * beta
+        acc = acc * alpha[:, None] + tl.load(acc_ptr + rows[:, None] * D + d[None, :], mask=live_r[:, None],
+                                             other=0.0) * beta[:, None]
+        m = m_new
+    q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=live_r[:, None], other=0)
+    j = tl.arange(0, BLOCK)
+    for w0 in range(0, WIN, BLOCK):
+        live_w = w0 + j < WIN
+        window = (w0 + j)[:, None] * D + d[None, :]
+        k = tl.load(kw_ptr + window, mask=live_w[:, None], other=0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        s = tl.where(live_w[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.math.exp2(m - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(vw_ptr + window, mask=live_w[:, None], other=0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m = m_new
+    out = acc / tl.where(live_r, l, 1.0)[:, None]                 # padded rows: l = 0
+    tl.store(out_ptr + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live_r[:, None])
+
+
+def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot: Tensor, k_sym: Tensor | None,
+                            v_codes: Tensor, v_scale: Tensor, v_slot: Tensor, v_sym: Tensor | None,
+                            k_win: Tensor, v_win: Tensor, bits: int, sm_scale: float | None = None,
+                            num_splits: int | None = None, num_warps: int = 4) -> Tensor:
+    """Decode attention (B, Hq, d) in q's dtype of one query token per sequence over an InnerQ cache: the N
+    quantized tokens (inner layout) and the W exact window tokens. sm_scale defaults to 1/sqrt(d);
+    num_splits (split-K over the quantized tokens) defaults to enough programs to fill the device."""
+    check_bits(bits)
+    if not isinstance(q, Tensor) or q.dim() != 3:
+        raise ValueError("q must be a tensor (B, Hq, d)")
+    if not isinstance(k_codes, Tensor) or k_codes.dim() != 4:
+        raise ValueError("k_codes must be a tensor (B, H, N, d*bits/32)")
+    B, Hq, d = q.shape
+    H, N = k_codes.shape[1], k_codes.shape[2]
+    dev = q.device
+    check_runnable(_split_kernel, dev)
+    check_head_dim(d)
+    check_tensor(q, "q", (B, Hq, d), (torch.float16, torch.bfloat16, torch.float32), dev)
+    if H == 0 or Hq % H:
+        raise ValueError(f"{Hq} query heads are not a multiple of {H} KV heads")
+    if N % GROUP:
+        raise ValueError(f"k_codes holds {N} tokens; quantized tokens come in whole groups of {GROUP}")
+    words = d * bits // 32
+    for name, t, shape, dtype in (("k_codes", k_codes, (B, H, N, words), torch.int32),
+                                  ("k_scale", k_scale, (B, H, N, d // GROUP), torch.float16),
+                                  ("k_slot", k_slot, (B, H, N, d // GROUP), torch.int32),
+                                  ("v_codes", v_codes, (B, H, N, words), torch.int32),
+                                  ("v_scale", v_scale, (B, H, N // GROUP, d), torch.float16),
+                                  ("v_slot", v_slot, (B, H, N // GROUP, d), torch.int32)):
+        check_tensor(t, name, shape, (dtype,), dev)
+    if not isinstance(k_win, Tensor) or k_win.dim() != 4:
+        raise ValueError("k_win must be a tensor (B, H, W, d)")
+    W = k_win.shape[2]
+    check_tensor(k_win, "k_win", (B, H, W, d), (q.dtype,), dev)
+    check_tensor(v_win, "v_win", (B, H, W, d), (q.dtype,), dev)
+    if (k_sym is None) != (v_sym is None):
+        raise ValueError("give both k_sym and v_sym, or neither (all groups asymmetric)")
+    ky, s_ky = sym_flags(k_sym, "k_sym", (B, H, N, d // GROUP), dev)
+    vy, s_vy = sym_flags(v_sym, "v_sym", (B, H, N // GROUP, d), dev)
+    if N + W == 0:
+        raise ValueError("nothing to attend to: no quantized and no window tokens")
+    rep = Hq // H
+    rep_p = max(16, triton.next_power_of_2(rep))
+    qk_scale = (1 / math.sqrt(d) if sm_scale is None else sm_scale) * LOG2E
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if B == 0:
+        return out
+    fast = FAST_PATH and ky is None and q.dtype == torch.float16 and dev.type == "cuda" \
+        and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    # fp32 or sym groups at d >= 128 keep the original one-group-per-step kernel: their fp32 tiles and sign
+    # masks take too many registers for multi-group steps (measured slower on an H100)
+    heavy = not fast and d >= 128 and (q.dtype == torch.float32 or ky is not None)
+    if heavy:
+        splits, per_split = split_groups(N // GROUP, B * H, dev, num_splits) if N else (0, 0)
+    else:
+        max_gs, programs_per_sm, stages, split_warps = _split_config(rep, fast)
+        splits, per_split, gs = _plan_splits(N // GROUP, B * H, dev, num_splits, max_gs, programs_per_sm) \
+            if N else (0, 0, 1)
+    m = torch.empty(B * Hq, max(splits, 1), dtype=torch.float32, device=dev)   # never a null pointer
+    l = torch.empty_like(m)
+    acc = torch.empty(B * Hq, max(splits, 1), d, dtype=torch.float32, device=dev)
+    if splits:
+        (kc, s_kc), (ks, s_ks), (kz, s_kz), (vc, s_vc), (vs, s_vs), (vz, s_vz) = map(
+            head_rows, (k_codes, k_scale, k_slot, v_codes, v_scale, v_slot))
+        common = (q, kc, ks, kz, kz if ky is None else ky, vc, vs, vz, vz if vy is None else vy, m, l, acc,
+                  N // GROUP, per_split, qk_scale, s_kc, s_ks, s_kz, s_ky, s_vc, s_vs, s_vz, s_vy)
+        if heavy:
+            _split_kernel_g1[(B * H, splits)](*common, D=d, BITS=bits, REP=rep, REP_P=rep_p, HAS_SYM=ky is not None,
+                                              num_warps=num_warps, enable_fp_fusion=True)
+        else:
+            _split_kernel[(B * H, splits)](
+                *common, D=d, BITS=bits, REP=rep, REP_P=rep_p, HAS_SYM=ky is not None, GS=gs, FAST=fast,
+                K_ASM=_ASM[bits, True][0], K_CON=_ASM[bits, True][1], V_ASM=_ASM[bits, False][0],
+                V_CON=_ASM[bits, False][1], num_warps=split_warps, num_stages=stages, enable_fp_fusion=True)
+    # an empty window may have no storage: pass q, never read, rather than a null pointer
+    (kw, s_kw), (vw, s_vw) = (head_rows(k_win), head_rows(v_win)) if W else ((q, 0), (q, 0))
+    _combine_kernel[(B * H,)](q, kw, vw, m, l, acc, out, splits, W, qk_scale, s_kw, s_vw,
+                              D=d, REP=rep, REP_P=rep_p, BLOCK=BLOCK_W, num_warps=num_warps, enable_fp_fusion=True)
+    return out
+
+
+def innerq_decode_attention_ref(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot: Tensor, k_sym: Tensor | None,
+                                v_codes: Tensor, v_scale: Tensor, v_slot: Tensor, v_sym: Tensor | None,
+                                k_win: Tensor, v_win: Tensor, bits: int, sm_scale: float | None = None) -> Tensor:
+    """Torch attention over the dequantized cache (fp32) concatenated with the window, fp32 softmax."""
+    B, Hq, d = q.shape
+    H = k_codes.shape[1]
+    keys = torch.cat([dequant_inner(k_codes, k_scale, k_slot, k_sym, bits, -1), k_win.float()], dim=2)
+    values = torch.cat([dequant_inner(v_codes, v_scale, v_slot, v_sym, bits, -2), v_win.float()], dim=2)
+    scale = 1 / math.sqrt(d) if sm_scale is None else sm_scale
+    qh = q.float().view(B, H, Hq // H, d)
+    weights = torch.softmax(torch.einsum("bhrd,bhnd->bhrn", qh, keys) * scale, dim=-1)
+    return torch.einsum("bhrn,bhnd->bhrd", weights, values).reshape(B, Hq, d).to(q.dtype)
