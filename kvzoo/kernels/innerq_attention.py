@@ -226,7 +226,7 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
     bit = (w % BITS)[:, None] * CPW + c[None, :]                                     # key: index in its group
     q = tl.load(q_ptr + (kv * REP + r[:, None]) * D + d[None, :], mask=live_r[:, None], other=0)   # (REP_P, D)
     if HAS_QS:                                   # InnerQ's key normalization, folded into the query
-        q = q.to(tl.float32) * tl.load(qs_ptr + kv * D + d).to(tl.float32)[None, :]
+        q = (q.to(tl.float32) * tl.load(qs_ptr + kv * D + d).to(tl.float32)[None, :]).to(q.dtype)
     q = _dot_dtype(q)
     m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((REP_P,), dtype=tl.float32)
@@ -338,7 +338,7 @@ def _split_kernel_g1(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_p
     bit = (w % BITS)[:, None] * CPW + c[None, :]                                     # key: index in its group
     q = tl.load(q_ptr + (kv * REP + r[:, None]) * D + d[None, :], mask=live_r[:, None], other=0)   # (REP_P, D)
     if HAS_QS:
-        q = q.to(tl.float32) * tl.load(qs_ptr + kv * D + d).to(tl.float32)[None, :]
+        q = (q.to(tl.float32) * tl.load(qs_ptr + kv * D + d).to(tl.float32)[None, :]).to(q.dtype)
     q = _dot_dtype(q)
     m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((REP_P,), dtype=tl.float32)
@@ -434,7 +434,7 @@ def _combine_kernel(q_ptr, qs_ptr, kw_ptr, vw_ptr, kw2_ptr, vw2_ptr, m_ptr, l_pt
         m = m_new
     q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=live_r[:, None], other=0)
     if HAS_QS:
-        q = q.to(tl.float32) * tl.load(qs_ptr + kv * D + d).to(tl.float32)[None, :]
+        q = (q.to(tl.float32) * tl.load(qs_ptr + kv * D + d).to(tl.float32)[None, :]).to(q.dtype)
     q = _dot_dtype(q)
     m, l, acc = _attend_window(q, kw_ptr + head * s_kw, vw_ptr + head * s_vw, _live(len_ptr, WIN, 1, DYN), m, l,
                                acc, qk_scale, D, BLOCK)
