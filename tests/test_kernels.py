@@ -242,3 +242,30 @@ def test_mismatched_inputs_are_rejected():
         quantize_inner(k, 2, "hybrid_prefill")
     with pytest.raises(ValueError, match="power of two"):
         quantize_inner(k[..., :48], 2)
+
+
+@pytest.mark.parametrize("bits,mode,dtype", [(2, "hybrid", torch.float32), (4, "asym", torch.float16),
+                                             (2, "sym", torch.float32), (4, "hybrid", torch.bfloat16)], ids=name)
+def test_flush_kernel_writes_what_the_cache_writes(bits, mode, dtype):
+    """innerq_flush (the CUDA-graph step's group quantization, reading its slot from a device tensor) leaves
+    InnerQ's buffers bit-identical to the cache's torch path (_write_quantized) for the same 32 tokens."""
+    from kvzoo.kernels.quantize_pack import innerq_flush
+    from tests.test_kivi import smollm_shaped_layer_cache
+
+    spec = f"innerq:bits={bits},sink=0,recent=32,quant_mode={mode},key_norm=false"
+    ours, ref = (smollm_shaped_layer_cache(spec, 192, dtype) for _ in range(2))
+    torch.manual_seed(bits)
+    for cache in (ours, ref):
+        cache.to(DEVICE)
+    k, v = (torch.randn(2, 1, 3, 64, 64, device=DEVICE) * 2 + 0.5).to(dtype)
+    for n in (0, 64):                                # two groups, the second at a later slot
+        ours.k_res[:, :, :32], ours.v_res[:, :, :32] = k[:, :, :32], v[:, :, :32]
+        innerq_flush(ours.k_res, ours.v_res, torch.tensor([n], device=DEVICE), ours.k_codes, ours.k_scale,
+                     ours.k_slot, ours.k_mask, ours.v_codes, ours.v_scale, ours.v_slot, ours.v_mask, bits, mode,
+                     write_mask=mode == "hybrid")
+        ref._write_quantized(n, n + 32, k[:, :, :32], v[:, :, :32])
+        k, v = k.roll(7, dims=2) * 1.5, v.roll(5, dims=2) - 0.25
+    for name in ("codes", "scale", "slot", "mask"):
+        for kv in "kv":
+            got, want = getattr(ours, f"{kv}_{name}"), getattr(ref, f"{kv}_{name}")
+            assert torch.equal(got, want), f"{kv}_{name}"

@@ -298,23 +298,14 @@ class InnerQCache(KIVICache):
 
     def _flush_static(self, n_q: Tensor) -> None:
         """The full recent window's oldest group (G = 32 tokens) into quantized slots [n_q, n_q + G), n_q a
-        device tensor (1,); the rest of the window moves down by G."""
-        G, R = GROUP, self.opts.recent
+        device tensor (1,), in one kernel (kvzoo/kernels/quantize_pack.py); the rest of the window moves
+        down by G."""
+        from kvzoo.kernels.quantize_pack import innerq_flush
+
         mode = "sym" if self.opts.quant_mode == "hybrid_prefill" else self.opts.quant_mode
-        tokens = n_q + torch.arange(G, device=n_q.device)                                  # (G,)
-        group = torch.div(n_q, G, rounding_mode="floor")                                   # (1,)
-        for name, x, axis in (("k", self.k_res[:, :, :G], -1), ("v", self.v_res[:, :, :G], -2)):
-            q = quantize_unified(x, self.opts.bits, axis, mode)
-            getattr(self, f"{name}_codes").index_copy_(2, tokens, q.codes)
-            at = tokens if axis == -1 else group
-            getattr(self, f"{name}_scale").index_copy_(2, at, q.scale)
-            getattr(self, f"{name}_slot").index_copy_(2, at, q.slot)
-            if mode == "hybrid":      # sym (B, H, G, d/32) -> one word column; (B, H, 1, d) -> one word row
-                mask = getattr(self, f"{name}_mask")
-                if axis == -1:
-                    mask.index_copy_(3, group, pack(q.sym.transpose(-1, -2), 1))
-                else:
-                    mask.index_copy_(2, group, pack(q.sym, 1))
+        innerq_flush(self.k_res, self.v_res, n_q, self.k_codes, self.k_scale, self.k_slot, self.k_mask, self.v_codes,
+                     self.v_scale, self.v_slot, self.v_mask, self.opts.bits, mode, write_mask=mode == "hybrid")
+        G, R = GROUP, self.opts.recent
         for buf in (self.k_res, self.v_res):
             buf[:, :, :R] = buf[:, :, G:G + R].clone()
 

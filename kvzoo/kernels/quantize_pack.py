@@ -41,6 +41,42 @@ def _round_clamp(v, TOP: tl.constexpr):
 
 
 @triton.jit
+def _quantize_groups(x, bit, MODE: tl.constexpr, TOP: tl.constexpr):
+    """x (ROWS, NG, BITS, CPW) fp32, one group of 32 per (row, g), element index in the group `bit` (BITS, CPW)
+    -> (codes as fp32 (ROWS, NG, BITS, CPW), scale fp32 (ROWS, NG), slot int32 (ROWS, NG), sym (ROWS, NG))."""
+    negative = x < 0
+    signs = tl.sum(tl.sum(negative.to(tl.int32) << bit[None, None, :, :], 3), 2)    # (ROWS, NG)
+    if MODE != 1:
+        lo = tl.min(tl.min(x, 3), 2)
+        scale_a = tl.math.div_rn(tl.max(tl.max(x, 3), 2) - lo, TOP).to(tl.float16).to(tl.float32)
+        safe_a = tl.where(scale_a > 0, scale_a, 1.0)
+        code_a = _round_clamp(tl.math.div_rn(x - lo[:, :, None, None], safe_a[:, :, None, None]), TOP)
+    if MODE != 0:
+        magnitude = tl.abs(x)
+        scale_s = tl.math.div_rn(tl.max(tl.max(magnitude, 3), 2), TOP).to(tl.float16).to(tl.float32)
+        safe_s = tl.where(scale_s > 0, scale_s, 1.0)
+        code_s = _round_clamp(tl.math.div_rn(magnitude, safe_s[:, :, None, None]), TOP)
+    if MODE == 0:
+        sym = tl.zeros(signs.shape, tl.int1)
+        codes = code_a
+        scale = scale_a
+        slot = lo.to(tl.int32, bitcast=True)
+    elif MODE == 1:
+        sym = tl.full(signs.shape, 1, tl.int1)
+        codes = code_s
+        scale = scale_s
+        slot = signs
+    else:
+        err_a = code_a * scale_a[:, :, None, None] + lo[:, :, None, None] - x
+        err_s = tl.where(negative, -code_s, code_s) * scale_s[:, :, None, None] - x
+        sym = tl.sum(tl.sum(err_s * err_s, 3), 2) < tl.sum(tl.sum(err_a * err_a, 3), 2)
+        codes = tl.where(sym[:, :, None, None], code_s, code_a)
+        scale = tl.where(sym, scale_s, scale_a)
+        slot = tl.where(sym, signs, lo.to(tl.int32, bitcast=True))
+    return codes, scale, slot, sym
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, codes_ptr, scale_ptr, slot_ptr, sym_ptr, T,
                      D: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr, TOP: tl.constexpr,
                      BLOCK_T: tl.constexpr):
@@ -61,35 +97,7 @@ def _quantize_kernel(x_ptr, codes_ptr, scale_ptr, slot_ptr, sym_ptr, T,
     bit = wi[:, None] * CPW + c[None, :]                                             # index in the group
     x = tl.load(x_ptr + t[:, None, None, None] * D + g[None, :, None, None] * 32 + bit[None, None, :, :],
                 mask=live[:, None, None, None], other=0).to(tl.float32)              # (BLOCK_T, NG, BITS, CPW)
-    negative = x < 0
-    signs = tl.sum(tl.sum(negative.to(tl.int32) << bit[None, None, :, :], 3), 2)    # (BLOCK_T, NG)
-    if MODE != 1:
-        lo = tl.min(tl.min(x, 3), 2)
-        scale_a = tl.math.div_rn(tl.max(tl.max(x, 3), 2) - lo, TOP).to(tl.float16).to(tl.float32)
-        safe_a = tl.where(scale_a > 0, scale_a, 1.0)
-        code_a = _round_clamp(tl.math.div_rn(x - lo[:, :, None, None], safe_a[:, :, None, None]), TOP)
-    if MODE != 0:
-        magnitude = tl.abs(x)
-        scale_s = tl.math.div_rn(tl.max(tl.max(magnitude, 3), 2), TOP).to(tl.float16).to(tl.float32)
-        safe_s = tl.where(scale_s > 0, scale_s, 1.0)
-        code_s = _round_clamp(tl.math.div_rn(magnitude, safe_s[:, :, None, None]), TOP)
-    if MODE == 0:
-        sym = tl.full((BLOCK_T, NG), 0, tl.int1)
-        codes = code_a
-        scale = scale_a
-        slot = lo.to(tl.int32, bitcast=True)
-    elif MODE == 1:
-        sym = tl.full((BLOCK_T, NG), 1, tl.int1)
-        codes = code_s
-        scale = scale_s
-        slot = signs
-    else:
-        err_a = code_a * scale_a[:, :, None, None] + lo[:, :, None, None] - x
-        err_s = tl.where(negative, -code_s, code_s) * scale_s[:, :, None, None] - x
-        sym = tl.sum(tl.sum(err_s * err_s, 3), 2) < tl.sum(tl.sum(err_a * err_a, 3), 2)
-        codes = tl.where(sym[:, :, None, None], code_s, code_a)
-        scale = tl.where(sym, scale_s, scale_a)
-        slot = tl.where(sym, signs, lo.to(tl.int32, bitcast=True))
+    codes, scale, slot, sym = _quantize_groups(x, bit, MODE, TOP)
     words = tl.sum(codes.to(tl.int32) << (c * BITS)[None, None, None, :], 3)        # (BLOCK_T, NG, BITS)
     tl.store(codes_ptr + t[:, None, None] * W + g[None, :, None] * BITS + wi[None, None, :], words,
              mask=live[:, None, None])
@@ -97,6 +105,79 @@ def _quantize_kernel(x_ptr, codes_ptr, scale_ptr, slot_ptr, sym_ptr, T,
     tl.store(scale_ptr + group, scale.to(tl.float16), mask=live[:, None])
     tl.store(slot_ptr + group, slot, mask=live[:, None])
     tl.store(sym_ptr + group, sym, mask=live[:, None])
+
+
+@triton.jit
+def _flush_kernel(kr_ptr, vr_ptr, n_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_ptr, vm_ptr,
+                  s_res, s_codes, s_kgroups, s_km, s_kmg, s_vgroups, s_vm,
+                  D: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr, TOP: tl.constexpr, MASK: tl.constexpr):
+    """One (batch row, KV head) per program: the first 32 tokens of the recent window (32, D) quantized into
+    quantized slots [n, n + 32) of InnerQ's buffers, n read from n_ptr: keys as per-token groups along D,
+    values as per-channel groups of the 32 tokens (codes packed along D all the same), and with MASK the
+    groups' symmetric flags as one word of mask bits per key group and D/32 words for the values."""
+    CPW: tl.constexpr = 32 // BITS
+    NG: tl.constexpr = D // 32
+    W: tl.constexpr = D * BITS // 32
+    head = tl.program_id(0).to(tl.int64)
+    n = tl.load(n_ptr).to(tl.int64)                                                  # quantized tokens so far
+    kr_ptr += head * s_res
+    vr_ptr += head * s_res
+    kc_ptr += head * s_codes + n * W
+    vc_ptr += head * s_codes + n * W
+    ks_ptr += head * s_kgroups + n * NG
+    kz_ptr += head * s_kgroups + n * NG
+    vs_ptr += head * s_vgroups + (n // 32) * D
+    vz_ptr += head * s_vgroups + (n // 32) * D
+    km_ptr += head * s_km + n // 32
+    vm_ptr += head * s_vm + (n // 32) * NG
+    t = tl.arange(0, 32)                                                             # token
+    g = tl.arange(0, NG)
+    wi = tl.arange(0, BITS)
+    c = tl.arange(0, CPW)
+    bit = wi[:, None] * CPW + c[None, :]                                             # index in a group of 32
+    # keys: (32 tokens, NG, BITS, CPW), groups along D
+    x = tl.load(kr_ptr + t[:, None, None, None] * D + g[None, :, None, None] * 32 + bit[None, None, :, :])
+    codes, scale, slot, sym = _quantize_groups(x.to(tl.float32), bit, MODE, TOP)
+    words = tl.sum(codes.to(tl.int32) << (c * BITS)[None, None, None, :], 3)        # (32, NG, BITS)
+    tl.store(kc_ptr + t[:, None, None] * W + g[None, :, None] * BITS + wi[None, None, :], words)
+    tl.store(ks_ptr + t[:, None] * NG + g[None, :], scale.to(tl.float16))
+    tl.store(kz_ptr + t[:, None] * NG + g[None, :], slot)
+    if MASK:   # bit t of word [g, n // 32]
+        tl.store(km_ptr + g * s_kmg, tl.sum(sym.to(tl.int32) << t[:, None], 0))
+    # values: (D channels, 1, BITS, CPW) over the 32 tokens, groups along tokens
+    ch = tl.arange(0, D)
+    x = tl.load(vr_ptr + ch[:, None, None, None] + bit[None, None, :, :] * D)
+    codes, scale, slot, sym = _quantize_groups(x.to(tl.float32), bit, MODE, TOP)
+    tl.store(vs_ptr + ch, tl.reshape(scale, (D,)).to(tl.float16))
+    tl.store(vz_ptr + ch, tl.reshape(slot, (D,)))
+    per_token = tl.reshape(tl.trans(tl.reshape(codes, (D, 32))), (32, W, CPW))      # codes by token, packed along D
+    words = tl.sum(per_token.to(tl.int32) << (c * BITS)[None, None, :], 2)          # (32, W)
+    tl.store(vc_ptr + t[:, None] * W + tl.arange(0, W)[None, :], words)
+    if MASK:   # bit c % 32 of word [n // 32, c // 32]
+        flags = tl.reshape(sym, (NG, 32)).to(tl.int32) << t[None, :]
+        tl.store(vm_ptr + g, tl.sum(flags, 1))
+
+
+def innerq_flush(k_res: Tensor, v_res: Tensor, n_q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot: Tensor,
+                 k_mask: Tensor, v_codes: Tensor, v_scale: Tensor, v_slot: Tensor, v_mask: Tensor, bits: int,
+                 mode: str, write_mask: bool) -> None:
+    """InnerQ's flush of the recent window in one kernel: its first 32 tokens (k_res, v_res (B, H, >= 32, d)) into
+    the cache's full buffers (kvzoo/cache/innerq.py's layout) at quantized slots [n_q, n_q + 32), n_q an int64
+    device tensor (1,) (a multiple of 32), as quantize_unified(·, bits, axis, mode) would write them; with
+    write_mask the symmetric flags into the mask bits. No host sync, so a CUDA graph can hold it."""
+    check_bits(bits)
+    if mode not in MODES:
+        raise ValueError(f"unknown quantization mode {mode!r}; accepted: {', '.join(MODES)}")
+    check_runnable(_flush_kernel, k_res.device)
+    B, H, _, d = k_res.shape
+    check_head_dim(d)
+    for t in (k_res, v_res, k_codes, k_scale, k_slot, k_mask, v_codes, v_scale, v_slot, v_mask):
+        assert t.is_contiguous(), "the flush writes the cache's own (contiguous) buffers"
+    _flush_kernel[(B * H,)](k_res, v_res, n_q, k_codes, k_scale, k_slot, k_mask, v_codes, v_scale, v_slot, v_mask,
+                            k_res.stride(1), k_codes.stride(1), k_scale.stride(1), k_mask.stride(1),
+                            k_mask.stride(2), v_scale.stride(1), v_mask.stride(1), D=d, BITS=bits,
+                            MODE=MODES.index(mode), TOP=float(2 ** bits - 1), MASK=write_mask, num_warps=4,
+                            enable_fp_fusion=False)
 
 
 def quantize_inner(x: Tensor, bits: int, mode: str = "hybrid", block_t: int | None = None,
