@@ -8,19 +8,21 @@ weights, no download) and the embedded model; the largest batch and the largest 
 Models (kvzoo.models.llama.Transformer on the GPU, weights drawn N(0, 0.02); with --hf the same shape as a
 transformers LlamaForCausalLM, also random):
     llama-3.1-8b   32 layers, 32 query / 8 KV heads of 128, MLP 14336, vocab 128256, llama3 RoPE
-    llama-2-7b     32 layers, 32 heads of 128 (MHA), MLP 11008, vocab 32000 (context raised past its 4096
-                   so the shape can be timed at long context; the numbers are about the shape, not the model)
+    llama-2-7b     32 layers, 32 heads of 128 (MHA), MLP 11008, vocab 32000
+Both have their context limit raised to 2^24 tokens (Llama-2's is 4096, Llama-3.1's 131072), so that the shapes
+can be timed at long context and GPU memory alone bounds the largest context: the numbers are about the shapes.
     smollm2        the embedded SmolLM2-135M-Instruct, its real weights
 Cells (model x context x batch x cache): a random prompt of `context` tokens is prefilled (chunks of
---prefill-chunk tokens, so activations stay bounded at 128K), then 40 untimed decode steps (autotuning, a CUDA
-graph per phase), then --steps timed ones; the latency is their mean (the steps where a strategy quantizes a
+--prefill-chunk tokens, so activations stay bounded at 128K), then --warmup untimed decode steps (40: autotuning,
+a CUDA graph per phase), then --steps timed ones; the latency is their mean (the steps where a strategy quantizes a
 group count), synchronized each step. kvzoo's step is eager, and with --compile also kvzoo.graphs.decoder's
 CUDA graphs (the whole step for fp16 and InnerQ, all but attention for the others). Hugging Face caches
 (--hf: `fp16` = its default DynamicCache, `quanto:2` / `quanto:4` = QuantizedCache on optimum-quanto, its
 defaults: groups of 64, a 128-token residual) run HF's eager forward, the way `generate` does.
 
 --find-max-batch: per model x context x cache, the largest batch that fits (doubling, then bisection, up to
---max-batch), then a cell timed at that batch. Those batches are filled by copying one prefilled row into
+--max-batch; probes run 3 steps), then a cell timed at that batch (a sixteenth fewer rows if the full cell runs
+out of memory). Those batches are filled by copying one prefilled row into
 every row (kvzoo: ModelCache.repeat_row; HF: the row's K/V given to the new cache's own update()): decoding
 costs the same whatever the rows hold, and prefilling 60 x 32K tokens per probe would take minutes.
 --find-max-context: per model x cache, the largest context that fits at batch 1 (doubling from 128K, then
@@ -55,14 +57,16 @@ from kvzoo.models.llama import Transformer, rope_inv_freq  # noqa: E402
 
 WARMUP = 40        # untimed decode steps per cell: more than one 32-token period of every strategy's phases
 
+LONGEST = 2 ** 24  # the shapes' context limit, raised so that memory, not the config, bounds the context search
+
 SHAPES = {
     "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
-                         max_position_embeddings=131072 + 1024,
+                         max_position_embeddings=LONGEST,
                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
     "llama-2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=131072 + 1024),
+                       num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=LONGEST),
 }
 
 
@@ -79,8 +83,11 @@ def parse_args():
                                                         "innerq:bits=4"])
     parser.add_argument("--hf", nargs="*", default=[], help=f"Hugging Face caches: {', '.join(HF_CACHES)}")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per cell")
+    parser.add_argument("--warmup", type=int, default=WARMUP,
+                        help=f"untimed decode steps per cell first (default {WARMUP}: every phase of the strategies)")
     parser.add_argument("--prefill-chunk", type=int, default=8192)
     parser.add_argument("--compile", action="store_true", help="also time the CUDA-graph step (kvzoo.graphs)")
+    parser.add_argument("--graph-only", action="store_true", help="with --compile: time the CUDA-graph step only")
     parser.add_argument("--find-max-batch", action="store_true", help="search the largest batch that fits")
     parser.add_argument("--max-batch", type=int, default=256, help="upper end of the batch search")
     parser.add_argument("--find-max-context", action="store_true", help="search the largest context at batch 1")
@@ -91,8 +98,8 @@ def parse_args():
     unknown = [m for m in args.models if m not in SHAPES and m != "smollm2"]
     if unknown:
         raise SystemExit(f"unknown model {unknown[0]!r}; accepted: {', '.join(SHAPES)}, smollm2")
-    if min(args.contexts + args.batches) < 1 or args.steps < 1 or args.prefill_chunk < 1:
-        raise SystemExit("--contexts, --batches, --steps and --prefill-chunk must be >= 1")
+    if min(args.contexts + args.batches) < 1 or args.steps < 1 or args.prefill_chunk < 1 or args.warmup < 1:
+        raise SystemExit("--contexts, --batches, --steps, --warmup and --prefill-chunk must be >= 1")
     for c in args.caches:
         try:
             CacheSpec.parse(c)
@@ -103,6 +110,8 @@ def parse_args():
         raise SystemExit(f"--hf: unknown Hugging Face cache {bad[0]!r}; accepted: {', '.join(HF_CACHES)}")
     if not args.caches and not args.hf:
         raise SystemExit("nothing to run: give --caches and/or --hf")
+    if args.graph_only and not args.compile:
+        raise SystemExit("--graph-only needs --compile")
     return args
 
 
@@ -155,6 +164,7 @@ class Kvzoo:
         self.model, self.device = model, model.device
         cfg = model.cfg
         self.shape = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size)
+        self.context_limit = cfg.max_position_embeddings
 
     def fill(self, cache: str, context: int, batch: int, max_len: int, chunk: int, src: Filled | None) -> Filled:
         kv = self.model.new_cache(cache, batch_size=batch, max_len=max_len)
@@ -195,6 +205,7 @@ class HuggingFace:
         cfg = model.config
         self.shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
                       cfg.vocab_size)
+        self.context_limit = cfg.max_position_embeddings
 
     def new_cache(self, cache: str):
         from transformers import DynamicCache, QuantizedCache
@@ -259,9 +270,9 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def max_len(context: int, steps: int) -> int:
+def max_len(context: int, steps: int, warmup: int = WARMUP) -> int:
     """Tokens a cell's cache is sized for: the prompt, the warm-up and the timed steps."""
-    return context + WARMUP + steps + 1
+    return context + warmup + steps + 1
 
 
 def sync() -> None:
@@ -284,7 +295,7 @@ def run_cell(runner, cache: str, context: int, batch: int, steps: int, chunk: in
     free_memory()
     sync()
     t0 = time.perf_counter()
-    filled = runner.fill(cache, context, batch, size or max_len(context, steps), chunk, src)
+    filled = runner.fill(cache, context, batch, size or max_len(context, steps, warmup), chunk, src)
     sync()
     prefill_s = time.perf_counter() - t0
     step = runner.stepper(filled, graphed)
@@ -344,12 +355,18 @@ def cells(runner, args, label: str, caches: list[str], graph_modes: list[bool]) 
             graphed = graph_modes[-1]
             for context in args.contexts:
                 with torch.inference_mode():
-                    src = runner.fill(cache, context, 1, max_len(context, args.steps), args.prefill_chunk, None)
-                size = max_len(context, args.steps)
+                    src = runner.fill(cache, context, 1, max_len(context, args.steps, args.warmup), args.prefill_chunk,
+                                      None)
+                size = max_len(context, args.steps, args.warmup)
                 best = largest(lambda b: fits(lambda: run_cell(runner, cache, context, b, 1, args.prefill_chunk,
                                                                graphed, src, warmup=2, size=size)), 1, args.max_batch)
-                row = cell_row(runner, args, label, cache, context, best, graphed, src) if best else \
-                    {"model": label, "impl": runner.impl, "cache": cache, "context": context, "batch": 0, "oom": True}
+                row = {"model": label, "impl": runner.impl, "cache": cache, "context": context, "batch": 0, "oom": True}
+                for _ in range(3):       # the timed cell also records every phase's graph: a little more memory
+                    if best:
+                        row = cell_row(runner, args, label, cache, context, best, graphed, src)
+                    if not row.get("oom"):
+                        break
+                    best = best * 15 // 16
                 row["max_batch"] = best
                 rows.append(row)
                 del src
@@ -359,7 +376,8 @@ def cells(runner, args, label: str, caches: list[str], graph_modes: list[bool]) 
             if runner.impl == "kvzoo" and not (args.compile and static_step(runner, cache)):
                 continue
             with torch.inference_mode():
-                best = largest(lambda n: fits(lambda: runner.fits_context(cache, n)), 131072, 2 ** 24, 1024)
+                limit = runner.context_limit
+                best = largest(lambda n: fits(lambda: runner.fits_context(cache, n)), min(131072, limit), limit, 1024)
             rows.append({"model": label, "impl": runner.impl, "cache": cache, "max_context": best})
             tqdm.write(json.dumps(rows[-1]))
     return rows
@@ -380,7 +398,8 @@ def cell_row(runner, args, label, cache, context, batch, graphed, src=None) -> d
     row = {"model": label, "impl": runner.impl, "cache": name, "context": context, "batch": batch,
            "step": "graph" if graphed else "eager"}
     try:
-        row.update(run_cell(runner, cache, context, batch, args.steps, args.prefill_chunk, graphed, src))
+        row.update(run_cell(runner, cache, context, batch, args.steps, args.prefill_chunk, graphed, src,
+                            warmup=args.warmup))
     except torch.cuda.OutOfMemoryError:
         row["oom"] = True
     free_memory()
@@ -428,7 +447,8 @@ def main() -> None:
     for name in args.models:
         if args.caches:
             runner = Kvzoo(build(name))
-            rows += cells(runner, args, name, args.caches, [False, True] if args.compile else [False])
+            modes = ([True] if args.graph_only else [False, True]) if args.compile else [False]
+            rows += cells(runner, args, name, args.caches, modes)
             del runner
             free_memory()
         if args.hf:
@@ -437,7 +457,7 @@ def main() -> None:
             del runner
             free_memory()
     gpu = torch.cuda.get_device_name()
-    lines = [f"GPU: {gpu}; bf16 weights; mean of {args.steps} decode steps after {WARMUP} untimed; "
+    lines = [f"GPU: {gpu}; bf16 weights; mean of {args.steps} decode steps after {args.warmup} untimed; "
              f"torch {torch.__version__}", "",
              "| model | cache | step | context | batch | filled by | prefill (s) | decode (ms/token) | tokens/s | "
              "peak (GiB) | KV (GiB) | KV ratio |", "|" + "---|" * 12]

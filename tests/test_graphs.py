@@ -184,7 +184,7 @@ def test_bench_decode_cells_run_on_cpu(model, tmp_path):
     row = bench.run_cell(runner, spec, 20, 2, 3, 8, graphed=True, warmup=2)
     assert row["filled"] == "prefill" and len(row["step_ms"]) == 3 and row["kv_bytes"] > 0
     with torch.inference_mode():
-        src = runner.fill(spec, 20, 1, bench.max_len(20, 3), 8, None)
+        src = runner.fill(spec, 20, 1, bench.max_len(20, 3, 2), 8, None)
     copied = bench.run_cell(runner, spec, 20, 3, 3, 8, graphed=True, src=src, warmup=2)
     assert copied["filled"] == "row copies" and copied["prefill_s"] is None
     assert runner.fits_context(spec, 200)
