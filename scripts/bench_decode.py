@@ -318,13 +318,20 @@ def run_cell(runner, cache: str, context: int, batch: int, steps: int, chunk: in
             "kv_bytes": held, "kv_ratio": held / fp16_kv_nbytes(n_layers, n_kv, d, batch * length)}
 
 
+def out_of_memory(error: Exception) -> bool:
+    """torch's OutOfMemoryError, or a CUDA extension's RuntimeError saying the same (optimum-quanto's)."""
+    return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error)
+
+
 def fits(probe) -> bool:
     """Whether probe() runs within GPU memory."""
     try:
         with torch.inference_mode():
             probe()
         return True
-    except torch.cuda.OutOfMemoryError:
+    except RuntimeError as error:      # OutOfMemoryError is one
+        if not out_of_memory(error):
+            raise
         return False
     finally:                                 # the failed probe's tensors are gone with its frames
         free_memory()
@@ -400,7 +407,9 @@ def cell_row(runner, args, label, cache, context, batch, graphed, src=None) -> d
     try:
         row.update(run_cell(runner, cache, context, batch, args.steps, args.prefill_chunk, graphed, src,
                             warmup=args.warmup))
-    except torch.cuda.OutOfMemoryError:
+    except RuntimeError as error:
+        if not out_of_memory(error):
+            raise
         row["oom"] = True
     free_memory()
     tqdm.write(json.dumps({k: v for k, v in row.items() if k != "step_ms"}))
