@@ -91,6 +91,7 @@ def parse_args():
     parser.add_argument("--find-max-batch", action="store_true", help="search the largest batch that fits")
     parser.add_argument("--max-batch", type=int, default=256, help="upper end of the batch search")
     parser.add_argument("--find-max-context", action="store_true", help="search the largest context at batch 1")
+    parser.add_argument("--max-context", type=int, default=LONGEST, help="upper end of the context search")
     parser.add_argument("--out", default="results/decode/run", help="output path without suffix")
     parser.add_argument("--plot", action="store_true", help="also write OUT.png: tokens/s vs context")
     parser.add_argument("--overwrite", action="store_true", help="replace existing OUT.json / OUT.md")
@@ -383,7 +384,7 @@ def cells(runner, args, label: str, caches: list[str], graph_modes: list[bool]) 
             if runner.impl == "kvzoo" and not (args.compile and static_step(runner, cache)):
                 continue
             with torch.inference_mode():
-                limit = runner.context_limit
+                limit = min(runner.context_limit, args.max_context)
                 best = largest(lambda n: fits(lambda: runner.fits_context(cache, n)), min(131072, limit), limit, 1024)
             rows.append({"model": label, "impl": runner.impl, "cache": cache, "max_context": best})
             tqdm.write(json.dumps(rows[-1]))
