@@ -30,7 +30,8 @@ bisection to 1K): kvzoo allocates its buffers for that many tokens, prefills 64 
 steps' memory does not depend on how full the buffers are, so this is only run with --compile and for
 strategies with a whole-step graph); HF's caches are given that many random K/V tokens through update().
 
---plot draws tokens/s against context, a line per cache x step x batch (log-2 context axis).
+--plot draws tokens/s against context: a panel per batch (the largest batches in one), a line per cache and
+step. --merge joins earlier OUT.json files into one table and plot without a GPU.
 Writes OUT.json and OUT.md (the GPU named in both); refuses to replace them without --overwrite.
 """
 
@@ -95,7 +96,15 @@ def parse_args():
     parser.add_argument("--out", default="results/decode/run", help="output path without suffix")
     parser.add_argument("--plot", action="store_true", help="also write OUT.png: tokens/s vs context")
     parser.add_argument("--overwrite", action="store_true", help="replace existing OUT.json / OUT.md")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="no GPU work: merge the rows of earlier OUT.json files into OUT.md, OUT.json (and with "
+                             "--plot OUT.png)")
     args = parser.parse_args()
+    if args.merge:
+        missing = [f for f in args.merge if not Path(f).is_file()]
+        if missing:
+            raise SystemExit(f"--merge: {missing[0]} not found")
+        return args
     unknown = [m for m in args.models if m not in SHAPES and m != "smollm2"]
     if unknown:
         raise SystemExit(f"unknown model {unknown[0]!r}; accepted: {', '.join(SHAPES)}, smollm2")
@@ -418,32 +427,48 @@ def cell_row(runner, args, label, cache, context, batch, graphed, src=None) -> d
 
 
 def plot(rows: list[dict], title: str, path: Path) -> None:
-    """tokens/s against context, one line per model x cache x step x batch (OOM cells left out)."""
+    """tokens/s against context: a panel per batch (the largest-batch cells in their own), a colour per cache,
+    solid for the CUDA-graph step and dashed for eager (OOM cells left out)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lines: dict[tuple, list[tuple[int, float]]] = {}
-    for r in rows:
-        if "tokens_per_s" in r:
-            key = (r["model"], r["cache"], r.get("step", "eager"), "max" if "max_batch" in r else r["batch"])
-            lines.setdefault(key, []).append((r["context"], r["tokens_per_s"]))
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for i, ((model, cache, step, batch), pts) in enumerate(sorted(lines.items(), key=str)):
-        pts.sort()
-        ax.plot([c for c, _ in pts], [t for _, t in pts], marker="o", ls="-" if step == "graph" else "--",
-                color=plt.cm.tab20(i % 20), label=f"{model} {cache} {step} b{batch}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set(xlabel="context (tokens)", ylabel="decode tokens/s (batch total)", title=title)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    def panel(r):
+        return "largest batch" if "max_batch" in r else f"batch {r['batch']}"
+
+    timed = [r for r in rows if "tokens_per_s" in r]
+    panels = sorted({panel(r) for r in timed}, key=lambda p: (p == "largest batch", len(p), p))
+    caches = sorted({(r["model"], r["cache"]) for r in timed}, key=str)
+    colour = {c: plt.cm.tab20(i % 20) for i, c in enumerate(caches)}
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels) + 3, 5), squeeze=False, sharey=True)
+    for ax, name in zip(axes[0], panels):
+        lines: dict[tuple, list[tuple[int, float]]] = {}
+        for r in timed:
+            if panel(r) == name:
+                lines.setdefault((r["model"], r["cache"], r.get("step", "eager")), []).append(
+                    (r["context"], r["tokens_per_s"]))
+        for (model, cache, step), pts in sorted(lines.items(), key=str):
+            pts.sort()
+            ax.plot([c for c, _ in pts], [t for _, t in pts], marker="o", ls="-" if step == "graph" else "--",
+                    color=colour[model, cache], label=f"{model} {cache} ({step})")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set(xlabel="context (tokens)", title=name)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=6, loc="lower left")
+    axes[0][0].set_ylabel("decode tokens/s (batch total)")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main() -> None:
     args = parse_args()
+    if args.merge:
+        runs = [json.loads(Path(f).read_text()) for f in args.merge]
+        write(args, [r for run in runs for r in run["rows"]], runs[0]["gpu"], runs[0]["torch"],
+              f"merged from {', '.join(Path(f).name for f in args.merge)}")
+        return
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py times decoding on a CUDA GPU and found none")
     if args.hf:
@@ -452,7 +477,6 @@ def main() -> None:
         except ImportError:
             if any(c != "fp16" for c in args.hf):
                 raise SystemExit("--hf quanto:N needs optimum-quanto (pip install optimum-quanto)") from None
-    paths = output_paths(args.out, args.overwrite)
     rows = []
     for name in args.models:
         if args.caches:
@@ -466,9 +490,14 @@ def main() -> None:
             rows += cells(runner, args, name, args.hf, [False])
             del runner
             free_memory()
-    gpu = torch.cuda.get_device_name()
-    lines = [f"GPU: {gpu}; bf16 weights; mean of {args.steps} decode steps after {args.warmup} untimed; "
-             f"torch {torch.__version__}", "",
+    write(args, rows, torch.cuda.get_device_name(), torch.__version__,
+          f"mean of {args.steps} decode steps after {args.warmup} untimed")
+
+
+def write(args, rows: list[dict], gpu: str, torch_version: str, how: str) -> None:
+    """The table (OUT.md, printed), the rows (OUT.json) and with --plot the throughput plot (OUT.png)."""
+    paths = output_paths(args.out, args.overwrite)
+    lines = [f"GPU: {gpu}; bf16 weights; {how}; torch {torch_version}", "",
              "| model | cache | step | context | batch | filled by | prefill (s) | decode (ms/token) | tokens/s | "
              "peak (GiB) | KV (GiB) | KV ratio |", "|" + "---|" * 12]
     for r in rows:
@@ -489,8 +518,7 @@ def main() -> None:
                   f"{r['max_context']} |" for r in found]
     print("\n".join(lines))
     paths[1].parent.mkdir(parents=True, exist_ok=True)
-    paths[0].write_text(json.dumps({"gpu": gpu, "torch": torch.__version__, "steps": args.steps, "rows": rows},
-                                   indent=1))
+    paths[0].write_text(json.dumps({"gpu": gpu, "torch": torch_version, "how": how, "rows": rows}, indent=1))
     paths[1].write_text("\n".join(lines) + "\n")
     if args.plot:
         plot(rows, f"decode throughput on {gpu}", paths[0].with_suffix(".png"))

@@ -201,3 +201,30 @@ def test_bench_decode_cells_run_on_cpu(model, tmp_path):
         torch.testing.assert_close(hf.forward(many.token[:, None], many.cache),
                                    hf.forward(src.token[:, None], src.cache).expand(3, -1))
     assert hf.fits_context("fp16", 300)
+
+
+def test_bench_decode_merges_result_files_without_a_gpu(tmp_path):
+    """--merge: earlier OUT.json files joined into one table and plot (no GPU needed)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    row = {"model": "m", "impl": "kvzoo", "cache": "fp16", "context": 4096, "batch": 1, "step": "graph",
+           "prefill_s": 0.1, "filled": "prefill", "decode_ms": 9.5, "tokens_per_s": 105.0, "peak_gib": 15.9,
+           "kv_bytes": 2 ** 29, "kv_ratio": 1.0}
+    for i, extra in enumerate([{}, {"batch": 14, "max_batch": 14, "prefill_s": None, "filled": "row copies"}]):
+        (tmp_path / f"r{i}.json").write_text(json.dumps({"gpu": "G", "torch": "t", "rows": [{**row, **extra}]}))
+    (tmp_path / "r2.json").write_text(json.dumps({"gpu": "G", "torch": "t",
+                                                  "rows": [{"model": "m", "impl": "hf", "cache": "fp16",
+                                                            "max_context": 501760}]}))
+    script = Path(__file__).parents[1] / "scripts" / "bench_decode.py"
+    done = subprocess.run([sys.executable, str(script), "--merge", *(str(tmp_path / f"r{i}.json") for i in range(3)),
+                           "--out", str(tmp_path / "all"), "--plot"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    table = (tmp_path / "all.md").read_text()
+    assert "| m | `fp16` | graph | 4096 | 14 (largest) | row copies |" in table and "`hf:fp16` | 501760 |" in table
+    assert (tmp_path / "all.png").stat().st_size > 0
+    missing = subprocess.run([sys.executable, str(script), "--merge", str(tmp_path / "nope.json")],
+                             capture_output=True, text=True)
+    assert missing.returncode != 0 and "nope.json not found" in missing.stderr

@@ -32,6 +32,11 @@ Bytes per quantized token, per layer and KV head: d*b/4 (codes) + 2 * 6d/32 (fp1
 group, K and V) + d/128 (mask bits, hybrid). d = 64, b = 2: 32 + 24 + 0.5 = 56.5 bytes against 256 in fp16.
 
 Paper settings (the defaults): b = 2, G = 32, w_sink = 32, w_recent = 96, hybrid, key normalization on.
+
+Decode on a GPU runs the fused kernel (kvzoo/kernels/innerq_attention.py) over these buffers as stored: packed
+codes, and mask bits read in place. `decode_static` is the same step with the lengths in device tensors, so
+that a CUDA graph holds it (kvzoo/graphs.py). It has one graph per phase: a token joins the sink, joins the
+recent window, or fills it and a group is quantized in place by innerq_flush.
 """
 
 from __future__ import annotations

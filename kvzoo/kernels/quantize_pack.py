@@ -19,6 +19,12 @@ in which the 32 squared errors are summed.
 Tiling: a program quantizes BLOCK_T rows (tokens); the tile is loaded as (BLOCK_T, d/32, b, 32/b), i.e.
 (row, group, word in the group, code in the word), so group reductions are sums over the last two axes and
 packing a word is a sum of shifted codes over the last one.
+
+innerq_flush is the same quantizer for InnerQ's CUDA-graph decode step: one program per (row, KV head) takes
+the recent window's oldest 32 tokens and writes them straight into the cache's buffers at a slot read from a
+device tensor. Keys are per-token groups as above. Values are per-channel groups: the tile is loaded as
+(d, 1, b, 32/b), channels by tokens, and the codes are transposed back to be packed along d. The symmetric
+flags become the cache's mask bits.
 """
 
 from __future__ import annotations
