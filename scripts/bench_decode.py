@@ -122,6 +122,10 @@ def parse_args():
         raise SystemExit("nothing to run: give --caches and/or --hf")
     if args.graph_only and not args.compile:
         raise SystemExit("--graph-only needs --compile")
+    if args.max_batch < 1:
+        raise SystemExit(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.max_context < 1024:
+        raise SystemExit(f"--max-context must be >= 1024 (the context search's step), got {args.max_context}")
     return args
 
 

@@ -136,7 +136,7 @@ def synthetic_outer(H: int, N: int, d: int, gen: torch.Generator):
 
 def sanity_check(H: int, d: int, Hq: int) -> dict:
     """Max relative error of each kernel against its torch reference at N = 1024 (real quantized data)."""
-    from kvzoo.cache.quant import pack, quantize, quantize_unified
+    from kvzoo.cache.quant import pack_sym_mask, quantize, quantize_unified
     from kvzoo.kernels import innerq_attention as att, quant_matvec as mv, quantize_pack as qp
 
     torch.manual_seed(0)
@@ -150,7 +150,7 @@ def sanity_check(H: int, d: int, Hq: int) -> dict:
     ku, vu = quantize_unified(k, BITS, -1, "hybrid"), quantize_unified(v, BITS, -2, "hybrid")
     kin, vin = (ku.codes, ku.scale, ku.slot, ku.sym), (vu.codes, vu.scale, vu.slot, vu.sym)
     # the fused attention reads the cache's packed mask bits: along tokens for keys, along channels for values
-    kat, vat = (*kin[:3], pack(ku.sym.transpose(-1, -2), 1)), (*vin[:3], pack(vu.sym, 1))
+    kat, vat = (*kin[:3], pack_sym_mask(ku.sym, -1)), (*vin[:3], pack_sym_mask(vu.sym, -2))
     ko, vo = quantize(k, BITS, 32, axis=-2), quantize(v, BITS, 32, axis=-1)
     kout, vout = (ko.codes, ko.scale, ko.zero), (vo.codes, vo.scale, vo.zero)
     win = torch.randn(2, 1, H, WINDOW, d, device=DEVICE).half()

@@ -196,6 +196,12 @@ def test_new_script_options_refuse_bad_values(script, args, message):
     ("bench_decode.py", ["--models", "gpt2"], "unknown model 'gpt2'; accepted: llama-3.1-8b, llama-2-7b, smollm2"),
     ("bench_decode.py", ["--steps", "0"], "--contexts, --batches, --steps, --warmup and --prefill-chunk must be >= 1"),
     ("bench_decode.py", ["--caches", "nope"], "--caches: unknown cache 'nope'; available caches: alignedkv"),
+    ("bench_decode.py", ["--warmup", "0"], "--contexts, --batches, --steps, --warmup and --prefill-chunk must be >= 1"),
+    ("bench_decode.py", ["--hf", "quanto:3"], "--hf: unknown Hugging Face cache 'quanto:3'; accepted: fp16, quanto:2"),
+    ("bench_decode.py", ["--caches"], "nothing to run: give --caches and/or --hf"),
+    ("bench_decode.py", ["--graph-only"], "--graph-only needs --compile"),
+    ("bench_decode.py", ["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
+    ("bench_decode.py", ["--max-context", "100"], "--max-context must be >= 1024"),
     ("bench_w4a16.py", ["--rows", "0"], "--rows and --runs must be >= 1"),
 ])
 def test_gpu_benchmarks_refuse_bad_values_before_looking_for_a_gpu(script, args, message):

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kvzoo.cache.quant import pack, quantize, quantize_unified  # noqa: E402
+from kvzoo.cache.quant import pack_sym_mask, quantize, quantize_unified  # noqa: E402
 from kvzoo.kernels.innerq_attention import innerq_decode_attention, innerq_decode_attention_ref  # noqa: E402
 from kvzoo.kernels.quant_matvec import (pv_inner, pv_inner_ref, pv_outer, pv_outer_ref, qk_inner,  # noqa: E402
                                         qk_inner_ref, qk_outer, qk_outer_ref)
@@ -51,7 +51,7 @@ def packed(x, bits, axis, mode):
     elif mode == "sym":
         mask = torch.zeros((B, H, d // 32, 0) if axis == -1 else (B, H, 0, d // 32), dtype=torch.int32, device=x.device)
     else:   # bits along tokens (B, H, d/32, n/32) for per-token groups, along channels (B, H, n/32, d/32) for values
-        mask = pack(q.sym.transpose(-1, -2), 1) if axis == -1 else pack(q.sym, 1)
+        mask = pack_sym_mask(q.sym, axis)
     return q.codes, q.scale, q.slot, mask
 
 
@@ -269,3 +269,13 @@ def test_flush_kernel_writes_what_the_cache_writes(bits, mode, dtype):
         for kv in "kv":
             got, want = getattr(ours, f"{kv}_{name}"), getattr(ref, f"{kv}_{name}")
             assert torch.equal(got, want), f"{kv}_{name}"
+
+
+def test_flush_kernel_refuses_views():
+    from kvzoo.kernels.quantize_pack import innerq_flush
+    from tests.test_kivi import smollm_shaped_layer_cache
+
+    c = smollm_shaped_layer_cache("innerq:sink=0,recent=32,key_norm=false", 96, torch.float32).to(DEVICE)
+    with pytest.raises(ValueError, match="k_res must be contiguous"):
+        innerq_flush(c.k_res[:, :, :32], c.v_res, torch.zeros(1, dtype=torch.long, device=DEVICE), c.k_codes,
+                     c.k_scale, c.k_slot, c.k_mask, c.v_codes, c.v_scale, c.v_slot, c.v_mask, 2, "hybrid", True)

@@ -48,8 +48,8 @@ from torch import Tensor
 
 from kvzoo.cache.base import Positions, StaticStep, register
 from kvzoo.cache.kivi import KIVICache
-from kvzoo.cache.quant import (UnifiedQTensor, check_bits, dequantize_unified, pack, packed_words, quantize_unified,
-                               unpack_sym_mask)
+from kvzoo.cache.quant import (UnifiedQTensor, check_bits, dequantize_unified, pack_sym_mask, packed_words,
+                               quantize_unified, unpack_sym_mask)
 
 GROUP = 32        # the unified slot holds 32 bits: an fp32 zero point or 32 sign bits
 MODES = ("asym", "sym", "hybrid", "hybrid_prefill")
@@ -140,10 +140,10 @@ class InnerQCache(KIVICache):
             getattr(self, f"{name}_slot")[:, :, groups] = q.slot
             if self.has_mask:
                 mask = getattr(self, f"{name}_mask")
-                if axis == -1:     # sym (B, H, n, d/32) -> bits along tokens (B, H, d/32, n/32)
-                    mask[:, :, :, a // 32:b // 32] = pack(q.sym.transpose(-1, -2), 1)
-                else:              # sym (B, H, n/32, d) -> bits along channels (B, H, n/32, d/32)
-                    mask[:, :, a // GROUP:b // GROUP] = pack(q.sym, 1)
+                if axis == -1:     # bits along tokens (B, H, d/32, n/32)
+                    mask[:, :, :, a // 32:b // 32] = pack_sym_mask(q.sym, axis)
+                else:              # bits along channels (B, H, n/32, d/32)
+                    mask[:, :, a // GROUP:b // GROUP] = pack_sym_mask(q.sym, axis)
 
     def _mask_upto(self) -> int:
         """Quantized tokens whose groups carry a mask bit; later groups are symmetric (hybrid_prefill) and

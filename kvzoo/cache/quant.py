@@ -225,6 +225,12 @@ def dequantize_unified(q: UnifiedQTensor, dtype: torch.dtype = torch.float32) ->
     return _ungrouped(x, q.axis).to(dtype)
 
 
+def pack_sym_mask(sym: Tensor, axis: int) -> Tensor:
+    """Symmetric flags -> InnerQ's packed mask bits (the inverse of unpack_sym_mask): per-token groups (axis -1)
+    sym (B, H, n, d/32) -> bits along tokens (B, H, d/32, n/32); per-channel groups (axis -2) sym (B, H, n/32, d)
+    -> bits along channels (B, H, n/32, d/32)."""
+    return pack(sym.transpose(-1, -2), 1) if axis == -1 else pack(sym, 1)
+
 
 def unpack_sym_mask(mask: Tensor, axis: int, n: int, mask_upto: int, d: int) -> Tensor:
     """InnerQ's packed mask bits (kvzoo/cache/innerq.py's layout) -> symmetric flags of the groups of quantized

@@ -177,8 +177,10 @@ def innerq_flush(k_res: Tensor, v_res: Tensor, n_q: Tensor, k_codes: Tensor, k_s
     check_runnable(_flush_kernel, k_res.device)
     B, H, _, d = k_res.shape
     check_head_dim(d)
-    for t in (k_res, v_res, k_codes, k_scale, k_slot, k_mask, v_codes, v_scale, v_slot, v_mask):
-        assert t.is_contiguous(), "the flush writes the cache's own (contiguous) buffers"
+    names = "k_res v_res k_codes k_scale k_slot k_mask v_codes v_scale v_slot v_mask".split()
+    for name, t in zip(names, (k_res, v_res, k_codes, k_scale, k_slot, k_mask, v_codes, v_scale, v_slot, v_mask)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous: the flush writes the cache's own buffers, not views")
     _flush_kernel[(B * H,)](k_res, v_res, n_q, k_codes, k_scale, k_slot, k_mask, v_codes, v_scale, v_slot, v_mask,
                             k_res.stride(1), k_codes.stride(1), k_scale.stride(1), k_mask.stride(1),
                             k_mask.stride(2), v_scale.stride(1), v_mask.stride(1), D=d, BITS=bits,
