@@ -60,13 +60,15 @@ SPLIT_STAGES = None          # software-pipelining depth of the split kernel's t
 SPLIT_WARPS = None           # warps of the split kernel; None: by GQA ratio
 
 
-def _split_config(rep: int, fast: bool) -> tuple[int, int, int, int]:
+def _split_config(rep: int, fast: bool, has_sym: bool) -> tuple[int, int, int, int]:
     """(max groups per step, programs per SM, num_stages, num_warps) of the multi-group split kernel, tuned on
-    an H100 (N = 16K-128K, 2-bit). Fast path (fp16, asym): 256 tokens per step, 4 warps, 2 stages; 2 programs
-    per SM with several query heads per KV head, 4 with one. Generic path (bf16, or fp32/sym at d = 64): 128
-    tokens per step with several query heads per KV head, 64 with one."""
+    an H100 (N = 16K-128K, 2-bit). Fast path: 256 tokens per step, 4 warps; 2 programs per SM with several query
+    heads per KV head, 4 with one; 2 stages for asymmetric groups, 1 with symmetric ones (their sign tiles take
+    the registers and shared memory a second stage needs: at 128K, batch 1, Llama-3.1-8B shape, 245 against
+    350 us). Generic path (fp32, or the interpreter): 128 tokens per step with several query heads per KV head,
+    64 with one."""
     if fast:
-        cfg = (8, 2 if rep >= 4 else 4, 2, 4)
+        cfg = (8, 2 if rep >= 4 else 4, 1 if has_sym else 2, 4)
     else:
         cfg = (4, 2, 2, 4) if rep >= 4 else (2, 8, 3, 4)
     return (MAX_GS or cfg[0], PROGRAMS_PER_SM or cfg[1], SPLIT_STAGES or cfg[2], SPLIT_WARPS or cfg[3])
@@ -540,7 +542,7 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
     if heavy:
         splits, per_split = split_groups(N // GROUP, B * H, dev, num_splits) if N else (0, 0)
     else:
-        max_gs, programs_per_sm, stages, split_warps = _split_config(rep, fast)
+        max_gs, programs_per_sm, stages, split_warps = _split_config(rep, fast, has_sym)
         splits, per_split, gs = _plan_splits(N // GROUP, B * H, dev, num_splits, max_gs, programs_per_sm) \
             if N else (0, 0, 1)
     m = torch.empty(B * Hq, max(splits, 1), dtype=torch.float32, device=dev)   # never a null pointer
