@@ -49,6 +49,14 @@ uniform quantization, fp16 scales and zeros, no outlier channel (Table B.1 turns
 the first 3 layers at 4 bits for every method: `high_layers=3` (`high_bits=4`).
 bits = 16 turns quantization off: every row is kept at the model's precision (16-bit in an fp16/bf16
 run, fp32 in an fp32 one), which rematerializes the fp16 cache's attention up to fp32 rounding.
+
+Static step (`decode_static`, for kvzoo/graphs.py's whole-step CUDA graph): the same decode with fixed
+shapes and the length L in a device tensor. The token's rows go into window row L - Nq by an index write;
+attention runs over every allocated slot (all Nmax quantized slots and all R + G window rows,
+rematerialized, through dequant_matmul on a GPU) plus the token's exact k, v, a key masked where it is not
+live yet (slot >= Nq, window row >= L - Nq) or the step's mask forbids its slot (padding, sliding window).
+The host's counters only pick the phase: "flush" when the token fills the window, whose oldest group is
+then quantized into slots [Nq, Nq + G) at the device-held Nq and the rest moved down; "step" otherwise.
 """
 
 from __future__ import annotations
@@ -58,7 +66,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from kvzoo.cache.base import LayerCache, Positions, attend, attend_split, full_mask, register
+from kvzoo.cache.base import LayerCache, Positions, StaticStep, attend, attend_split, full_mask, register
 from kvzoo.cache.quant import SUPPORTED_BITS, QTensor, dequantize, packed_words, quantize
 from kvzoo.kernels.xquant_remat import REMAT_BITS, dequant_matmul
 
@@ -158,17 +166,34 @@ class LatentStore(nn.Module):
     def _groups(self, a: int, b: int) -> slice:
         return slice(a // self.group, b // self.group) if self.per_channel else slice(a, b)
 
+    def _encode(self, rows: Tensor) -> list[tuple[Tensor, Tensor, bool]]:
+        """What storing rows (B, n, width) writes: (buffer, values along dim 1, indexed by group rather
+        than by slot) for each buffer."""
+        if self.bits == EXACT:
+            return [(self.rows, rows, False)]
+        parts = [(self.first, rows[..., :1], False)] if self.exact_first else []
+        coded = rows[..., 1:] if self.exact_first else rows
+        q = quantize(coded, self.bits, self.group, axis=-2 if self.per_channel else -1, scale_dtype=SCALE_DTYPE)
+        grouped = self.per_channel
+        return parts + [(self.codes, q.codes, False), (self.scale, q.scale, grouped), (self.zero, q.zero, grouped)]
+
     def write(self, a: int, b: int, rows: Tensor) -> None:
         """Quantize rows (B, b - a, width) into slots [a, b)."""
-        if self.bits == EXACT:
-            self.rows[:, a:b] = rows
-            return
-        if self.exact_first:
-            self.first[:, a:b] = rows[..., :1]
-            rows = rows[..., 1:]
-        q = quantize(rows, self.bits, self.group, axis=-2 if self.per_channel else -1, scale_dtype=SCALE_DTYPE)
-        g = self._groups(a, b)
-        self.codes[:, a:b], self.scale[:, g], self.zero[:, g] = q.codes, q.scale, q.zero
+        for buf, values, grouped in self._encode(rows):
+            buf[:, self._groups(a, b) if grouped else slice(a, b)] = values
+
+    def write_at(self, start: Tensor, rows: Tensor) -> None:
+        """Quantize rows (B, n, width) into slots [start, start + n), start a device tensor (1,), with index
+        writes and no host sync (the static step); per-channel stores take whole groups (start and n
+        multiples of the group)."""
+        n = rows.shape[1]
+        if self.per_channel and n % self.group:
+            raise ValueError(f"a per-channel store writes whole groups of {self.group} rows, got {n}")
+        slots = start + torch.arange(n, device=start.device)                                    # (n,)
+        first_group = torch.div(start, self.group, rounding_mode="floor")
+        groups = first_group + torch.arange(n // self.group, device=start.device) if self.per_channel else slots
+        for buf, values, grouped in self._encode(rows):
+            buf.index_copy_(1, groups if grouped else slots, values)
 
     def quantized(self, upto: int) -> tuple[QTensor | Tensor, Tensor | None]:
         """Slots [0, upto) as stored: (codes as a QTensor, or the exact rows with bits=16; first channel)."""
@@ -249,6 +274,7 @@ class XQuantCache(LayerCache):
         else:
             self.stores = nn.ModuleDict({"x": store(weight.shape[1], False)})
         self.n_q = 0
+        self.capacity = self.quantized_len(max_len)            # quantized slots allocated
 
     # ---- what is cached, and how K and V come back -------------------------------------------------
     def _rows(self, x: Tensor) -> dict[str, Tensor]:
@@ -318,6 +344,63 @@ class XQuantCache(LayerCache):
         return out
 
     decode = prefill
+
+    # ---- the static step (CUDA graphs, kvzoo/graphs.py) ----------------------------------------------
+    def can_decode_static(self, padded: bool) -> bool:
+        """Every streaming cache: the step attends over every allocated slot with a mask built from the
+        step's (B, 1, 1, max_len) mask, so left padding and sliding windows are served as in decode. The
+        simulated mode has no decode step."""
+        return not self.simulated
+
+    def static_phase(self) -> str:
+        """Whether the next token fills the window, so that its oldest group is quantized (one graph each)."""
+        return "flush" if self.quantized_len(self.length + 1) > self.n_q else "step"
+
+    def static_scratch(self) -> tuple[Tensor, ...]:
+        """The windows: a flush moves their rows down, which a second run would repeat."""
+        return tuple(store.window for store in self.stores.values())
+
+    def advance(self) -> None:
+        super().advance()
+        self.n_q = self.quantized_len(self.length)
+
+    def _static_keys(self, step: StaticStep) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The step's keys are every quantized slot, every window row, then the new token (K = capacity +
+        W + 1, W = R + G). From the device-held length L = step.slot: (quantized tokens n_q (1,), the new
+        token's window row r = L - n_q (1,), RoPE positions of the keys (B, K), mask (B, 1, 1, K): a key
+        may be attended where it is live (a quantized slot < n_q, a window row < r, the new token) and
+        the step's mask allows its slot). Shared by every layer of the step."""
+        R, G = self.opts.residual, self.opts.group_size
+        key = ("xquant", R, G, self.capacity)
+        if key not in step.derived:
+            L, device = step.slot, step.slot.device
+            n_q = torch.div(L - R, G, rounding_mode="floor").clamp_min(0) * G                   # quantized_len(L)
+            r = L - n_q
+            quant, win = torch.arange(self.capacity, device=device), torch.arange(R + G, device=device)
+            slots = torch.cat([quant, n_q + win, L])                                             # (K,) key slots
+            live = torch.cat([quant < n_q, win < r, torch.ones_like(L, dtype=torch.bool)])       # (K,)
+            mask = step.mask.index_select(-1, slots.clamp_max(self.max_len - 1)) & live          # (B, 1, 1, K)
+            ids = (slots[None, :] + (step.ids - L)).clamp_min(0)           # (B, K): slot - pad, as in decode
+            step.derived[key] = (n_q, r, ids, mask)
+        return step.derived[key]
+
+    def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
+        """decode with fixed shapes: the token's rows into window row r, attention over every quantized
+        slot and window row rematerialized (the dead ones masked) and the token's exact k, v; in the
+        "flush" phase the window's oldest group is then quantized into slots [n_q, n_q + G)."""
+        n_q, r, ids, mask = self._static_keys(step)
+        rows = self._rows(x)
+        for name, store in self.stores.items():
+            store.window.index_copy_(1, r, rows[name])                  # rows (B, 1, width) into window row r
+        hist_k, hist_v = self._kv(self.capacity, self.opts.residual + self.opts.group_size)    # (B, H, K - 1, hd)
+        keys = self.attn.rope.apply(torch.cat([hist_k, k], dim=2), ids)
+        out = attend(self.attn.rope.apply(q, step.ids), keys, torch.cat([hist_v, v], dim=2), mask)
+        if self.static_phase() == "flush":
+            G, R = self.opts.group_size, self.opts.residual
+            for store in self.stores.values():
+                store.write_at(n_q, store.window[:, :G])
+                store.window[:, :R] = store.window[:, G:G + R].clone()
+        return out
 
     def simulate(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
         """Query slot s sees slots [0, quantized_len(s)) rematerialized from codes and every other slot

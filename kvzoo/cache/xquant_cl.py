@@ -50,6 +50,13 @@ also reports 4 and 2), high_bits = 4 for the first high_layers = 3 layers, base_
 layer), G = 128 (§4), residual R = 0 for the layers before the base, asymmetric uniform quantization.
 bits = high_bits = 16 turn quantization off (rows at the model's precision): the fp16 attention up to
 fp32 rounding.
+
+Static step (`decode_static`, for kvzoo/graphs.py's whole-step CUDA graph): the accumulator has a fixed
+shape when it covers every slot. The base and delta layers write the token's per-token row at the
+device-held slot (index writes; no window, so one phase), rebuild X̂ over all max_len slots (B, max_len,
+hidden) and rematerialize K and V from all of it, the token's own slot replaced by its exact k, v and the
+slots not yet written (which hold zeros or stale rows, finite either way) masked by the step's mask.
+The layers before the base are plain XQuant and take its static step, with its window's phases.
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvzoo.cache.base import CacheSpec, LayerCache, Positions, attend, attend_split, full_mask, register
+from kvzoo.cache.base import CacheSpec, LayerCache, Positions, StaticStep, attend, attend_split, full_mask, register
 from kvzoo.cache.quant import QTensor
 from kvzoo.cache.xquant import (LatentStore, XQuantCache, XQuantOptions, check_latent_bits, check_window,
                                 dequantize_latent, heads, rematerialize, rope_stored_keys,
@@ -126,23 +133,35 @@ class XQuantCLCache(LayerCache):
                              f"accepted: 0 to {n - 1}")
 
     # ---- the accumulator ---------------------------------------------------------------------------
-    def _advance(self, x: Tensor) -> Tensor:
+    def _advance(self, x: Tensor, slot: Tensor | None = None) -> Tensor:
         """Store the chunk x (B, T, hidden) and return X̂ of this layer for every stored token
-        (B, L, hidden), fp32, handing it on to the next layer."""
-        a, b = self.length, self.length + x.shape[1]
+        (B, L, hidden), fp32, handing it on to the next layer. The static step (slot: the device-held slot
+        (1,) of one token, T = 1) writes the token at `slot` and returns X̂ of every slot (B, max_len,
+        hidden), those past the token holding whatever their buffers hold (the step's mask hides them)."""
+        a = self.length
+        b = a + x.shape[1] if slot is None else self.max_len            # rows of X̂ returned
+
+        def write(rows: Tensor) -> None:
+            if slot is None:
+                self.store.write(a, b, rows)
+            else:
+                self.store.write_at(slot, rows)
+
         if self.role == "base":
-            self.store.write(a, b, x)
+            write(x)
             acc = accumulate(None, self.store.quantized(b)[0], None)
         else:
             prev = self.prev[0]
             acc_prev, prev._acc = prev._acc, None
             assert acc_prev is not None and acc_prev.shape[1] == b, "the previous layer did not hand on X̂"
-            delta = x.float() - acc_prev[:, a:]                            # X_i - X̂_{i-1} (B, T, hidden)
+            mine = acc_prev[:, a:] if slot is None else acc_prev.index_select(1, slot)   # X̂_{i-1} (B, T, hidden)
+            delta = x.float() - mine                                        # X_i - X̂_{i-1} (B, T, hidden)
             if self.gqa:
                 delta = delta @ self.down                                   # its latent (B, T, r_kv)
-            self.store.write(a, b, delta)
+            write(delta)
             acc = accumulate(acc_prev, self.store.quantized(b)[0], self.down.T if self.gqa else None)
-        self.length = b
+        if slot is None:
+            self.length = b
         self._acc = acc if self.attn.layer_idx + 1 < len(self.chain) else None
         return acc
 
@@ -166,6 +185,36 @@ class XQuantCLCache(LayerCache):
         return attend(self.attn.rope.apply(q, pos.ids), keys, torch.cat([hist_v, v], dim=2), pos.mask)
 
     decode = prefill
+
+    # ---- the static step (CUDA graphs, kvzoo/graphs.py) ----------------------------------------------
+    def can_decode_static(self, padded: bool) -> bool:
+        """Every streaming cache (padding and sliding windows through the step's mask, as in decode)."""
+        return not self.simulated
+
+    def static_phase(self) -> str:
+        return self.plain.static_phase() if self.role == "xquant" else "step"
+
+    def static_scratch(self) -> tuple[Tensor, ...]:
+        """The plain layers' windows; the base and delta layers only write the token's own slot."""
+        return self.plain.static_scratch() if self.role == "xquant" else ()
+
+    def advance(self) -> None:
+        if self.role == "xquant":
+            self.plain.advance()
+        super().advance()
+
+    def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
+        """decode with fixed shapes: the token's base row or delta written at step.slot, the accumulator
+        rebuilt over every slot (B, max_len, hidden) and K, V rematerialized from all of it, the token's
+        own slot replaced by its exact k, v, the slots not yet written masked by step.mask."""
+        self._check_base()
+        if self.role == "xquant":
+            return self.plain.decode_static(x, q, k, v, step)
+        keys, values = self._kv(self._advance(x, step.slot))                   # (B, H, max_len, hd) each
+        keys, values = keys.index_copy(2, step.slot, k), values.index_copy(2, step.slot, v)
+        slots = torch.arange(self.max_len, device=q.device)
+        ids = (slots[None, :] + (step.ids - step.slot)).clamp_min(0)           # (B, max_len): slot - pad
+        return attend(self.attn.rope.apply(q, step.ids), self.attn.rope.apply(keys, ids), values, step.mask)
 
     def simulate(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
         """Tokens are quantized as they are stored, so query slot s sees every earlier slot as stored

@@ -1,0 +1,159 @@
+"""XQuant's and XQuant-CL's static decode step (kvzoo/graphs.py's whole-step graph): on CPU GraphDecoder runs it
+eagerly and must equal the eager decode token for token, across window flushes (a group quantized inside the
+step), with padding and a sliding window, through the torch path and through the rematerialization kernel
+(the Triton interpreter); on CUDA the captured graphs must equal it too."""
+
+import os
+
+import pytest
+import torch
+
+import kvzoo.cache.xquant as xq
+import kvzoo.cache.xquant_cl as xcl
+from kvzoo.cache.xquant import LatentStore
+from kvzoo.generate import prefill
+from kvzoo.graphs import GraphDecoder, decoder
+from kvzoo.models.loader import load_weights
+from tests.tiny import tiny_llama
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def mha(tmp_path_factory):
+    """4 layers of 4 heads, 4 KV heads: XQuant caches X itself."""
+    return load_weights(tiny_llama(tmp_path_factory.mktemp("mha"), num_key_value_heads=4, num_hidden_layers=4))
+
+
+@pytest.fixture(scope="module")
+def gqa(tmp_path_factory):
+    """4 layers, 4 query heads sharing 2 KV heads: XQuant caches the SVD latents, XQuant-CL latent deltas."""
+    return load_weights(tiny_llama(tmp_path_factory.mktemp("gqa"), num_hidden_layers=4))
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """A tiny 4-layer GQA Mistral with a sliding window of 6 tokens."""
+    import transformers
+
+    path = tmp_path_factory.mktemp("tinyw")
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                     max_position_embeddings=256, sliding_window=6)
+    transformers.MistralForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return load_weights(path)
+
+
+def decode_both(model, spec: str, pad: torch.Tensor | None, device="cpu"):
+    """Logits (B, STEPS, vocab) of greedy decode steps after a 3-token prompt, eager and through GraphDecoder,
+    and the phases GraphDecoder recorded."""
+    prompts = torch.randint(3, 97, (2, 3), generator=torch.Generator().manual_seed(4))
+    if pad is not None:
+        prompts[1, :int(pad[1])] = 0
+        pad = pad.to(device)
+    out = []
+    for static in (False, True):
+        kv = model.new_cache(spec, 2, 3 + STEPS)
+        token = prefill(model, prompts.to(device), kv, pad).argmax(-1)
+        if static:
+            step = decoder(model, kv, pad)
+            assert isinstance(step, GraphDecoder)
+        else:
+            step = lambda t: model(t[:, None], kv, pad=pad)[:, -1]          # noqa: E731
+        logits = []
+        for _ in range(STEPS):
+            logits.append(step(token).clone())
+            token = logits[-1].argmax(-1)
+        out.append(torch.stack(logits, 1))
+        assert kv.length == 3 + STEPS
+    return out[0], out[1], set(step.steps)
+
+
+# (spec, architectures): every setting flushes its window several times in 40 steps (G = 8 or 16)
+STATIC = [("xquant:bits=4,group_size=8,residual=8", ("mha", "gqa")),
+          ("xquant:bits=2,group_size=16", ("mha", "gqa")),                        # R = 0: a flush every G tokens
+          ("xquant:bits=3,group_size=8,residual=16", ("gqa",)),                   # 3 bits: no kernel, torch path
+          ("xquant:bits=2,group_size=16,outlier_channel=true,high_layers=1", ("gqa",)),
+          ("xquant:bits=16,group_size=8,residual=8", ("mha", "gqa")),             # rows kept exact
+          ("xquant-cl:bits=2,high_layers=2,base_layer=1,group_size=8,residual=8", ("mha", "gqa")),
+          ("xquant-cl:bits=3,high_bits=8,high_layers=1,base_layer=0,group_size=16", ("mha", "gqa"))]
+CASES = [(spec, arch) for spec, archs in STATIC for arch in archs]
+
+
+@pytest.mark.parametrize("spec, arch", CASES)
+@pytest.mark.parametrize("padded", [False, True])
+def test_whole_step_equals_eager(request, spec, arch, padded):
+    """Through every phase: tokens joining the window ("step") and filling it, so that its oldest group is
+    quantized into the codes at a device-held slot inside the step ("flush")."""
+    model = request.getfixturevalue(arch)
+    eager, static, phases = decode_both(model, spec, torch.tensor([0, 2]) if padded else None)
+    torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
+    windows = not spec.startswith("xquant-cl") or "base_layer=0" not in spec    # CL: plain layers before the base
+    assert any("flush" in phase for phase in phases) == windows
+
+
+def test_paper_defaults_before_any_group_is_quantized(gqa):
+    """G = 128 > max_len: no quantized slot is allocated (capacity 0), every token stays in the window."""
+    eager, static, phases = decode_both(gqa, "xquant", None)
+    torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
+    assert phases == {("step",) * 4}
+
+
+@pytest.mark.parametrize("spec", ["xquant:bits=4,group_size=8,residual=8", STATIC[5][0]])
+def test_whole_step_with_a_sliding_window(windowed, spec):
+    eager, static, _ = decode_both(windowed, spec, torch.tensor([0, 2]))      # the window binds after 6 tokens
+    torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="forces the kernel on CPU tensors, which needs the Triton interpreter")
+@pytest.mark.parametrize("spec", ["xquant:bits=4,group_size=16,outlier_channel=true",
+                                  "xquant-cl:bits=2,high_layers=1,base_layer=1,group_size=16"])
+def test_whole_step_through_the_kernel(gqa, monkeypatch, spec):
+    """What a GPU runs: every packed latent rematerialized by dequant_matmul (here under the interpreter), the
+    static step over every allocated slot, the eager one over the live ones."""
+    calls = []
+
+    def fused(latent, first, up, fused=None):
+        calls.append(latent)
+        return rematerialize(latent, first, up, fused=True)
+
+    rematerialize = xq.rematerialize
+    monkeypatch.setattr(xq, "rematerialize", fused)
+    monkeypatch.setattr(xcl, "rematerialize", fused)
+    eager, static, _ = decode_both(gqa, spec, None)
+    assert any(isinstance(latent, xq.QTensor) for latent in calls)
+    torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_decoder_picks_the_whole_step(gqa):
+    for spec in ("xquant", "xquant:bits=2,residual=128", "xquant-cl", "xquant-cl:bits=16,high_bits=16"):
+        kv = gqa.new_cache(spec, 2, 8)
+        prefill(gqa, torch.tensor([[0, 5, 6], [4, 5, 6]]), kv, torch.tensor([1, 0]))
+        assert isinstance(decoder(gqa, kv), GraphDecoder)
+        assert isinstance(decoder(gqa, kv, torch.tensor([1, 0])), GraphDecoder)     # padding: the step's mask
+    for spec in ("xquant", "xquant-cl"):
+        with pytest.raises(ValueError, match="needs a streaming cache"):
+            decoder(gqa, gqa.new_cache(spec, 1, 8, mode="simulated"))
+
+
+def test_write_at_takes_whole_per_channel_groups():
+    store = LatentStore(1, 32, 8, 16, 4, 8, True, torch.float32, "cpu")
+    store.write_at(torch.tensor([8]), torch.randn(1, 8, 16))
+    with pytest.raises(ValueError, match="whole groups of 8 rows, got 3"):
+        store.write_at(torch.tensor([8]), torch.randn(1, 3, 16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("spec, arch", [CASES[0], CASES[1], (STATIC[3][0], "gqa"), (STATIC[5][0], "gqa"),
+                                        (STATIC[5][0], "mha")])
+def test_cuda_graph_equals_eager(request, spec, arch):
+    """One graph per phase, captured and replayed, against the eager decode (the kernel in both)."""
+    model = request.getfixturevalue(arch).to("cuda")
+    try:
+        eager, graphed, phases = decode_both(model, spec, torch.tensor([0, 2]), device="cuda")
+        torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+        assert any("flush" in phase for phase in phases)
+    finally:
+        model.to("cpu")
