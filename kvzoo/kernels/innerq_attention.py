@@ -26,7 +26,7 @@ Two kernels:
      half2 registers with inline PTX (prmt, lop3 into the mantissa of 1024.0, sub.f16x2; keys also
      fma.f16x2 with their scale and zero and, for symmetric groups, the sign bits of the slot XOR-ed into the
      halves' sign bits), so the dequantized tiles are fp16 from the start and the dots run in fp16 (exact for
-     the cache's fp16 scales; a bf16 query is converted); value signs flip the scale per element. The generic
+     the cache's fp16 scales; a bf16 query is converted); a value's sign bit is XOR-ed into its fp16 code. The generic
      path (fp32, the interpreter) keeps one group per step for fp32 or sym groups at d >= 128
      (_split_kernel_g1: scale and zero of the values after the dot). Symmetric flags are read from the cache's
      packed mask bits. It writes (m, l, acc) per split; with device lengths, a split past the live tokens
@@ -62,13 +62,15 @@ SPLIT_WARPS = None           # warps of the split kernel; None: by GQA ratio
 
 def _split_config(rep: int, fast: bool, has_sym: bool) -> tuple[int, int, int, int]:
     """(max groups per step, programs per SM, num_stages, num_warps) of the multi-group split kernel, tuned on
-    an H100 (N = 16K-128K, 2-bit). Fast path: 256 tokens per step, 4 warps; 2 programs per SM with several query
-    heads per KV head, 4 with one; 2 stages for asymmetric groups, 1 with symmetric ones (their sign tiles take
-    the registers and shared memory a second stage needs: at 128K, batch 1, Llama-3.1-8B shape, 245 against
-    350 us). Generic path (fp32, or the interpreter): 128 tokens per step with several query heads per KV head,
-    64 with one."""
+    an H100 (N = 16K-128K, 2-bit). Fast path: 4 warps; 2 programs per SM with several query heads per KV head,
+    4 with one; asymmetric groups 256 tokens per step and 2 stages, groups with symmetric ones 128 tokens and
+    1 stage (their sign tiles take the registers and shared memory a second stage needs: Llama-3.1-8B shape,
+    128K at batch 1 in 213 us against 350 with the asymmetric setting, 32K at batch 64 in 3.0 ms against 5.0).
+    Generic path (fp32, or the interpreter): 128 tokens per step with several query heads per KV head, 64 with
+    one."""
     if fast:
-        cfg = (8, 2 if rep >= 4 else 4, 1 if has_sym else 2, 4)
+        per_sm = 2 if rep >= 4 else 4
+        cfg = (4, per_sm, 1, 4) if has_sym else (8, per_sm, 2, 4)
     else:
         cfg = (4, 2, 2, 4) if rep >= 4 else (2, 8, 3, 4)
     return (MAX_GS or cfg[0], PROGRAMS_PER_SM or cfg[1], SPLIT_STAGES or cfg[2], SPLIT_WARPS or cfg[3])
@@ -288,8 +290,9 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
             if HAS_SYM:   # bit i of a symmetric group's slot: token i's sign
                 v_sym = _value_sym(vm_ptr, vg[:, None, None], d[None, None, :], live_g, MASK_UPTO, D)
                 v_zero = tl.where(v_sym, 0.0, v_zero)
-                negative = (((v_slot >> i[None, :, None]) & 1) != 0) & v_sym
-                v_scale = tl.where(negative, -v_scale, v_scale)                  # (GS, 32, D)
+                signs = tl.where(v_sym, v_slot, 0)                                 # (GS, 1, D)
+                flip = ((signs >> i[None, :, None]) << 15).to(tl.int16)           # (GS, 32, D): bit 15
+                vx = (vx.to(tl.int16, bitcast=True) ^ flip).to(tl.float16, bitcast=True)
             v = tl.reshape(vx * v_scale + v_zero.to(tl.float16), (BLOCK_N, D), can_reorder=False)
         else:
             vx = tl.reshape(unpack_codes(vw[:, :, None], shifts, BITS), (GS, 32, D), can_reorder=False)
