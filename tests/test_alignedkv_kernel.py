@@ -11,7 +11,8 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from kvzoo.cache.alignedkv import LEVELS, exponent, key_levels, split_planes, value_levels  # noqa: E402
-from kvzoo.kernels.alignedkv_attention import aligned_pv, aligned_pv_ref, aligned_qk, aligned_qk_ref  # noqa: E402
+from kvzoo.kernels.alignedkv_attention import (aligned_decode, aligned_decode_static, aligned_pv,  # noqa: E402
+                                              aligned_pv_ref, aligned_qk, aligned_qk_ref)
 
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on", "yes") else "cuda"
 B, H = 2, 2
@@ -142,3 +143,45 @@ def test_wide_groups_and_row_mask():
         got = aligned_pv(p, o_est, *planes, 48, 8, block_n=16, row_mask=row_mask)
         check(got, aligned_pv_ref(p, o_est, *planes, 48, 8))
 
+
+
+def test_live_counts_from_a_device_tensor():
+    """live (CUDA graphs): the grid sized by the whole buffer, the kernels reading how many blocks / tokens count."""
+    g = torch.Generator().manual_seed(21)
+    keys = outliers(torch.randn(B, H, 4 * 16, 32, generator=g), g).half().to(DEVICE)
+    q = torch.randn(B, 2 * H, 32, generator=g).to(DEVICE)
+    planes = key_planes(keys, 16)
+    live = torch.tensor([3], dtype=torch.int32, device=DEVICE)
+    check(aligned_qk(q, *planes, 4, 8, live=live)[..., :48], aligned_qk(q, *planes, 3, 8))
+    p, o_est, planes = pv_inputs(2, 32, 96, 96, g)
+    for n in (0, 37, 96):
+        live = torch.tensor([n], dtype=torch.int32, device=DEVICE)
+        check(aligned_pv(p, o_est, *planes, 96, 8, block_n=16, num_splits=3, live=live),
+              aligned_pv(p, o_est, *planes, n, 8, block_n=16) if n else torch.zeros_like(o_est))
+    with pytest.raises(ValueError, match="live has dtype"):
+        aligned_pv(p, o_est, *planes, 96, 8, live=live.long())
+    with pytest.raises(ValueError, match="live has shape"):
+        aligned_qk(q, *key_planes(keys, 16), 4, 8, live=live.expand(2))
+
+
+@pytest.mark.parametrize("n_full, W", [(0, 5), (2, 1), (2, 16), (3, 9)])
+def test_decode_static_equals_decode(n_full, W):
+    """aligned_decode_static (scores over every stored slot, the tail a whole block, the rest masked) against
+    aligned_decode (scores over the complete blocks and a tail of W tokens)."""
+    g = torch.Generator().manual_seed(n_full * 100 + W)
+    G, d, BT, NB = 3, 32, 16, 4
+    keys = outliers(torch.randn(B, H, NB * BT, d, generator=g), g).half().to(DEVICE)
+    values = outliers(torch.randn(B, H, NB * BT, d, generator=g), g).half().to(DEVICE)
+    q = torch.randn(B, H * G, d, generator=g).to(DEVICE)
+    k_planes, v_planes = key_planes(keys, BT), value_planes(values)
+    tail_k = torch.randn(B, H, BT, d, generator=g).to(DEVICE)          # rows past W: whatever, masked
+    tail_v = torch.randn(B, H, BT, d, generator=g).to(DEVICE)
+    tail_v[:, :, W:] = 0
+    want = aligned_decode(q, *k_planes, *v_planes, n_full, tail_k[:, :, :W], tail_v[:, :, :W], 8, 8)
+    mask = (torch.arange(NB * BT, device=DEVICE) < n_full * BT + W).expand(B, -1)
+    got = aligned_decode_static(q, *k_planes, *v_planes, torch.tensor([n_full], device=DEVICE), tail_k, tail_v,
+                                mask, 8, 8)
+    check(got, want)
+    with pytest.raises(ValueError, match="mask has shape"):
+        aligned_decode_static(q, *k_planes, *v_planes, torch.tensor([n_full], device=DEVICE), tail_k, tail_v,
+                              mask[:, :8], 8, 8)

@@ -34,6 +34,21 @@ Only complete blocks are read aligned: the newest L mod BT tokens (the block bei
 being prefilled are read exact. Keys are stored after RoPE. Models in fp32/bf16 have their K and V rounded
 to fp16 when stored (the format is fp16's); a chunk's own tokens are attended at the model's precision.
 
+Where the reads happen: decode on CUDA runs the kernels (aligned_decode) once a block is complete, for unpadded
+rows; the rest runs the pure-torch reference (`aligned_attention`), which expands keys and values per query,
+(B, H, T, S, d). A prefill chunk after the first (chunked prefill) and simulated mode therefore go through it in
+blocks of queries, each fp32 temporary of that shape within QUERY_BLOCK_BYTES (256 MiB; a block's peak measured
+about 6 of them). The queries are independent, so the blocks change nothing but the memory (an 8192-token chunk
+over 32K slots would otherwise expand to hundreds of GB); the time stays the reference's, O(T * S * d).
+
+The static step (`decode_static`, captured whole in a CUDA graph by kvzoo/graphs.py) is decode with fixed
+shapes and no host sync: the slot L is a device tensor, every stored slot is scored (the complete blocks
+aligned by the kernels, which read how many there are from a device tensor; the block being filled and the
+token exact; unwritten slots, padding and a sliding window masked by StaticStep.mask), and the token is
+written into the planes in place at L (its key nibbles merged into the bytes they share with a neighbour).
+One graph per phase: 'close' when the token completes a block and its colmax exponents are recorded, 'fill'
+otherwise. On CPU the same step runs the torch reference over the whole buffer (how tests hold it to decode).
+
 Bytes per token per layer and KV head: 4*d (K and V planes; K in whole blocks of BT tokens) + d/BT (k_exp)
 + 1 (v_exp): 257.25 B at d = 64, BT = 64, against 256 for fp16 (ratio 1.005). What a decode step reads
 instead of 4*d bytes per token is what `stats` reports (bits per element, K and V apart).
@@ -50,12 +65,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvzoo.cache.base import LayerCache, Positions, attend, attend_split, full_mask, register
+from kvzoo.cache.base import LayerCache, Positions, StaticStep, attend, attend_split, full_mask, register
 
 LEVELS = (8, 12, 16)
 DIFF_FOR_12, DIFF_FOR_8 = 4, 8        # binary orders below the target at which 12 / 8 bits suffice
 FILL = {8: 0x80, 12: 0x8}             # the bits not read are filled with 100...
 KEEP = {8: 0xFF00, 12: 0xFFF0}
+QUERY_BLOCK_BYTES = 256 << 20         # the torch reference's per-query (B, H, T, S, d) fp32 temporaries, per block
 
 
 @dataclass(frozen=True)
@@ -153,12 +169,16 @@ def read_levels(x: Tensor, bits: Tensor) -> Tensor:
 
 def estimate_output(p: Tensor, values: Tensor, topk: int) -> Tensor:
     """O_est (B, Hq, T, d): the top-k probabilities of each query times their exact values.
-    p (B, Hq, T, S); values (B, H, T, S, d) (each query's exact view of the values)."""
+    p (B, Hq, T, S); values (B, H, T or 1, S, d) (each query's exact view of the values). Gathers the k
+    values each query head picks from its KV head's rows, never a copy of the values per query head."""
     B, Hq, T, S = p.shape
     H, d = values.shape[1], values.shape[-1]
+    G = Hq // H
     top_p, idx = p.topk(min(topk, S), dim=-1)                                     # (B, Hq, T, k)
-    vals = values[:, :, None].expand(B, H, Hq // H, T, S, d).reshape(B, Hq, T, S, d)
-    top_v = vals.gather(3, idx[..., None].expand(*idx.shape, d))                  # (B, Hq, T, k, d)
+    k = top_p.shape[-1]
+    by_kv = idx.view(B, H, G, T, k).transpose(2, 3).reshape(B, H, T, G * k)       # (B, H, T, G*k)
+    top_v = values.expand(B, H, T, S, d).gather(3, by_kv[..., None].expand(B, H, T, G * k, d))
+    top_v = top_v.view(B, H, T, G, k, d).transpose(2, 3).reshape(B, Hq, T, k, d)  # (B, Hq, T, k, d)
     return (top_p[..., None] * top_v).sum(3)
 
 
@@ -193,8 +213,8 @@ def aligned_attention(q: Tensor, k16: Tensor, v16: Tensor, k_exp: Tensor, v_exp:
     """Attention of T queries where query t reads keys/values [0, n_aligned[t]) at aligned precision.
 
     q (B, Hq, T, d) post-RoPE; k16, v16 (B, H, NA, d) fp16 as stored, NA = a multiple of `block` covering
-    max(n_aligned); k_exp (B, H, NA/block, d), v_exp (B, H, NA); exact_k, exact_v (B, H, T, S, d) or
-    broadcastable: what query t reads for key j when it reads it exact; n_aligned (T,) multiples of block;
+    max(n_aligned); k_exp (B, H, NA/block, d), v_exp (B, H, NA); exact_k, exact_v (B, H, T or 1, S, d): what
+    query t reads for key j when it reads it exact; n_aligned (T,) multiples of block (a device tensor: no sync);
     mask (B, 1, T, S) booleans. Returns (B, Hq, T, d) in q's dtype. fp32 products and softmax."""
     B, Hq, T, d = q.shape
     H, NA = k16.shape[1], k16.shape[2]
@@ -203,13 +223,11 @@ def aligned_attention(q: Tensor, k16: Tensor, v16: Tensor, k_exp: Tensor, v_exp:
     qf = q.float().view(B, H, G, T, d)
     slots = torch.arange(S, device=q.device)
     aligned = slots[None, :] < n_aligned[:, None]                                   # (T, S)
-    exact_k = exact_k.expand(B, H, T, S, d)
-    exact_v = exact_v.expand(B, H, T, S, d)
     # Rule 1: each key element read at its (query, block, channel) bits
     k_bits = key_levels(q, k_exp[:, :, :NB], min_bits)                              # (B, H, T, NB, d)
     k_blocks = k16.view(B, H, 1, NB, block, d)
     k_read = read_levels(k_blocks, k_bits[:, :, :, :, None]).view(B, H, T, NA, d)   # (B, H, T, NA, d)
-    keys = exact_k.float().clone()
+    keys = exact_k.float().expand(B, H, T, S, d).clone()
     keys[:, :, :, :NA] = torch.where(aligned[None, None, :, :NA, None], k_read, keys[:, :, :, :NA])
     scores = torch.einsum("bhgtd,bhtsd->bhgts", qf, keys) * d ** -0.5              # (B, H, G, T, S)
     p = scores.masked_fill(~mask[:, :, None], float("-inf")).softmax(-1).view(B, Hq, T, S)
@@ -217,7 +235,7 @@ def aligned_attention(q: Tensor, k16: Tensor, v16: Tensor, k_exp: Tensor, v_exp:
     o_est = estimate_output(p, exact_v.float(), topk)                                # (B, Hq, T, d)
     v_bits = value_levels(p[..., :NA], o_est, v_exp[:, :, :NA], min_bits)           # (B, H, T, NA, d)
     v_read = read_levels(v16[:, :, None], v_bits)                                   # (B, H, T, NA, d)
-    values = exact_v.float().clone()
+    values = exact_v.float().expand(B, H, T, S, d).clone()
     values[:, :, :, :NA] = torch.where(aligned[None, None, :, :NA, None], v_read, values[:, :, :, :NA])
     out = torch.einsum("bhgts,bhtsd->bhgtd", p.view(B, H, G, T, S), values).reshape(B, Hq, T, d)
     if stats is not None:
@@ -291,20 +309,34 @@ class AlignedKVCache(LayerCache):
     def _attend(self, q: Tensor, hist_k: Tensor, hist_v: Tensor, k: Tensor, v: Tensor, exact_mask: Tensor,
                 n_aligned: Tensor, mask: Tensor) -> Tensor:
         """q (B, Hq, T, d) over L stored slots (hist_*, fp16) and the chunk's T (k, v, model dtype).
-        exact_mask (T, L + T): True where query t reads the chunk's own exact copy of slot j."""
+        exact_mask (T or 1, L + T): True where query t reads the chunk's own exact copy of slot j.
+
+        The reference expands keys and values per query, (B, H, T, S, d), so queries go through it in blocks
+        of `rows`, each such fp32 temporary within QUERY_BLOCK_BYTES (a block's peak is about 6 of them); the
+        queries are independent, so the result does not depend on the blocking."""
         o = self.opts
         keys = torch.cat([hist_k.to(k.dtype), k], dim=2)               # (B, H, S, d), stored then chunk
         values = torch.cat([hist_v.to(v.dtype), v], dim=2)
         if o.min_bits == 16 or int(n_aligned.max()) == 0:
             return attend(q, keys, values, mask)
-        NA = -(-int(n_aligned.max()) // o.block) * o.block
-        stored16 = (torch.cat([hist_k, k.to(torch.float16)], dim=2),     # (B, H, S, d): every slot as stored
-                    torch.cat([hist_v, v.to(torch.float16)], dim=2))
-        em = exact_mask[None, None, :, :, None]                         # what an exact read of slot j gives
-        exact_k = torch.where(em, keys[:, :, None], stored16[0].to(k.dtype)[:, :, None])   # (B, H, T, S, d)
-        exact_v = torch.where(em, values[:, :, None], stored16[1].to(v.dtype)[:, :, None])
-        return aligned_attention(q, stored16[0][:, :, :NA], stored16[1][:, :, :NA], self.k_exp, self.v_exp,
-                                 exact_k, exact_v, n_aligned, mask, o.block, o.topk, o.min_bits, self.stats)
+        stored_k = torch.cat([hist_k, k.to(torch.float16)], dim=2)     # (B, H, S, d): every slot as stored
+        stored_v = torch.cat([hist_v, v.to(torch.float16)], dim=2)
+        B, H, S, d = keys.shape
+        rows = max(1, QUERY_BLOCK_BYTES // (4 * B * H * S * d))         # queries per block
+        out = []
+        for a in range(0, q.shape[2], rows):
+            t = slice(a, a + rows)
+            NA = -(-int(n_aligned[t].max()) // o.block) * o.block      # aligned slots any query of the block reads
+            if NA == 0:
+                out.append(attend(q[:, :, t], keys, values, mask[:, :, t]))
+                continue
+            em = exact_mask[t if exact_mask.shape[0] > 1 else slice(None)][None, None, :, :, None]  # (1, 1, Tb|1, S, 1)
+            exact_k = torch.where(em, keys[:, :, None], stored_k.to(k.dtype)[:, :, None])   # (B, H, Tb or 1, S, d)
+            exact_v = torch.where(em, values[:, :, None], stored_v.to(v.dtype)[:, :, None])
+            out.append(aligned_attention(q[:, :, t], stored_k[:, :, :NA], stored_v[:, :, :NA], self.k_exp, self.v_exp,
+                                         exact_k, exact_v, n_aligned[t], mask[:, :, t], o.block, o.topk, o.min_bits,
+                                         self.stats))
+        return torch.cat(out, dim=2)
 
     @staticmethod
     def _zero_padding(k: Tensor, v: Tensor, pos: Positions) -> tuple[Tensor, Tensor]:
@@ -321,17 +353,20 @@ class AlignedKVCache(LayerCache):
         L, T = self.length, q.shape[2]
         hist_k, hist_v = self._stored_keys(0, L), self._stored_values(L)
         n_aligned = torch.full((T,), L // self.opts.block * self.opts.block, device=q.device)
-        exact_mask = (torch.arange(L + T, device=q.device) >= L)[None, :].expand(T, L + T)
+        exact_mask = (torch.arange(L + T, device=q.device) >= L)[None, :]           # (1, L + T): every query alike
         out = self._attend(q, hist_k, hist_v, k, v, exact_mask, n_aligned, full_mask(pos, L + T, q.device))
         self._append(k, v)
         return out
 
     # ---- decode: the kernels on CUDA ---------------------------------------------------------------
+    def _kernels_fit(self) -> bool:
+        """`fused` is on and the kernels take the shapes: power-of-two head_dim and block >= 16 (tl.dot tiles)."""
+        pow2 = lambda n: n >= 16 and n & (n - 1) == 0                   # noqa: E731
+        return self.opts.fused and pow2(self.attn.head_dim) and pow2(self.opts.block)
+
     def _fused_ok(self, q: Tensor, pos: Positions) -> bool:
-        o, d = self.opts, self.attn.head_dim
-        pow2 = lambda n: n >= 16 and n & (n - 1) == 0                   # noqa: E731  (tl.dot tiles)
-        return (o.fused and q.is_cuda and o.min_bits < 16 and pos.mask is None and pow2(d) and pow2(o.block)
-                and self.length >= o.block)
+        o = self.opts
+        return q.is_cuda and o.min_bits < 16 and pos.mask is None and self._kernels_fit() and self.length >= o.block
 
     def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
         """One token: the complete blocks through aligned_qk / aligned_pv, which decide each element's bits
@@ -372,10 +407,98 @@ class AlignedKVCache(LayerCache):
             return attend_split(q, keys, values, stored_k.to(k.dtype), stored_v.to(v.dtype), use_stored, mask)
         n_aligned = torch.where(q_slots >= self.prompt, q_slots // self.opts.block * self.opts.block, 0)
         exact_mask = ~self.after_prompt(key_slots[None, :] < q_slots[:, None], q_slots)   # (T, L + T)
-        chunks = [self._attend(q[:, :, a:a + 32], hist_k, hist_v, k, v, exact_mask[a:a + 32], n_aligned[a:a + 32],
-                               mask[:, :, a:a + 32])
-                  for a in range(0, T, 32)]                            # 32 queries at a time bounds memory
-        return torch.cat(chunks, dim=2)
+        return self._attend(q, hist_k, hist_v, k, v, exact_mask, n_aligned, mask)
+
+    # ---- the static step (CUDA graphs, kvzoo/graphs.py) ----------------------------------------------
+    def _static_fused(self) -> bool:
+        """The static step runs the kernels on CUDA (aligned_decode_static); elsewhere the torch reference."""
+        return self.k_hi.is_cuda and self._kernels_fit()
+
+    def can_decode_static(self, padded: bool) -> bool:
+        """Streaming caches (simulated mode has no decode step); on CUDA only where the kernels fit, since the torch
+        reference over the whole buffer would build several (B, H, max_len, d) fp32 copies every step (the eager
+        decode, through PiecewiseDecoder, serves those settings). Padded rows and sliding windows are served: the
+        step masks its scores with StaticStep.mask."""
+        return not self.simulated and (self._static_fused() or not self.k_hi.is_cuda)
+
+    def static_phase(self) -> str:
+        """'close' when the token completes a block, whose colmax exponents the step then records; else 'fill'."""
+        return "close" if (self.length + 1) % self.opts.block == 0 else "fill"
+
+    def _static_slots(self, step: StaticStep) -> tuple[Tensor, Tensor]:
+        """(complete blocks before the token n_full (1,), mask (B, 1, 1, S) over every stored slot, S = NB*BT >=
+        max_len) from the device-held slot, shared by every layer."""
+        key = ("alignedkv", self.opts.block)
+        if key not in step.derived:
+            n_full = torch.div(step.slot, self.opts.block, rounding_mode="floor")
+            mask = step.mask.new_zeros(*step.mask.shape[:-1], self.v_exp.shape[2])
+            mask[..., :step.mask.shape[-1]] = step.mask
+            step.derived[key] = (n_full, mask)
+        return step.derived[key]
+
+    def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
+        """decode's attention at the device-held slot L = step.slot, with fixed shapes and no host sync: every
+        stored slot is scored, the complete blocks (n_full = L // BT of them) read aligned, the block being filled
+        and the token exact, the rest masked; then the token is written into the planes in place (and, in phase
+        'close', its block's colmax exponents). No read statistics: counting them would sync."""
+        q, k = self.attn.rope(q, k, step.ids)
+        n_full, mask = self._static_slots(step)
+        L, o = step.slot, self.opts
+        if self._static_fused():
+            from kvzoo.kernels.alignedkv_attention import aligned_decode_static
+
+            out = aligned_decode_static(q[:, :, 0], self.k_hi, self.k_mid, self.k_lo, self.k_exp, self.v_hi,
+                                        self.v_mid, self.v_lo, self.v_exp, n_full, *self._static_tail(k, v, L, n_full),
+                                        mask[:, 0, 0], o.topk, o.min_bits)
+            out = out.to(q.dtype)[:, :, None]                                             # (B, Hq, 1, d)
+        else:
+            S = self.v_exp.shape[2]
+            stored_k, stored_v = self._stored_keys(0, S), self._stored_values(S)          # (B, H, S, d) fp16
+            new = (torch.arange(S, device=q.device) == L)[:, None]                       # (S, 1): the token's slot
+            exact_k = torch.where(new, k, stored_k.to(k.dtype))[:, :, None]              # (B, H, 1, S, d)
+            exact_v = torch.where(new, v, stored_v.to(v.dtype))[:, :, None]
+            out = aligned_attention(q, stored_k, stored_v, self.k_exp, self.v_exp, exact_k, exact_v, n_full * o.block,
+                                    mask, o.block, o.topk, o.min_bits)
+        self._store_static(k, v, L, n_full)
+        if self.static_phase() == "close":
+            self.k_exp.index_copy_(2, n_full, exponent(self._block_keys(n_full).abs().amax(-1)).to(torch.int8))
+        return out
+
+    def _block_keys(self, n: Tensor) -> Tensor:
+        """fp16 keys of block n, a device tensor (1,): (B, H, 1, d, BT), channel-major as stored."""
+        return join_planes(*(t.index_select(2, n) for t in (self.k_hi, self.k_mid, self.k_lo)))
+
+    def _static_tail(self, k: Tensor, v: Tensor, L: Tensor, n_full: Tensor) -> tuple[Tensor, Tensor]:
+        """The block being filled, exact, (B, H, BT, d) each: stored slots before L, the token's own k, v at L, and
+        zero values after it (slots left from an earlier sequence could hold anything)."""
+        BT = self.opts.block
+        slots = (n_full * BT + torch.arange(BT, device=k.device))[:, None]                   # (BT, 1)
+        keys = self._block_keys(n_full).transpose(-1, -2).flatten(2, 3)                      # (B, H, BT, d)
+        values = join_planes(*(t.index_select(2, slots[:, 0]) for t in (self.v_hi, self.v_mid, self.v_lo)))
+        tail_k = torch.where(slots == L, k, keys.to(k.dtype))
+        tail_v = torch.where(slots < L, values.to(v.dtype), torch.where(slots == L, v, 0))
+        return tail_k, tail_v
+
+    def _store_static(self, k: Tensor, v: Tensor, L: Tensor, n_full: Tensor) -> None:
+        """The token (k, v (B, H, 1, d)) into the planes at the device-held slot L, in place: its key's high bytes,
+        its key nibbles merged into the bytes they share with the block's neighbouring token, its value rows and
+        rowmax exponent."""
+        B, H, _, d = k.shape
+        BT = self.opts.block
+        t = L - n_full * BT                                                  # (1,) the token's place in its block
+        rows = n_full * d + torch.arange(d, device=k.device)                 # (d,) its block's channel rows
+        bits = fp16_bits(k[:, :, 0])                                         # (B, H, d)
+        self.k_hi.view(B, H, -1).index_copy_(2, rows * BT + t, (bits >> 8).to(torch.uint8))   # (B, H, NB*d*BT)
+        odd = t % 2 == 1                                                     # the high nibble of its byte
+        for plane, nibble in ((self.k_mid, (bits >> 4) & 0xF), (self.k_lo, bits & 0xF)):
+            flat, at = plane.view(B, H, -1), rows * (BT // 2) + t // 2        # (B, H, NB*d*BT/2), (d,)
+            byte = flat.index_select(2, at).to(torch.int32)                   # (B, H, d)
+            merged = torch.where(odd, (byte & 0x0F) | (nibble << 4), (byte & 0xF0) | nibble)
+            flat.index_copy_(2, at, merged.to(torch.uint8))
+        v16 = v.to(torch.float16)
+        for plane, part in zip((self.v_hi, self.v_mid, self.v_lo), split_planes(v16)):
+            plane.index_copy_(2, L, part)                                    # (B, H, 1, d or d/2) into row L
+        self.v_exp.index_copy_(2, L, exponent(v16.abs().amax(-1)).to(torch.int8))
 
     # ---- bookkeeping -------------------------------------------------------------------------------
     def nbytes(self) -> int:

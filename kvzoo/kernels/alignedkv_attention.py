@@ -46,6 +46,9 @@ at stride 2).
                 sums each head's products over the tile; G >= 16 uses tl.dot. The partials
                 (B*H, splits, G, d) are summed by torch.
 aligned_decode writes the tail scores into the aligned scores' buffer (no concatenation) and scales in place.
+aligned_decode_static is the same step with fixed shapes for CUDA graphs (the cache's decode_static): given `live`,
+an int32 device tensor, both kernels read the count of complete blocks / aligned tokens from it (the grid sized by
+the whole buffer; a program past it does nothing), and the scores span every stored slot, masked where not attended.
 
 Every launcher checks shapes, dtypes and devices and raises ValueError; each has a pure-torch `*_ref` built on
 kvzoo.cache.alignedkv's key_levels / value_levels / read_levels. CPU tensors need TRITON_INTERPRET=1.
@@ -73,6 +76,14 @@ def _exponent(x):
 
 
 @triton.jit
+def _live(len_ptr, COUNT, DYN: tl.constexpr):
+    """How many blocks (tokens) are live: COUNT, or with DYN the device tensor `live` (CUDA graphs)."""
+    if DYN:
+        return tl.load(len_ptr)
+    return COUNT
+
+
+@triton.jit
 def _level(diff, MIN_BITS: tl.constexpr):
     bits = tl.where(diff >= _D8, 8, tl.where(diff >= _D12, 12, 16))
     return tl.maximum(bits, MIN_BITS)
@@ -96,9 +107,9 @@ def _pair(hw, m, l, bits_a, bits_b):
 
 
 @triton.jit
-def _qk_kernel(q_ptr, hi_ptr, mid_ptr, lo_ptr, exp_ptr, out_ptr, NBLK, PER_PROG, S_OUT, s_hi, s_mid, s_lo, s_exp,
-               G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, MIN_BITS: tl.constexpr,
-               USE_DOT: tl.constexpr):
+def _qk_kernel(q_ptr, hi_ptr, mid_ptr, lo_ptr, exp_ptr, out_ptr, len_ptr, NBLK, PER_PROG, S_OUT, s_hi, s_mid, s_lo,
+               s_exp, G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, MIN_BITS: tl.constexpr,
+               USE_DOT: tl.constexpr, DYN: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)                # b*H + KV head
     HT: tl.constexpr = BT // 2                         # token pairs per block
     g = tl.arange(0, G_P)
@@ -108,6 +119,7 @@ def _qk_kernel(q_ptr, hi_ptr, mid_ptr, lo_ptr, exp_ptr, out_ptr, NBLK, PER_PROG,
     heads = row * G + g                                # query rows b*Hq + kv*G + g
     q = tl.load(q_ptr + heads[:, None] * D + i[None, :], mask=live_g[:, None], other=0).to(tl.float32)  # (G_P, D)
     e_q = _exponent(q)
+    NBLK = _live(len_ptr, NBLK, DYN)
     first = tl.program_id(1) * PER_PROG
     for b in range(0, PER_PROG):
         n = first + b                                  # block
@@ -135,9 +147,9 @@ def _qk_kernel(q_ptr, hi_ptr, mid_ptr, lo_ptr, exp_ptr, out_ptr, NBLK, PER_PROG,
 
 
 @triton.jit
-def _pv_kernel(p_ptr, o_ptr, hi_ptr, mid_ptr, lo_ptr, exp_ptr, part_ptr, N, S_P, PER_SPLIT, s_hi, s_mid, s_lo, s_exp,
-               G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_BITS: tl.constexpr,
-               USE_DOT: tl.constexpr, ROW_MASK: tl.constexpr):
+def _pv_kernel(p_ptr, o_ptr, hi_ptr, mid_ptr, lo_ptr, exp_ptr, part_ptr, len_ptr, N, S_P, PER_SPLIT, s_hi, s_mid, s_lo,
+               s_exp, G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+               MIN_BITS: tl.constexpr, USE_DOT: tl.constexpr, ROW_MASK: tl.constexpr, DYN: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)                # b*H + KV head
     split = tl.program_id(1)
     HD: tl.constexpr = D // 2                          # channel pairs
@@ -149,7 +161,8 @@ def _pv_kernel(p_ptr, o_ptr, hi_ptr, mid_ptr, lo_ptr, exp_ptr, part_ptr, N, S_P,
     acc_odd = tl.zeros((G_P, HD), dtype=tl.float32)    # channels 2c+1
     tile_even = tl.zeros((BLOCK_N, HD), dtype=tl.float32)   # G == 1: products summed over tokens at the end
     tile_odd = tl.zeros((BLOCK_N, HD), dtype=tl.float32)
-    for start in range(0, PER_SPLIT, BLOCK_N):
+    N = _live(len_ptr, N, DYN)
+    for start in range(0, tl.minimum(PER_SPLIT, N - split * PER_SPLIT), BLOCK_N):   # a split past N stores zeros
         j = split * PER_SPLIT + start + tl.arange(0, BLOCK_N)
         live = j < N
         # Rule 2: the least diff over the group's query heads, from o_est, p and the rowmax exponents
@@ -237,11 +250,13 @@ def _words(t: Tensor) -> Tensor:
 
 def aligned_qk(q: Tensor, k_hi: Tensor, k_mid: Tensor, k_lo: Tensor, k_exp: Tensor, n_blocks: int,
                min_bits: int, blocks_per_program: int | None = None, out: Tensor | None = None,
-               num_warps: int = 4) -> Tensor:
+               num_warps: int = 4, live: Tensor | None = None) -> Tensor:
     """Unscaled scores q · k̃ᵀ (B, Hq, n_blocks*BT) fp32 over the first n_blocks key blocks, each key channel of
     each block read at the bits Rule 1 gives it. q (B, Hq, d) fp16/bf16/fp32; the planes may hold NB >= n_blocks
     blocks (the cache's whole buffers). blocks_per_program defaults to filling the device; `out`, a contiguous
-    fp32 (B, Hq, S >= n_blocks*BT), takes the scores in its first n_blocks*BT slots (and is returned whole)."""
+    fp32 (B, Hq, S >= n_blocks*BT), takes the scores in its first n_blocks*BT slots (and is returned whole).
+    live, an int32 device tensor (1,) <= n_blocks, is read by the kernel as the number of blocks to score, n_blocks
+    then only sizing the grid (CUDA graphs: no host sync); the slots of the other blocks are left unwritten."""
     _check_common("k_hi", k_hi, 5, min_bits)
     B, H, NB, d, BT = k_hi.shape
     if not isinstance(q, Tensor) or q.dim() != 3:
@@ -260,6 +275,8 @@ def aligned_qk(q: Tensor, k_hi: Tensor, k_mid: Tensor, k_lo: Tensor, k_exp: Tens
         check_tensor(t, name, shape, (dtype,), dev)
     if not 0 <= n_blocks <= NB:
         raise ValueError(f"n_blocks = {n_blocks} is outside the {NB} stored blocks")
+    if live is not None:
+        check_tensor(live, "live", (1,), (torch.int32,), dev)
     if out is None:
         out = torch.empty(B, Hq, n_blocks * BT, dtype=torch.float32, device=dev)
     elif (not isinstance(out, Tensor) or out.dim() != 3 or out.shape[:2] != (B, Hq) or out.shape[2] < n_blocks * BT
@@ -272,9 +289,9 @@ def aligned_qk(q: Tensor, k_hi: Tensor, k_mid: Tensor, k_lo: Tensor, k_exp: Tens
     progs, per_prog = split_groups(n_blocks, B * H, dev, -(-n_blocks // blocks_per_program))
     (hi, s_hi), (mid, s_mid), (lo, s_lo), (ex, s_exp) = map(head_rows, (_words(k_hi), k_mid, k_lo, k_exp))
     use_dot = _use_dot(G, BT // 2, d)
-    _qk_kernel[(B * H, progs)](q.contiguous(), hi, mid, lo, ex, out, n_blocks, per_prog, out.shape[2],
-                               s_hi, s_mid, s_lo, s_exp, G=G, G_P=max(G_P, 16) if use_dot else G_P, D=d, BT=BT,
-                               MIN_BITS=min_bits, USE_DOT=use_dot, num_warps=num_warps)
+    _qk_kernel[(B * H, progs)](q.contiguous(), hi, mid, lo, ex, out, out if live is None else live, n_blocks, per_prog,
+                               out.shape[2], s_hi, s_mid, s_lo, s_exp, G=G, G_P=max(G_P, 16) if use_dot else G_P, D=d,
+                               BT=BT, MIN_BITS=min_bits, USE_DOT=use_dot, DYN=live is not None, num_warps=num_warps)
     return out
 
 
@@ -293,12 +310,14 @@ def aligned_qk_ref(q: Tensor, k_hi: Tensor, k_mid: Tensor, k_lo: Tensor, k_exp: 
 
 def aligned_pv(p: Tensor, o_est: Tensor, v_hi: Tensor, v_mid: Tensor, v_lo: Tensor, v_exp: Tensor, n_tokens: int,
                min_bits: int, block_n: int = 64, num_splits: int | None = None, row_mask: bool = True,
-               num_warps: int | None = None) -> Tensor:
+               num_warps: int | None = None, live: Tensor | None = None) -> Tensor:
     """p · ṽ (B, Hq, d) fp32 over the first n_tokens value rows, each element read at the bits Rule 2 gives it.
     p (B, Hq, S) fp32 probabilities, S >= n_tokens (only the first n_tokens are read); o_est (B, Hq, d) fp32;
     the planes may hold N >= n_tokens rows. num_splits (split-K over tokens) defaults to filling the device.
     row_mask fetches a token's whole v_mid / v_lo row once any of its bytes is needed (vector loads; the same
-    result, since each element still keeps only the nibbles its own level reads)."""
+    result, since each element still keeps only the nibbles its own level reads). live, an int32 device tensor (1,)
+    <= n_tokens, is read by the kernel as the number of rows to sum, n_tokens then only sizing the grid (CUDA
+    graphs: no host sync)."""
     _check_common("v_hi", v_hi, 4, min_bits)
     B, H, N, d = v_hi.shape
     if not isinstance(p, Tensor) or p.dim() != 3:
@@ -318,6 +337,8 @@ def aligned_pv(p: Tensor, o_est: Tensor, v_hi: Tensor, v_mid: Tensor, v_lo: Tens
         check_tensor(t, name, shape, (dtype,), dev)
     if not 0 <= n_tokens <= min(N, S):
         raise ValueError(f"n_tokens = {n_tokens} exceeds the {N} stored values or the {S} probabilities")
+    if live is not None:
+        check_tensor(live, "live", (1,), (torch.int32,), dev)
     if B == 0 or n_tokens == 0:
         return torch.zeros(B, Hq, d, dtype=torch.float32, device=dev)
     splits, per_split = split_groups(triton.cdiv(n_tokens, block_n), B * H, dev, num_splits)
@@ -327,10 +348,10 @@ def aligned_pv(p: Tensor, o_est: Tensor, v_hi: Tensor, v_mid: Tensor, v_lo: Tens
     use_dot = _use_dot(G, block_n, d // 2)
     if num_warps is None:                             # a sweep's best at 128K tokens, d = 128
         num_warps = 8 if G == 1 else 4
-    _pv_kernel[(B * H, splits)](p, o_est.contiguous(), hi, mid, lo, ex, partials, n_tokens, S, per_split * block_n,
-                                s_hi, s_mid, s_lo, s_exp, G=G, G_P=max(G_P, 16) if use_dot else G_P, D=d,
-                                BLOCK_N=block_n, MIN_BITS=min_bits, USE_DOT=use_dot, ROW_MASK=row_mask,
-                                num_warps=num_warps)
+    _pv_kernel[(B * H, splits)](p, o_est.contiguous(), hi, mid, lo, ex, partials, partials if live is None else live,
+                                n_tokens, S, per_split * block_n, s_hi, s_mid, s_lo, s_exp, G=G,
+                                G_P=max(G_P, 16) if use_dot else G_P, D=d, BLOCK_N=block_n, MIN_BITS=min_bits,
+                                USE_DOT=use_dot, ROW_MASK=row_mask, DYN=live is not None, num_warps=num_warps)
     return partials.sum(1).view(B, Hq, d)                                       # (B*H, G, d) -> (B, Hq, d)
 
 
@@ -367,16 +388,47 @@ def aligned_decode(q: Tensor, k_hi: Tensor, k_mid: Tensor, k_lo: Tensor, k_exp: 
     return out + torch.einsum("bhgw,bhwd->bhgd", p[..., NA:].view(B, H, G, -1), tail_v.float()).reshape(B, Hq, d)
 
 
-def _estimate(p: Tensor, v_hi: Tensor, v_mid: Tensor, v_lo: Tensor, tail_v: Tensor, NA: int, topk: int) -> Tensor:
+def aligned_decode_static(q: Tensor, k_hi: Tensor, k_mid: Tensor, k_lo: Tensor, k_exp: Tensor, v_hi: Tensor,
+                          v_mid: Tensor, v_lo: Tensor, v_exp: Tensor, n_full: Tensor, tail_k: Tensor, tail_v: Tensor,
+                          mask: Tensor, topk: int, min_bits: int) -> Tensor:
+    """aligned_decode with fixed shapes and no host sync, so that a CUDA graph holds it (kvzoo/graphs.py): the scores
+    span every stored slot (S = NB*BT), and the kernels cover every block, reading how many are complete from
+    n_full, a device tensor (1,) int64. tail_k, tail_v (B, H, BT, d): the block being filled (slots n_full*BT +
+    [0, BT)) read exact, its rows past the new token finite (they get p = 0); mask (B, S) booleans: the slots
+    attended (the tail's unwritten slots and every later one masked out). Returns (B, Hq, d) fp32."""
+    B, Hq, d = q.shape
+    H, NB, BT = k_hi.shape[1], k_hi.shape[2], k_hi.shape[-1]
+    G, S = Hq // H, NB * BT
+    dev = q.device
+    check_tensor(n_full, "n_full", (1,), (torch.int64,), dev)
+    check_tensor(mask, "mask", (B, S), (torch.bool,), dev)
+    for name, t in (("tail_k", tail_k), ("tail_v", tail_v)):
+        check_tensor(t, name, (B, H, BT, d), (torch.float16, torch.bfloat16, torch.float32), dev)
+    NA = n_full * BT                                                                  # (1,) the tail's first slot
+    tail = NA + torch.arange(BT, device=dev)                                          # (BT,) the tail's slots
+    scores = torch.empty(B, Hq, S, dtype=torch.float32, device=dev)
+    aligned_qk(q, k_hi, k_mid, k_lo, k_exp, NB, min_bits, out=scores, live=n_full.to(torch.int32))   # slots < NA
+    tail_scores = torch.einsum("bhgd,bhwd->bhgw", q.float().view(B, H, G, d), tail_k.float())    # (B, H, G, BT)
+    scores.index_copy_(2, tail, tail_scores.reshape(B, Hq, BT))
+    p = scores.mul_(d ** -0.5).masked_fill_(~mask[:, None], float("-inf")).softmax(-1)            # (B, Hq, S)
+    o_est = _estimate(p, v_hi, v_mid, v_lo, tail_v, NA, topk)
+    out = aligned_pv(p, o_est, v_hi, v_mid, v_lo, v_exp, S, min_bits, live=NA.to(torch.int32))
+    p_tail = p.index_select(2, tail).view(B, H, G, BT)
+    return out + torch.einsum("bhgw,bhwd->bhgd", p_tail, tail_v.float()).reshape(B, Hq, d)
+
+
+def _estimate(p: Tensor, v_hi: Tensor, v_mid: Tensor, v_lo: Tensor, tail_v: Tensor, NA: int | Tensor,
+              topk: int) -> Tensor:
     """O_est (B, Hq, d): each head's top-k probabilities times their exact values, gathered from the planes
-    (slots < NA) or the exact tail, without copying the cache."""
+    (slots < NA) or the exact tail (slots NA + [0, W)), without copying the cache. NA is an int or a device tensor
+    (1,); a slot past the tail (p = 0, picked only where fewer than topk slots are attended) reads its last row."""
     B, Hq, S = p.shape
-    H, d = tail_v.shape[1], tail_v.shape[-1]
+    H, W, d = tail_v.shape[1], tail_v.shape[2], tail_v.shape[-1]
     G = Hq // H
     top_p, idx = p.topk(min(topk, S), dim=-1)                                         # (B, Hq, k)
     b = torch.arange(B, device=p.device)[:, None, None]
     h = (torch.arange(Hq, device=p.device) // G)[None, :, None]                       # each query head's KV head
-    planes = idx.clamp_max(max(NA - 1, 0))
+    planes = idx.clamp(max=NA - 1).clamp_min(0)
     stored = join_planes(v_hi[b, h, planes], v_mid[b, h, planes], v_lo[b, h, planes]).float()   # (B, Hq, k, d)
-    vals = torch.where((idx < NA)[..., None], stored, tail_v[b, h, (idx - NA).clamp_min(0)].float())
+    vals = torch.where((idx < NA)[..., None], stored, tail_v[b, h, (idx - NA).clamp(0, W - 1)].float())
     return (top_p.view(B, H, G, -1, 1) * vals.view(B, H, G, -1, d)).sum(3).view(B, Hq, d)
