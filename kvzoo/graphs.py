@@ -10,12 +10,18 @@ once and replays them with one call. That needs the step to have fixed shapes an
 - attention runs over every preallocated slot, those not yet written masked out (so its cost grows with
   the buffer, `max_len`, not with the tokens stored: generation sizes the buffer to prompt + new tokens).
 
-A strategy opts in with `LayerCache.can_decode_static` and `decode_static`. The fp16 cache does (attention over
-every slot, the unwritten ones masked). InnerQ does through its fused kernel, which reads how many quantized
-and window tokens are live from a device tensor (grid sized by the buffer, programs past the live tokens
-return at once); its host-side counters only choose which of three recorded steps to replay
-(`static_phase`: the token joins the sink window, the recent window, or fills it and a group is quantized).
-Strategies without a static step use `PiecewiseDecoder`, which captures everything except attention: per
+A strategy opts in with `LayerCache.can_decode_static` and `decode_static`:
+- fp16: attention over every slot, the unwritten ones masked;
+- InnerQ: its fused kernel, which reads how many quantized and window tokens are live from a device tensor
+  (grid sized by the buffer, programs past the live tokens return at once); its host-side counters only
+  choose which of three recorded steps to replay (`static_phase`: the token joins the sink window, the recent
+  window, or fills it and a group is quantized);
+- XQuant and XQuant-CL: K and V rematerialized from every allocated slot (dequant_matmul), the dead ones
+  masked; a "flush" phase quantizes the window's oldest group at a device-held slot;
+- AlignedKV: its kernels over the complete blocks, counted from a device tensor; a "close" phase records
+  a completed block's colmax exponents.
+Strategies without a static step (KIVI, SQuat, KV Pareto: their decode has no kernel to capture) use
+`PiecewiseDecoder`, which captures everything except attention: per
 layer, one graph from the block's input to q, k, v and one from the attention output to the next block's
 input; the strategy's `decode` runs eagerly between them. `decoder()` picks the whole-step graph where every
 layer has a static step, else the piecewise one. On a CPU (no CUDA graphs) both run the same code eagerly
@@ -59,8 +65,9 @@ class GraphDecoder:
         refused = {type(layer).name for layer in cache.layers if not layer.can_decode_static(padded)}
         if refused:
             raise ValueError(f"cache strategy {', '.join(sorted(refused))} has no static decode step here (whole-step "
-                             f"graphs serve fp16, and innerq through its kernel: 2 or 4 bits, inner layout, rows "
-                             f"without padding); PiecewiseDecoder serves every strategy")
+                             f"graphs serve fp16, xquant, xquant-cl, alignedkv where its kernels fit, and innerq "
+                             f"through its kernel: 2 or 4 bits, inner layout, rows without padding); "
+                             f"PiecewiseDecoder serves every strategy")
         self.model, self.cache = model, cache
         device = model.device
         B = cache.layers[0].batch_size
