@@ -31,7 +31,8 @@ steps' memory does not depend on how full the buffers are, so this is only run w
 strategies with a whole-step graph); HF's caches are given that many random K/V tokens through update().
 
 --plot draws tokens/s against context: a panel per batch (the largest batches in one), a line per cache and
-step. --merge joins earlier OUT.json files into one table and plot without a GPU.
+step. --merge joins earlier OUT.json files into one table and plot without a GPU (a cell measured again
+keeps its later row).
 Writes OUT.json and OUT.md (the GPU named in both); refuses to replace them without --overwrite.
 """
 
@@ -466,12 +467,27 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def merged_rows(runs: list[dict]) -> list[dict]:
+    """The rows of several result files; a cell measured again (same model, implementation, cache, step,
+    context, and batch or largest-batch / largest-context search) keeps only its later row, in its place."""
+    cells = {}
+    for run in runs:
+        for r in run["rows"]:
+            key = tuple(r.get(k) for k in ("model", "impl", "cache", "step", "context")) + \
+                (("largest batch",) if "max_batch" in r else ("largest context",) if "max_context" in r
+                 else (r.get("batch"),))
+            cells.pop(key, None)
+            cells[key] = r
+    return list(cells.values())
+
+
 def main() -> None:
     args = parse_args()
     if args.merge:
         runs = [json.loads(Path(f).read_text()) for f in args.merge]
-        write(args, [r for run in runs for r in run["rows"]], runs[0]["gpu"], runs[0]["torch"],
-              f"merged from {', '.join(Path(f).name for f in args.merge)}")
+        write(args, merged_rows(runs), runs[0]["gpu"], runs[0]["torch"],
+              f"merged from {', '.join(Path(f).name for f in args.merge)} (a later file's row replaces an earlier "
+              f"one of the same cell)")
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py times decoding on a CUDA GPU and found none")
