@@ -10,7 +10,7 @@ from kvzoo.cache.alignedkv import AlignedKVCache
 from kvzoo.generate import prefill
 from kvzoo.graphs import GraphDecoder, PiecewiseDecoder, decoder
 from kvzoo.kernels.quant_matvec import kernels_run_on
-from tests.test_graphs import decode_both, model, windowed  # noqa: F401  (the tiny model fixtures)
+from tests.test_graphs import decode_both, model, whole_step_equals_eager, windowed  # noqa: F401  (the tiny model fixtures)
 
 
 def kernels_on_cpu(monkeypatch):
@@ -62,12 +62,7 @@ def test_whole_step_equals_eager(model, cache, kernels, monkeypatch):  # noqa: F
     reads of two complete blocks, through the torch reference or the kernels reading live lengths."""
     if kernels:
         kernels_on_cpu(monkeypatch)
-    prompts = torch.randint(3, 97, (2, 2), generator=torch.Generator().manual_seed(4))
-    kv = model.new_cache(cache, 2, 42)
-    prefill(model, prompts, kv, None)
-    assert isinstance(decoder(model, kv), GraphDecoder)
-    eager, static = decode_both(model, prompts, None, steps=40, cache=cache)
-    torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
+    whole_step_equals_eager(model, cache)
 
 
 @pytest.mark.parametrize("kernels", [False, True])

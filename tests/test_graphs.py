@@ -9,7 +9,7 @@ from kvzoo.generate import generate, prefill
 from kvzoo.graphs import GraphDecoder, PiecewiseDecoder, decoder
 from kvzoo.models.loader import load_weights
 from tests.test_generate import CharTokenizer
-from tests.tiny import tiny_llama
+from tests.tiny import tiny_llama, tiny_mistral
 
 
 @pytest.fixture(scope="module")
@@ -20,15 +20,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def windowed(tmp_path_factory):
     """A tiny Mistral with a sliding window of 6 tokens."""
-    import transformers
-
-    path = tmp_path_factory.mktemp("tinyw")
-    torch.manual_seed(0)
-    cfg = transformers.MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                     max_position_embeddings=256, sliding_window=6)
-    transformers.MistralForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    model = load_weights(path)
+    model = load_weights(tiny_mistral(tmp_path_factory.mktemp("tinyw")))
     assert model.cfg.sliding_window == 6
     return model
 
@@ -86,6 +78,11 @@ def test_innerq_whole_step_equals_eager(model, cache):
     """InnerQ's static step (its kernel reading the live lengths from a device tensor, under the interpreter on
     CPU) against the eager decode (the torch path), through every phase: tokens joining the sink window, the
     recent window, and filling it so that a group is quantized inside the step (prompt of 2 tokens, 40 steps)."""
+    whole_step_equals_eager(model, cache)
+
+
+def whole_step_equals_eager(model, cache: str) -> None:
+    """decoder() picks the whole-step graph for `cache`, and its 40 steps after a 2-token prompt equal eager."""
     prompts = torch.randint(3, 97, (2, 2), generator=torch.Generator().manual_seed(4))
     kv = model.new_cache(cache, 2, 42)
     prefill(model, prompts, kv, None)

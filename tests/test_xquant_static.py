@@ -14,36 +14,17 @@ from kvzoo.cache.xquant import LatentStore
 from kvzoo.generate import prefill
 from kvzoo.graphs import GraphDecoder, decoder
 from kvzoo.models.loader import load_weights
-from tests.tiny import tiny_llama
+from tests.test_xquant import gqa, mha  # noqa: F401  (fixtures: 4-layer MHA and GQA Llamas)
+from tests.tiny import tiny_mistral
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 STEPS = 40
 
 
 @pytest.fixture(scope="module")
-def mha(tmp_path_factory):
-    """4 layers of 4 heads, 4 KV heads: XQuant caches X itself."""
-    return load_weights(tiny_llama(tmp_path_factory.mktemp("mha"), num_key_value_heads=4, num_hidden_layers=4))
-
-
-@pytest.fixture(scope="module")
-def gqa(tmp_path_factory):
-    """4 layers, 4 query heads sharing 2 KV heads: XQuant caches the SVD latents, XQuant-CL latent deltas."""
-    return load_weights(tiny_llama(tmp_path_factory.mktemp("gqa"), num_hidden_layers=4))
-
-
-@pytest.fixture(scope="module")
 def windowed(tmp_path_factory):
     """A tiny 4-layer GQA Mistral with a sliding window of 6 tokens."""
-    import transformers
-
-    path = tmp_path_factory.mktemp("tinyw")
-    torch.manual_seed(0)
-    cfg = transformers.MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                     max_position_embeddings=256, sliding_window=6)
-    transformers.MistralForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    return load_weights(path)
+    return load_weights(tiny_mistral(tmp_path_factory.mktemp("tinyw"), num_hidden_layers=4))
 
 
 def decode_both(model, spec: str, pad: torch.Tensor | None, device="cpu"):
