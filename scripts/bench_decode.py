@@ -26,9 +26,11 @@ out of memory). Those batches are filled by copying one prefilled row into
 every row (kvzoo: ModelCache.repeat_row; HF: the row's K/V given to the new cache's own update()): decoding
 costs the same whatever the rows hold, and prefilling 60 x 32K tokens per probe would take minutes.
 --find-max-context: per model x cache, the largest context that fits at batch 1 (doubling from 128K, then
-bisection to 1K): kvzoo allocates its buffers for that many tokens, prefills 64 and decodes (the static
-steps' memory does not depend on how full the buffers are, so this is only run with --compile and for
-strategies with a whole-step graph); HF's caches are given that many random K/V tokens through update().
+bisection to 1K): kvzoo allocates its buffers for that many tokens, prefills 64 and decodes two tokens. A
+strategy with a whole-step graph (with --compile) decodes so at once: its memory does not depend on how full
+the buffers are. The others (KIVI, SQuat, KV Pareto: their eager decode dequantizes the whole history) first
+have the rest of the context stored as random K/V through each layer's own store path (quantization, no
+attention), as HF's caches are given that many random K/V tokens through update().
 
 --plot draws tokens/s against context: a panel per batch (the largest batches in one), a line per cache and
 step. --merge joins earlier OUT.json files into one table and plot without a GPU (a cell measured again
@@ -51,6 +53,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvzoo.cache.base import CacheSpec, fp16_kv_nbytes  # noqa: E402
+from kvzoo.cache.kvpareto import KVParetoCache  # noqa: E402
 from kvzoo.config import ModelConfig  # noqa: E402
 from kvzoo.generate import decode_one_token, prefill  # noqa: E402
 from kvzoo.graphs import decoder  # noqa: E402
@@ -198,16 +201,36 @@ class Kvzoo:
         """(KV bytes held, tokens per row)."""
         return filled.cache.nbytes(), filled.cache.length
 
-    def fits_context(self, cache: str, context: int) -> bool:
-        """Buffers for `context` tokens, a short prompt, two whole-step graph decodes."""
+    def fits_context(self, cache: str, context: int, static: bool) -> bool:
+        """Buffers for `context` tokens, a short prompt, two decodes: through the whole-step graph (`static`), or
+        eagerly once the buffers are full."""
         kv = self.model.new_cache(cache, batch_size=1, max_len=context)
         ids = torch.randint(0, self.shape[3], (1, PROBE_TOKENS), device=self.device)
         token = prefill(self.model, ids, kv, None).argmax(-1)
-        step = decoder(self.model, kv)
+        if static:
+            step = decoder(self.model, kv)
+        else:
+            store_random(kv, context - PROBE_TOKENS - 2)
+            step = lambda t: decode_one_token(self.model, t, kv, None)  # noqa: E731
         for _ in range(2):
             token = step(token).argmax(-1)
         sync()
         return True
+
+
+def store_random(kv, tokens: int, chunk: int = 65536) -> None:
+    """Store `tokens` random K/V tokens (B = 1) in every layer through the strategy's own store path
+    (`_append`: windows, quantization), with no attention: a largest-context probe of a strategy without a
+    whole-step graph, whose eager decode's memory grows with the tokens held."""
+    for layer in kv.layers:
+        weight, n_kv, d = layer.attn.q_proj.weight, layer.attn.n_kv_heads, layer.attn.head_dim
+        for start in range(0, tokens, chunk):
+            k, v = torch.randn(2, 1, n_kv, min(chunk, tokens - start), d, dtype=weight.dtype, device=weight.device)
+            if isinstance(layer, KVParetoCache):
+                layer._append(k, v, torch.ones(1, k.shape[2], dtype=torch.bool, device=k.device))
+            else:
+                layer._append(k, v)
+    kv.length += tokens
 
 
 class HuggingFace:
@@ -395,12 +418,15 @@ def cells(runner, args, label: str, caches: list[str], graph_modes: list[bool]) 
                 free_memory()
     if args.find_max_context:
         for cache in caches:
-            if runner.impl == "kvzoo" and not (args.compile and static_step(runner, cache)):
-                continue
+            if runner.impl == "kvzoo":
+                static = args.compile and static_step(runner, cache)
+                probe, how = (lambda n: runner.fits_context(cache, n, static)), ("graph" if static else "eager")
+            else:
+                probe, how = (lambda n: runner.fits_context(cache, n)), "eager"
             with torch.inference_mode():
                 limit = min(runner.context_limit, args.max_context)
-                best = largest(lambda n: fits(lambda: runner.fits_context(cache, n)), min(131072, limit), limit, 1024)
-            rows.append({"model": label, "impl": runner.impl, "cache": cache, "max_context": best})
+                best = largest(lambda n: fits(lambda: probe(n)), min(131072, limit), limit, 1024)
+            rows.append({"model": label, "impl": runner.impl, "cache": cache, "max_context": best, "step": how})
             tqdm.write(json.dumps(rows[-1]))
     return rows
 
@@ -533,9 +559,9 @@ def write(args, rows: list[dict], gpu: str, torch_version: str, how: str) -> Non
                      f"{r['kv_bytes'] / 2 ** 30:.2f} | {r['kv_ratio']:.3f} |")
     found = [r for r in rows if "max_context" in r]
     if found:
-        lines += ["", "| model | cache | largest context at batch 1 |", "|---|---|---|"]
+        lines += ["", "| model | cache | step | largest context at batch 1 |", "|---|---|---|---|"]
         lines += [f"| {r['model']} | `{r['cache'] if r['impl'] == 'kvzoo' else 'hf:' + r['cache']}` | "
-                  f"{r['max_context']} |" for r in found]
+                  f"{r.get('step', 'graph' if r['impl'] == 'kvzoo' else 'eager')} | {r['max_context']} |" for r in found]
     print("\n".join(lines))
     paths[1].parent.mkdir(parents=True, exist_ok=True)
     paths[0].write_text(json.dumps({"gpu": gpu, "torch": torch_version, "how": how, "rows": rows}, indent=1))

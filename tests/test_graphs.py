@@ -7,6 +7,7 @@ import torch
 
 from kvzoo.generate import generate, prefill
 from kvzoo.graphs import GraphDecoder, PiecewiseDecoder, decoder
+from kvzoo.kernels.quant_matvec import kernels_run_on
 from kvzoo.models.loader import load_weights
 from tests.test_generate import CharTokenizer
 from tests.tiny import tiny_llama, tiny_mistral
@@ -73,11 +74,19 @@ INNERQ_STATIC = ["innerq:bits=2,sink=4,recent=0", "innerq:bits=4,sink=4,recent=0
                  "innerq:bits=2,sink=0,recent=32,quant_mode=asym,key_norm=false", "innerq:bits=2,sink=4,recent=0,quant_mode=sym"]
 
 
+def needs_kernels_on_cpu() -> None:
+    """Skip where the Triton interpreter is off: the CPU model's InnerQ cache then has no kernel to run (on a GPU
+    machine test_cuda_graph_equals_eager runs these configurations through the compiled kernel)."""
+    if not kernels_run_on(torch.device("cpu")):
+        pytest.skip("InnerQ's kernel runs on CPU tensors only under the Triton interpreter")
+
+
 @pytest.mark.parametrize("cache", INNERQ_STATIC)
 def test_innerq_whole_step_equals_eager(model, cache):
     """InnerQ's static step (its kernel reading the live lengths from a device tensor, under the interpreter on
     CPU) against the eager decode (the torch path), through every phase: tokens joining the sink window, the
     recent window, and filling it so that a group is quantized inside the step (prompt of 2 tokens, 40 steps)."""
+    needs_kernels_on_cpu()
     whole_step_equals_eager(model, cache)
 
 
@@ -94,13 +103,17 @@ def whole_step_equals_eager(model, cache: str) -> None:
 def test_decoder_picks_the_whole_step_where_it_can(model):
     assert isinstance(decoder(model, model.new_cache("fp16", 1, 8)), GraphDecoder)
     assert isinstance(decoder(model, model.new_cache("kivi", 1, 8)), PiecewiseDecoder)
+    with pytest.raises(ValueError, match="needs a streaming cache"):
+        decoder(model, model.new_cache("kivi", 1, 8, mode="simulated"))
+
+
+def test_decoder_picks_innerqs_whole_step_where_its_kernel_serves(model):
+    needs_kernels_on_cpu()
     kv = model.new_cache("innerq", 2, 8)
     prefill(model, torch.tensor([[0, 5, 6], [4, 5, 6]]), kv, torch.tensor([1, 0]))
     assert isinstance(decoder(model, kv, torch.tensor([1, 0])), PiecewiseDecoder)      # padding: no kernel
     assert isinstance(decoder(model, kv, torch.tensor([0, 0])), GraphDecoder)
     assert isinstance(decoder(model, model.new_cache("innerq:outer=true", 1, 8)), PiecewiseDecoder)
-    with pytest.raises(ValueError, match="needs a streaming cache"):
-        decoder(model, model.new_cache("kivi", 1, 8, mode="simulated"))
 
 
 def test_generate_compile_gives_the_same_tokens(model):
@@ -184,7 +197,9 @@ def test_bench_decode_cells_run_on_cpu(model, tmp_path):
         src = runner.fill(spec, 20, 1, bench.max_len(20, 3, 2), 8, None)
     copied = bench.run_cell(runner, spec, 20, 3, 3, 8, graphed=True, src=src, warmup=2)
     assert copied["filled"] == "row copies" and copied["prefill_s"] is None
-    assert runner.fits_context(spec, 200)
+    assert runner.fits_context(spec, 200, static=True)
+    for piecewise in ("kivi:bits=2,group_size=32,residual=32", "squat", "kvpareto"):
+        assert runner.fits_context(piecewise, 200, static=False)
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -198,6 +213,20 @@ def test_bench_decode_cells_run_on_cpu(model, tmp_path):
         torch.testing.assert_close(hf.forward(many.token[:, None], many.cache),
                                    hf.forward(src.token[:, None], src.cache).expand(3, -1))
     assert hf.fits_context("fp16", 300)
+
+
+@pytest.mark.parametrize("cache", ["kivi:bits=2,group_size=32,residual=32", "squat:bits=2", "kvpareto"])
+def test_bench_decode_stores_random_tokens_through_the_strategy(model, cache):
+    """A piecewise strategy's largest-context probe fills its buffers with random K/V through the strategy's own
+    store path: every layer then holds the tokens, in the bytes its formula gives, and decodes on."""
+    bench = bench_module()
+    with torch.inference_mode():
+        kv = model.new_cache(cache, 1, 256)
+        token = prefill(model, torch.randint(3, 97, (1, 64)), kv, None).argmax(-1)
+        bench.store_random(kv, 150, chunk=48)
+        assert kv.length == 214 and all(layer.length == 214 for layer in kv.layers)
+        assert kv.nbytes() == sum(layer.formula_nbytes(214) for layer in kv.layers)
+        assert torch.isfinite(bench.decode_one_token(model, token, kv, None)).all() and kv.length == 215
 
 
 def test_bench_decode_merges_result_files_without_a_gpu(tmp_path):
@@ -220,7 +249,7 @@ def test_bench_decode_merges_result_files_without_a_gpu(tmp_path):
                            "--out", str(tmp_path / "all"), "--plot"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     table = (tmp_path / "all.md").read_text()
-    assert "| m | `fp16` | graph | 4096 | 14 (largest) | row copies |" in table and "`hf:fp16` | 501760 |" in table
+    assert "| m | `fp16` | graph | 4096 | 14 (largest) | row copies |" in table and "`hf:fp16` | eager | 501760 |" in table
     again = {**row, "batch": 15, "max_batch": 15, "prefill_s": None, "filled": "row copies"}   # re-measured
     (tmp_path / "r3.json").write_text(json.dumps({"gpu": "G", "torch": "t", "rows": [again]}))
     done = subprocess.run([sys.executable, str(script), "--merge", *(str(tmp_path / f"r{i}.json") for i in range(4)),
