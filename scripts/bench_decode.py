@@ -412,7 +412,7 @@ def cells(runner, args, label: str, caches: list[str], graph_modes: list[bool]) 
                     if not row.get("oom"):
                         break
                     best = best * 15 // 16
-                row["max_batch"] = best
+                row["max_batch"], row["batch_cap"] = best, args.max_batch
                 rows.append(row)
                 del src
                 free_memory()
@@ -554,7 +554,8 @@ def write(args, rows: list[dict], gpu: str, torch_version: str, how: str) -> Non
             lines.append(head + " | | OOM |  |  |  |  |  |")
             continue
         prefill_s = "" if r["prefill_s"] is None else f"{r['prefill_s']:.2f}"
-        lines.append(head + f"{' (largest)' if 'max_batch' in r else ''} | {r['filled']} | {prefill_s} | "
+        largest = " (the search's cap)" if r.get("batch_cap") == r.get("max_batch") else " (largest)"
+        lines.append(head + f"{largest if 'max_batch' in r else ''} | {r['filled']} | {prefill_s} | "
                      f"{r['decode_ms']:.2f} | {r['tokens_per_s']:.1f} | {r['peak_gib']:.1f} | "
                      f"{r['kv_bytes'] / 2 ** 30:.2f} | {r['kv_ratio']:.3f} |")
     found = [r for r in rows if "max_context" in r]

@@ -250,13 +250,13 @@ def test_bench_decode_merges_result_files_without_a_gpu(tmp_path):
     assert done.returncode == 0, done.stderr
     table = (tmp_path / "all.md").read_text()
     assert "| m | `fp16` | graph | 4096 | 14 (largest) | row copies |" in table and "`hf:fp16` | eager | 501760 |" in table
-    again = {**row, "batch": 15, "max_batch": 15, "prefill_s": None, "filled": "row copies"}   # re-measured
+    again = {**row, "batch": 15, "max_batch": 15, "batch_cap": 15, "prefill_s": None, "filled": "row copies"}  # re-measured
     (tmp_path / "r3.json").write_text(json.dumps({"gpu": "G", "torch": "t", "rows": [again]}))
     done = subprocess.run([sys.executable, str(script), "--merge", *(str(tmp_path / f"r{i}.json") for i in range(4)),
                            "--out", str(tmp_path / "all2")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     table = (tmp_path / "all2.md").read_text()
-    assert "15 (largest)" in table and "14 (largest)" not in table and "| m | `fp16` | graph | 4096 | 1 |" in table
+    assert "15 (the search's cap)" in table and "14 (largest)" not in table and "| m | `fp16` | graph | 4096 | 1 |" in table
     assert (tmp_path / "all.png").stat().st_size > 0
     missing = subprocess.run([sys.executable, str(script), "--merge", str(tmp_path / "nope.json")],
                              capture_output=True, text=True)
