@@ -35,7 +35,9 @@ attention), as HF's caches are given that many random K/V tokens through update(
 --plot draws tokens/s against context: a panel per batch (the largest batches in one), a line per cache and
 step. --merge joins earlier OUT.json files into one table and plot without a GPU (a cell measured again
 keeps its later row).
-Writes OUT.json and OUT.md (the GPU named in both); refuses to replace them without --overwrite.
+Writes OUT.json and OUT.md (the GPU named in both); refuses to replace them without --overwrite, before any
+work. OUT.json is rewritten after every row ("partial": true until the run ends), so a run cut short leaves
+what it measured, which --merge reads.
 """
 
 import argparse
@@ -390,11 +392,11 @@ def largest(fits_at, lo: int, limit: int, step: int = 1) -> int:
     return lo
 
 
-def cells(runner, args, label: str, caches: list[str], graph_modes: list[bool]) -> list[dict]:
-    rows = []
+def cells(runner, args, label: str, caches: list[str], graph_modes: list[bool], keep) -> None:
+    """Every cell of the grid, then the searches; keep(row) gets each row as it is measured."""
     grid = [(c, n, b, g) for c in caches for n in args.contexts for b in args.batches for g in graph_modes]
     for cache, context, batch, graphed in tqdm(grid, desc=f"{label} {runner.impl}"):
-        rows.append(cell_row(runner, args, label, cache, context, batch, graphed))
+        keep(cell_row(runner, args, label, cache, context, batch, graphed))
     if args.find_max_batch:
         for cache in caches:
             graphed = graph_modes[-1]
@@ -413,7 +415,7 @@ def cells(runner, args, label: str, caches: list[str], graph_modes: list[bool]) 
                         break
                     best = best * 15 // 16
                 row["max_batch"], row["batch_cap"] = best, args.max_batch
-                rows.append(row)
+                keep(row)
                 del src
                 free_memory()
     if args.find_max_context:
@@ -426,9 +428,9 @@ def cells(runner, args, label: str, caches: list[str], graph_modes: list[bool]) 
             with torch.inference_mode():
                 limit = min(runner.context_limit, args.max_context)
                 best = largest(lambda n: fits(lambda: probe(n)), min(131072, limit), limit, 1024)
-            rows.append({"model": label, "impl": runner.impl, "cache": cache, "max_context": best, "step": how})
-            tqdm.write(json.dumps(rows[-1]))
-    return rows
+            row = {"model": label, "impl": runner.impl, "cache": cache, "max_context": best, "step": how}
+            keep(row)
+            tqdm.write(json.dumps(row))
 
 
 def static_step(runner: Kvzoo, cache: str) -> bool:
@@ -509,9 +511,10 @@ def merged_rows(runs: list[dict]) -> list[dict]:
 
 def main() -> None:
     args = parse_args()
+    paths = output_paths(args.out, args.overwrite)             # refuses before any work
     if args.merge:
         runs = [json.loads(Path(f).read_text()) for f in args.merge]
-        write(args, merged_rows(runs), runs[0]["gpu"], runs[0]["torch"],
+        write(args, paths, merged_rows(runs), runs[0]["gpu"], runs[0]["torch"],
               f"merged from {', '.join(Path(f).name for f in args.merge)} (a later file's row replaces an earlier "
               f"one of the same cell)")
         return
@@ -523,26 +526,39 @@ def main() -> None:
         except ImportError:
             if any(c != "fp16" for c in args.hf):
                 raise SystemExit("--hf quanto:N needs optimum-quanto (pip install optimum-quanto)") from None
-    rows = []
+    gpu, how = torch.cuda.get_device_name(), f"mean of {args.steps} decode steps after {args.warmup} untimed"
+    keep = Rows(paths[0], gpu, how)
     for name in args.models:
         if args.caches:
             runner = Kvzoo(build(name))
             modes = ([True] if args.graph_only else [False, True]) if args.compile else [False]
-            rows += cells(runner, args, name, args.caches, modes)
+            cells(runner, args, name, args.caches, modes, keep)
             del runner
             free_memory()
         if args.hf:
             runner = HuggingFace(build_hf(name))
-            rows += cells(runner, args, name, args.hf, [False])
+            cells(runner, args, name, args.hf, [False], keep)
             del runner
             free_memory()
-    write(args, rows, torch.cuda.get_device_name(), torch.__version__,
-          f"mean of {args.steps} decode steps after {args.warmup} untimed")
+    write(args, paths, keep.rows, gpu, torch.__version__, how)
 
 
-def write(args, rows: list[dict], gpu: str, torch_version: str, how: str) -> None:
+class Rows:
+    """The rows of a run, each written into OUT.json as soon as it is measured ("partial": true until the run
+    ends), so that a run cut short (a time limit, a crash) leaves what it measured for --merge."""
+
+    def __init__(self, path: Path, gpu: str, how: str):
+        self.path, self.gpu, self.how, self.rows = path, gpu, how, []
+
+    def __call__(self, row: dict) -> None:
+        self.rows.append(row)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps({"gpu": self.gpu, "torch": torch.__version__, "how": self.how,
+                                         "partial": True, "rows": self.rows}, indent=1))
+
+
+def write(args, paths: list[Path], rows: list[dict], gpu: str, torch_version: str, how: str) -> None:
     """The table (OUT.md, printed), the rows (OUT.json) and with --plot the throughput plot (OUT.png)."""
-    paths = output_paths(args.out, args.overwrite)
     lines = [f"GPU: {gpu}; bf16 weights; {how}; torch {torch_version}", "",
              "| model | cache | step | context | batch | filled by | prefill (s) | decode (ms/token) | tokens/s | "
              "peak (GiB) | KV (GiB) | KV ratio |", "|" + "---|" * 12]

@@ -215,6 +215,26 @@ def test_bench_decode_cells_run_on_cpu(model, tmp_path):
     assert hf.fits_context("fp16", 300)
 
 
+def test_bench_decode_writes_each_row_as_it_is_measured(model, tmp_path):
+    """cells() hands every row to the Rows sink, which rewrites OUT.json (marked partial) after each one."""
+    import json
+    from types import SimpleNamespace
+
+    bench = bench_module()
+    args = SimpleNamespace(contexts=[12], batches=[1, 2], steps=2, warmup=1, prefill_chunk=8, find_max_batch=False,
+                           find_max_context=False)
+    seen = []
+    sink = bench.Rows(tmp_path / "out.json", "cpu", "test")
+
+    def keep(row):
+        sink(row)
+        seen.append(len(json.loads((tmp_path / "out.json").read_text())["rows"]))
+
+    bench.cells(bench.Kvzoo(model), args, "tiny", ["fp16"], [False], keep)
+    saved = json.loads((tmp_path / "out.json").read_text())
+    assert seen == [1, 2] and saved["partial"] and [r["batch"] for r in saved["rows"]] == [1, 2]
+
+
 @pytest.mark.parametrize("cache", ["kivi:bits=2,group_size=32,residual=32", "squat:bits=2", "kvpareto"])
 def test_bench_decode_stores_random_tokens_through_the_strategy(model, cache):
     """A piecewise strategy's largest-context probe fills its buffers with random K/V through the strategy's own
