@@ -20,7 +20,8 @@ A strategy opts in with `LayerCache.can_decode_static` and `decode_static`:
   masked; a "flush" phase quantizes the window's oldest group at a device-held slot;
 - AlignedKV: its kernels over the complete blocks, counted from a device tensor; a "close" phase records
   a completed block's colmax exponents.
-Strategies without a static step (KIVI, SQuat, KV Pareto: their decode has no kernel to capture) use
+Strategies without a static step (KIVI and SQuat, whose GPU decode launches the outer-layout matvec kernels
+with host-side lengths and windows; KV Pareto, whose decode is torch) use
 `PiecewiseDecoder`, which captures everything except attention: per
 layer, one graph from the block's input to q, k, v and one from the attention output to the next block's
 input; the strategy's `decode` runs eagerly between them. `decoder()` picks the whole-step graph where every

@@ -132,3 +132,60 @@ def test_sink_window_keeps_the_first_tokens_exact():
     assert torch.equal(keys[:, :, :32], k[:, :, :32]) and torch.equal(values[:, :, 96:], v[:, :, 96:])
     assert torch.equal(keys[:, :, 32:96], quantize(k[:, :, 32:96], 2, 32, axis=-2).dequantize())
     assert cache.nbytes() == cache.formula_nbytes(200) == 3 * (64 * 48 + 136 * 2 * 64 * 4)
+
+
+# ---- decode through the outer-layout kernels (on CPU under the Triton interpreter) --------------------
+KERNEL_DECODE = ["kivi:bits=2,group_size=32,residual=32", "kivi:bits=4,group_size=32,residual=0,sink=4",
+                 "squat:bits=2,group_size=32,residual=32"]
+
+
+@pytest.fixture(scope="module")
+def gqa_model(tmp_path_factory):
+    from kvzoo.models.loader import load_weights
+    from tests.tiny import tiny_llama
+
+    return load_weights(tiny_llama(tmp_path_factory.mktemp("tiny"), head_dim=32))       # 4 query heads on 2 KV heads
+
+
+def greedy_logits(model, cache: str, prompts: torch.Tensor, steps: int, pad=None) -> torch.Tensor:
+    kv = model.new_cache(cache, prompts.shape[0], prompts.shape[1] + steps)
+    from kvzoo.generate import prefill
+    token, logits = prefill(model, prompts, kv, pad).argmax(-1), []
+    for _ in range(steps):
+        logits.append(model(token[:, None], kv, pad=pad)[:, -1])
+        token = logits[-1].argmax(-1)
+    assert kv.layers[0].n_q > 0                      # the history was quantized, so the kernels read codes
+    return torch.stack(logits, 1)
+
+
+@pytest.mark.parametrize("cache", KERNEL_DECODE)
+def test_decode_through_the_kernels_equals_the_torch_path(gqa_model, cache, monkeypatch):
+    """Decode reading the quantized history through qk_outer / pv_outer (forced on CPU under the interpreter)
+    gives the logits of the torch path (dequantize everything, SDPA), across group flushes out of the window."""
+    from kvzoo.cache.kivi import KIVICache
+    from kvzoo.kernels.quant_matvec import kernels_run_on
+
+    if not kernels_run_on(torch.device("cpu")):
+        pytest.skip("forces the kernels on CPU tensors, which needs the Triton interpreter")
+    prompts = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(6))
+    torch_path = greedy_logits(gqa_model, cache, prompts, 40)
+    used = []
+    monkeypatch.setattr(KIVICache, "_kernels_serve", lambda self, q, pos: used.append(1) or self._kernels_fit(pos))
+    kernels = greedy_logits(gqa_model, cache, prompts, 40)
+    assert len(used) == 40 * gqa_model.cfg.n_layers
+    torch.testing.assert_close(kernels, torch_path, rtol=1e-4, atol=1e-4)
+
+
+def test_kernel_decode_is_not_taken_where_it_does_not_fit(gqa_model):
+    """Padded rows (a mask), KIVI*'s pre-RoPE keys, 3 bits and groups of 64 keep the torch path."""
+    from kvzoo.cache.base import Positions
+
+    plain = Positions.make(50, 1, torch.zeros(1, dtype=torch.long), has_pad=False)
+    padded = Positions.make(50, 1, torch.tensor([2]))
+    for spec, pos, fits in [("kivi", plain, True), ("kivi", padded, False), ("kivi-pre", plain, False),
+                            ("kivi:bits=3", plain, False), ("kivi:group_size=64,residual=64", plain, False)]:
+        kv = gqa_model.new_cache(spec, 1, 64)
+        layer = kv.layers[0]
+        layer.length = 50
+        assert layer._kernels_fit(pos) is fits, spec
+        assert not layer._kernels_serve(torch.zeros(1, 4, 1, 32), pos)            # CPU tensors: never

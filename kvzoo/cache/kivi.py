@@ -25,6 +25,12 @@ Bytes per token, per layer and KV head: quantized d*b/4 (K and V codes, d a mult
 (fp16 key scale and zero) + 4*d/Gv (value scale and zero); residual 2*d*bytes(dtype). fp16 cache: 4*d.
 For b=2, G=32, d=64: 48 vs 256 bytes, and at L=2048, R=128: (1920*48 + 128*256) / (2048*256) = 0.2383 of the fp16 cache.
 
+Decode on a GPU (unpadded rows, KIVI and SQuat, not KIVI*, whose keys need RoPE after dequantization) reads
+the quantized history in place through the outer-layout kernels of kvzoo/kernels/quant_matvec.py (q·Kᵀ with
+per-channel key groups, p·V with per-token value groups; one launch each per query head of a KV head), with the
+windows and the token exact in one fp32 softmax; everywhere else decode is a one-token prefill, which
+dequantizes the whole history. There is no whole-step graph: kvzoo/graphs.py runs KIVI piecewise.
+
 Paper settings: b = 2 (also 4), G = 32, R = 128 (Llama/Mistral); scales and zeros in fp16. The XQuant
 paper's KIVI* rows of its Table 4 keep the first 3 layers at 4 bits: `high_layers=3` (`high_bits=4`).
 """
@@ -221,7 +227,51 @@ class KIVICache(LayerCache):
         self._append(k_store, v)
         return out
 
-    decode = prefill
+    def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
+        """One token per row. On a GPU (unpadded rows, keys stored after RoPE, 2/4 bits, groups of 32) the
+        quantized history is read where it lies by the outer-layout kernels of kvzoo/kernels/quant_matvec.py,
+        with no dequantized copy of it; otherwise as prefill (dequantize everything, then attend)."""
+        if not self._kernels_serve(q, pos):
+            return self.prefill(x, q, k, v, pos)
+        q, k_rot, k_store = self._qk(q, k, pos)
+        out = self._attend_kernels(q, k_rot, v)
+        self._append(k_store, v)
+        return out
+
+    def _kernels_serve(self, q: Tensor, pos: Positions) -> bool:
+        return q.is_cuda and self._kernels_fit(pos)
+
+    def _kernels_fit(self, pos: Positions) -> bool:
+        """The decode kernels' conditions, apart from the device: no mask (unpadded rows, no binding sliding
+        window), keys stored as attention sees them (not KIVI*), 2 or 4 bits, the kernels' groups of 32
+        tokens (keys) and 32 channels (values), and a prefilled history."""
+        from kvzoo.kernels.quant_matvec import GROUP, KERNEL_BITS
+
+        return (pos.mask is None and not self.pre_rope and self.opts.bits in KERNEL_BITS and self.length > 0
+                and self.opts.group_size == GROUP and self.v_group == GROUP)
+
+    def _attend_kernels(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q (B, Hq, 1, d) after RoPE over the quantized slots [0, n_q) (one qk_outer and one pv_outer launch
+        per query head of a KV head), the exact sink and residual windows and the token's own k, v
+        (B, H, 1, d), in one fp32 softmax: (B, Hq, 1, d) in q's dtype."""
+        from kvzoo.kernels.quant_matvec import pv_outer, qk_outer
+
+        B, Hq, _, d = q.shape
+        H, n, G, bits = k.shape[1], self.n_q, self.opts.group_size, self.opts.bits
+        rep = Hq // H
+        in_sink = min(self.length, self.opts.sink)
+        r = self.length - in_sink - n
+        k_win = torch.cat([self.k_sink[:, :, :in_sink], self.k_res[:, :, :r], k], dim=2).float()   # (B, H, W, d)
+        v_win = torch.cat([self.v_sink[:, :, :in_sink], self.v_res[:, :, :r], v], dim=2).float()
+        qg = q.reshape(B, H, rep, d).float() * d ** -0.5            # (B, H, rep, d): query head h*rep + j
+        kq = (self.k_codes[:, :, :n], self.k_scale[:, :, :n // G], self.k_zero[:, :, :n // G])
+        vq = (self.v_codes[:, :, :n], self.v_scale[:, :, :n], self.v_zero[:, :, :n])
+        scores = torch.cat([torch.stack([qk_outer(qg[:, :, j], *kq, bits) for j in range(rep)], dim=2),
+                            qg @ k_win.transpose(-1, -2)], dim=-1)    # (B, H, rep, n + W)
+        p = torch.softmax(scores, dim=-1)
+        out = p[..., n:] @ v_win                                     # (B, H, rep, d)
+        out += torch.stack([pv_outer(p[:, :, j, :n], *vq, bits) for j in range(rep)], dim=2)
+        return out.reshape(B, Hq, 1, d).to(q.dtype)
 
     def simulate(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
         """Query slot s sees slots [sink, sink + quantized_len(s)) dequantized and every other slot

@@ -194,8 +194,6 @@ class SQuatCache(KIVICache):
             self._set_subspace(q, pos, q.shape[2])
         return super().prefill(x, q, k, v, pos)
 
-    decode = prefill
-
     def simulate(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
         if not self.ready:       # the prompt (from perplexity, or the first prompt_frac of the window)
             self.prompt = self.prompt or max(1, int(self.opts.prompt_frac * q.shape[2]))
