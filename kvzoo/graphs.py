@@ -19,14 +19,16 @@ A strategy opts in with `LayerCache.can_decode_static` and `decode_static`:
 - XQuant and XQuant-CL: K and V rematerialized from every allocated slot (dequant_matmul), the dead ones
   masked; a "flush" phase quantizes the window's oldest group at a device-held slot;
 - AlignedKV: its kernels over the complete blocks, counted from a device tensor; a "close" phase records
-  a completed block's colmax exponents.
-Strategies without a static step (KIVI and SQuat, whose GPU decode launches the outer-layout matvec kernels
-with host-side lengths and windows; KV Pareto, whose decode is torch) use
+  a completed block's colmax exponents;
+- KIVI and SQuat (not KIVI* or SQuat-pre, whose keys need RoPE after dequantization): the outer-layout
+  matvec kernels over every allocated quantized slot and the exact windows, the dead ones masked; phases as
+  InnerQ's, the "flush" quantizing the window's oldest group at a device-held slot.
+Strategies without a static step (KV Pareto, KIVI*, and the rest where their kernels do not fit) use
 `PiecewiseDecoder`, which captures everything except attention: per
 layer, one graph from the block's input to q, k, v and one from the attention output to the next block's
 input; the strategy's `decode` runs eagerly between them. `decoder()` picks the whole-step graph where every
 layer has a static step, else the piecewise one. On a CPU (no CUDA graphs) both run the same code eagerly
-(InnerQ's kernel under the Triton interpreter), which is how the tests prove they equal the eager decode.
+(the kernels under the Triton interpreter), which is how the tests prove they equal the eager decode.
 """
 
 from __future__ import annotations
@@ -66,8 +68,9 @@ class GraphDecoder:
         refused = {type(layer).name for layer in cache.layers if not layer.can_decode_static(padded)}
         if refused:
             raise ValueError(f"cache strategy {', '.join(sorted(refused))} has no static decode step here (whole-step "
-                             f"graphs serve fp16, xquant, xquant-cl, alignedkv where its kernels fit, and innerq "
-                             f"through its kernel: 2 or 4 bits, inner layout, rows without padding); "
+                             f"graphs serve fp16, xquant, xquant-cl, alignedkv where its kernels fit, innerq "
+                             f"through its kernel: 2 or 4 bits, inner layout, rows without padding, and kivi and "
+                             f"squat through theirs: 2 or 4 bits, groups of 32, keys after RoPE); "
                              f"PiecewiseDecoder serves every strategy")
         self.model, self.cache = model, cache
         device = model.device

@@ -16,7 +16,8 @@ Cells (model x context x batch x cache): a random prompt of `context` tokens is 
 --prefill-chunk tokens, so activations stay bounded at 128K), then --warmup untimed decode steps (40: autotuning,
 a CUDA graph per phase), then --steps timed ones; the latency is their mean (the steps where a strategy quantizes a
 group count), synchronized each step. kvzoo's step is eager, and with --compile also kvzoo.graphs.decoder's
-CUDA graphs (the whole step for fp16 and InnerQ, all but attention for the others). Hugging Face caches
+CUDA graphs (the whole step where the strategy has one: fp16, InnerQ, XQuant(-CL), AlignedKV, KIVI, SQuat; all
+but attention for the others). Hugging Face caches
 (--hf: `fp16` = its default DynamicCache, `quanto:2` / `quanto:4` = QuantizedCache on optimum-quanto, its
 defaults: groups of 64, a 128-token residual) run HF's eager forward, the way `generate` does.
 
@@ -28,7 +29,7 @@ costs the same whatever the rows hold, and prefilling 60 x 32K tokens per probe 
 --find-max-context: per model x cache, the largest context that fits at batch 1 (doubling from 128K, then
 bisection to 1K): kvzoo allocates its buffers for that many tokens, prefills 64 and decodes two tokens. A
 strategy with a whole-step graph (with --compile) decodes so at once: its memory does not depend on how full
-the buffers are. The others (KIVI, SQuat, KV Pareto: their eager decode dequantizes the whole history) first
+the buffers are. The others (KV Pareto, KIVI*: their eager decode dequantizes the whole history) first
 have the rest of the context stored as random K/V through each layer's own store path (quantization, no
 attention), as HF's caches are given that many random K/V tokens through update().
 

@@ -102,7 +102,8 @@ def whole_step_equals_eager(model, cache: str) -> None:
 
 def test_decoder_picks_the_whole_step_where_it_can(model):
     assert isinstance(decoder(model, model.new_cache("fp16", 1, 8)), GraphDecoder)
-    assert isinstance(decoder(model, model.new_cache("kivi", 1, 8)), PiecewiseDecoder)
+    assert isinstance(decoder(model, model.new_cache("kvpareto", 1, 8)), PiecewiseDecoder)
+    assert isinstance(decoder(model, model.new_cache("kivi-pre", 1, 8)), PiecewiseDecoder)
     with pytest.raises(ValueError, match="needs a streaming cache"):
         decoder(model, model.new_cache("kivi", 1, 8, mode="simulated"))
 
@@ -126,8 +127,8 @@ def test_generate_compile_gives_the_same_tokens(model):
 
 
 def test_refuses_strategies_without_a_static_step(model):
-    kv = model.new_cache("kivi", 1, 16)
-    with pytest.raises(ValueError, match="cache strategy kivi has no static decode step here.*PiecewiseDecoder"):
+    kv = model.new_cache("kvpareto", 1, 16)
+    with pytest.raises(ValueError, match="cache strategy kvpareto has no static decode step here.*PiecewiseDecoder"):
         GraphDecoder(model, kv)
     kv = model.new_cache("fp16", 1, 4)
     prefill(model, torch.tensor([[3, 4, 5, 6]]), kv, None)
@@ -147,7 +148,8 @@ def test_cuda_graph_equals_eager(model):
         eager, graphed = decode_both(m, prompts, pad, steps=40, device="cuda", cache=cache, make=PiecewiseDecoder)
         torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
     short = prompts[:, :2]
-    for cache in INNERQ_STATIC:          # one graph per phase, against the eager fused decode
+    for cache in INNERQ_STATIC + ["kivi:bits=2,group_size=32,residual=32", "squat:bits=2,group_size=32,residual=32"]:
+        # one graph per phase, against the eager decode through the same kernels
         eager, graphed = decode_both(m, short, None, steps=40, device="cuda", cache=cache)
         torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
     model.to("cpu")

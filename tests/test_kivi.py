@@ -141,10 +141,11 @@ KERNEL_DECODE = ["kivi:bits=2,group_size=32,residual=32", "kivi:bits=4,group_siz
 
 @pytest.fixture(scope="module")
 def gqa_model(tmp_path_factory):
+    """A tiny GQA Llama: 4 query heads on 2 KV heads of 32 channels."""
     from kvzoo.models.loader import load_weights
     from tests.tiny import tiny_llama
 
-    return load_weights(tiny_llama(tmp_path_factory.mktemp("tiny"), head_dim=32))       # 4 query heads on 2 KV heads
+    return load_weights(tiny_llama(tmp_path_factory.mktemp("tiny"), head_dim=32))
 
 
 def greedy_logits(model, cache: str, prompts: torch.Tensor, steps: int, pad=None) -> torch.Tensor:
@@ -177,15 +178,55 @@ def test_decode_through_the_kernels_equals_the_torch_path(gqa_model, cache, monk
 
 
 def test_kernel_decode_is_not_taken_where_it_does_not_fit(gqa_model):
-    """Padded rows (a mask), KIVI*'s pre-RoPE keys, 3 bits and groups of 64 keep the torch path."""
+    """KIVI*'s pre-RoPE keys, 3 bits and groups of 64 keep the torch path, in decode and for the whole step;
+    decode also keeps it for padded rows (a mask) and CPU tensors."""
     from kvzoo.cache.base import Positions
 
     plain = Positions.make(50, 1, torch.zeros(1, dtype=torch.long), has_pad=False)
-    padded = Positions.make(50, 1, torch.tensor([2]))
-    for spec, pos, fits in [("kivi", plain, True), ("kivi", padded, False), ("kivi-pre", plain, False),
-                            ("kivi:bits=3", plain, False), ("kivi:group_size=64,residual=64", plain, False)]:
-        kv = gqa_model.new_cache(spec, 1, 64)
-        layer = kv.layers[0]
+    for spec, fits in [("kivi", True), ("kivi-pre", False), ("kivi:bits=3", False),
+                       ("kivi:group_size=64,residual=64", False)]:
+        layer = gqa_model.new_cache(spec, 1, 64).layers[0]
         layer.length = 50
-        assert layer._kernels_fit(pos) is fits, spec
-        assert not layer._kernels_serve(torch.zeros(1, 4, 1, 32), pos)            # CPU tensors: never
+        assert layer._kernel_layout() is fits, spec
+        assert layer.can_decode_static(padded=True) is (fits and kernels_on_cpu()), spec
+        assert not layer._kernels_serve(torch.zeros(1, 4, 1, 32), plain)            # CPU tensors: never
+    layer = gqa_model.new_cache("kivi", 1, 64).layers[0]
+    layer.length = 50
+    assert not layer._kernels_serve(torch.zeros(1, 4, 1, 32), Positions.make(50, 1, torch.tensor([2])))
+
+
+def kernels_on_cpu() -> bool:
+    from kvzoo.kernels.quant_matvec import kernels_run_on
+
+    return kernels_run_on(torch.device("cpu"))
+
+
+# ---- the whole-step static decode (kvzoo/graphs.py; eager on CPU, the kernels under the interpreter) ----
+@pytest.mark.parametrize("cache", KERNEL_DECODE)
+def test_whole_step_equals_eager(gqa_model, cache):
+    """decoder() picks the whole-step graph; 40 steps after a 2-token prompt (tokens joining the sink, the
+    residual window, groups quantized at a device-held slot inside the step) equal the eager torch decode."""
+    from tests.test_graphs import whole_step_equals_eager
+
+    if not kernels_on_cpu():
+        pytest.skip("the static step runs the kernels, on CPU tensors only under the Triton interpreter")
+    whole_step_equals_eager(gqa_model, cache)
+
+
+def test_whole_step_with_padding_and_sliding_window(gqa_model, tmp_path):
+    """Padded rows and a Mistral's sliding window of 6 tokens: the step masks its keys with StaticStep.mask."""
+    from kvzoo.graphs import GraphDecoder
+    from kvzoo.models.loader import load_weights
+    from tests.test_graphs import decode_both
+    from tests.tiny import tiny_mistral
+
+    if not kernels_on_cpu():
+        pytest.skip("the static step runs the kernels, on CPU tensors only under the Triton interpreter")
+    prompts = torch.randint(3, 97, (3, 10), generator=torch.Generator().manual_seed(1))
+    pad = torch.tensor([0, 4, 7])
+    prompts[1, :4] = prompts[2, :7] = 0
+    windowed = load_weights(tiny_mistral(tmp_path, head_dim=32))
+    for m in (gqa_model, windowed):
+        for cache in ("kivi:bits=2,group_size=32,residual=0,sink=2", "squat:bits=4,group_size=32,residual=32"):
+            eager, static = decode_both(m, prompts, pad, steps=40, cache=cache, make=GraphDecoder)
+            torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)

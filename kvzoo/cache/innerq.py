@@ -260,17 +260,6 @@ class InnerQCache(KIVICache):
         """Whole-step graphs need the kernel (no mask: unpadded rows) and a prompt already stored."""
         return not padded and self.length > 0 and self._fused_ok(self.k_res)
 
-    def static_phase(self) -> str:
-        """What the next token does, known on the host from the length: joins the sink window, joins the
-        recent window, or fills it, so that its oldest group is quantized (one graph each)."""
-        if self.length < self.opts.sink:
-            return "sink"
-        return "flush" if self.quantized_len(self.length + 1) > self.n_q else "recent"
-
-    def static_scratch(self) -> tuple[Tensor, ...]:
-        """Buffers a static step changes in a way that running it twice would not repeat (the window shift)."""
-        return (self.k_res, self.v_res)
-
     def _static_lengths(self, step: StaticStep) -> tuple[Tensor, Tensor, Tensor]:
         """From the device-held length L: (quantized tokens n_q (1,), window slot r of the new token (1,),
         live lengths (3,) int32 [n_q, sink tokens, recent tokens] for the kernel), shared by every layer."""

@@ -29,7 +29,11 @@ Decode on a GPU (unpadded rows, KIVI and SQuat, not KIVI*, whose keys need RoPE 
 the quantized history in place through the outer-layout kernels of kvzoo/kernels/quant_matvec.py (q·Kᵀ with
 per-channel key groups, p·V with per-token value groups; one launch each per query head of a KV head), with the
 windows and the token exact in one fp32 softmax; everywhere else decode is a one-token prefill, which
-dequantizes the whole history. There is no whole-step graph: kvzoo/graphs.py runs KIVI piecewise.
+dequantizes the whole history. `decode_static` is the same step with the length in a device tensor, for
+kvzoo/graphs.py's whole-step CUDA graph: attention over every allocated slot, the dead ones and those the
+step's mask forbids (padding, sliding windows) masked, one graph per phase (the token joins the sink, joins
+the residual window, or fills it and its oldest group is quantized at a device-held slot). Its cost grows
+with the buffer (max_len), not with the tokens stored.
 
 Paper settings: b = 2 (also 4), G = 32, R = 128 (Llama/Mistral); scales and zeros in fp16. The XQuant
 paper's KIVI* rows of its Table 4 keep the first 3 layers at 4 bits: `high_layers=3` (`high_bits=4`).
@@ -42,7 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvzoo.cache.base import LayerCache, Positions, attend, attend_split, full_mask, register
+from kvzoo.cache.base import LayerCache, Positions, StaticStep, attend, attend_split, full_mask, register
 from kvzoo.cache.quant import QTensor, check_bits, dequantize, packed_words, quantize
 
 SCALE_DTYPE = torch.float16
@@ -113,15 +117,32 @@ class KIVICache(LayerCache):
         self._buf("v_scale", (*shape, n_q, d // self.v_group), SCALE_DTYPE)
         self._buf("v_zero", (*shape, n_q, d // self.v_group), SCALE_DTYPE)
 
-    def _write_quantized(self, a: int, b: int, k: Tensor, v: Tensor) -> None:
-        """Quantize k, v (B, H, b - a, d) into quantized slots [a, b): keys per channel (groups along
-        tokens), values per token (groups along d)."""
+    def _quantize(self, k: Tensor, v: Tensor) -> tuple[QTensor, QTensor]:
+        """k, v (B, H, n, d), n a multiple of G: keys per channel (groups along tokens), values per token
+        (groups along d)."""
         G, bits = self.opts.group_size, self.opts.bits
-        kq = quantize(k, bits, G, axis=-2, scale_dtype=SCALE_DTYPE)
-        vq = quantize(v, bits, self.v_group, axis=-1, scale_dtype=SCALE_DTYPE)
+        return (quantize(k, bits, G, axis=-2, scale_dtype=SCALE_DTYPE),
+                quantize(v, bits, self.v_group, axis=-1, scale_dtype=SCALE_DTYPE))
+
+    def _write_quantized(self, a: int, b: int, k: Tensor, v: Tensor) -> None:
+        """Quantize k, v (B, H, b - a, d) into quantized slots [a, b)."""
+        G = self.opts.group_size
+        kq, vq = self._quantize(k, v)
         self.k_codes[:, :, a:b], self.v_codes[:, :, a:b] = kq.codes, vq.codes
         self.k_scale[:, :, a // G:b // G], self.k_zero[:, :, a // G:b // G] = kq.scale, kq.zero
         self.v_scale[:, :, a:b], self.v_zero[:, :, a:b] = vq.scale, vq.zero
+
+    def _write_quantized_at(self, start: Tensor, k: Tensor, v: Tensor) -> None:
+        """The same into slots [start, start + n), start a device tensor (1,), a multiple of G: index
+        writes, no host sync (the static step)."""
+        G, n = self.opts.group_size, k.shape[2]
+        kq, vq = self._quantize(k, v)
+        slots = start + torch.arange(n, device=start.device)                                   # (n,)
+        groups = torch.div(start, G, rounding_mode="floor") + torch.arange(n // G, device=start.device)
+        for buf, index, values in ((self.k_codes, slots, kq.codes), (self.v_codes, slots, vq.codes),
+                                   (self.k_scale, groups, kq.scale), (self.k_zero, groups, kq.zero),
+                                   (self.v_scale, slots, vq.scale), (self.v_zero, slots, vq.zero)):
+            buf.index_copy_(2, index, values)
 
     def _stored_quantized(self, upto: int) -> tuple[Tensor, Tensor]:
         """Dequantized keys and values of quantized slots [0, upto), upto <= n_q: (B, H, upto, d) each."""
@@ -227,6 +248,7 @@ class KIVICache(LayerCache):
         self._append(k_store, v)
         return out
 
+    # ---- decode through the outer-layout kernels ------------------------------------------------------
     def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
         """One token per row. On a GPU (unpadded rows, keys stored after RoPE, 2/4 bits, groups of 32) the
         quantized history is read where it lies by the outer-layout kernels of kvzoo/kernels/quant_matvec.py,
@@ -234,7 +256,11 @@ class KIVICache(LayerCache):
         if not self._kernels_serve(q, pos):
             return self.prefill(x, q, k, v, pos)
         q, k_rot, k_store = self._qk(q, k, pos)
-        out = self._attend_kernels(q, k_rot, v)
+        in_sink = min(self.length, self.opts.sink)
+        r = self.length - in_sink - self.n_q
+        k_win = torch.cat([self.k_sink[:, :, :in_sink], self.k_res[:, :, :r], k_rot], dim=2)      # (B, H, W, d)
+        v_win = torch.cat([self.v_sink[:, :, :in_sink], self.v_res[:, :, :r], v], dim=2)
+        out = self._attend_kernels(q, self.n_q, k_win, v_win)
         self._append(k_store, v)
         return out
 
@@ -242,36 +268,97 @@ class KIVICache(LayerCache):
         return q.is_cuda and self._kernels_fit(pos)
 
     def _kernels_fit(self, pos: Positions) -> bool:
-        """The decode kernels' conditions, apart from the device: no mask (unpadded rows, no binding sliding
-        window), keys stored as attention sees them (not KIVI*), 2 or 4 bits, the kernels' groups of 32
-        tokens (keys) and 32 channels (values), and a prefilled history."""
+        """Decode's conditions for the kernels, the device apart: unpadded rows (no mask), a prefilled
+        history, a layout the kernels take."""
+        return pos.mask is None and self.length > 0 and self._kernel_layout()
+
+    def _kernel_layout(self) -> bool:
+        """Keys stored as attention sees them (not KIVI*), 2 or 4 bits, and the kernels' groups: 32 tokens
+        (keys) and 32 channels (values)."""
         from kvzoo.kernels.quant_matvec import GROUP, KERNEL_BITS
 
-        return (pos.mask is None and not self.pre_rope and self.opts.bits in KERNEL_BITS and self.length > 0
-                and self.opts.group_size == GROUP and self.v_group == GROUP)
+        return (not self.pre_rope and self.opts.bits in KERNEL_BITS and self.opts.group_size == GROUP
+                and self.v_group == GROUP)
 
-    def _attend_kernels(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """q (B, Hq, 1, d) after RoPE over the quantized slots [0, n_q) (one qk_outer and one pv_outer launch
-        per query head of a KV head), the exact sink and residual windows and the token's own k, v
-        (B, H, 1, d), in one fp32 softmax: (B, Hq, 1, d) in q's dtype."""
+    def _attend_kernels(self, q: Tensor, n: int, k_win: Tensor, v_win: Tensor, mask: Tensor | None = None) -> Tensor:
+        """q (B, Hq, 1, d) after RoPE over quantized slots [0, n) (one qk_outer and one pv_outer launch per
+        query head of a KV head) and the exact rows k_win, v_win (B, H, W, d), in one fp32 softmax; mask
+        (B, 1, 1, n + W) True = may attend, or None: all. Returns (B, Hq, 1, d) in q's dtype."""
         from kvzoo.kernels.quant_matvec import pv_outer, qk_outer
 
         B, Hq, _, d = q.shape
-        H, n, G, bits = k.shape[1], self.n_q, self.opts.group_size, self.opts.bits
+        H, G, bits = k_win.shape[1], self.opts.group_size, self.opts.bits
         rep = Hq // H
-        in_sink = min(self.length, self.opts.sink)
-        r = self.length - in_sink - n
-        k_win = torch.cat([self.k_sink[:, :, :in_sink], self.k_res[:, :, :r], k], dim=2).float()   # (B, H, W, d)
-        v_win = torch.cat([self.v_sink[:, :, :in_sink], self.v_res[:, :, :r], v], dim=2).float()
         qg = q.reshape(B, H, rep, d).float() * d ** -0.5            # (B, H, rep, d): query head h*rep + j
         kq = (self.k_codes[:, :, :n], self.k_scale[:, :, :n // G], self.k_zero[:, :, :n // G])
         vq = (self.v_codes[:, :, :n], self.v_scale[:, :, :n], self.v_zero[:, :, :n])
         scores = torch.cat([torch.stack([qk_outer(qg[:, :, j], *kq, bits) for j in range(rep)], dim=2),
-                            qg @ k_win.transpose(-1, -2)], dim=-1)    # (B, H, rep, n + W)
+                            qg @ k_win.float().transpose(-1, -2)], dim=-1)    # (B, H, rep, n + W)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
         p = torch.softmax(scores, dim=-1)
-        out = p[..., n:] @ v_win                                     # (B, H, rep, d)
+        out = p[..., n:] @ v_win.float()                             # (B, H, rep, d)
         out += torch.stack([pv_outer(p[:, :, j, :n], *vq, bits) for j in range(rep)], dim=2)
         return out.reshape(B, Hq, 1, d).to(q.dtype)
+
+    # ---- the static step (CUDA graphs, kvzoo/graphs.py) ----------------------------------------------
+    def can_decode_static(self, padded: bool) -> bool:
+        """Streaming caches in a layout the kernels take, on a device they run on (CUDA, or any under the
+        Triton interpreter), once a prompt is stored. The step's mask serves padding and sliding windows."""
+        from kvzoo.kernels.quant_matvec import kernels_run_on
+
+        return (not self.simulated and self.length > 0 and self._kernel_layout()
+                and kernels_run_on(self.k_codes.device))
+
+    def static_phase(self) -> str:
+        """What the next token does, known on the host from the length: joins the sink window, joins the
+        recent window, or fills it, so that its oldest group is quantized (one graph each)."""
+        if self.length < self.opts.sink:
+            return "sink"
+        return "flush" if self.quantized_len(self.length + 1) > self.n_q else "recent"
+
+    def static_scratch(self) -> tuple[Tensor, ...]:
+        """Buffers a static step changes in a way that running it twice would not repeat (the window shift)."""
+        return (self.k_res, self.v_res)
+
+    def _static_keys(self, step: StaticStep) -> tuple[Tensor, Tensor, Tensor]:
+        """The step's keys are every quantized slot, every sink row, every residual row (K = N + S + R + G).
+        From the device-held length L = step.slot: (quantized tokens n_q (1,), the token's row in its window
+        (1,): sink row L or residual row L - S - n_q, mask (B, 1, 1, K): a key may be attended where it is
+        live (a quantized slot < n_q, a sink row <= L, a residual row up to the token's) and the step's
+        mask allows its slot). Shared by every layer of the step."""
+        S, R, G, N = self.opts.sink, self.opts.residual, self.opts.group_size, self.k_codes.shape[2]
+        key = ("kivi", S, R, G, N)
+        if key not in step.derived:
+            L, device = step.slot, step.slot.device
+            n_q = torch.div(L - S - R, G, rounding_mode="floor").clamp_min(0) * G             # quantized_len(L)
+            r = L - S - n_q                                              # < 0 while the token joins the sink
+            quant, sink, win = (torch.arange(n, device=device) for n in (N, S, R + G))
+            slots = torch.cat([S + quant, sink, S + n_q + win])                                 # (K,) key slots
+            live = torch.cat([quant < n_q, sink <= L, win <= r])                               # (K,)
+            mask = step.mask.index_select(-1, slots.clamp_max(self.max_len - 1)) & live          # (B, 1, 1, K)
+            row = torch.where(L < S, L.clamp_max(max(S - 1, 0)), r)
+            step.derived[key] = (n_q, row, mask)
+        return step.derived[key]
+
+    def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
+        """decode with fixed shapes: the token's k, v into its window row, attention over every quantized
+        slot (the kernels) and every window row, the dead ones masked; in the "flush" phase the full
+        window's oldest group is then quantized into slots [n_q, n_q + G) and the rest moves down."""
+        q, k = self.attn.rope(q, k, step.ids)
+        n_q, row, mask = self._static_keys(step)
+        phase = self.static_phase()
+        k_buf, v_buf = (self.k_sink, self.v_sink) if phase == "sink" else (self.k_res, self.v_res)
+        k_buf.index_copy_(2, row, k)                                    # k (B, H, 1, d) into its window row
+        v_buf.index_copy_(2, row, v)
+        out = self._attend_kernels(q, self.k_codes.shape[2], torch.cat([self.k_sink, self.k_res], dim=2),
+                                   torch.cat([self.v_sink, self.v_res], dim=2), mask)
+        if phase == "flush":
+            G, R = self.opts.group_size, self.opts.residual
+            self._write_quantized_at(n_q, self.k_res[:, :, :G], self.v_res[:, :, :G])
+            for buf in (self.k_res, self.v_res):
+                buf[:, :, :R] = buf[:, :, G:G + R].clone()
+        return out
 
     def simulate(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
         """Query slot s sees slots [sink, sink + quantized_len(s)) dequantized and every other slot

@@ -50,7 +50,7 @@ from torch import Tensor
 
 from kvzoo.cache.base import Positions, register
 from kvzoo.cache.kivi import SCALE_DTYPE, KIVICache, KIVIOptions
-from kvzoo.cache.quant import dequantize, quantize
+from kvzoo.cache.quant import QTensor, dequantize, quantize
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -185,9 +185,9 @@ class SQuatCache(KIVICache):
             buf.copy_(mat)
         self.ready = True
 
-    def _write_quantized(self, a: int, b: int, k: Tensor, v: Tensor) -> None:
-        k = squat_adjust(k, self._mats(), self.opts.bits, self.opts.group_size)
-        super()._write_quantized(a, b, k, v)
+    def _quantize(self, k: Tensor, v: Tensor) -> tuple[QTensor, QTensor]:
+        """KIVI's quantizer on the keys as SQuat's block loop leaves them."""
+        return super()._quantize(squat_adjust(k, self._mats(), self.opts.bits, self.opts.group_size), v)
 
     def prefill(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
         if not self.ready:                                  # the prompt: the whole first chunk
