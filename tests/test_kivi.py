@@ -135,8 +135,9 @@ def test_sink_window_keeps_the_first_tokens_exact():
 
 
 # ---- decode through the outer-layout kernels (on CPU under the Triton interpreter) --------------------
+# each quantizes at least one group during 40 decode steps after a 40-token prompt (a flush phase)
 KERNEL_DECODE = ["kivi:bits=2,group_size=32,residual=32", "kivi:bits=4,group_size=32,residual=0,sink=4",
-                 "squat:bits=2,group_size=32,residual=32"]
+                 "squat:bits=2,group_size=32,residual=0,sink=2"]
 
 
 @pytest.fixture(scope="module")
@@ -204,13 +205,17 @@ def kernels_on_cpu() -> bool:
 # ---- the whole-step static decode (kvzoo/graphs.py; eager on CPU, the kernels under the interpreter) ----
 @pytest.mark.parametrize("cache", KERNEL_DECODE)
 def test_whole_step_equals_eager(gqa_model, cache):
-    """decoder() picks the whole-step graph; 40 steps after a 2-token prompt (tokens joining the sink, the
-    residual window, groups quantized at a device-held slot inside the step) equal the eager torch decode."""
-    from tests.test_graphs import whole_step_equals_eager
+    """decoder() picks the whole-step graph, and its steps equal the eager torch decode: 40 after a 2-token
+    prompt (tokens joining the sink window) and 40 after a 40-token one (groups leaving the residual window
+    quantized at a device-held slot inside the step, the window moving down)."""
+    from tests.test_graphs import decode_both, whole_step_equals_eager
 
     if not kernels_on_cpu():
         pytest.skip("the static step runs the kernels, on CPU tensors only under the Triton interpreter")
     whole_step_equals_eager(gqa_model, cache)
+    prompts = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(8))
+    eager, static = decode_both(gqa_model, prompts, None, steps=40, cache=cache)
+    torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
 
 
 def test_whole_step_with_padding_and_sliding_window(gqa_model, tmp_path):
@@ -227,6 +232,6 @@ def test_whole_step_with_padding_and_sliding_window(gqa_model, tmp_path):
     prompts[1, :4] = prompts[2, :7] = 0
     windowed = load_weights(tiny_mistral(tmp_path, head_dim=32))
     for m in (gqa_model, windowed):
-        for cache in ("kivi:bits=2,group_size=32,residual=0,sink=2", "squat:bits=4,group_size=32,residual=32"):
+        for cache in ("kivi:bits=2,group_size=32,residual=0,sink=2", "squat:bits=4,group_size=32,residual=0"):
             eager, static = decode_both(m, prompts, pad, steps=40, cache=cache, make=GraphDecoder)
             torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
