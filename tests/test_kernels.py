@@ -85,6 +85,28 @@ def test_matvec_matches_reference(bits, d, n, dtype, bh, mode):
                  pv_outer_ref(p, vo.codes, vo.scale, vo.zero, bits), dtype)
 
 
+@pytest.mark.parametrize("bits,rep", [(2, 4), (4, 3)])
+def test_outer_matvec_serves_gqa_query_rows(bits, rep):
+    """q / p with rep query heads per KV head (query head h*rep + j reads KV head h), from cache slices: each
+    row equals the one-query-per-head kernel on its KV head, and the reference."""
+    torch.manual_seed(bits + rep)
+    B, H, n, d = 2, 2, 96, 64
+    k, v = torch.randn(2, B, H, 128, d, device=DEVICE)
+    ko, vo = quantize(k, bits, 32, axis=-2), quantize(v, bits, 32, axis=-1)
+    kq = (ko.codes[:, :, :n], ko.scale[:, :, :n // 32], ko.zero[:, :, :n // 32])          # sliced, strided
+    vq = (vo.codes[:, :, :n], vo.scale[:, :, :n], vo.zero[:, :, :n])
+    q = torch.randn(B, H * rep, d, device=DEVICE)
+    p = torch.softmax(torch.randn(B, H * rep, n, device=DEVICE), -1)
+    scores, out = qk_outer(q, *kq, bits), pv_outer(p, *vq, bits, block_n=32, num_splits=2)
+    assert scores.shape == (B, H * rep, n) and out.shape == (B, H * rep, d)
+    assert_close(scores, qk_outer_ref(q, *kq, bits), torch.float32)
+    assert_close(out, pv_outer_ref(p, *vq, bits), torch.float32)
+    for j in range(rep):                                        # query heads j, rep + j, ... of every KV head
+        torch.testing.assert_close(scores[:, j::rep], qk_outer(q[:, j::rep], *kq, bits), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"q has shape \(2, 5, 64\), expected \(2, a multiple of 2, 64\)"):
+        qk_outer(q[:, :5], *kq, bits)
+
+
 def test_matvec_reads_cache_slices_without_copies_going_wrong():
     """Cache buffers are allocated for max_len tokens and sliced along the token dim: strided rows."""
     k = torch.randn(2, 3, 128, 64, device=DEVICE)

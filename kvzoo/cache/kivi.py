@@ -27,7 +27,7 @@ For b=2, G=32, d=64: 48 vs 256 bytes, and at L=2048, R=128: (1920*48 + 128*256) 
 
 Decode on a GPU (unpadded rows, KIVI and SQuat, not KIVI*, whose keys need RoPE after dequantization) reads
 the quantized history in place through the outer-layout kernels of kvzoo/kernels/quant_matvec.py (q·Kᵀ with
-per-channel key groups, p·V with per-token value groups; one launch each per query head of a KV head), with the
+per-channel key groups, p·V with per-token value groups; one launch each, GQA rows reading their KV head), with the
 windows and the token exact in one fp32 softmax; everywhere else decode is a one-token prefill, which
 dequantizes the whole history. `decode_static` is the same step with the length in a device tensor, for
 kvzoo/graphs.py's whole-step CUDA graph: attention over every allocated slot, the dead ones and those the
@@ -281,25 +281,25 @@ class KIVICache(LayerCache):
                 and self.v_group == GROUP)
 
     def _attend_kernels(self, q: Tensor, n: int, k_win: Tensor, v_win: Tensor, mask: Tensor | None = None) -> Tensor:
-        """q (B, Hq, 1, d) after RoPE over quantized slots [0, n) (one qk_outer and one pv_outer launch per
-        query head of a KV head) and the exact rows k_win, v_win (B, H, W, d), in one fp32 softmax; mask
-        (B, 1, 1, n + W) True = may attend, or None: all. Returns (B, Hq, 1, d) in q's dtype."""
+        """q (B, Hq, 1, d) after RoPE over quantized slots [0, n) (qk_outer and pv_outer, one launch each, GQA
+        rows reading their KV head's codes) and the exact rows k_win, v_win (B, H, W, d), in one fp32
+        softmax; mask (B, 1, 1, n + W) True = may attend, or None: all. Returns (B, Hq, 1, d) in q's dtype."""
         from kvzoo.kernels.quant_matvec import pv_outer, qk_outer
 
-        B, Hq, _, d = q.shape
+        (B, Hq, _, d), dtype = q.shape, q.dtype
         H, G, bits = k_win.shape[1], self.opts.group_size, self.opts.bits
         rep = Hq // H
-        qg = q.reshape(B, H, rep, d).float() * d ** -0.5            # (B, H, rep, d): query head h*rep + j
-        kq = (self.k_codes[:, :, :n], self.k_scale[:, :, :n // G], self.k_zero[:, :, :n // G])
-        vq = (self.v_codes[:, :, :n], self.v_scale[:, :, :n], self.v_zero[:, :, :n])
-        scores = torch.cat([torch.stack([qk_outer(qg[:, :, j], *kq, bits) for j in range(rep)], dim=2),
-                            qg @ k_win.float().transpose(-1, -2)], dim=-1)    # (B, H, rep, n + W)
+        q = q[:, :, 0].float() * d ** -0.5                          # (B, Hq, d): query head h*rep + j
+        quant = qk_outer(q, self.k_codes[:, :, :n], self.k_scale[:, :, :n // G], self.k_zero[:, :, :n // G], bits)
+        window = q.view(B, H, rep, d) @ k_win.float().transpose(-1, -2)                # (B, H, rep, W)
+        scores = torch.cat([quant.view(B, H, rep, n), window], dim=-1)                # (B, H, rep, n + W)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         p = torch.softmax(scores, dim=-1)
-        out = p[..., n:] @ v_win.float()                             # (B, H, rep, d)
-        out += torch.stack([pv_outer(p[:, :, j, :n], *vq, bits) for j in range(rep)], dim=2)
-        return out.reshape(B, Hq, 1, d).to(q.dtype)
+        out = (p[..., n:] @ v_win.float()).view(B, Hq, d)
+        out += pv_outer(p[..., :n].reshape(B, Hq, n), self.v_codes[:, :, :n], self.v_scale[:, :, :n],
+                        self.v_zero[:, :, :n], bits)
+        return out[:, :, None].to(dtype)
 
     # ---- the static step (CUDA graphs, kvzoo/graphs.py) ----------------------------------------------
     def can_decode_static(self, padded: bool) -> bool:

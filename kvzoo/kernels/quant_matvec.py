@@ -34,7 +34,9 @@ the sum of the other operand over the group) once per group, which is what makes
                  over the group's 32 tokens
     p·V outer    split-K over tokens: codes (BLOCK_N, d/32, b, 32/b); every token's weight is multiplied
                  into its d/32 scales before the sum over tokens
-The split-K partials (B*H, splits, d) are summed by torch when there is more than one split.
+The split-K partials (B*H, splits, d) are summed by torch when there is more than one split. The outer
+kernels also take GQA queries, q or p (B, Hq, ·) with Hq = rep * H: a program per query row, reading the codes
+of its KV head (row // rep), so KIVI's decode launches each kernel once per layer.
 
 Every launcher checks bits, shapes, dtypes and devices and raises ValueError; each has a pure-torch
 `*_ref` built on kvzoo.cache.quant's dequantizers. CPU tensors need TRITON_INTERPRET=1 (set before triton
@@ -181,14 +183,15 @@ def _qk_inner_kernel(q_ptr, codes_ptr, scale_ptr, slot_ptr, sym_ptr, out_ptr, N,
 @triton.jit
 def _qk_outer_kernel(q_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, N,
                      s_q, s_codes, s_scale, s_zero, s_out,
-                     D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr):
+                     D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr, REP: tl.constexpr):
     CPW: tl.constexpr = 32 // BITS
     W: tl.constexpr = D * BITS // 32
-    row = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64)                    # a query row; REP consecutive ones share a KV head
+    kv = row // REP
     q_ptr += row * s_q
-    codes_ptr += row * s_codes
-    scale_ptr += row * s_scale
-    zero_ptr += row * s_zero
+    codes_ptr += kv * s_codes
+    scale_ptr += kv * s_scale
+    zero_ptr += kv * s_zero
     out_ptr += row * s_out
     t = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)                             # token groups
     live = t < N // 32
@@ -246,21 +249,33 @@ def qk_inner(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot: Tensor, k_sym:
     return out
 
 
+def _query_heads(x: Tensor, name: str, B: int, H: int, last: int) -> int:
+    """Query heads Hq of x (B, Hq, last), a multiple of the H KV heads (GQA: query head h*rep + j reads KV
+    head h)."""
+    if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[0] != B or x.shape[2] != last or x.shape[1] % H:
+        shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"{name} has shape {shape}, expected ({B}, a multiple of {H}, {last})")
+    return x.shape[1]
+
+
 def qk_outer(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, bits: int,
              groups: int = 2, num_warps: int = 4) -> Tensor:
-    """scores (B, H, N) fp32 = q (B, H, d) · dequant(K)ᵀ for KIVI's per-channel key groups."""
+    """scores (B, Hq, N) fp32 = q (B, Hq, d) · dequant(K)ᵀ for KIVI's per-channel key groups; Hq = rep * H
+    query heads, query head h*rep + j against KV head h (the rep programs of a KV head read the same codes,
+    launched together, so mostly from L2)."""
     B, H, N, d = _check_codes(k_codes, bits, "k_codes")
     dev = k_codes.device
     check_runnable(_qk_outer_kernel, dev)
-    q = _check_vector(q, "q", (B, H, d), dev)
+    Hq = _query_heads(q, "q", B, H, d)
+    q = _check_vector(q, "q", (B, Hq, d), dev)
     check_tensor(k_scale, "k_scale", (B, H, N // GROUP, d), (torch.float16,), dev)
     check_tensor(k_zero, "k_zero", (B, H, N // GROUP, d), (torch.float16,), dev)
     (codes, s_codes), (scale, s_scale), (zero, s_zero) = map(head_rows, (k_codes, k_scale, k_zero))
-    out = torch.empty(B, H, N, dtype=torch.float32, device=dev)
+    out = torch.empty(B, Hq, N, dtype=torch.float32, device=dev)
     if B * H * N:
-        _qk_outer_kernel[(B * H, triton.cdiv(N // GROUP, groups))](
+        _qk_outer_kernel[(B * Hq, triton.cdiv(N // GROUP, groups))](
             q, codes, scale, zero, out, N, d, s_codes, s_scale, s_zero, N,
-            D=d, BITS=bits, GROUPS=groups, num_warps=num_warps, enable_fp_fusion=True)
+            D=d, BITS=bits, GROUPS=groups, REP=Hq // H, num_warps=num_warps, enable_fp_fusion=True)
     return out
 
 
@@ -312,15 +327,16 @@ def _pv_inner_kernel(p_ptr, codes_ptr, scale_ptr, slot_ptr, sym_ptr, out_ptr, N_
 @triton.jit
 def _pv_outer_kernel(p_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, N, PER_SPLIT,
                      s_p, s_codes, s_scale, s_zero,
-                     D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
+                     D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, REP: tl.constexpr):
     CPW: tl.constexpr = 32 // BITS
     NG: tl.constexpr = D // 32
     W: tl.constexpr = D * BITS // 32
-    row = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64)                    # a query row; REP consecutive ones share a KV head
+    kv = row // REP
     p_ptr += row * s_p
-    codes_ptr += row * s_codes
-    scale_ptr += row * s_scale
-    zero_ptr += row * s_zero
+    codes_ptr += kv * s_codes
+    scale_ptr += kv * s_scale
+    zero_ptr += kv * s_zero
     split = tl.program_id(1)
     g = tl.arange(0, NG)
     wi = tl.arange(0, BITS)
@@ -376,22 +392,24 @@ def pv_inner(p: Tensor, v_codes: Tensor, v_scale: Tensor, v_slot: Tensor, v_sym:
 
 def pv_outer(p: Tensor, v_codes: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int,
              block_n: int = 64, num_splits: int | None = None, num_warps: int = 4) -> Tensor:
-    """out (B, H, d) fp32 = p (B, H, N) · dequant(V) for KIVI's per-token value groups (32 channels)."""
+    """out (B, Hq, d) fp32 = p (B, Hq, N) · dequant(V) for KIVI's per-token value groups (32 channels);
+    Hq = rep * H query heads as in qk_outer."""
     B, H, N, d = _check_codes(v_codes, bits, "v_codes")
     dev = v_codes.device
     check_runnable(_pv_outer_kernel, dev)
-    p = _check_vector(p, "p", (B, H, N), dev)
+    Hq = _query_heads(p, "p", B, H, N)
+    p = _check_vector(p, "p", (B, Hq, N), dev)
     check_tensor(v_scale, "v_scale", (B, H, N, d // GROUP), (torch.float16,), dev)
     check_tensor(v_zero, "v_zero", (B, H, N, d // GROUP), (torch.float16,), dev)
     if B * H == 0 or N == 0:
-        return torch.zeros(B, H, d, dtype=torch.float32, device=dev)
+        return torch.zeros(B, Hq, d, dtype=torch.float32, device=dev)
     (codes, s_codes), (scale, s_scale), (zero, s_zero) = map(head_rows, (v_codes, v_scale, v_zero))
-    splits, per_split = split_groups(N // GROUP, B * H, dev, num_splits)
-    partial = torch.empty(B * H, splits, d, dtype=torch.float32, device=dev)
-    _pv_outer_kernel[(B * H, splits)](
+    splits, per_split = split_groups(N // GROUP, B * Hq, dev, num_splits)
+    partial = torch.empty(B * Hq, splits, d, dtype=torch.float32, device=dev)
+    _pv_outer_kernel[(B * Hq, splits)](
         p, codes, scale, zero, partial, N, per_split * GROUP, N, s_codes, s_scale, s_zero,
-        D=d, BITS=bits, BLOCK_N=block_n, num_warps=num_warps, enable_fp_fusion=True)
-    return _finish_splits(partial, B, H)
+        D=d, BITS=bits, BLOCK_N=block_n, REP=Hq // H, num_warps=num_warps, enable_fp_fusion=True)
+    return _finish_splits(partial, B, Hq)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -417,7 +435,8 @@ def qk_inner_ref(q, k_codes, k_scale, k_slot, k_sym, bits):
 
 
 def qk_outer_ref(q, k_codes, k_scale, k_zero, bits):
-    return torch.einsum("bhd,bhnd->bhn", q.float(), dequant_outer(k_codes, k_scale, k_zero, bits, -2))
+    k = dequant_outer(k_codes, k_scale, k_zero, bits, -2).repeat_interleave(q.shape[1] // k_codes.shape[1], dim=1)
+    return torch.einsum("bhd,bhnd->bhn", q.float(), k)
 
 
 def pv_inner_ref(p, v_codes, v_scale, v_slot, v_sym, bits):
@@ -425,4 +444,5 @@ def pv_inner_ref(p, v_codes, v_scale, v_slot, v_sym, bits):
 
 
 def pv_outer_ref(p, v_codes, v_scale, v_zero, bits):
-    return torch.einsum("bhn,bhnd->bhd", p.float(), dequant_outer(v_codes, v_scale, v_zero, bits, -1))
+    v = dequant_outer(v_codes, v_scale, v_zero, bits, -1).repeat_interleave(p.shape[1] // v_codes.shape[1], dim=1)
+    return torch.einsum("bhn,bhnd->bhd", p.float(), v)
