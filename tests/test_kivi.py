@@ -162,19 +162,25 @@ def greedy_logits(model, cache: str, prompts: torch.Tensor, steps: int, pad=None
 
 @pytest.mark.parametrize("cache", KERNEL_DECODE)
 def test_decode_through_the_kernels_equals_the_torch_path(gqa_model, cache, monkeypatch):
-    """Decode reading the quantized history through qk_outer / pv_outer (forced on CPU under the interpreter)
-    gives the logits of the torch path (dequantize everything, SDPA), across group flushes out of the window."""
+    """Decode reading the quantized history through qk_outer / pv_outer gives the logits of the torch path
+    (dequantize everything, SDPA), across group flushes out of the window: on a GPU (compiled kernels), or on
+    CPU with the kernels forced under the interpreter."""
     from kvzoo.cache.kivi import KIVICache
-    from kvzoo.kernels.quant_matvec import kernels_run_on
 
-    if not kernels_run_on(torch.device("cpu")):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not kernels_on_cpu():
         pytest.skip("forces the kernels on CPU tensors, which needs the Triton interpreter")
-    prompts = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(6))
-    torch_path = greedy_logits(gqa_model, cache, prompts, 40)
-    used = []
-    monkeypatch.setattr(KIVICache, "_kernels_serve", lambda self, q, pos: used.append(1) or self._kernels_fit(pos))
-    kernels = greedy_logits(gqa_model, cache, prompts, 40)
-    assert len(used) == 40 * gqa_model.cfg.n_layers
+    prompts = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(6)).to(device)
+    model = gqa_model.to(device)
+    try:
+        monkeypatch.setattr(KIVICache, "_kernels_serve", lambda self, q, pos: False)
+        torch_path = greedy_logits(model, cache, prompts, 40)
+        used = []
+        monkeypatch.setattr(KIVICache, "_kernels_serve", lambda self, q, pos: used.append(1) or self._kernels_fit(pos))
+        kernels = greedy_logits(model, cache, prompts, 40)
+    finally:
+        model.to("cpu")
+    assert len(used) == 40 * model.cfg.n_layers
     torch.testing.assert_close(kernels, torch_path, rtol=1e-4, atol=1e-4)
 
 
