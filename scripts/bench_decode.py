@@ -56,7 +56,6 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvzoo.cache.base import CacheSpec, fp16_kv_nbytes  # noqa: E402
-from kvzoo.cache.kvpareto import KVParetoCache  # noqa: E402
 from kvzoo.config import ModelConfig  # noqa: E402
 from kvzoo.generate import decode_one_token, prefill  # noqa: E402
 from kvzoo.graphs import decoder  # noqa: E402
@@ -229,10 +228,7 @@ def store_random(kv, tokens: int, chunk: int = 65536) -> None:
         weight, n_kv, d = layer.attn.q_proj.weight, layer.attn.n_kv_heads, layer.attn.head_dim
         for start in range(0, tokens, chunk):
             k, v = torch.randn(2, 1, n_kv, min(chunk, tokens - start), d, dtype=weight.dtype, device=weight.device)
-            if isinstance(layer, KVParetoCache):
-                layer._append(k, v, torch.ones(1, k.shape[2], dtype=torch.bool, device=k.device))
-            else:
-                layer._append(k, v)
+            layer._append(k, v)
     kv.length += tokens
 
 

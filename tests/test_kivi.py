@@ -150,8 +150,10 @@ def gqa_model(tmp_path_factory):
 
 
 def greedy_logits(model, cache: str, prompts: torch.Tensor, steps: int, pad=None) -> torch.Tensor:
-    kv = model.new_cache(cache, prompts.shape[0], prompts.shape[1] + steps)
+    """Logits of `steps` greedy eager decode steps after prefilling `prompts`."""
     from kvzoo.generate import prefill
+
+    kv = model.new_cache(cache, prompts.shape[0], prompts.shape[1] + steps)
     token, logits = prefill(model, prompts, kv, pad).argmax(-1), []
     for _ in range(steps):
         logits.append(model(token[:, None], kv, pad=pad)[:, -1])

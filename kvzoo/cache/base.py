@@ -101,6 +101,14 @@ class StaticStep:
         return cls(slot, ids, allowed[:, None, None, :])
 
 
+def device_slots(start: Tensor, n: int, group: int) -> tuple[Tensor, Tensor]:
+    """Where n tokens written at a device-held slot `start` (1,) go, with no host sync (the static steps):
+    (their slots (n,), and the groups of `group` tokens they fill (n // group,), start then a multiple of it)."""
+    slots = start + torch.arange(n, device=start.device)
+    groups = torch.div(start, group, rounding_mode="floor") + torch.arange(n // group, device=start.device)
+    return slots, groups
+
+
 def full_mask(pos: Positions, n_keys: int, device) -> Tensor:
     """pos.mask made explicit: (B or 1, 1, T, n_keys) booleans, also when pos.mask is None (causal)."""
     if pos.mask is not None:

@@ -261,15 +261,14 @@ class InnerQCache(KIVICache):
         return not padded and self.length > 0 and self._fused_ok(self.k_res)
 
     def _static_lengths(self, step: StaticStep) -> tuple[Tensor, Tensor, Tensor]:
-        """From the device-held length L: (quantized tokens n_q (1,), window slot r of the new token (1,),
-        live lengths (3,) int32 [n_q, sink tokens, recent tokens] for the kernel), shared by every layer."""
+        """From the device-held length L: (quantized tokens n_q (1,), window slot r of the new token (1,), as
+        _static_window gives them; live lengths (3,) int32 [n_q, sink tokens, recent tokens] for the kernel),
+        shared by every layer."""
         key = ("innerq", self.opts.sink, self.opts.recent)
         if key not in step.derived:
-            S, R, L = self.opts.sink, self.opts.recent, step.slot
-            n_q = torch.div(L - S - R, GROUP, rounding_mode="floor").clamp_min(0) * GROUP     # quantized_len(L)
-            sink = L.clamp_max(S - 1) if S else torch.zeros_like(L)                      # the token's sink slot
+            S, L = self.opts.sink, step.slot
+            n_q, r = self._static_window(step)
             in_sink = L < S
-            r = torch.where(in_sink, sink, L - S - n_q)
             lengths = torch.cat([torch.where(in_sink, 0, n_q), torch.where(in_sink, L + 1, S),
                                  torch.where(in_sink, 0, r + 1)]).to(torch.int32)
             step.derived[key] = (n_q, r, lengths)

@@ -46,7 +46,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvzoo.cache.base import LayerCache, Positions, StaticStep, attend, attend_split, full_mask, register
+from kvzoo.cache.base import (LayerCache, Positions, StaticStep, attend, attend_split, device_slots, full_mask,
+                              register)
 from kvzoo.cache.quant import QTensor, check_bits, dequantize, packed_words, quantize
 
 SCALE_DTYPE = torch.float16
@@ -135,10 +136,8 @@ class KIVICache(LayerCache):
     def _write_quantized_at(self, start: Tensor, k: Tensor, v: Tensor) -> None:
         """The same into slots [start, start + n), start a device tensor (1,), a multiple of G: index
         writes, no host sync (the static step)."""
-        G, n = self.opts.group_size, k.shape[2]
         kq, vq = self._quantize(k, v)
-        slots = start + torch.arange(n, device=start.device)                                   # (n,)
-        groups = torch.div(start, G, rounding_mode="floor") + torch.arange(n // G, device=start.device)
+        slots, groups = device_slots(start, k.shape[2], self.opts.group_size)
         for buf, index, values in ((self.k_codes, slots, kq.codes), (self.v_codes, slots, vq.codes),
                                    (self.k_scale, groups, kq.scale), (self.k_zero, groups, kq.zero),
                                    (self.v_scale, slots, vq.scale), (self.v_zero, slots, vq.zero)):
@@ -321,23 +320,32 @@ class KIVICache(LayerCache):
         """Buffers a static step changes in a way that running it twice would not repeat (the window shift)."""
         return (self.k_res, self.v_res)
 
+    def _static_window(self, step: StaticStep) -> tuple[Tensor, Tensor]:
+        """From the device-held length L = step.slot: (quantized tokens n_q = quantized_len(L) (1,), the token's
+        row in its window (1,): sink row L while L < S, else residual row L - S - n_q). Shared by every layer
+        of the step (InnerQ's too)."""
+        S, R, G = self.opts.sink, self.opts.residual, self.opts.group_size
+        key = ("window", S, R, G)
+        if key not in step.derived:
+            L = step.slot
+            n_q = torch.div(L - S - R, G, rounding_mode="floor").clamp_min(0) * G             # quantized_len(L)
+            step.derived[key] = (n_q, torch.where(L < S, L.clamp_max(max(S - 1, 0)), L - S - n_q))
+        return step.derived[key]
+
     def _static_keys(self, step: StaticStep) -> tuple[Tensor, Tensor, Tensor]:
-        """The step's keys are every quantized slot, every sink row, every residual row (K = N + S + R + G).
-        From the device-held length L = step.slot: (quantized tokens n_q (1,), the token's row in its window
-        (1,): sink row L or residual row L - S - n_q, mask (B, 1, 1, K): a key may be attended where it is
-        live (a quantized slot < n_q, a sink row <= L, a residual row up to the token's) and the step's
-        mask allows its slot). Shared by every layer of the step."""
+        """The step's keys are every quantized slot, every sink row, every residual row (K = N + S + R + G):
+        (n_q, the token's window row, as _static_window gives them; mask (B, 1, 1, K): a key may be attended
+        where it is live (a quantized slot < n_q, a sink row <= L, a residual row up to the token's) and the
+        step's mask allows its slot). Shared by every layer of the step."""
         S, R, G, N = self.opts.sink, self.opts.residual, self.opts.group_size, self.k_codes.shape[2]
         key = ("kivi", S, R, G, N)
         if key not in step.derived:
             L, device = step.slot, step.slot.device
-            n_q = torch.div(L - S - R, G, rounding_mode="floor").clamp_min(0) * G             # quantized_len(L)
-            r = L - S - n_q                                              # < 0 while the token joins the sink
+            n_q, row = self._static_window(step)
             quant, sink, win = (torch.arange(n, device=device) for n in (N, S, R + G))
             slots = torch.cat([S + quant, sink, S + n_q + win])                                 # (K,) key slots
-            live = torch.cat([quant < n_q, sink <= L, win <= r])                               # (K,)
+            live = torch.cat([quant < n_q, sink <= L, win <= L - S - n_q])                     # (K,)
             mask = step.mask.index_select(-1, slots.clamp_max(self.max_len - 1)) & live          # (B, 1, 1, K)
-            row = torch.where(L < S, L.clamp_max(max(S - 1, 0)), r)
             step.derived[key] = (n_q, row, mask)
         return step.derived[key]
 

@@ -235,7 +235,10 @@ class KVParetoCache(LayerCache):
         slots = torch.arange(pos.start, pos.start + T, device=pos.pad.device)
         return slots[None, :] >= pos.pad[:, None]                                     # (B, T)
 
-    def _append(self, k: Tensor, v: Tensor, real: Tensor) -> None:
+    def _append(self, k: Tensor, v: Tensor, real: Tensor | None = None) -> None:
+        """Store a chunk (B, H, T, d); real (B, T) False on padding slots (None: none are)."""
+        if real is None:
+            real = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
         self.k_store.append(k, self.length, real)
         self.v_store.append(v, self.length, real)
         self.length += k.shape[2]

@@ -66,7 +66,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from kvzoo.cache.base import LayerCache, Positions, StaticStep, attend, attend_split, full_mask, register
+from kvzoo.cache.base import (LayerCache, Positions, StaticStep, attend, attend_split, device_slots, full_mask,
+                              register)
 from kvzoo.cache.quant import SUPPORTED_BITS, QTensor, dequantize, packed_words, quantize
 from kvzoo.kernels.xquant_remat import REMAT_BITS, dequant_matmul
 
@@ -189,9 +190,7 @@ class LatentStore(nn.Module):
         n = rows.shape[1]
         if self.per_channel and n % self.group:
             raise ValueError(f"a per-channel store writes whole groups of {self.group} rows, got {n}")
-        slots = start + torch.arange(n, device=start.device)                                    # (n,)
-        first_group = torch.div(start, self.group, rounding_mode="floor")
-        groups = first_group + torch.arange(n // self.group, device=start.device) if self.per_channel else slots
+        slots, groups = device_slots(start, n, self.group)
         for buf, values, grouped in self._encode(rows):
             buf.index_copy_(1, groups if grouped else slots, values)
 
