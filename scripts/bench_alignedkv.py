@@ -101,7 +101,7 @@ def bytes_read(q, keys, values, k_exp, v_exp) -> dict:
 
 def kivi_step(q, keys, values):
     """KIVI's 4-bit outer layout for MHA: (fn, bytes)."""
-    from kvzoo.cache.quant import quantize
+    from kvzoo.cache.kvquant import quantize
     from kvzoo.kernels.quant_matvec import pv_outer, qk_outer
 
     kq = quantize(keys, KIVI_BITS, KIVI_GROUP, axis=-2)

@@ -136,7 +136,7 @@ def synthetic_outer(H: int, N: int, d: int, gen: torch.Generator):
 
 def sanity_check(H: int, d: int, Hq: int) -> dict:
     """Max relative error of each kernel against its torch reference at N = 1024 (real quantized data)."""
-    from kvzoo.cache.quant import pack_sym_mask, quantize, quantize_unified
+    from kvzoo.cache.kvquant import pack_sym_mask, quantize, quantize_unified
     from kvzoo.kernels import innerq_attention as att, quant_matvec as mv, quantize_pack as qp
 
     torch.manual_seed(0)

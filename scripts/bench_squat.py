@@ -31,7 +31,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvzoo.cache.kivi import SCALE_DTYPE  # noqa: E402
-from kvzoo.cache.quant import quantize  # noqa: E402
+from kvzoo.cache.kvquant import quantize  # noqa: E402
 from kvzoo.cache.squat import grouped_queries, query_subspace, squat_adjust, update_matrices  # noqa: E402
 from kvzoo.kernels.bench import Timer, output_paths  # noqa: E402
 

@@ -18,7 +18,7 @@ Methods (every one ends in F.scaled_dot_product_attention over fp16 K/V; RoPE on
     cuBLAS bound  the projections alone as fp16 cuBLAS matmuls on already-dequantized X (no attention): what
                   rematerialization would cost if dequantizing were free
     KIVI*         pre-RoPE keys per-channel, values per-token at the same bits, dequantized by
-                  kvzoo.cache.quant.dequantize (torch) + RoPE + SDPA: the strategy as kvzoo runs it
+                  kvzoo.cache.kvquant.dequantize (torch) + RoPE + SDPA: the strategy as kvzoo runs it
 Roofline (§3.4, eq. 3-4): FLOPs = 2*N*r_in*n_out per projection, bytes = codes + scales + zeros + weights;
 the estimate is max(FLOPs / matrix rate, bytes / copy bandwidth) with both ceilings measured in this run
 (a bf16 8192^3 matmul; a 1 GiB device copy, bytes read + written), plus the SDPA time over the result. The
@@ -89,7 +89,7 @@ def qbytes(q) -> int:
 
 
 def measure(shape: str, n: int, bits: int, timer: Timer, ceilings: dict) -> list[dict]:
-    from kvzoo.cache.quant import dequantize, quantize
+    from kvzoo.cache.kvquant import dequantize, quantize
     from kvzoo.kernels.xquant_remat import dequant_matmul
 
     d, h, hd, hq = SHAPES[shape]
@@ -214,7 +214,7 @@ def main() -> None:
     require_compiled_gpu("bench_xquant.py", "tests/test_xquant_remat.py")
     import triton
 
-    from kvzoo.cache.quant import quantize
+    from kvzoo.cache.kvquant import quantize
     from kvzoo.kernels.xquant_remat import dequant_matmul, dequant_matmul_ref
 
     paths = output_paths(args.out, args.overwrite)

@@ -24,7 +24,7 @@ from tqdm import tqdm  # noqa: E402
 from kvzoo.cli import PLOT_SUFFIXES, add_model_args, check_output, load_from_args, numbers, run, write_json  # noqa: E402
 from kvzoo.eval.datasets import load_text  # noqa: E402
 from kvzoo.eval.pareto import TASKS, choose, evaluate, frontier  # noqa: E402
-from kvzoo.quant.awq import METHODS, quantize_weights  # noqa: E402
+from kvzoo.weightquant.awq import METHODS, quantize_weights  # noqa: E402
 
 MB = 2 ** 20
 MARKERS = {"w16": "o", "w4-rtn": "^", "w4-awq": "s"}

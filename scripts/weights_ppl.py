@@ -2,7 +2,7 @@
 
     python scripts/weights_ppl.py --windows 2 --calib-windows 8 --json results/kvpareto/weights.json
 
-Each method is applied to a fresh copy of the model (kvzoo/quant/awq.py): RTN and AWQ at 4 bits, asymmetric,
+Each method is applied to a fresh copy of the model (kvzoo/weightquant/awq.py): RTN and AWQ at 4 bits, asymmetric,
 groups of 128 input channels (64 where 128 does not divide the layer widths, as SmolLM2's 576); AWQ
 calibrates on --calib-windows windows of 512 tokens from the end of the C4 sample. Perplexity: the first
 --windows windows of --seq-len tokens of WikiText-2 and C4, fp16 KV cache, simulated mode.
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvzoo.cli import add_model_args, check_output, load_from_args, run, write_json  # noqa: E402
 from kvzoo.eval.datasets import load_text  # noqa: E402
 from kvzoo.eval.perplexity import perplexity  # noqa: E402
-from kvzoo.quant.awq import METHODS, group_for, quantize_weights  # noqa: E402
+from kvzoo.weightquant.awq import METHODS, group_for, quantize_weights  # noqa: E402
 
 
 def main() -> None:

@@ -48,7 +48,7 @@ from torch import Tensor
 
 from kvzoo.cache.base import Positions, StaticStep, register
 from kvzoo.cache.kivi import KIVICache
-from kvzoo.cache.quant import (UnifiedQTensor, check_bits, dequantize_unified, pack_sym_mask, packed_words,
+from kvzoo.cache.kvquant import (UnifiedQTensor, check_bits, dequantize_unified, pack_sym_mask, packed_words,
                                quantize_unified, unpack_sym_mask)
 
 GROUP = 32        # the unified slot holds 32 bits: an fp32 zero point or 32 sign bits

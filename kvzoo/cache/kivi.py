@@ -48,7 +48,7 @@ from torch import Tensor
 
 from kvzoo.cache.base import (LayerCache, Positions, StaticStep, attend, attend_split, device_slots, full_mask,
                               register)
-from kvzoo.cache.quant import QTensor, check_bits, dequantize, packed_words, quantize
+from kvzoo.cache.kvquant import QTensor, check_bits, dequantize, packed_words, quantize
 
 SCALE_DTYPE = torch.float16
 

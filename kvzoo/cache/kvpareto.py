@@ -7,7 +7,7 @@ the codes are stored bit-packed and attention reads them back.
 
 Precisions: k_bits, v_bits in {2, 4, 8, 16} (16 = not quantized): the paper's k8v8, k8v4, k8v2, k4v4, k4v2,
 k2v2 and the k16v16 baseline. Quantization (Appendix C): scale = (max - min) / (2^b - 1), zero = min, codes
-round((x - min) / scale) (kvzoo.cache.quant, asymmetric). Granularity (Figure 6):
+round((x - min) / scale) (kvzoo.cache.kvquant, asymmetric). Granularity (Figure 6):
     token   per-token group-wise: each token's head vector in groups of G channels; a token is quantized
             when it is stored                                  scale, zero fp16 (B, H, N, d/G)
     block   per-sequence (per-block) group-wise: each block of G consecutive tokens of a head shares one
@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from kvzoo.cache.base import LayerCache, Positions, attend, attend_split, full_mask, register
-from kvzoo.cache.quant import QTensor, dequantize, packed_words, quantize
+from kvzoo.cache.kvquant import QTensor, dequantize, packed_words, quantize
 
 PRECISIONS = (2, 4, 8, 16)
 GRANULARITIES = ("token", "block", "tensor")

@@ -50,7 +50,7 @@ from torch import Tensor
 
 from kvzoo.cache.base import Positions, register
 from kvzoo.cache.kivi import SCALE_DTYPE, KIVICache, KIVIOptions
-from kvzoo.cache.quant import QTensor, dequantize, quantize
+from kvzoo.cache.kvquant import QTensor, dequantize, quantize
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ from torch import Tensor, nn
 
 from kvzoo.cache.base import (LayerCache, Positions, StaticStep, attend, attend_split, device_slots, full_mask,
                               register)
-from kvzoo.cache.quant import SUPPORTED_BITS, QTensor, dequantize, packed_words, quantize
+from kvzoo.cache.kvquant import SUPPORTED_BITS, QTensor, dequantize, packed_words, quantize
 from kvzoo.kernels.xquant_remat import REMAT_BITS, dequant_matmul
 
 SCALE_DTYPE = torch.float16

@@ -67,7 +67,7 @@ import torch
 from torch import Tensor
 
 from kvzoo.cache.base import CacheSpec, LayerCache, Positions, StaticStep, attend, attend_split, full_mask, register
-from kvzoo.cache.quant import QTensor
+from kvzoo.cache.kvquant import QTensor
 from kvzoo.cache.xquant import (LatentStore, XQuantCache, XQuantOptions, check_latent_bits, check_window,
                                 dequantize_latent, heads, rematerialize, rope_stored_keys,
                                 svd_factors)

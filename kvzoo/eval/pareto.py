@@ -1,7 +1,7 @@
 """KV Pareto: configurations of KV quantization x prefill chunking, each scored for total memory and
 accuracy, and the non-dominated set (kv-pareto.md §4, Figure 2).
 
-A configuration is a weight format (w16, or 4-bit w4-rtn / w4-awq from kvzoo.quant.awq, applied to the model
+A configuration is a weight format (w16, or 4-bit w4-rtn / w4-awq from kvzoo.weightquant.awq, applied to the model
 before it is evaluated), a KV cache spec and a prefill chunk (0 = none), written like the paper's
 `w4-awq / kvpareto:k_bits=4,... / chunk 256`. Memory is the total of kvzoo.eval.memory (model + KV + peak
 activation) at the task's context, the model's 4-bit codes counted as held: measured on CUDA, the Appendix I

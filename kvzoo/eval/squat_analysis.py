@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvzoo.cache.quant import dequantize, quantize
+from kvzoo.cache.kvquant import dequantize, quantize
 from kvzoo.cache.squat import grouped_queries, query_subspace, squat_quantize_keys
 from kvzoo.eval.capture import per_layer_attention
 

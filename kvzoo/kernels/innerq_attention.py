@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvzoo.cache.quant import unpack_sym_mask
+from kvzoo.cache.kvquant import unpack_sym_mask
 from kvzoo.kernels.quant_matvec import (GROUP, check_bits, check_head_dim, check_runnable, check_tensor, dequant_inner,
                                         head_rows, split_groups, unpack_codes)
 

@@ -6,11 +6,11 @@ against the quantized values, each in the inner-grouped layout (InnerQ) and the 
     out    = p · dequant(V)      p (B, H, N) fp16/bf16/fp32      ->  (B, H, d) fp32
 
 Codes are b-bit (b in {2, 4}) integers packed along the last dim (head_dim d) into int32 words as one
-little-endian bit stream (kvzoo.cache.quant.pack): channel j of a token sits at bits (j*b) % 32 of word
+little-endian bit stream (kvzoo.cache.kvquant.pack): channel j of a token sits at bits (j*b) % 32 of word
 (j*b) // 32, so a token's codes are W = d*b/32 words and a group of 32 channels is exactly b words. Groups
 hold G = 32 values. Per KV head (N quantized tokens, N a multiple of 32):
 
-  inner layout (InnerQ; unified groups of kvzoo.cache.quant.quantize_unified)
+  inner layout (InnerQ; unified groups of kvzoo.cache.kvquant.quantize_unified)
     keys, per-token groups along d        k_codes int32 (B, H, N, W)  k_scale fp16 (B, H, N, d/32)
                                           k_slot int32 (B, H, N, d/32)  k_sym bool (B, H, N, d/32) or None
     values, per-channel groups of tokens  v_codes int32 (B, H, N, W)  v_scale fp16 (B, H, N/32, d)
@@ -18,7 +18,7 @@ hold G = 32 values. Per KV head (N quantized tokens, N a multiple of 32):
     an asymmetric group decodes to code*scale + zero (zero = the slot's bits read as fp32); a symmetric
     one to code*scale, negated where bit j of the slot is set (j = the element's index in its group).
     sym=None means every group is asymmetric (the sign path is compiled out).
-  outer layout (KIVI; plain asymmetric kvzoo.cache.quant.quantize)
+  outer layout (KIVI; plain asymmetric kvzoo.cache.kvquant.quantize)
     keys, per-channel groups of tokens    k_codes int32 (B, H, N, W)  k_scale, k_zero fp16 (B, H, N/32, d)
     values, per-token groups along d      v_codes int32 (B, H, N, W)  v_scale, v_zero fp16 (B, H, N, d/32)
 
@@ -39,7 +39,7 @@ kernels also take GQA queries, q or p (B, Hq, ·) with Hq = rep * H: a program p
 of its KV head (row // rep), so KIVI's decode launches each kernel once per layer.
 
 Every launcher checks bits, shapes, dtypes and devices and raises ValueError; each has a pure-torch
-`*_ref` built on kvzoo.cache.quant's dequantizers. CPU tensors need TRITON_INTERPRET=1 (set before triton
+`*_ref` built on kvzoo.cache.kvquant's dequantizers. CPU tensors need TRITON_INTERPRET=1 (set before triton
 is imported). The helpers at the top are shared with innerq_attention.py and quantize_pack.py.
 """
 
@@ -51,7 +51,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-from kvzoo.cache.quant import QTensor, UnifiedQTensor, dequantize, dequantize_unified
+from kvzoo.cache.kvquant import QTensor, UnifiedQTensor, dequantize, dequantize_unified
 
 GROUP = 32
 KERNEL_BITS = (2, 4)
@@ -413,7 +413,7 @@ def pv_outer(p: Tensor, v_codes: Tensor, v_scale: Tensor, v_zero: Tensor, bits: 
 
 
 # ----------------------------------------------------------------------------------------------------
-# References (pure torch, on kvzoo.cache.quant's dequantizers)
+# References (pure torch, on kvzoo.cache.kvquant's dequantizers)
 # ----------------------------------------------------------------------------------------------------
 def dequant_inner(codes: Tensor, scale: Tensor, slot: Tensor, sym: Tensor | None, bits: int, axis: int) -> Tensor:
     """(B, H, N, d) fp32 of an inner-layout tensor; axis -1: per-token groups (keys), -2: per-channel groups

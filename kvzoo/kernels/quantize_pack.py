@@ -3,7 +3,7 @@ asymmetric, symmetric or hybrid mode of the unified representation (InnerQ §4.1
 the latency of hybrid and symmetric quantization).
 
     x (..., d) fp16/bf16/fp32, d a power of two >= 32  ->  UnifiedQTensor with
-        codes int32 (..., d*b/32)   b-bit codes packed along d (kvzoo.cache.quant.pack's bit stream)
+        codes int32 (..., d*b/32)   b-bit codes packed along d (kvzoo.cache.kvquant.pack's bit stream)
         scale fp16  (..., d/32)     one per group of 32 channels
         slot  int32 (..., d/32)     fp32 bits of the zero point (asymmetric) or the 32 sign bits (symmetric)
         sym   bool  (..., d/32)     which mode the group uses
@@ -11,7 +11,7 @@ the latency of hybrid and symmetric quantization).
 Per group (top = 2^b - 1): asymmetric scale = fp16((max - min) / top), codes round((x - min) / scale);
 symmetric scale = fp16(max|x| / top), codes round(|x| / scale) and the signs in the slot; hybrid computes
 both reconstructions' squared errors on the loaded values and keeps the symmetric group where its error is
-strictly lower. The results equal kvzoo.cache.quant.quantize_unified(x, b, axis=-1, mode): IEEE divisions
+strictly lower. The results equal kvzoo.cache.kvquant.quantize_unified(x, b, axis=-1, mode): IEEE divisions
 (div_rn), round-half-to-even (the 1.5 * 2^23 trick), fp16 rounding of the scales, no fused multiply-adds.
 The one possible difference is a hybrid flag on a near-tie, where the two errors are equal up to the order
 in which the 32 squared errors are summed.
@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvzoo.cache.quant import UnifiedQTensor, quantize_unified
+from kvzoo.cache.kvquant import UnifiedQTensor, quantize_unified
 from kvzoo.kernels.quant_matvec import GROUP, check_bits, check_head_dim, check_runnable
 
 MODES = ("asym", "sym", "hybrid")
@@ -216,5 +216,5 @@ def quantize_inner(x: Tensor, bits: int, mode: str = "hybrid", block_t: int | No
 
 
 def quantize_inner_ref(x: Tensor, bits: int, mode: str = "hybrid") -> UnifiedQTensor:
-    """The reference: kvzoo.cache.quant.quantize_unified over per-token groups."""
+    """The reference: kvzoo.cache.kvquant.quantize_unified over per-token groups."""
     return quantize_unified(x, bits, -1, mode)

@@ -3,7 +3,7 @@ asymmetric, group 128 along the input channels).
 
     out (..., N) = x (..., K) @ dequant(w) (N, K)ᵀ        x fp16/bf16/fp32, out in x's dtype
 
-Layout (W4Weight, built by kvzoo.cache.quant.quantize(w, 4, G, axis=-1) on the (out_features, in_features)
+Layout (W4Weight, built by kvzoo.cache.kvquant.quantize(w, 4, G, axis=-1) on the (out_features, in_features)
 weight): groups of G consecutive input channels of one output row share an fp16 scale and zero,
     codes  int32 (N, K/8)    code k of row n sits at bits (k*4) % 32 of word k // 8 (one bit stream along K)
     scale  fp16  (N, K/G)    w'[n, k] = code * scale[n, k // G] + zero[n, k // G]
@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvzoo.cache.quant import QTensor, dequantize, quantize
+from kvzoo.cache.kvquant import QTensor, dequantize, quantize
 from kvzoo.kernels.quant_matvec import check_runnable, check_tensor, unpack_codes
 
 BITS = 4

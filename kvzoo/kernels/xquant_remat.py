@@ -5,12 +5,12 @@ projection in one pass, so the dequantized activations never reach device memory
 
 XQuant caches X (MHA) or its latent X·U (GQA) as b-bit codes and rebuilds K = X̂ W_k, V = X̂ W_v (or the fused
 Σ Bᵀ of the SVD) at every decode step; XQuant-CL up-projects its latent deltas the same way. The input is a
-`kvzoo.cache.quant.QTensor` quantized along one of its last two axes:
+`kvzoo.cache.kvquant.QTensor` quantized along one of its last two axes:
     per-token   (axis -1): groups of G consecutive channels of one row      scale/zero (..., N, r/G)
     per-channel (axis -2): groups of G consecutive rows of one channel      scale/zero (..., N/G, r)
 asymmetric (code*scale + zero) or symmetric ((code - 2^(b-1))*scale), b in {2, 4, 8} (codes that never
 straddle an int32 word; 3-bit caches use the torch reference). Codes are packed along r as one bit stream
-(kvzoo.cache.quant.pack): channel j sits at bits (j*b) % 32 of word (j*b) // 32.
+(kvzoo.cache.kvquant.pack): channel j sits at bits (j*b) % 32 of word (j*b) // 32.
 
 Tiling: a program computes a (BLOCK_M, BLOCK_N) tile of out, looping over r in BLOCK_K steps; each step
 loads a (BLOCK_M, BLOCK_K*b/32) tile of words, unpacks it (BLOCK_M, BLOCK_K/cpw, cpw) -> (BLOCK_M, BLOCK_K)
@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvzoo.cache.quant import QTensor, dequantize
+from kvzoo.cache.kvquant import QTensor, dequantize
 from kvzoo.kernels.quant_matvec import check_runnable, unpack_codes
 
 REMAT_BITS = (2, 4, 8)
@@ -79,7 +79,7 @@ def _remat_kernel(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_ptr, M, R, N_OUT, W
 
 def _check(q: QTensor, weight: Tensor) -> None:
     if not isinstance(q, QTensor):
-        raise ValueError(f"expected a kvzoo.cache.quant.QTensor, got {type(q).__name__}")
+        raise ValueError(f"expected a kvzoo.cache.kvquant.QTensor, got {type(q).__name__}")
     if q.bits not in REMAT_BITS:
         raise ValueError(f"the rematerialization kernel supports bits in {REMAT_BITS}, got {q.bits} "
                          "(use dequant_matmul_ref)")

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from kvzoo.cache.base import CacheSpec
-from kvzoo.cache.quant import dequantize_unified, quantize_unified
-from tests.test_kivi import smollm_shaped_layer_cache
+from kvzoo.cache.kvquant import dequantize_unified, quantize_unified
+from tests.cache.test_kivi import smollm_shaped_layer_cache
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_paper_defaults():

@@ -19,7 +19,7 @@ from kvzoo.eval.outliers import (analyze, latent_stats, outlier_channel, predict
 from kvzoo.models.loader import load_weights
 from tests.tiny import tiny_llama
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def orthonormal(n: int, m: int, seed: int) -> torch.Tensor:

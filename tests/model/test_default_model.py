@@ -16,7 +16,7 @@ from kvzoo.generate import generate
 from kvzoo.models.loader import load_weights
 from kvzoo.tokenizer import Tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

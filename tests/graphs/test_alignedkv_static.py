@@ -10,7 +10,7 @@ from kvzoo.cache.alignedkv import AlignedKVCache
 from kvzoo.generate import prefill
 from kvzoo.graphs import GraphDecoder, PiecewiseDecoder, decoder
 from kvzoo.kernels.quant_matvec import kernels_run_on
-from tests.test_graphs import decode_both, model, whole_step_equals_eager, windowed  # noqa: F401  (the tiny model fixtures)
+from tests.graphs.test_graphs import decode_both, model, whole_step_equals_eager, windowed  # noqa: F401  (the tiny model fixtures)
 
 
 def kernels_on_cpu(monkeypatch):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kvzoo.kernels.w4a16 import quantize_weight
-from kvzoo.quant.awq import ALPHAS, W4Linear, _best_scale, _inputs, group_for, quantize_awq, quantize_rtn, quantize_weights
-from tests.test_cache_contract import model, tokens  # noqa: F401  (the tiny model fixture)
+from kvzoo.weightquant.awq import ALPHAS, W4Linear, _best_scale, _inputs, group_for, quantize_awq, quantize_rtn, quantize_weights
+from tests.cache.test_cache_contract import model, tokens  # noqa: F401  (the tiny model fixture)
 
 
 def test_w4linear_is_the_dequantized_product():
@@ -46,7 +46,7 @@ def test_awq_never_loses_to_rtn_on_its_calibration(model):  # noqa: F811
 @torch.no_grad()
 def test_awq_folding_keeps_the_model_and_quantizes_it(model, monkeypatch):  # noqa: F811
     """With quantization made exact, AWQ's folded scales leave the logits unchanged."""
-    import kvzoo.quant.awq as awq
+    import kvzoo.weightquant.awq as awq
 
     folded = copy.deepcopy(model)
     monkeypatch.setattr(awq, "quantize_rtn", lambda m, g: m)            # keep the scaled fp weights

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvzoo.cache.base import CacheSpec
-from tests.test_cache_contract import model, stream, tokens  # noqa: F401  (the tiny model fixture)
+from tests.cache.test_cache_contract import model, stream, tokens  # noqa: F401  (the tiny model fixture)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 T = 48
 
 
@@ -42,7 +42,7 @@ def test_k_smoothing_stores_the_prefill_mean(model):  # noqa: F811
 
 def test_k_smoothing_lowers_int4_error_on_offset_channels():
     """Keys whose channels sit far from zero: per-token int4 groups waste their range on the offset."""
-    from kvzoo.cache.quant import dequantize, quantize
+    from kvzoo.cache.kvquant import dequantize, quantize
 
     g = torch.Generator().manual_seed(0)
     keys = torch.randn(1, 2, 256, 64, generator=g) + 8 * torch.randn(1, 2, 1, 64, generator=g)

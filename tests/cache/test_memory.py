@@ -4,7 +4,7 @@ attention activation."""
 import pytest
 
 from kvzoo.eval.memory import activation_estimate, estimate, measure
-from tests.test_cache_contract import model  # noqa: F401  (the tiny model fixture)
+from tests.cache.test_cache_contract import model  # noqa: F401  (the tiny model fixture)
 
 
 @pytest.mark.parametrize("spec", ["fp16", "kvpareto:k_bits=4,v_bits=2", "kivi:bits=2,group_size=8,residual=16"])

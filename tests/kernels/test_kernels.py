@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kvzoo.cache.quant import pack_sym_mask, quantize, quantize_unified  # noqa: E402
+from kvzoo.cache.kvquant import pack_sym_mask, quantize, quantize_unified  # noqa: E402
 from kvzoo.kernels.innerq_attention import innerq_decode_attention, innerq_decode_attention_ref  # noqa: E402
 from kvzoo.kernels.quant_matvec import (pv_inner, pv_inner_ref, pv_outer, pv_outer_ref, qk_inner,  # noqa: E402
                                         qk_inner_ref, qk_outer, qk_outer_ref)
@@ -272,7 +272,7 @@ def test_flush_kernel_writes_what_the_cache_writes(bits, mode, dtype):
     """innerq_flush (the CUDA-graph step's group quantization, reading its slot from a device tensor) leaves
     InnerQ's buffers bit-identical to the cache's torch path (_write_quantized) for the same 32 tokens."""
     from kvzoo.kernels.quantize_pack import innerq_flush
-    from tests.test_kivi import smollm_shaped_layer_cache
+    from tests.cache.test_kivi import smollm_shaped_layer_cache
 
     spec = f"innerq:bits={bits},sink=0,recent=32,quant_mode={mode},key_norm=false"
     ours, ref = (smollm_shaped_layer_cache(spec, 192, dtype) for _ in range(2))
@@ -295,7 +295,7 @@ def test_flush_kernel_writes_what_the_cache_writes(bits, mode, dtype):
 
 def test_flush_kernel_refuses_views():
     from kvzoo.kernels.quantize_pack import innerq_flush
-    from tests.test_kivi import smollm_shaped_layer_cache
+    from tests.cache.test_kivi import smollm_shaped_layer_cache
 
     c = smollm_shaped_layer_cache("innerq:sink=0,recent=32,key_norm=false", 96, torch.float32).to(DEVICE)
     with pytest.raises(ValueError, match="k_res must be contiguous"):

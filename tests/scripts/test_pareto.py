@@ -10,7 +10,7 @@ import pytest
 
 from kvzoo.eval.pareto import Point, choose, frontier
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def point(memory, accuracy, name="x"):

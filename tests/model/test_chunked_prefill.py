@@ -7,7 +7,7 @@ import torch
 from kvzoo.cache.base import list_caches
 from kvzoo.eval.perplexity import perplexity
 from kvzoo.generate import prefill
-from tests.test_cache_contract import LOSSY, model, tokens  # noqa: F401  (the tiny model fixture)
+from tests.cache.test_cache_contract import LOSSY, model, tokens  # noqa: F401  (the tiny model fixture)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 16, 48])

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from kvzoo.cache.base import CacheSpec
-from kvzoo.cache.quant import quantize
+from kvzoo.cache.kvquant import quantize
 from kvzoo.cli import add_model_args, parse_cache_args
 from kvzoo.config import ModelConfig
 from kvzoo.models.llama import Transformer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMOLLM_ATTENTION = dict(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=576, intermediate_size=64,
                         n_layers=1, n_heads=9, n_kv_heads=3, head_dim=64, max_position_embeddings=8192)
 
@@ -216,7 +216,7 @@ def test_whole_step_equals_eager(gqa_model, cache):
     """decoder() picks the whole-step graph, and its steps equal the eager torch decode: 40 after a 2-token
     prompt (tokens joining the sink window) and 40 after a 40-token one (groups leaving the residual window
     quantized at a device-held slot inside the step, the window moving down)."""
-    from tests.test_graphs import decode_both, whole_step_equals_eager
+    from tests.graphs.test_graphs import decode_both, whole_step_equals_eager
 
     if not kernels_on_cpu():
         pytest.skip("the static step runs the kernels, on CPU tensors only under the Triton interpreter")
@@ -230,7 +230,7 @@ def test_whole_step_with_padding_and_sliding_window(gqa_model, tmp_path):
     """Padded rows and a Mistral's sliding window of 6 tokens: the step masks its keys with StaticStep.mask."""
     from kvzoo.graphs import GraphDecoder
     from kvzoo.models.loader import load_weights
-    from tests.test_graphs import decode_both
+    from tests.graphs.test_graphs import decode_both
     from tests.tiny import tiny_mistral
 
     if not kernels_on_cpu():

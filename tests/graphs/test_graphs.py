@@ -9,7 +9,7 @@ from kvzoo.generate import generate, prefill
 from kvzoo.graphs import GraphDecoder, PiecewiseDecoder, decoder
 from kvzoo.kernels.quant_matvec import kernels_run_on
 from kvzoo.models.loader import load_weights
-from tests.test_generate import CharTokenizer
+from tests.model.test_generate import CharTokenizer
 from tests.tiny import tiny_llama, tiny_mistral
 
 
@@ -159,7 +159,7 @@ def bench_module():
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("bench_decode", Path(__file__).parents[1] / "scripts" / "bench_decode.py")
+    spec = importlib.util.spec_from_file_location("bench_decode", Path(__file__).parents[2] / "scripts" / "bench_decode.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench
@@ -266,7 +266,7 @@ def test_bench_decode_merges_result_files_without_a_gpu(tmp_path):
     (tmp_path / "r2.json").write_text(json.dumps({"gpu": "G", "torch": "t",
                                                   "rows": [{"model": "m", "impl": "hf", "cache": "fp16",
                                                             "max_context": 501760}]}))
-    script = Path(__file__).parents[1] / "scripts" / "bench_decode.py"
+    script = Path(__file__).parents[2] / "scripts" / "bench_decode.py"
     done = subprocess.run([sys.executable, str(script), "--merge", *(str(tmp_path / f"r{i}.json") for i in range(3)),
                            "--out", str(tmp_path / "all"), "--plot"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

@@ -13,9 +13,9 @@ from kvzoo.cache.alignedkv import (AlignedKVOptions, estimate_output, exponent, 
                                    split_planes, truncate, value_levels)
 from kvzoo.cache.base import CacheSpec
 from kvzoo.eval.alignedkv_analysis import bucket_counts, decode_step
-from tests.test_cache_contract import model, stream, tokens  # noqa: F401  (the tiny model fixture)
+from tests.cache.test_cache_contract import model, stream, tokens  # noqa: F401  (the tiny model fixture)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def outlier_data(*shape, seed=0):

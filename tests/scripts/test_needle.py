@@ -11,7 +11,7 @@ from kvzoo import load_model
 from kvzoo.eval.datasets import load_text
 from kvzoo.eval.needle import NEEDLE, QUESTION, needle_grid, prompt_ids
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from kvzoo.cache.kivi import SCALE_DTYPE
-from kvzoo.cache.quant import dequantize, quantize
+from kvzoo.cache.kvquant import dequantize, quantize
 from kvzoo.cache.squat import grouped_queries, query_subspace, squat_adjust, squat_quantize_keys, update_matrices
 from kvzoo.eval.perplexity import perplexity
 from kvzoo.models.loader import load_weights
-from tests.test_cache_contract import stream, tokens
+from tests.cache.test_cache_contract import stream, tokens
 from tests.tiny import tiny_llama
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 T = 48
 
 

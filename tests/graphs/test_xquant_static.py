@@ -14,7 +14,7 @@ from kvzoo.cache.xquant import LatentStore
 from kvzoo.generate import prefill
 from kvzoo.graphs import GraphDecoder, decoder
 from kvzoo.models.loader import load_weights
-from tests.test_xquant import gqa, mha  # noqa: F401  (fixtures: 4-layer MHA and GQA Llamas)
+from tests.cache.test_xquant import gqa, mha  # noqa: F401  (fixtures: 4-layer MHA and GQA Llamas)
 from tests.tiny import tiny_mistral
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")

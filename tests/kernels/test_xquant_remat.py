@@ -10,7 +10,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kvzoo.cache.quant import quantize  # noqa: E402
+from kvzoo.cache.kvquant import quantize  # noqa: E402
 from kvzoo.kernels.xquant_remat import dequant_matmul, dequant_matmul_ref  # noqa: E402
 
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on", "yes") else "cuda"

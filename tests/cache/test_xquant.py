@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from kvzoo.cache.base import CacheSpec, fp16_kv_nbytes
-from kvzoo.cache.quant import dequantize, quantize
+from kvzoo.cache.kvquant import dequantize, quantize
 from kvzoo.cache.xquant import rematerialize, token_group
 from kvzoo.config import ModelConfig
 from kvzoo.models.llama import Transformer
 from kvzoo.models.loader import load_weights
-from tests.test_cache_contract import stream, tokens
-from tests.test_kivi import SMOLLM_ATTENTION, smollm_shaped_layer_cache
+from tests.cache.test_cache_contract import stream, tokens
+from tests.cache.test_kivi import SMOLLM_ATTENTION, smollm_shaped_layer_cache
 from tests.tiny import tiny_llama
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KERNEL_DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes") else "cuda"
 T = 48
 

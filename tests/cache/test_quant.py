@@ -1,11 +1,11 @@
-"""Property tests for the shared quantizers and bit-packing (kvzoo/cache/quant.py)."""
+"""Property tests for the shared quantizers and bit-packing (kvzoo/cache/kvquant.py)."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvzoo.cache.quant import SUPPORTED_BITS, check_bits, pack, packed_words, quantize, unpack
+from kvzoo.cache.kvquant import SUPPORTED_BITS, check_bits, pack, packed_words, quantize, unpack
 
 bits_st = st.sampled_from(SUPPORTED_BITS)
 

@@ -156,7 +156,7 @@ def test_every_script_builds_its_command_line():
     import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     for script in sorted((repo / "scripts").glob("*.py")):
         out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True,
                              text=True, timeout=60)
@@ -186,7 +186,7 @@ def test_new_script_options_refuse_bad_values(script, args, message):
     import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, str(repo / "scripts" / script), "--device", "cpu", *args],
                          capture_output=True, text=True, timeout=300, cwd=repo)
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
@@ -210,7 +210,7 @@ def test_gpu_benchmarks_refuse_bad_values_before_looking_for_a_gpu(script, args,
     import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, str(repo / "scripts" / script), *args],
                          capture_output=True, text=True, timeout=120, cwd=repo)
     assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
