@@ -5,7 +5,7 @@
     out = kvzoo.generate(model, tokenizer, "The capital of France is", max_new_tokens=8, cache="fp16")
     kvzoo.list_caches()                                    # ['fp16', ...]
 
-Read in this order: config.py, models/llama.py, cache/base.py, cache/fp16.py, generate.py.
+Read in this order: config.py, models/llama.py, cache/base.py, cache/int8.py, cache/store.py, generate.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Decode steps without per-token Python overhead: the whole one-token forward captured once in a CUDA graph
-and replayed (issue 9, `generate(compile=True)`, `--compile` in chat and bench_decode).
+and replayed (`generate(compile=True)`, `--compile` in chat and bench_decode).
 
 An eager decode step launches a few hundred small kernels from Python (about 65 ms per token for a Llama-3.1-8B
 shape on an H100 at batch 1, where reading the weights takes about 5 ms). A CUDA graph records those launches
@@ -10,25 +10,16 @@ once and replays them with one call. That needs the step to have fixed shapes an
 - attention runs over every preallocated slot, those not yet written masked out (so its cost grows with
   the buffer, `max_len`, not with the tokens stored: generation sizes the buffer to prompt + new tokens).
 
-A strategy opts in with `LayerCache.can_decode_static` and `decode_static`:
-- fp16: attention over every slot, the unwritten ones masked;
-- InnerQ: its fused kernel, which reads how many quantized and window tokens are live from a device tensor
-  (grid sized by the buffer, programs past the live tokens return at once); its host-side counters only
-  choose which of three recorded steps to replay (`static_phase`: the token joins the sink window, the recent
-  window, or fills it and a group is quantized);
-- XQuant and XQuant-CL: K and V rematerialized from every allocated slot (dequant_matmul), the dead ones
-  masked; a "flush" phase quantizes the window's oldest group at a device-held slot;
-- AlignedKV: its kernels over the complete blocks, counted from a device tensor; a "close" phase records
-  a completed block's colmax exponents;
-- KIVI and SQuat (not KIVI* or SQuat-pre, whose keys need RoPE after dequantization): the outer-layout
-  matvec kernels over every allocated quantized slot and the exact windows, the dead ones masked; phases as
-  InnerQ's, the "flush" quantizing the window's oldest group at a device-held slot.
-Strategies without a static step (KV Pareto, KIVI*, and the rest where their kernels do not fit) use
-`PiecewiseDecoder`, which captures everything except attention: per
-layer, one graph from the block's input to q, k, v and one from the attention output to the next block's
-input; the strategy's `decode` runs eagerly between them. `decoder()` picks the whole-step graph where every
-layer has a static step, else the piecewise one. On a CPU (no CUDA graphs) both run the same code eagerly
-(the kernels under the Triton interpreter), which is how the tests prove they equal the eager decode.
+A strategy opts in by implementing `WholeStep` (below): `decode_static`, the one-token step at a device-held
+slot, and `can_decode_static`, whether that step serves its current settings. A step that differs with the
+cache's host-side counters (a token joins a sink window, a recent window, or fills it so that a group is
+quantized) names the difference in `static_phase()`: one graph is recorded per phase and the host picks which
+to replay. Strategies without a whole step (or whose settings it does not serve) use `PiecewiseDecoder`,
+which captures everything except attention: per layer, one graph from the block's input to q, k, v and one
+from the attention output to the next block's input; the strategy's `decode` runs eagerly between them.
+`decoder()` picks the whole-step graph where every layer has a static step, else the piecewise one. On a
+CPU (no CUDA graphs) both run the same code eagerly (the kernels under the Triton interpreter), which is how
+the tests prove they equal the eager decode.
 """
 
 from __future__ import annotations
@@ -37,6 +28,37 @@ import torch
 from torch import Tensor
 
 from kvzoo.cache.base import ModelCache, Positions, StaticStep
+
+
+class WholeStep:
+    """Mixin for a LayerCache whose one-token decode can run with fixed shapes and no host sync, so a CUDA graph
+    holds the whole step. The caller advances the cache (`advance`) after each step."""
+
+    def can_decode_static(self, padded: bool) -> bool:
+        """Whether decode_static serves this cache now (`padded`: some row is left-padded)."""
+        return not self.simulated
+
+    def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
+        """One token at the device-held slot step.slot: write it in place, attend over every allocated slot
+        (those not live, or that step.mask forbids, masked)."""
+        raise NotImplementedError
+
+    def static_phase(self) -> str:
+        """Which recorded step the next token needs, from host-side counters (one CUDA graph per phase)."""
+        return "step"
+
+    def static_scratch(self) -> tuple[Tensor, ...]:
+        """Buffers decode_static changes so that a second run would differ (restored after the warm-up run that
+        precedes a capture)."""
+        return ()
+
+    def advance(self) -> None:
+        """Host-side bookkeeping after a static step stored one token."""
+        self.length += 1
+
+
+def _static(layer, padded: bool) -> bool:
+    return isinstance(layer, WholeStep) and layer.can_decode_static(padded)
 
 
 def _check_streaming(cache: ModelCache) -> None:
@@ -65,13 +87,10 @@ class GraphDecoder:
     def __init__(self, model, cache: ModelCache, pad: Tensor | None = None):
         _check_streaming(cache)
         padded = _padded(pad)
-        refused = {type(layer).name for layer in cache.layers if not layer.can_decode_static(padded)}
+        refused = {type(layer).name for layer in cache.layers if not _static(layer, padded)}
         if refused:
-            raise ValueError(f"cache strategy {', '.join(sorted(refused))} has no static decode step here (whole-step "
-                             f"graphs serve fp16, xquant, xquant-cl, alignedkv where its kernels fit, innerq "
-                             f"through its kernel: 2 or 4 bits, inner layout, rows without padding, and kivi and "
-                             f"squat through theirs: 2 or 4 bits, groups of 32, keys after RoPE); "
-                             f"PiecewiseDecoder serves every strategy")
+            raise ValueError(f"cache strategy {', '.join(sorted(refused))} has no whole-step decode with these settings "
+                             f"here (see the strategy's can_decode_static); PiecewiseDecoder serves every strategy")
         self.model, self.cache = model, cache
         device = model.device
         B = cache.layers[0].batch_size
@@ -186,6 +205,6 @@ class PiecewiseDecoder:
 def decoder(model, cache: ModelCache, pad: Tensor | None = None) -> GraphDecoder | PiecewiseDecoder:
     """The whole-step graph where every layer has a static step, else the piecewise one."""
     padded = _padded(pad)
-    if all(layer.can_decode_static(padded) for layer in cache.layers):
+    if all(_static(layer, padded) for layer in cache.layers):
         return GraphDecoder(model, cache, pad)
     return PiecewiseDecoder(model, cache, pad)

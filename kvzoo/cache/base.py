@@ -6,23 +6,28 @@ the layer input X, cross-layer deltas...) and returns the attention output. Beca
 both storage and attention, it never has to hand a dequantized copy of the whole history back to the
 model, and it can apply RoPE before or after quantization as its paper prescribes.
 
-    LayerCache.prefill(x, q, k, v, pos) -> out   a chunk of T >= 1 tokens (prompt, or a prefill chunk)
-    LayerCache.decode(x, q, k, v, pos)  -> out   one token per row: the hot path
-    LayerCache.simulate(x, q, k, v, pos)-> out   the "simulated" evaluation mode (below)
-    LayerCache.nbytes()                 -> int   bytes of every tensor the strategy holds for the
-                                                 tokens stored so far (codes, scales, zeros, windows)
-    LayerCache.reset()                           forget every token (buffers are kept for reuse)
-
-Two evaluation modes, chosen when the cache is built (`model.new_cache(..., mode=...)`):
-  streaming   what chat and benchmarks do: prefill attends over the history as stored plus the new
-              chunk at full precision, then stores the chunk; decode is a one-token prefill.
+What a strategy says (the contract):
+    append(x, q, k, v, pos, held) -> Chunk   store a chunk of T >= 1 tokens; return what its queries read:
+                                             the queries after RoPE, every slot's key/value as a streaming
+                                             prefill sees them (the history as held, the chunk exact) and,
+                                             with held=True, every slot as held once the chunk is stored
+    decode(x, q, k, v, pos) -> out           one token per row, the hot path (kernels live here);
+                                             by default a one-token prefill
+    nbytes() -> int                          bytes of every tensor held for the tokens stored so far
+    formula_nbytes(length) -> int            the module docstring's bytes-per-token formula (the contract
+                                             test holds nbytes() to it)
+    reset()                                  forget every token (buffers are kept for reuse)
+    window                                   which slots are quantized when (kvzoo/cache/store.py's Window),
+                                             or None for a strategy that shows every token what it stored
+The base class owns `length` and derives the two evaluation modes from `append`:
+  streaming   prefill = attention over what `append` returns; what chat and benchmarks do.
   simulated   the papers' perplexity protocol: in one teacher-forced forward, the query at slot s sees
-              every key/value exactly as token-by-token decoding would have shown it at that moment
-              (quantized where the strategy would have quantized it by then, full precision inside its
-              windows), so its logits equal a streaming run that decodes the text one token at a time.
-              With a prompt of P tokens (`new_cache(..., prompt=P)`), the queries of slots [0, P) see
-              every key exact instead, as a streaming prefill of the prompt does: the logits then equal
-              a streaming run that prefills P tokens and decodes the rest one at a time.
+              every key/value exactly as token-by-token decoding would have shown it at that moment: slot j
+              round-tripped (as held) where `window.rounded` says j was quantized by the time s is decoded,
+              exact otherwise. Its logits equal a streaming run that decodes the text one token at a time.
+              With a prompt of P tokens (`new_cache(..., prompt=P)`), the queries of slots [0, P) see every
+              key exact, as a streaming prefill of the prompt does.
+A whole-step CUDA-graph decode is an opt-in capability (kvzoo/graphs.py's `WholeStep`).
 
 Shapes: x (B, T, hidden); q (B, n_heads, T, hd); k, v (B, n_kv_heads, T, hd); out (B, n_heads, T, hd).
 
@@ -99,14 +104,6 @@ class StaticStep:
             allowed &= k_slot[None, :] > slot - sliding_window
         ids = (slot - pad).clamp_min(0)[:, None]                                 # (B, 1)
         return cls(slot, ids, allowed[:, None, None, :])
-
-
-def device_slots(start: Tensor, n: int, group: int) -> tuple[Tensor, Tensor]:
-    """Where n tokens written at a device-held slot `start` (1,) go, with no host sync (the static steps):
-    (their slots (n,), and the groups of `group` tokens they fill (n // group,), start then a multiple of it)."""
-    slots = start + torch.arange(n, device=start.device)
-    groups = torch.div(start, group, rounding_mode="floor") + torch.arange(n // group, device=start.device)
-    return slots, groups
 
 
 def full_mask(pos: Positions, n_keys: int, device) -> Tensor:
@@ -203,11 +200,24 @@ class NoOptions:
     pass
 
 
+@dataclass
+class Chunk:
+    """What a chunk's queries read (LayerCache.append): keys after RoPE, (B, n_kv_heads, L, hd), L = every
+    slot stored once the chunk is."""
+
+    q: Tensor                          # (B, n_heads, T, hd) the chunk's queries, as attention uses them
+    keys: Tensor                       # the history as held before the chunk, then the chunk exact
+    values: Tensor
+    held_keys: Tensor | None = None    # every slot as held after the chunk is stored (held=True only)
+    held_values: Tensor | None = None
+
+
 class LayerCache(nn.Module):
-    """One layer's cache. Subclasses implement prefill, decode and nbytes."""
+    """One layer's cache. Subclasses implement append, nbytes and formula_nbytes (and decode for a fast path)."""
 
     name: ClassVar[str]
     Options: ClassVar[type] = NoOptions
+    window: Any = None    # a kvzoo.cache.store.Window, or None: every token is seen as stored
 
     def __init__(self, spec: CacheSpec, layer: "Attention", prev: "LayerCache | None",
                  batch_size: int, max_len: int):
@@ -244,43 +254,14 @@ class LayerCache(nn.Module):
                 raise ValueError(f"cache {cls.name!r} option {key}={raw!r} is not a valid {kind.__name__}") from None
         return cls.Options(**values)
 
-    def prefill(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
+    # ---- the contract ------------------------------------------------------------------------------
+    def append(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions, held: bool = False) -> Chunk:
+        """Store the chunk (advancing self.length) and return what its queries read (see Chunk)."""
         raise NotImplementedError
 
     def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
-        raise NotImplementedError
-
-    # ---- the static step: decode captured in CUDA graphs (kvzoo/graphs.py) -------------------------------
-    def can_decode_static(self, padded: bool) -> bool:
-        """Whether decode_static serves this cache now (`padded`: some row is left-padded)."""
-        return False
-
-    def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
-        """One token at a device-held slot, with fixed shapes and no host sync (see StaticStep); the graph
-        recorded from it is replayed for every token of the same `static_phase`. The caller calls advance()."""
-        raise NotImplementedError
-
-    def static_phase(self) -> str:
-        """Which recorded step the next token needs, from host-side counters (one CUDA graph per phase)."""
-        return "step"
-
-    def static_scratch(self) -> tuple[Tensor, ...]:
-        """Buffers decode_static changes so that a second run would differ (restored after the warm-up run
-        that precedes a capture)."""
-        return ()
-
-    def advance(self) -> None:
-        """Host-side bookkeeping after a static step stored one token."""
-        self.length += 1
-
-    def simulate(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
-        """Simulated mode. A lossless strategy shows every token what it stored, so this is prefill."""
+        """One token per row; a strategy with a faster path than a one-token prefill overrides this."""
         return self.prefill(x, q, k, v, pos)
-
-    def after_prompt(self, use_round: Tensor, q_slots: Tensor) -> Tensor:
-        """Simulated mode: use_round (T, L) with the prompt's queries (slots < self.prompt) reading every
-        key exact, as one streaming prefill of the prompt would."""
-        return use_round & (q_slots >= self.prompt)[:, None]
 
     def nbytes(self) -> int:
         raise NotImplementedError
@@ -293,6 +274,27 @@ class LayerCache(nn.Module):
     def reset(self) -> None:
         """Forget every token; preallocated buffers are simply overwritten by the next ones."""
         self.length = 0
+
+    # ---- the two evaluation modes, for every strategy ------------------------------------------------
+    def prefill(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
+        """Streaming: the chunk attends over the history as held plus itself exact, then stays stored."""
+        c = self.append(x, q, k, v, pos)
+        return attend(c.q, c.keys, c.values, pos.mask)
+
+    def simulate(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
+        """Simulated mode: query slot s reads slot j as held (round-tripped) where `window` says j was
+        quantized by the time s is decoded, exact elsewhere; the prompt's queries read every slot exact."""
+        if self.window is None:           # nothing is ever quantized: simulated is streaming
+            return self.prefill(x, q, k, v, pos)
+        c = self.append(x, q, k, v, pos, held=True)
+        L = self.length
+        q_slots = torch.arange(L - q.shape[2], L, device=q.device)
+        use_held = self.window.rounded(q_slots, L) & (q_slots >= self.prompt)[:, None]     # (T, L)
+        return self.attend_simulated(c, use_held, full_mask(pos, L, q.device))
+
+    def attend_simulated(self, c: Chunk, use_held: Tensor, mask: Tensor) -> Tensor:
+        """Attention of simulated mode; a strategy whose reads depend on the query (AlignedKV) overrides it."""
+        return attend_split(c.q, c.keys, c.values, c.held_keys, c.held_values, use_held, mask)
 
 
 def _coerce(raw: Any, kind: type) -> Any:

@@ -15,11 +15,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvzoo.cache.base import LayerCache, Positions, StaticStep, attend, register, used_nbytes
+from kvzoo.cache.base import Chunk, LayerCache, Positions, StaticStep, attend, register, used_nbytes
+from kvzoo.graphs import WholeStep
 
 
 @register("fp16")
-class FP16Cache(LayerCache):
+class FP16Cache(WholeStep, LayerCache):
     def __init__(self, spec, layer, prev, batch_size, max_len):
         super().__init__(spec, layer, prev, batch_size, max_len)
         weight = layer.q_proj.weight
@@ -27,25 +28,22 @@ class FP16Cache(LayerCache):
         self.register_buffer("k", torch.zeros(shape, dtype=weight.dtype, device=weight.device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=weight.dtype, device=weight.device), persistent=False)
 
-    def prefill(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
+    def append(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions, held: bool = False) -> Chunk:
         q, k = self.attn.rope(q, k, pos.ids)
         end = pos.start + q.shape[2]
         self.k[:, :, pos.start:end] = k
         self.v[:, :, pos.start:end] = v
         self.length = end
-        return attend(q, self.k[:, :, :end], self.v[:, :, :end], pos.mask)
-
-    # Storing one token and attending over the history is the same operation as a one-token prefill.
-    decode = prefill
-
-    def can_decode_static(self, padded: bool) -> bool:
-        return True
+        return Chunk(q, self.k[:, :, :end], self.v[:, :, :end])
 
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
         q, k = self.attn.rope(q, k, step.ids)
         self.k.index_copy_(2, step.slot, k)                       # k (B, Hkv, 1, d) into slot step.slot
         self.v.index_copy_(2, step.slot, v)
         return attend(q, self.k, self.v, step.mask)               # all max_len slots, unwritten ones masked
+
+    def can_decode_static(self, padded: bool) -> bool:
+        return True
 
     def nbytes(self) -> int:
         return used_nbytes(self.k, self.v, length=self.length)

@@ -2,8 +2,8 @@
 symmetric/asymmetric groups, sink + recent high-precision windows and per-channel key normalization.
 
 Paper: "InnerQ: Hardware-aware Tuning-free Quantization of KV Cache for Large Language Models"
-(../shared/papers/innerq.md). The windows, the once-only quantization of groups leaving the recent window
-and both evaluation modes are KIVI's machinery (kivi.py); InnerQ changes what is quantized and how:
+(../shared/papers/innerq.md). The windows and the once-only quantization of groups leaving the recent window
+are the shared store's (store.py), as for KIVI; InnerQ changes what is quantized and how (`InnerQCodec`):
 
 - Inner grouping (§4.4). In decode, q·Kᵀ runs along head_dim and P·V along tokens, so keys are grouped
   per token along head_dim and values per channel along tokens: one scale serves a whole group of the
@@ -46,10 +46,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvzoo.cache.base import Positions, StaticStep, register
-from kvzoo.cache.kivi import KIVICache
+from kvzoo.cache.base import Chunk, LayerCache, Positions, StaticStep, register
 from kvzoo.cache.kvquant import (UnifiedQTensor, check_bits, dequantize_unified, pack_sym_mask, packed_words,
-                               quantize_unified, unpack_sym_mask)
+                                 quantize_unified, unpack_sym_mask)
+from kvzoo.cache.store import Codec, Window, WindowedStore
+from kvzoo.graphs import WholeStep
 
 GROUP = 32        # the unified slot holds 32 bits: an fp32 zero point or 32 sign bits
 MODES = ("asym", "sym", "hybrid", "hybrid_prefill")
@@ -78,132 +79,147 @@ class InnerQOptions:
         if self.sink < 0:
             raise ValueError(f"sink must be >= 0, got {self.sink}")
 
-    @property
-    def residual(self) -> int:          # the name KIVI's window machinery reads
-        return self.recent
+
+class InnerQCodec(Codec):
+    """One stream (keys or values, (B, H, n, d)) in InnerQ's unified layout: groups of 32 along `axis` (-1:
+    along head_dim, per token; -2: along tokens, per channel), each with an fp16 scale and a 32-bit slot (the
+    fp32 zero of an asymmetric group or the sign bits of a symmetric one), and a mask bit per group saying
+    which (hybrid modes). With hybrid_prefill, groups written during the first forward call (`first_call`, set
+    by the cache) are hybrid and later ones symmetric; `first_call_q` counts the former."""
+
+    def __init__(self, lead: tuple[int, int], capacity: int, d: int, bits: int, axis: int, mode: str, device):
+        super().__init__()
+        self.width, self.bits, self.axis, self.mode = d, bits, axis, mode
+        self.has_mask = mode in ("hybrid", "hybrid_prefill")
+        self.first_call, self.first_call_q = False, 0
+        buf = lambda name, shape, dtype: self.register_buffer(  # noqa: E731
+            name, torch.zeros((*lead, *shape), dtype=dtype, device=device), persistent=False)
+        buf("codes", (capacity, packed_words(d, bits)), torch.int32)
+        buf("scale", self._group_shape(capacity), torch.float16)
+        buf("slot", self._group_shape(capacity), torch.int32)
+        # mask bits packed along tokens (per-token groups) or along channels (per-channel groups); no bits at
+        # all (zero columns along tokens) in the asym and sym modes
+        tokens = capacity // 32 if self.has_mask else 0
+        buf("mask", (d // GROUP, tokens) if axis == -1 else (tokens, d // 32), torch.int32)
+
+    def _group_shape(self, n: int) -> tuple[int, int]:
+        return (n, self.width // GROUP) if self.axis == -1 else (n // GROUP, self.width)
+
+    def _group_slice(self, a: int, b: int) -> slice:
+        return slice(a, b) if self.axis == -1 else slice(a // GROUP, b // GROUP)
+
+    def write(self, a: int, b: int, rows: Tensor, real: Tensor | None = None) -> None:
+        mode = self.mode
+        if mode == "hybrid_prefill":
+            mode = "hybrid" if self.first_call else "sym"
+            if self.first_call:
+                self.first_call_q = b
+        q = quantize_unified(rows, self.bits, self.axis, mode)
+        self.codes[:, :, a:b] = q.codes
+        groups = self._group_slice(a, b)
+        self.scale[:, :, groups] = q.scale
+        self.slot[:, :, groups] = q.slot
+        if self.has_mask:
+            if self.axis == -1:     # bits along tokens (B, H, d/32, n/32)
+                self.mask[:, :, :, a // 32:b // 32] = pack_sym_mask(q.sym, self.axis)
+            else:                   # bits along channels (B, H, n/32, d/32)
+                self.mask[:, :, a // GROUP:b // GROUP] = pack_sym_mask(q.sym, self.axis)
+
+    def mask_upto(self) -> int:
+        """Quantized tokens whose groups carry a mask bit; later groups are symmetric (hybrid_prefill) and
+        in the sym mode all are."""
+        return {"hybrid": self.codes.shape[2], "hybrid_prefill": self.first_call_q}.get(self.mode, 0)
+
+    def mask_tokens(self, n: int) -> int:
+        """Of the first n quantized tokens, those whose groups carry a mask bit."""
+        return min(n, self.mask_upto())
+
+    def held(self, n: int) -> UnifiedQTensor:
+        shape = (*self.codes.shape[:2], n, self.width)
+        if self.mode == "asym":
+            sym = torch.zeros((*shape[:2], *self._group_shape(n)), dtype=torch.bool, device=self.codes.device)
+        else:
+            sym = unpack_sym_mask(self.mask, self.axis, n, self.mask_upto(), self.width)
+        groups = self._group_slice(0, n)
+        return UnifiedQTensor(codes=self.codes[:, :, :n], scale=self.scale[:, :, groups], slot=self.slot[:, :, groups],
+                              sym=sym, bits=self.bits, axis=self.axis, shape=shape)
+
+    def read(self, n: int, dtype: torch.dtype) -> Tensor:
+        return dequantize_unified(self.held(n), dtype)
+
+    def nbytes(self, n: int) -> int:
+        groups = self._group_slice(0, n)
+        total = self.codes[:, :, :n].nbytes + self.scale[:, :, groups].nbytes + self.slot[:, :, groups].nbytes
+        m = self.mask_tokens(n) // 32
+        if m:
+            total += (self.mask[:, :, :, :m] if self.axis == -1 else self.mask[:, :, :m]).nbytes
+        return total
+
+    def token_bytes(self) -> float:
+        """Codes, then an fp16 scale and a 32-bit slot per group of 32 (mask bits: the cache's formula)."""
+        return 4 * packed_words(self.width, self.bits) + 6 * self.width / GROUP
 
 
 @register("innerq")
-class InnerQCache(KIVICache):
+class InnerQCache(WholeStep, LayerCache):
+    """Slots [0, sink) exact | [sink, sink + Nq) in InnerQ's layout | [sink + Nq, L) exact recent window."""
+
     Options = InnerQOptions
 
     def __init__(self, spec, layer, prev, batch_size, max_len):
         super().__init__(spec, layer, prev, batch_size, max_len)
-        self._buf("norm", (batch_size, layer.n_kv_heads, 1, layer.head_dim), layer.q_proj.weight.dtype)
-        self.first_call_q = 0     # quantized tokens written during the first forward call (hybrid_prefill)
-        self.in_first_call = False
-
-    # ---- layout ------------------------------------------------------------------------------------
-    @property
-    def axes(self) -> tuple[int, int]:
-        """(key group axis, value group axis): -1 groups along head_dim, -2 along tokens."""
-        return (-2, -1) if self.opts.outer else (-1, -2)
-
-    @property
-    def has_mask(self) -> bool:
-        return self.opts.quant_mode in ("hybrid", "hybrid_prefill")
-
-    def _group_shape(self, axis: int, n: int) -> tuple[int, int]:
-        d = self.attn.head_dim
-        return (n, d // GROUP) if axis == -1 else (n // GROUP, d)
-
-    def _alloc_quantized(self, n_q: int) -> None:
-        d = self.attn.head_dim
+        o, d, weight = self.opts, layer.head_dim, layer.q_proj.weight
         if d % GROUP:
             raise ValueError(f"innerq needs a head dimension divisible by {GROUP}, got {d}")
-        shape, words = (self.batch_size, self.attn.n_kv_heads), packed_words(d, self.opts.bits)
-        for name, axis in zip("kv", self.axes):
-            self._buf(f"{name}_codes", (*shape, n_q, words), torch.int32)
-            self._buf(f"{name}_scale", (*shape, *self._group_shape(axis, n_q)), torch.float16)
-            self._buf(f"{name}_slot", (*shape, *self._group_shape(axis, n_q)), torch.int32)
-            # mask bits packed along tokens (per-token groups) or along channels (per-channel groups); no
-            # bits at all (zero columns along tokens) in the asym and sym modes
-            tokens = n_q // 32 if self.has_mask else 0
-            self._buf(f"{name}_mask", (*shape, *((d // GROUP, tokens) if axis == -1 else (tokens, d // 32))),
-                      torch.int32)
+        self.window = Window(o.sink, o.recent, GROUP)
+        lead, capacity = (batch_size, layer.n_kv_heads), self.window.quantized(max_len)
+        # (key group axis, value group axis): -1 groups along head_dim, -2 along tokens
+        axes = (-2, -1) if o.outer else (-1, -2)
+        codecs = {name: InnerQCodec(lead, capacity, d, o.bits, axis, o.quant_mode, weight.device)
+                  for name, axis in zip("kv", axes)}
+        self.store = WindowedStore(self.window, codecs, lead, weight.dtype, weight.device)
+        self.register_buffer("norm", torch.zeros(*lead, 1, d, dtype=weight.dtype, device=weight.device),
+                             persistent=False)
 
-    def _group_slice(self, axis: int, a: int, b: int) -> slice:
-        return slice(a, b) if axis == -1 else slice(a // GROUP, b // GROUP)
+    # ---- key normalization -------------------------------------------------------------------------
+    def _qk(self, q: Tensor, k: Tensor, pos: Positions) -> tuple[Tensor, Tensor]:
+        """(q, k) after RoPE and key normalization; the first call (the prompt) sets the per-channel norm."""
+        q, k = self.attn.rope(q, k, pos.ids)
+        first_call = self.length == 0
+        for codec in self.store.codecs.values():
+            codec.first_call = first_call
+        if not self.opts.key_norm:
+            return q, k
+        if first_call:
+            slots = torch.arange(pos.start, pos.start + k.shape[2], device=k.device)
+            real = (slots[None, :] >= pos.pad[:, None])[:, None, :, None]        # (B, 1, T, 1): not padding
+            peak = k.abs().masked_fill(~real, 0).amax(dim=2, keepdim=True)       # (B, H, 1, d)
+            half = peak.shape[-1] // 2
+            tied = torch.maximum(peak[..., :half], peak[..., half:])             # one factor per RoPE pair
+            self.norm.copy_(torch.cat([tied, tied], dim=-1).clamp_min(1e-6).sqrt())
+        rep = q.shape[1] // k.shape[1]
+        return q * self.norm.repeat_interleave(rep, dim=1), k / self.norm
 
-    # ---- the storage hooks -------------------------------------------------------------------------
-    def _write_quantized(self, a: int, b: int, k: Tensor, v: Tensor) -> None:
-        mode = self.opts.quant_mode
-        if mode == "hybrid_prefill":
-            mode = "hybrid" if self.in_first_call else "sym"
-            if self.in_first_call:
-                self.first_call_q = b
-        for name, x, axis in (("k", k, self.axes[0]), ("v", v, self.axes[1])):
-            q = quantize_unified(x, self.opts.bits, axis, mode)
-            getattr(self, f"{name}_codes")[:, :, a:b] = q.codes
-            groups = self._group_slice(axis, a, b)
-            getattr(self, f"{name}_scale")[:, :, groups] = q.scale
-            getattr(self, f"{name}_slot")[:, :, groups] = q.slot
-            if self.has_mask:
-                mask = getattr(self, f"{name}_mask")
-                if axis == -1:     # bits along tokens (B, H, d/32, n/32)
-                    mask[:, :, :, a // 32:b // 32] = pack_sym_mask(q.sym, axis)
-                else:              # bits along channels (B, H, n/32, d/32)
-                    mask[:, :, a // GROUP:b // GROUP] = pack_sym_mask(q.sym, axis)
+    def append(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions, held: bool = False) -> Chunk:
+        q, k = self._qk(q, k, pos)
+        self.length, seen, after = self.store.append_read(self.length, {"k": k, "v": v}, held)
+        return Chunk(q, seen["k"], seen["v"], *((after["k"], after["v"]) if held else ()))
 
-    def _mask_upto(self) -> int:
-        """Quantized tokens whose groups carry a mask bit; later groups are symmetric (hybrid_prefill) and
-        in the sym mode all are."""
-        return {"hybrid": self.k_codes.shape[2], "hybrid_prefill": self.first_call_q}.get(self.opts.quant_mode, 0)
-
-    def _sym_flags(self, name: str, axis: int, upto: int) -> Tensor:
-        """Which groups of quantized slots [0, upto) are symmetric: (B, H, *group shape) booleans."""
-        shape = (self.batch_size, self.attn.n_kv_heads, *self._group_shape(axis, upto))
-        if self.opts.quant_mode == "asym":
-            return torch.zeros(shape, dtype=torch.bool, device=self.k_codes.device)
-        return unpack_sym_mask(getattr(self, f"{name}_mask"), axis, upto, self._mask_upto(), self.attn.head_dim)
-
-    def _stored_quantized(self, upto: int) -> tuple[Tensor, Tensor]:
-        dtype, d = self.k_res.dtype, self.attn.head_dim
-        out = []
-        for name, axis in zip("kv", self.axes):
-            groups = self._group_slice(axis, 0, upto)
-            q = UnifiedQTensor(codes=getattr(self, f"{name}_codes")[:, :, :upto],
-                               scale=getattr(self, f"{name}_scale")[:, :, groups],
-                               slot=getattr(self, f"{name}_slot")[:, :, groups],
-                               sym=self._sym_flags(name, axis, upto), bits=self.opts.bits, axis=axis,
-                               shape=(self.batch_size, self.attn.n_kv_heads, upto, d))
-            out.append(dequantize_unified(q, dtype))
-        return out[0], out[1]
-
-    def _mask_tokens(self, n: int) -> int:
-        """Quantized tokens whose groups carry a mask bit."""
-        if self.opts.quant_mode == "hybrid":
-            return n
-        return min(n, self.first_call_q) if self.opts.quant_mode == "hybrid_prefill" else 0
-
-    def _quantized_nbytes(self, n: int) -> int:
-        total = 0
-        for name, axis in zip("kv", self.axes):
-            groups = self._group_slice(axis, 0, n)
-            total += sum(getattr(self, f"{name}_{part}")[:, :, groups if part != "codes" else slice(0, n)].nbytes
-                         for part in ("codes", "scale", "slot"))
-        m = self._mask_tokens(n)
-        if m:
-            total += self.k_mask[:, :, :, :m // 32].nbytes + self.v_mask[:, :, :m // GROUP].nbytes
-        return total
-
-    def _quantized_token_bytes(self) -> float:
-        d, b = self.attn.head_dim, self.opts.bits
-        return 2 * 4 * packed_words(d, b) + 2 * 6 * d / GROUP
-
+    # ---- bytes -------------------------------------------------------------------------------------
     def nbytes(self) -> int:
         norm = self.norm.nbytes if self.opts.key_norm and self.length else 0
-        return super().nbytes() + norm
+        return self.store.nbytes(self.length) + norm
 
     def formula_nbytes(self, length: int) -> int:
         H, d, B = self.attn.n_kv_heads, self.attn.head_dim, self.batch_size
-        mask = self._mask_tokens(self.quantized_len(length)) * B * H * d / 128
+        mask = self.store.codecs["k"].mask_tokens(self.window.quantized(length)) * B * H * d / 128
         norm = B * H * d * self.norm.element_size() if self.opts.key_norm and length else 0
-        return super().formula_nbytes(length) + round(mask) + norm
+        return self.store.formula_nbytes(length) + round(mask) + norm
 
     def reset(self) -> None:
         super().reset()
-        self.first_call_q = 0
+        for codec in self.store.codecs.values():
+            codec.first_call_q = 0
 
     # ---- decode: the fused kernel ---------------------------------------------------------------------
     def _fused_ok(self, q: Tensor) -> bool:
@@ -217,8 +233,9 @@ class InnerQCache(KIVICache):
     def _kernel_inputs(self) -> tuple:
         """The quantized buffers as innerq_decode_attention takes them (every allocated slot; lengths or a
         slice say which are live)."""
-        masks = (None, None) if self.opts.quant_mode == "asym" else (self.k_mask, self.v_mask)
-        return (self.k_codes, self.k_scale, self.k_slot, masks[0], self.v_codes, self.v_scale, self.v_slot, masks[1])
+        k, v = self.store.codecs["k"], self.store.codecs["v"]
+        masks = (None, None) if self.opts.quant_mode == "asym" else (k.mask, v.mask)
+        return (k.codes, k.scale, k.slot, masks[0], v.codes, v.scale, v.slot, masks[1])
 
     def _attend_fused(self, q: Tensor, n: int | None, windows: tuple, lengths: Tensor | None = None,
                       q_scale: Tensor | None = None) -> Tensor:
@@ -233,41 +250,49 @@ class InnerQCache(KIVICache):
                 vz[:, :, :n // GROUP]
         (k_win, v_win), (k_win2, v_win2) = windows
         out = innerq_decode_attention(q[:, :, 0], kc, ks, kz, km, vc, vs, vz, vm, k_win, v_win, self.opts.bits,
-                                      k_win2=k_win2, v_win2=v_win2, lengths=lengths, mask_upto=self._mask_upto(),
+                                      k_win2=k_win2, v_win2=v_win2, lengths=lengths,
+                                      mask_upto=self.store.codecs["k"].mask_upto(),
                                       q_scale=q_scale)
         return out[:, :, None]                                                 # (B, Hq, 1, d)
 
     def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
         """One token: dequantize-and-attend in one Triton kernel over the packed codes plus the exact sink and
         recent windows; the torch path (prefill) where the kernel does not apply (CPU, padding, outer layout)."""
-        if pos.mask is not None or not self._fused_ok(q) or not q.is_cuda:
+        if not q.is_cuda or pos.mask is not None or not self._fused_ok(q):
             return self.prefill(x, q, k, v, pos)
-        q, _, k_store = self._qk(q, k, pos)
-        S, L, n = self.opts.sink, self.length, self.n_q
-        if L < S:                     # the token joins the sink window; nothing is quantized yet
-            self.k_sink[:, :, L:L + 1], self.v_sink[:, :, L:L + 1] = k_store, v
-            windows = ((self.k_sink[:, :, :L + 1], self.v_sink[:, :, :L + 1]), (None, None))
+        q, k = self._qk(q, k, pos)
+        st, L = self.store, self.length
+        _, n, r = st.counts(L)
+        k_sink, v_sink, k_rec, v_rec = st.sink("k"), st.sink("v"), st.recent("k"), st.recent("v")
+        if L < self.opts.sink:        # the token joins the sink window; nothing is quantized yet
+            k_sink[:, :, L:L + 1], v_sink[:, :, L:L + 1] = k, v
+            windows = ((k_sink[:, :, :L + 1], v_sink[:, :, :L + 1]), (None, None))
         else:                         # the token joins the recent window (room for R + G tokens)
-            r = L - S - n
-            self.k_res[:, :, r:r + 1], self.v_res[:, :, r:r + 1] = k_store, v
-            windows = ((self.k_sink, self.v_sink), (self.k_res[:, :, :r + 1], self.v_res[:, :, :r + 1]))
+            k_rec[:, :, r:r + 1], v_rec[:, :, r:r + 1] = k, v
+            windows = ((k_sink, v_sink), (k_rec[:, :, :r + 1], v_rec[:, :, :r + 1]))
         out = self._attend_fused(q, n, windows)
-        self._append(k_store, v)      # rewrites the window slot above, quantizes a group leaving the window
+        self.length = st.append(L, {"k": k, "v": v})   # rewrites the window slot above, quantizes a leaving group
         return out
 
-    # ---- the static step (CUDA graphs, kvzoo/graphs.py) ----------------------------------------------
+    # ---- the static step (WholeStep: CUDA graphs, kvzoo/graphs.py) -------------------------------------
     def can_decode_static(self, padded: bool) -> bool:
         """Whole-step graphs need the kernel (no mask: unpadded rows) and a prompt already stored."""
-        return not padded and self.length > 0 and self._fused_ok(self.k_res)
+        return not padded and self.length > 0 and self._fused_ok(self.norm)
+
+    def static_phase(self) -> str:
+        return self.store.phase(self.length)
+
+    def static_scratch(self) -> tuple[Tensor, ...]:
+        return self.store.scratch()
 
     def _static_lengths(self, step: StaticStep) -> tuple[Tensor, Tensor, Tensor]:
         """From the device-held length L: (quantized tokens n_q (1,), window slot r of the new token (1,), as
-        _static_window gives them; live lengths (3,) int32 [n_q, sink tokens, recent tokens] for the kernel),
+        WindowedStore.window_row gives them; live lengths (3,) int32 [n_q, sink tokens, recent tokens] for the kernel),
         shared by every layer."""
         key = ("innerq", self.opts.sink, self.opts.recent)
         if key not in step.derived:
             S, L = self.opts.sink, step.slot
-            n_q, r = self._static_window(step)
+            n_q, r = self.store.window_row(step)
             in_sink = L < S
             lengths = torch.cat([torch.where(in_sink, 0, n_q), torch.where(in_sink, L + 1, S),
                                  torch.where(in_sink, 0, r + 1)]).to(torch.int32)
@@ -280,10 +305,9 @@ class InnerQCache(KIVICache):
             k = k / self.norm                            # the kernel multiplies q by the norm
         n_q, r, lengths = self._static_lengths(step)
         phase = self.static_phase()
-        k_win, v_win = (self.k_sink, self.v_sink) if phase == "sink" else (self.k_res, self.v_res)
-        k_win.index_copy_(2, r, k)                                      # k (B, H, 1, d) into window slot r
-        v_win.index_copy_(2, r, v)
-        out = self._attend_fused(q, None, ((self.k_sink, self.v_sink), (self.k_res, self.v_res)), lengths,
+        st = self.store
+        st.write_token_at(phase, r, {"k": k, "v": v})                  # k (B, H, 1, d) into window slot r
+        out = self._attend_fused(q, None, ((st.sink("k"), st.sink("v")), (st.recent("k"), st.recent("v"))), lengths,
                                  self.norm[:, :, 0] if self.opts.key_norm else None)
         if phase == "flush":
             self._flush_static(n_q)
@@ -296,25 +320,7 @@ class InnerQCache(KIVICache):
         from kvzoo.kernels.quantize_pack import innerq_flush
 
         mode = "sym" if self.opts.quant_mode == "hybrid_prefill" else self.opts.quant_mode
-        innerq_flush(self.k_res, self.v_res, n_q, self.k_codes, self.k_scale, self.k_slot, self.k_mask, self.v_codes,
-                     self.v_scale, self.v_slot, self.v_mask, self.opts.bits, mode, write_mask=mode == "hybrid")
-        G, R = GROUP, self.opts.recent
-        for buf in (self.k_res, self.v_res):
-            buf[:, :, :R] = buf[:, :, G:G + R].clone()
-
-    # ---- key normalization -------------------------------------------------------------------------
-    def _qk(self, q: Tensor, k: Tensor, pos: Positions) -> tuple[Tensor, Tensor, Tensor]:
-        q, k = self.attn.rope(q, k, pos.ids)
-        self.in_first_call = self.length == 0
-        if not self.opts.key_norm:
-            return q, k, k
-        if self.in_first_call:
-            slots = torch.arange(pos.start, pos.start + k.shape[2], device=k.device)
-            real = (slots[None, :] >= pos.pad[:, None])[:, None, :, None]        # (B, 1, T, 1): not padding
-            peak = k.abs().masked_fill(~real, 0).amax(dim=2, keepdim=True)       # (B, H, 1, d)
-            half = peak.shape[-1] // 2
-            tied = torch.maximum(peak[..., :half], peak[..., half:])             # one factor per RoPE pair
-            self.norm.copy_(torch.cat([tied, tied], dim=-1).clamp_min(1e-6).sqrt())
-        rep = q.shape[1] // k.shape[1]
-        k = k / self.norm
-        return q * self.norm.repeat_interleave(rep, dim=1), k, k
+        st, k, v = self.store, self.store.codecs["k"], self.store.codecs["v"]
+        innerq_flush(st.recent("k"), st.recent("v"), n_q, k.codes, k.scale, k.slot, k.mask, v.codes, v.scale, v.slot,
+                     v.mask, self.opts.bits, mode, write_mask=mode == "hybrid")
+        st.shift()

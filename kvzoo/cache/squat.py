@@ -49,8 +49,9 @@ import torch
 from torch import Tensor
 
 from kvzoo.cache.base import Positions, register
-from kvzoo.cache.kivi import SCALE_DTYPE, KIVICache, KIVIOptions
+from kvzoo.cache.kivi import KIVICache, KIVIOptions
 from kvzoo.cache.kvquant import QTensor, dequantize, quantize
+from kvzoo.cache.store import SCALE_DTYPE, GroupCodec
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -145,6 +146,17 @@ class SQuatOptions(KIVIOptions):
             raise ValueError(f"prompt_frac must be in [0, 1), got {self.prompt_frac}")
 
 
+class SQuatKeys(GroupCodec):
+    """KIVI's per-channel key codes, of the keys as SQuat's block loop leaves them (`mats` gives the U_t)."""
+
+    def __init__(self, *args, mats, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mats = mats
+
+    def quantize(self, rows: Tensor) -> QTensor:
+        return super().quantize(squat_adjust(rows, self.mats(), self.bits, self.group))
+
+
 @register("squat")
 class SQuatCache(KIVICache):
     """KIVI's windows and storage; keys pass through SQuat's block loop before they are quantized."""
@@ -153,7 +165,7 @@ class SQuatCache(KIVICache):
 
     def __init__(self, spec, layer, prev, batch_size, max_len):
         super().__init__(spec, layer, prev, batch_size, max_len)
-        d = layer.head_dim
+        d, weight = layer.head_dim, layer.q_proj.weight
         self.block = self.opts.block or d // 2
         if d % self.block:
             raise ValueError(f"{self.name} block {self.block} must divide the head dimension {d}")
@@ -162,8 +174,14 @@ class SQuatCache(KIVICache):
         rows = batch_size if self.opts.per_sample else 1
         self.n_mats = d // self.block - 1
         for t in range(1, self.n_mats + 1):
-            self._buf(f"upd{t}", (rows, layer.n_kv_heads, d - t * self.block, self.block), torch.float32)
+            self.register_buffer(f"upd{t}", torch.zeros(rows, layer.n_kv_heads, d - t * self.block, self.block,
+                                                        device=weight.device), persistent=False)
         self.ready = False
+
+    def key_codec(self, lead: tuple[int, int], capacity: int) -> GroupCodec:
+        weight = self.attn.q_proj.weight
+        return SQuatKeys(lead, capacity, self.attn.head_dim, self.opts.bits, self.opts.group_size, True,
+                         weight.dtype, weight.device, mats=self._mats)
 
     def _mats(self) -> list[Tensor]:
         return [getattr(self, f"upd{t}") for t in range(1, self.n_mats + 1)]
@@ -184,10 +202,6 @@ class SQuatCache(KIVICache):
         for buf, mat in zip(self._mats(), update_matrices(subspace, self.opts.lam, self.block)):
             buf.copy_(mat)
         self.ready = True
-
-    def _quantize(self, k: Tensor, v: Tensor) -> tuple[QTensor, QTensor]:
-        """KIVI's quantizer on the keys as SQuat's block loop leaves them."""
-        return super()._quantize(squat_adjust(k, self._mats(), self.opts.bits, self.opts.group_size), v)
 
     def prefill(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
         if not self.ready:                                  # the prompt: the whole first chunk

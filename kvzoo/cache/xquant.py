@@ -20,8 +20,8 @@ X is the layer input after RMSNorm (what the attention module hands its cache as
   size but quantizability (the paper's §3.3.1 point). With `outlier_channel` the first channel of
   X U_k stays at full precision beside the codes of channels 1..r-1 (Table B.1).
 
-Windows follow KIVI (kivi.py): per-channel groups need G tokens before they can be quantized, so the
-newest tokens wait at the model's precision; with L tokens stored, Nq = max(0, floor((L - R)/G)) * G are
+Windows are the shared store's (store.py), as KIVI's: per-channel groups need G tokens before they can be
+quantized, so the newest tokens wait at the model's precision; with L tokens stored, Nq = max(0, floor((L - R)/G)) * G are
 quantized (once, when their group leaves the window: never requantized) and L - Nq < R + G are exact.
 Both layouts use the one window (§4: "we leave the final residual tokens unquantized (up to group size
 tokens)" in generation, for every method). Per-token groups span Gt = the largest divisor of the row
@@ -64,15 +64,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from kvzoo.cache.base import (LayerCache, Positions, StaticStep, attend, attend_split, device_slots, full_mask,
-                              register)
-from kvzoo.cache.kvquant import SUPPORTED_BITS, QTensor, dequantize, packed_words, quantize
-from kvzoo.kernels.xquant_remat import REMAT_BITS, dequant_matmul
-
-SCALE_DTYPE = torch.float16
-EXACT = 16        # bits = 16: no quantization, rows kept at the model's precision
+from kvzoo.cache.base import Chunk, LayerCache, Positions, StaticStep, attend, register
+from kvzoo.cache.kvquant import SUPPORTED_BITS, QTensor, dequantize
+from kvzoo.cache.store import EXACT, GroupCodec, Window, WindowedStore, token_group
+from kvzoo.graphs import WholeStep
 
 
 def check_latent_bits(bits: int, option: str = "bits") -> None:
@@ -86,11 +83,6 @@ def check_window(group_size: int, residual: int) -> None:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if residual < 0 or residual % group_size:
         raise ValueError(f"residual must be a non-negative multiple of group_size {group_size}, got {residual}")
-
-
-def token_group(width: int, group_size: int) -> int:
-    """Channels per per-token group: the largest divisor of `width` that is at most `group_size`."""
-    return max(g for g in range(1, min(width, group_size) + 1) if width % g == 0)
 
 
 def svd_factors(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -115,10 +107,13 @@ def rematerialize(latent: QTensor | Tensor, first: Tensor | None, up: Tensor, fu
     never reach device memory; 3-bit codes and exact rows take the torch path."""
     if fused is None:
         fused = isinstance(latent, QTensor) and latent.codes.is_cuda
-    if fused and isinstance(latent, QTensor) and latent.bits in REMAT_BITS:
-        if first is None:
-            return dequant_matmul(latent, up)
-        return dequant_matmul(latent, up[1:]) + first.to(up.dtype) @ up[:1]      # channel 0 kept exact
+    if fused and isinstance(latent, QTensor):
+        from kvzoo.kernels.xquant_remat import REMAT_BITS, dequant_matmul
+
+        if latent.bits in REMAT_BITS:
+            if first is None:
+                return dequant_matmul(latent, up)
+            return dequant_matmul(latent, up[1:]) + first.to(up.dtype) @ up[:1]      # channel 0 kept exact
     return dequantize_latent(latent, first, up.dtype) @ up
 
 
@@ -132,98 +127,6 @@ def rope_stored_keys(attn, k: Tensor, pos: Positions) -> Tensor:
     """Rotate keys of stored slots [0, S) (B, H, S, hd), rematerialized before RoPE, to their positions."""
     slots = torch.arange(k.shape[2], device=k.device)
     return attn.rope.apply(k, (slots[None, :] - pos.pad[:, None]).clamp_min(0))
-
-
-class LatentStore(nn.Module):
-    """One cached stream of rows (B, N, width): quantized slots [0, n) plus a window of exact rows.
-
-    per_channel: a scale/zero per channel for each group of `group_size` slots (n is then a multiple of
-    it); otherwise per token: a scale/zero per `token_group(width, group_size)` channels of each row.
-    exact_first: channel 0 is kept at the model's precision (buffer `first`) and only channels 1.. get
-    codes. bits = 16: buffer `rows` holds the rows themselves at the model's precision, no codes."""
-
-    def __init__(self, batch: int, capacity: int, window: int, width: int, bits: int, group_size: int,
-                 per_channel: bool, dtype: torch.dtype, device, exact_first: bool = False):
-        super().__init__()
-        self.bits, self.width, self.per_channel = bits, width, per_channel
-        self.exact_first = exact_first and bits != EXACT
-        self.coded = width - int(self.exact_first)                 # channels that get codes
-        self.group = group_size if per_channel else token_group(self.coded, group_size)
-
-        def buf(name: str, shape: tuple, dt: torch.dtype) -> None:
-            self.register_buffer(name, torch.zeros(shape, dtype=dt, device=device), persistent=False)
-
-        if bits == EXACT:
-            buf("rows", (batch, capacity, width), dtype)
-        else:
-            groups = (capacity // self.group, self.coded) if per_channel else (capacity, self.coded // self.group)
-            buf("codes", (batch, capacity, packed_words(self.coded, bits)), torch.int32)
-            buf("scale", (batch, *groups), SCALE_DTYPE)
-            buf("zero", (batch, *groups), SCALE_DTYPE)
-            if self.exact_first:
-                buf("first", (batch, capacity, 1), dtype)
-        buf("window", (batch, window, width), dtype)
-
-    def _groups(self, a: int, b: int) -> slice:
-        return slice(a // self.group, b // self.group) if self.per_channel else slice(a, b)
-
-    def _encode(self, rows: Tensor) -> list[tuple[Tensor, Tensor, bool]]:
-        """What storing rows (B, n, width) writes: (buffer, values along dim 1, indexed by group rather
-        than by slot) for each buffer."""
-        if self.bits == EXACT:
-            return [(self.rows, rows, False)]
-        parts = [(self.first, rows[..., :1], False)] if self.exact_first else []
-        coded = rows[..., 1:] if self.exact_first else rows
-        q = quantize(coded, self.bits, self.group, axis=-2 if self.per_channel else -1, scale_dtype=SCALE_DTYPE)
-        grouped = self.per_channel
-        return parts + [(self.codes, q.codes, False), (self.scale, q.scale, grouped), (self.zero, q.zero, grouped)]
-
-    def write(self, a: int, b: int, rows: Tensor) -> None:
-        """Quantize rows (B, b - a, width) into slots [a, b)."""
-        for buf, values, grouped in self._encode(rows):
-            buf[:, self._groups(a, b) if grouped else slice(a, b)] = values
-
-    def write_at(self, start: Tensor, rows: Tensor) -> None:
-        """Quantize rows (B, n, width) into slots [start, start + n), start a device tensor (1,), with index
-        writes and no host sync (the static step); per-channel stores take whole groups (start and n
-        multiples of the group)."""
-        n = rows.shape[1]
-        if self.per_channel and n % self.group:
-            raise ValueError(f"a per-channel store writes whole groups of {self.group} rows, got {n}")
-        slots, groups = device_slots(start, n, self.group)
-        for buf, values, grouped in self._encode(rows):
-            buf.index_copy_(1, groups if grouped else slots, values)
-
-    def quantized(self, upto: int) -> tuple[QTensor | Tensor, Tensor | None]:
-        """Slots [0, upto) as stored: (codes as a QTensor, or the exact rows with bits=16; first channel)."""
-        if self.bits == EXACT:
-            return self.rows[:, :upto], None
-        g = self._groups(0, upto)
-        q = QTensor(self.codes[:, :upto], self.scale[:, g], self.zero[:, g], self.bits, self.group,
-                    -2 if self.per_channel else -1, (self.codes.shape[0], upto, self.coded))
-        return q, (self.first[:, :upto] if self.exact_first else None)
-
-    def nbytes(self, n: int, in_window: int) -> int:
-        """Bytes held for n quantized slots and `in_window` exact window rows."""
-        if self.bits == EXACT:
-            parts = [self.rows[:, :n]]
-        else:
-            g = self._groups(0, n)
-            parts = [self.codes[:, :n], self.scale[:, g], self.zero[:, g]]
-            parts += [self.first[:, :n]] if self.exact_first else []
-        return sum(t.nbytes for t in parts) + self.window[:, :in_window].nbytes
-
-    def token_bytes(self) -> float:
-        """The formula: bytes of one quantized row (one batch row), scales and zeros included."""
-        e = self.window.element_size()
-        if self.bits == EXACT:
-            return self.width * e
-        # packed codes, then an fp16 scale + zero per group: coded/group groups per row either way
-        # (per channel: `coded` channel groups shared by `group` slots)
-        return 4 * packed_words(self.coded, self.bits) + 4 * self.coded / self.group + e * self.exact_first
-
-    def window_token_bytes(self) -> int:
-        return self.width * self.window.element_size()
 
 
 @dataclass(frozen=True)
@@ -244,8 +147,8 @@ class XQuantOptions:
 
 
 @register("xquant")
-class XQuantCache(LayerCache):
-    """Slots [0, n_q) quantized | [n_q, L) exact window, of X (MHA) or of X U_k and X U_v (GQA)."""
+class XQuantCache(WholeStep, LayerCache):
+    """Slots [0, Nq) quantized | [Nq, L) exact window, of X (MHA) or of X U_k and X U_v (GQA)."""
 
     Options = XQuantOptions
 
@@ -257,10 +160,14 @@ class XQuantCache(LayerCache):
         if o.outlier_channel and not self.gqa:
             raise ValueError("xquant outlier_channel applies to GQA models (the first channel of the latent "
                              "X U_k, Appendix B); this model is MHA (n_kv_heads == n_heads) and caches X itself")
+        self.window = Window(0, o.residual, o.group_size)
+        self.capacity = self.window.quantized(max_len)            # quantized slots allocated
 
-        def store(width: int, per_channel: bool, exact_first: bool = False) -> LatentStore:
-            return LatentStore(batch_size, self.quantized_len(max_len), o.residual + o.group_size, width, o.bits,
-                               o.group_size, per_channel, weight.dtype, weight.device, exact_first)
+        def codec(width: int, per_channel: bool, exact_first: bool = False) -> GroupCodec:
+            coded = width - int(exact_first and o.bits != EXACT)
+            group = o.group_size if per_channel else token_group(coded, o.group_size)
+            return GroupCodec((batch_size,), self.capacity, width, o.bits, group, per_channel, weight.dtype,
+                              weight.device, exact_first)
 
         if self.gqa:
             down_k, up_k = svd_factors(layer.k_proj.weight)       # U_k (hidden, r), Σ_k B_kᵀ (r, n_kv*hd)
@@ -268,12 +175,10 @@ class XQuantCache(LayerCache):
             self.register_buffer("down", torch.cat([down_k, down_v], dim=1), persistent=False)   # (hidden, 2r)
             self.register_buffer("up_k", up_k, persistent=False)
             self.register_buffer("up_v", up_v, persistent=False)
-            self.stores = nn.ModuleDict({"k": store(up_k.shape[0], True, o.outlier_channel),
-                                         "v": store(up_v.shape[0], False)})
+            codecs = {"k": codec(up_k.shape[0], True, o.outlier_channel), "v": codec(up_v.shape[0], False)}
         else:
-            self.stores = nn.ModuleDict({"x": store(weight.shape[1], False)})
-        self.n_q = 0
-        self.capacity = self.quantized_len(max_len)            # quantized slots allocated
+            codecs = {"x": codec(weight.shape[1], False)}
+        self.store = WindowedStore(self.window, codecs, (batch_size,), weight.dtype, weight.device)
 
     # ---- what is cached, and how K and V come back -------------------------------------------------
     def _rows(self, x: Tensor) -> dict[str, Tensor]:
@@ -284,67 +189,46 @@ class XQuantCache(LayerCache):
         r = self.up_k.shape[0]
         return {"k": z[..., :r], "v": z[..., r:]}
 
-    def _sources(self) -> tuple[tuple[LatentStore, Tensor], tuple[LatentStore, Tensor]]:
-        """(store, up-projection) for K and for V."""
+    def _sources(self) -> tuple[tuple[str, Tensor], tuple[str, Tensor]]:
+        """(stream, up-projection) for K and for V."""
         if self.gqa:
-            return (self.stores["k"], self.up_k), (self.stores["v"], self.up_v)
-        x = self.stores["x"]
-        return (x, self.attn.k_proj.weight.t()), (x, self.attn.v_proj.weight.t())
+            return ("k", self.up_k), ("v", self.up_v)
+        return ("x", self.attn.k_proj.weight.t()), ("x", self.attn.v_proj.weight.t())
 
     def _kv(self, n: int, in_window: int) -> tuple[Tensor, Tensor]:
         """K and V (before RoPE) of quantized slots [0, n) then the first `in_window` window rows:
         (B, n_kv, n + in_window, hd) each, at the model's dtype."""
         out = []
-        for store, up in self._sources():
-            flat = torch.cat([rematerialize(*store.quantized(n), up),
-                              rematerialize(store.window[:, :in_window], None, up)], dim=1)   # (B, N, n_kv*hd)
-            out.append(heads(flat, self.attn.n_kv_heads, store.window.dtype))
+        for name, up in self._sources():
+            codec, window = self.store.codecs[name], self.store.recent(name)
+            flat = torch.cat([rematerialize(codec.held(n), codec.held_first(n), up),
+                              rematerialize(window[:, :in_window], None, up)], dim=1)   # (B, N, n_kv*hd)
+            out.append(heads(flat, self.attn.n_kv_heads, window.dtype))
         return out[0], out[1]
 
-    # ---- the window (KIVI's bookkeeping, on rows of X or of its latents) -----------------------------
-    def quantized_len(self, length: int) -> int:
-        """Tokens held quantized once `length` are stored: whole groups older than the residual window."""
-        return max(0, (length - self.opts.residual) // self.opts.group_size) * self.opts.group_size
-
-    def _append(self, x: Tensor) -> None:
-        """Store a chunk x (B, T, hidden): its rows join the window, whose oldest whole groups beyond R
-        rows are quantized once."""
-        rows = self._rows(x)
-        r = self.length - self.n_q
-        new_len = self.length + x.shape[1]
-        flush = self.quantized_len(new_len) - self.n_q
-        for name, store in self.stores.items():
-            tail = torch.cat([store.window[:, :r], rows[name]], dim=1)            # (B, r + T, width)
-            if flush:
-                store.write(self.n_q, self.n_q + flush, tail[:, :flush])
-            store.window[:, :tail.shape[1] - flush] = tail[:, flush:]
-        self.n_q += flush
-        self.length = new_len
-
-    def reset(self) -> None:
-        super().reset()
-        self.n_q = 0
+    def _held_kv(self, length: int) -> tuple[Tensor, Tensor]:
+        """K and V (before RoPE) of every stored slot as held: (B, n_kv, length, hd) each."""
+        n = self.window.quantized(length)
+        return self._kv(n, length - n)
 
     def nbytes(self) -> int:
-        return sum(s.nbytes(self.n_q, self.length - self.n_q) for s in self.stores.values())
+        return self.store.nbytes(self.length)
 
     def formula_nbytes(self, length: int) -> int:
-        n = self.quantized_len(length)
-        per_row = sum(n * s.token_bytes() + (length - n) * s.window_token_bytes() for s in self.stores.values())
-        return round(self.batch_size * per_row)
+        return self.store.formula_nbytes(length)
 
-    # ---- attention ---------------------------------------------------------------------------------
-    def prefill(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
+    def append(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions, held: bool = False) -> Chunk:
         """The history rematerialized from storage plus the new chunk exact; then store the chunk."""
-        hist_k, hist_v = self._kv(self.n_q, self.length - self.n_q)
-        keys = rope_stored_keys(self.attn, torch.cat([hist_k, k], dim=2), pos)
-        out = attend(self.attn.rope.apply(q, pos.ids), keys, torch.cat([hist_v, v], dim=2), pos.mask)
-        self._append(x)
-        return out
+        hist_k, hist_v = self._held_kv(self.length)
+        self.length = self.store.append(self.length, self._rows(x))
+        c = Chunk(self.attn.rope.apply(q, pos.ids), rope_stored_keys(self.attn, torch.cat([hist_k, k], dim=2), pos),
+                  torch.cat([hist_v, v], dim=2))
+        if held:
+            held_k, c.held_values = self._held_kv(self.length)
+            c.held_keys = rope_stored_keys(self.attn, held_k, pos)
+        return c
 
-    decode = prefill
-
-    # ---- the static step (CUDA graphs, kvzoo/graphs.py) ----------------------------------------------
+    # ---- the static step (WholeStep: CUDA graphs, kvzoo/graphs.py) -------------------------------------
     def can_decode_static(self, padded: bool) -> bool:
         """Every streaming cache: the step attends over every allocated slot with a mask built from the
         step's (B, 1, 1, max_len) mask, so left padding and sliding windows are served as in decode. The
@@ -353,28 +237,22 @@ class XQuantCache(LayerCache):
 
     def static_phase(self) -> str:
         """Whether the next token fills the window, so that its oldest group is quantized (one graph each)."""
-        return "flush" if self.quantized_len(self.length + 1) > self.n_q else "step"
+        return self.store.phase(self.length)
 
     def static_scratch(self) -> tuple[Tensor, ...]:
-        """The windows: a flush moves their rows down, which a second run would repeat."""
-        return tuple(store.window for store in self.stores.values())
-
-    def advance(self) -> None:
-        super().advance()
-        self.n_q = self.quantized_len(self.length)
+        return self.store.scratch()
 
     def _static_keys(self, step: StaticStep) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The step's keys are every quantized slot, every window row, then the new token (K = capacity +
-        W + 1, W = R + G). From the device-held length L = step.slot: (quantized tokens n_q (1,), the new
-        token's window row r = L - n_q (1,), RoPE positions of the keys (B, K), mask (B, 1, 1, K): a key
-        may be attended where it is live (a quantized slot < n_q, a window row < r, the new token) and
+        W + 1, W = R + G). From the device-held length L = step.slot: (quantized tokens Nq (1,), the new
+        token's window row r = L - Nq (1,), RoPE positions of the keys (B, K), mask (B, 1, 1, K): a key
+        may be attended where it is live (a quantized slot < Nq, a window row < r, the new token) and
         the step's mask allows its slot). Shared by every layer of the step."""
         R, G = self.opts.residual, self.opts.group_size
         key = ("xquant", R, G, self.capacity)
         if key not in step.derived:
             L, device = step.slot, step.slot.device
-            n_q = torch.div(L - R, G, rounding_mode="floor").clamp_min(0) * G                   # quantized_len(L)
-            r = L - n_q
+            n_q, r = self.store.window_row(step)
             quant, win = torch.arange(self.capacity, device=device), torch.arange(R + G, device=device)
             slots = torch.cat([quant, n_q + win, L])                                             # (K,) key slots
             live = torch.cat([quant < n_q, win < r, torch.ones_like(L, dtype=torch.bool)])       # (K,)
@@ -386,34 +264,12 @@ class XQuantCache(LayerCache):
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
         """decode with fixed shapes: the token's rows into window row r, attention over every quantized
         slot and window row rematerialized (the dead ones masked) and the token's exact k, v; in the
-        "flush" phase the window's oldest group is then quantized into slots [n_q, n_q + G)."""
+        "flush" phase the window's oldest group is then quantized into slots [Nq, Nq + G)."""
         n_q, r, ids, mask = self._static_keys(step)
-        rows = self._rows(x)
-        for name, store in self.stores.items():
-            store.window.index_copy_(1, r, rows[name])                  # rows (B, 1, width) into window row r
+        self.store.write_token_at("recent", r, self._rows(x))              # rows (B, 1, width) into window row r
         hist_k, hist_v = self._kv(self.capacity, self.opts.residual + self.opts.group_size)    # (B, H, K - 1, hd)
         keys = self.attn.rope.apply(torch.cat([hist_k, k], dim=2), ids)
         out = attend(self.attn.rope.apply(q, step.ids), keys, torch.cat([hist_v, v], dim=2), mask)
         if self.static_phase() == "flush":
-            G, R = self.opts.group_size, self.opts.residual
-            for store in self.stores.values():
-                store.write_at(n_q, store.window[:, :G])
-                store.window[:, :R] = store.window[:, G:G + R].clone()
+            self.store.flush_at(n_q)
         return out
-
-    def simulate(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
-        """Query slot s sees slots [0, quantized_len(s)) rematerialized from codes and every other slot
-        exact, as it would when decoded after s stored tokens."""
-        hist_k, hist_v = self._kv(self.n_q, self.length - self.n_q)
-        exact_k, exact_v = torch.cat([hist_k, k], dim=2), torch.cat([hist_v, v], dim=2)   # (B, H, L, hd)
-        self._append(x)
-        n, L = self.n_q, self.length
-        deq_k, deq_v = self._kv(n, 0)
-        round_k, round_v = exact_k.clone(), exact_v.clone()
-        round_k[:, :, :n], round_v[:, :, :n] = deq_k, deq_v
-        q_slots = torch.arange(pos.start, L, device=q.device)
-        G, R = self.opts.group_size, self.opts.residual
-        seen = ((q_slots - R) // G).clamp_min(0) * G                  # quantized_len(s) per query (T,)
-        use_round = self.after_prompt(torch.arange(L, device=q.device)[None, :] < seen[:, None], q_slots)  # (T, L)
-        return attend_split(self.attn.rope.apply(q, pos.ids), rope_stored_keys(self.attn, exact_k, pos), exact_v,
-                            rope_stored_keys(self.attn, round_k, pos), round_v, use_round, full_mask(pos, L, q.device))

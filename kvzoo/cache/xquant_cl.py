@@ -66,11 +66,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvzoo.cache.base import CacheSpec, LayerCache, Positions, StaticStep, attend, attend_split, full_mask, register
+from kvzoo.cache.base import CacheSpec, Chunk, LayerCache, Positions, StaticStep, attend, register
 from kvzoo.cache.kvquant import QTensor
-from kvzoo.cache.xquant import (LatentStore, XQuantCache, XQuantOptions, check_latent_bits, check_window,
-                                dequantize_latent, heads, rematerialize, rope_stored_keys,
-                                svd_factors)
+from kvzoo.cache.store import GroupCodec, Window, WindowedStore, token_group
+from kvzoo.cache.xquant import (XQuantCache, XQuantOptions, check_latent_bits, check_window, dequantize_latent, heads,
+                                rematerialize, rope_stored_keys, svd_factors)
+from kvzoo.graphs import WholeStep
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def accumulate(acc: Tensor | None, delta: QTensor | Tensor, up: Tensor | None) -
 
 
 @register("xquant-cl")
-class XQuantCLCache(LayerCache):
+class XQuantCLCache(WholeStep, LayerCache):
     Options = XQuantCLOptions
 
     def __init__(self, spec, layer, prev, batch_size, max_len):
@@ -115,6 +116,7 @@ class XQuantCLCache(LayerCache):
         if self.role == "xquant":
             plain = XQuantOptions(bits=self.bits, group_size=o.group_size, residual=o.residual)
             self.plain = XQuantCache(CacheSpec("xquant", plain), layer, None, batch_size, max_len)
+            self.window = self.plain.window
             return
         weight = layer.k_proj.weight
         width = weight.shape[1]                                   # hidden
@@ -123,8 +125,11 @@ class XQuantCLCache(LayerCache):
             kv = torch.cat([layer.k_proj.weight, layer.v_proj.weight], dim=0)      # [W_k | W_v]ᵀ (2 n_kv hd, hidden)
             self.register_buffer("down", svd_factors(kv)[0], persistent=False)     # U_kv (hidden, r_kv)
             width = self.down.shape[1]
-        self.store = LatentStore(batch_size, max_len, 0, width, self.bits, o.group_size, False, weight.dtype,
-                                 weight.device)
+        # every token quantized per token as it is stored: no window
+        self.window = Window(0, 0, 1)
+        codec = GroupCodec((batch_size,), max_len, width, self.bits, token_group(width, o.group_size), False,
+                           weight.dtype, weight.device)
+        self.store = WindowedStore(self.window, {"x": codec}, (batch_size,), weight.dtype, weight.device)
 
     def _check_base(self) -> None:
         n = len(self.chain)
@@ -141,15 +146,17 @@ class XQuantCLCache(LayerCache):
         a = self.length
         b = a + x.shape[1] if slot is None else self.max_len            # rows of X̂ returned
 
+        codec = self.store.codecs["x"]
+
         def write(rows: Tensor) -> None:
             if slot is None:
-                self.store.write(a, b, rows)
+                self.store.append(a, {"x": rows})
             else:
-                self.store.write_at(slot, rows)
+                codec.write_at(slot, rows)
 
         if self.role == "base":
             write(x)
-            acc = accumulate(None, self.store.quantized(b)[0], None)
+            acc = accumulate(None, codec.held(b), None)
         else:
             prev = self.prev[0]
             acc_prev, prev._acc = prev._acc, None
@@ -159,7 +166,7 @@ class XQuantCLCache(LayerCache):
             if self.gqa:
                 delta = delta @ self.down                                   # its latent (B, T, r_kv)
             write(delta)
-            acc = accumulate(acc_prev, self.store.quantized(b)[0], self.down.T if self.gqa else None)
+            acc = accumulate(acc_prev, codec.held(b), self.down.T if self.gqa else None)
         if slot is None:
             self.length = b
         self._acc = acc if self.attn.layer_idx + 1 < len(self.chain) else None
@@ -172,25 +179,28 @@ class XQuantCLCache(LayerCache):
         return heads(self.attn.k_proj(x), H, dtype), heads(self.attn.v_proj(x), H, dtype)
 
     # ---- attention ---------------------------------------------------------------------------------
-    def prefill(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
-        """The history rematerialized from X̂ plus the new chunk exact."""
+    def append(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions, held: bool = False) -> Chunk:
+        """The history rematerialized from X̂ plus the new chunk exact. The chunk is stored first (its deltas
+        are taken against X̂_{i-1} of its own tokens), which leaves the history's slots as they were."""
         self._check_base()
         if self.role == "xquant":
-            out = self.plain.prefill(x, q, k, v, pos)
+            c = self.plain.append(x, q, k, v, pos, held)
             self.length = self.plain.length
-            return out
+            return c
         start = self.length
-        hist_k, hist_v = self._kv(self._advance(x)[:, :start])
-        keys = rope_stored_keys(self.attn, torch.cat([hist_k, k], dim=2), pos)
-        return attend(self.attn.rope.apply(q, pos.ids), keys, torch.cat([hist_v, v], dim=2), pos.mask)
-
-    decode = prefill
+        acc = self._advance(x)                                                 # (B, L, hidden)
+        if held:
+            held_k, held_v = self._kv(acc)                                     # (B, H, L, hd)
+            hist_k, hist_v = held_k[:, :, :start], held_v[:, :, :start]
+        else:
+            hist_k, hist_v = self._kv(acc[:, :start])
+        c = Chunk(self.attn.rope.apply(q, pos.ids), rope_stored_keys(self.attn, torch.cat([hist_k, k], dim=2), pos),
+                  torch.cat([hist_v, v], dim=2))
+        if held:
+            c.held_keys, c.held_values = rope_stored_keys(self.attn, held_k, pos), held_v
+        return c
 
     # ---- the static step (CUDA graphs, kvzoo/graphs.py) ----------------------------------------------
-    def can_decode_static(self, padded: bool) -> bool:
-        """Every streaming cache (padding and sliding windows through the step's mask, as in decode)."""
-        return not self.simulated
-
     def static_phase(self) -> str:
         return self.plain.static_phase() if self.role == "xquant" else "step"
 
@@ -216,33 +226,14 @@ class XQuantCLCache(LayerCache):
         ids = (slots[None, :] + (step.ids - step.slot)).clamp_min(0)           # (B, max_len): slot - pad
         return attend(self.attn.rope.apply(q, step.ids), self.attn.rope.apply(keys, ids), values, step.mask)
 
-    def simulate(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
-        """Tokens are quantized as they are stored, so query slot s sees every earlier slot as stored
-        (rematerialized from X̂) and itself exact."""
-        self._check_base()
-        if self.role == "xquant":
-            self.plain.prompt = self.prompt
-            out = self.plain.simulate(x, q, k, v, pos)
-            self.length = self.plain.length
-            return out
-        start = self.length
-        round_k, round_v = self._kv(self._advance(x))                          # (B, H, L, hd)
-        exact_k = torch.cat([round_k[:, :, :start], k], dim=2)
-        exact_v = torch.cat([round_v[:, :, :start], v], dim=2)
-        L = self.length
-        q_slots = torch.arange(start, L, device=q.device)
-        use_round = self.after_prompt(torch.arange(L, device=q.device)[None, :] < q_slots[:, None], q_slots)
-        return attend_split(self.attn.rope.apply(q, pos.ids), rope_stored_keys(self.attn, exact_k, pos), exact_v,
-                            rope_stored_keys(self.attn, round_k, pos), round_v, use_round, full_mask(pos, L, q.device))
-
     # ---- bytes -------------------------------------------------------------------------------------
     def nbytes(self) -> int:
-        return self.plain.nbytes() if self.role == "xquant" else self.store.nbytes(self.length, 0)
+        return self.plain.nbytes() if self.role == "xquant" else self.store.nbytes(self.length)
 
     def formula_nbytes(self, length: int) -> int:
         if self.role == "xquant":
             return self.plain.formula_nbytes(length)
-        return round(self.batch_size * length * self.store.token_bytes())
+        return self.store.formula_nbytes(length)
 
     def reset(self) -> None:
         super().reset()

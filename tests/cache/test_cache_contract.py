@@ -25,6 +25,7 @@ LOSSLESS = {
     "squat-pre": "squat-pre:bits=2,group_size=8,residual=64",
     "alignedkv": "alignedkv:min_bits=16",                 # every bit read
     "kvpareto": "kvpareto:k_bits=16,v_bits=16,k_smooth=false",
+    "int8": "int8:bits=16",
 }
 LOSSY = {
     "fp16": "fp16",
@@ -50,6 +51,7 @@ LOSSY = {
     "kvpareto-block": "kvpareto:k_bits=2,v_bits=4,granularity=block,group_size=8",
     "kvpareto-tensor": "kvpareto:k_bits=8,v_bits=4,granularity=tensor,k_smooth=false",
     "kvpareto-k16": "kvpareto:k_bits=16,v_bits=2,granularity=tensor",
+    "int8": "int8",
 }
 T = 48
 # Strategies whose storage format is fp16 itself (AlignedKV reads fp16 bit planes): an fp32 model rounds

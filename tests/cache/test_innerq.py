@@ -1,17 +1,12 @@
-"""InnerQ: inner-dimension layout, hybrid modes, windows, key normalization, options, chat."""
-
-import subprocess
-import sys
-from pathlib import Path
+"""InnerQ: inner-dimension layout, hybrid modes, windows, key normalization, options."""
 
 import pytest
 import torch
 
 from kvzoo.cache.base import CacheSpec
 from kvzoo.cache.kvquant import dequantize_unified, quantize_unified
-from tests.cache.test_kivi import smollm_shaped_layer_cache
+from tests.cache.test_kivi import smollm_shaped_layer_cache, store
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_paper_defaults():
@@ -22,24 +17,24 @@ def test_paper_defaults():
 def test_ratio_at_2048_tokens_matches_formula():
     cache = smollm_shaped_layer_cache("innerq:key_norm=false", 2048)
     k, v = torch.randn(2, 1, 3, 2048, 64, dtype=torch.float16)
-    cache._append(k, v)
+    store(cache, k, v)
     # 1920 quantized tokens at 56.5 B (codes 32 + scale/slot 24 + mask 0.5) + 128 exact tokens at 256 B
-    assert cache.n_q == 1920
+    assert cache.window.quantized(cache.length) == 1920
     assert cache.nbytes() == cache.formula_nbytes(2048) == round(3 * (1920 * 56.5 + 128 * 256))
 
 
 def test_inner_layout_groups_keys_per_token_and_values_per_channel():
     cache = smollm_shaped_layer_cache("innerq:sink=0,recent=0,quant_mode=asym,key_norm=false", 64, torch.float32)
     k, v = torch.randn(2, 1, 3, 64, 64)
-    cache._append(k, v)
-    got_k, got_v = cache._stored_quantized(64)
+    store(cache, k, v)
+    got_k, got_v = (cache.store.codecs[name].read(64, torch.float32) for name in "kv")
     assert torch.equal(got_k, dequantize_unified(quantize_unified(k, 2, -1, "asym")))
     assert torch.equal(got_v, dequantize_unified(quantize_unified(v, 2, -2, "asym")))
-    assert cache.k_scale.shape[-2:] == (64, 2) and cache.v_scale.shape[-2:] == (2, 64)
+    assert cache.store.codecs["k"].scale.shape[-2:] == (64, 2) and cache.store.codecs["v"].scale.shape[-2:] == (2, 64)
     outer = smollm_shaped_layer_cache("innerq:sink=0,recent=0,quant_mode=asym,key_norm=false,outer=true", 64,
                                       torch.float32)
-    outer._append(k, v)
-    assert torch.equal(outer._stored_quantized(64)[0], dequantize_unified(quantize_unified(k, 2, -2, "asym")))
+    store(outer, k, v)
+    assert torch.equal(outer.store.codecs["k"].read(64, torch.float32), dequantize_unified(quantize_unified(k, 2, -2, "asym")))
 
 
 def test_hybrid_picks_the_lower_error_per_group():
@@ -53,16 +48,19 @@ def test_hybrid_picks_the_lower_error_per_group():
 def test_hybrid_prefill_masks_only_the_prompt():
     cache = smollm_shaped_layer_cache("innerq:sink=0,recent=32,quant_mode=hybrid_prefill,key_norm=false", 256, torch.float32)
     k, v = torch.randn(2, 1, 3, 256, 64)
-    cache.in_first_call = True
-    cache._append(k[:, :, :128], v[:, :, :128])          # the prompt: 96 tokens quantized with hybrid groups
-    cache.in_first_call = False
-    cache._append(k[:, :, 128:], v[:, :, 128:])          # decode: later groups symmetric, no mask bits
-    assert cache.first_call_q == 96 and cache.n_q == 224
-    sym = cache._sym_flags("k", -1, 224)
+    codecs = cache.store.codecs.values()
+    for codec in codecs:
+        codec.first_call = True
+    store(cache, k[:, :, :128], v[:, :, :128])          # the prompt: 96 tokens quantized with hybrid groups
+    for codec in codecs:
+        codec.first_call = False
+    store(cache, k[:, :, 128:], v[:, :, 128:])          # decode: later groups symmetric, no mask bits
+    assert cache.store.codecs["k"].first_call_q == 96 and cache.window.quantized(cache.length) == 224
+    sym = cache.store.codecs["k"].held(224).sym
     assert sym[:, :, 96:].all()
     assert cache.nbytes() == cache.formula_nbytes(256)
     hybrid = smollm_shaped_layer_cache("innerq:sink=0,recent=32,key_norm=false", 256, torch.float32)
-    hybrid._append(k, v)
+    store(hybrid, k, v)
     assert hybrid.nbytes() - cache.nbytes() == 3 * (224 - 96) * 64 // 128      # the mask bits saved
 
 
@@ -79,7 +77,7 @@ def test_key_normalization_is_tied_per_rope_pair_and_stores_normalized_keys():
     peak = k_rot.abs().amax(dim=2, keepdim=True)
     tied = torch.maximum(peak[..., :32], peak[..., 32:])
     assert torch.allclose(cache.norm, torch.cat([tied, tied], -1).sqrt())
-    keys, _ = cache._history()
+    keys = cache.store.read(cache.length, k_rot.dtype)["k"]
     assert torch.allclose(keys[:, :, 8:], (k_rot / cache.norm)[:, :, 8:])       # the exact recent window
 
 
@@ -93,14 +91,6 @@ def test_key_normalization_is_tied_per_rope_pair_and_stores_normalized_keys():
 def test_bad_options(text, message):
     with pytest.raises(ValueError, match=message):
         CacheSpec.parse(text)
-
-
-def test_chat_with_innerq():
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "chat.py"), "--cache", "innerq", "--prompt",
-                          "What is the capital of France? Answer in one sentence.", "--temperature", "0"],
-                         capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert out.returncode == 0, out.stderr
-    assert "Paris" in out.stdout and "cache innerq" in out.stderr
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused decode kernel needs CUDA (run on the GPU machine)")

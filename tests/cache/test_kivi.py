@@ -1,9 +1,6 @@
 """KIVI / KIVI*: storage, bytes, the residual window, options, and the embedded model end to end."""
 
 import argparse
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +11,6 @@ from kvzoo.cli import add_model_args, parse_cache_args
 from kvzoo.config import ModelConfig
 from kvzoo.models.llama import Transformer
 
-REPO = Path(__file__).resolve().parents[2]
 SMOLLM_ATTENTION = dict(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=576, intermediate_size=64,
                         n_layers=1, n_heads=9, n_kv_heads=3, head_dim=64, max_position_embeddings=8192)
 
@@ -25,16 +21,22 @@ def smollm_shaped_layer_cache(spec: str, max_len: int, dtype=torch.float16):
     return model.new_cache(spec, batch_size=1, max_len=max_len).layers[0]
 
 
+def store(cache, k, v):
+    """Store k (as the strategy keeps keys) and v (B, H, T, d) through the layer's windowed store."""
+    cache.length = cache.store.append(cache.length, {"k": k, "v": v})
+
+
 @pytest.mark.parametrize("name", ["kivi", "kivi-pre"])
 def test_kivi_2bit_ratio_at_2048_tokens_matches_formula(name):
     cache = smollm_shaped_layer_cache(f"{name}:bits=2,group_size=32,residual=128", 2048)
     k, v = torch.randn(2, 1, 3, 2048, 64, dtype=torch.float16)
-    cache._append(k, v)
+    store(cache, k, v)
     fp16_bytes = 2 * 3 * 64 * 2 * 2048
     # (1920 quantized tokens * 48 B + 128 residual tokens * 256 B) / (2048 * 256 B), per KV head
     assert cache.nbytes() == cache.formula_nbytes(2048) == 3 * (1920 * 48 + 128 * 256)
     assert cache.nbytes() / fp16_bytes == pytest.approx(0.23828125)
-    assert cache.k_codes.dtype == torch.int32 and cache.k_codes.shape[-1] == 64 * 2 // 32
+    codes = cache.store.codecs["k"].codes
+    assert codes.dtype == torch.int32 and codes.shape[-1] == 64 * 2 // 32
 
 
 def test_storage_is_quantized_once_whatever_the_chunking():
@@ -43,16 +45,16 @@ def test_storage_is_quantized_once_whatever_the_chunking():
     k, v = torch.randn(2, 1, 3, 400, 64)
     start = 0
     for size in (1, 37, 5, 90, 1, 1, 66, 150, 49):
-        cache._append(k[:, :, start:start + size], v[:, :, start:start + size])
+        store(cache, k[:, :, start:start + size], v[:, :, start:start + size])
         start += size
     assert start == cache.length == 400
-    n_q = cache.n_q
+    n_q = cache.window.quantized(cache.length)
     assert n_q == (400 - 64) // 32 * 32 and 64 <= cache.length - n_q < 96
     want_k = quantize(k[:, :, :n_q], 3, 32, axis=-2).dequantize()
     want_v = quantize(v[:, :, :n_q], 3, 32, axis=-1).dequantize()
-    got_k, got_v = cache._stored_quantized(n_q)
+    got_k, got_v = (cache.store.codecs[name].read(n_q, torch.float32) for name in "kv")
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-    assert torch.equal(cache.k_res[:, :, :cache.length - n_q], k[:, :, n_q:])     # the window is exact
+    assert torch.equal(cache.store.recent("k")[:, :, :cache.length - n_q], k[:, :, n_q:])     # the window is exact
 
 
 @pytest.mark.parametrize("text, message", [
@@ -96,39 +98,20 @@ def test_streaming_decode_after_long_prompt_holds_packed_storage(default_model_d
         logits = model(ids[:, t:t + 1], cache)
     assert torch.isfinite(logits).all()
     layer = cache.layers[0]
-    assert layer.n_q == 1152 and cache.length == 1280
+    assert layer.window.quantized(layer.length) == 1152 and cache.length == 1280
     assert cache.nbytes() == sum(layer.formula_nbytes(1280) for layer in cache.layers)
     # 1152 tokens in 2-bit codes + fp16 scales, 128 fp32 (the model's dtype) residual tokens
     assert cache.nbytes() == 30 * 3 * (1152 * 48 + 128 * 2 * 64 * 4)
-
-
-def test_chat_with_kivi_cache():
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "chat.py"), "--cache", "kivi", "--prompt",
-                          "What is the capital of France? Answer in one sentence.", "--temperature", "0"],
-                         capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert out.returncode == 0, out.stderr
-    assert "Paris" in out.stdout
-    assert "cache kivi:bits=2,group_size=32,residual=128,sink=0" in out.stderr
-
-
-def test_chat_with_everything_quantized_still_runs():
-    """residual=0: every finished group of 16 tokens is quantized while the answer is generated."""
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "chat.py"), "--cache", "kivi", "--bits", "4",
-                          "--group-size", "16", "--residual", "0", "--prompt", "Name a colour.",
-                          "--temperature", "0", "--max-new-tokens", "24"],
-                         capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() and "x fp16]" in out.stderr
 
 
 def test_sink_window_keeps_the_first_tokens_exact():
     """KIVI+sink (InnerQ's baseline, 32/96): slots [0, 32) exact, then whole quantized groups, then the window."""
     cache = smollm_shaped_layer_cache("kivi:bits=2,group_size=32,residual=96,sink=32", 400, dtype=torch.float32)
     k, v = torch.randn(2, 1, 3, 200, 64)
-    cache._append(k[:, :, :10], v[:, :, :10])
-    cache._append(k[:, :, 10:], v[:, :, 10:])
-    assert cache.n_q == (200 - 32 - 96) // 32 * 32 == 64
-    keys, values = cache._history()
+    store(cache, k[:, :, :10], v[:, :, :10])
+    store(cache, k[:, :, 10:], v[:, :, 10:])
+    assert cache.window.quantized(cache.length) == (200 - 32 - 96) // 32 * 32 == 64
+    keys, values = cache.store.read(cache.length, k.dtype).values()
     assert torch.equal(keys[:, :, :32], k[:, :, :32]) and torch.equal(values[:, :, 96:], v[:, :, 96:])
     assert torch.equal(keys[:, :, 32:96], quantize(k[:, :, 32:96], 2, 32, axis=-2).dequantize())
     assert cache.nbytes() == cache.formula_nbytes(200) == 3 * (64 * 48 + 136 * 2 * 64 * 4)
@@ -158,7 +141,7 @@ def greedy_logits(model, cache: str, prompts: torch.Tensor, steps: int, pad=None
     for _ in range(steps):
         logits.append(model(token[:, None], kv, pad=pad)[:, -1])
         token = logits[-1].argmax(-1)
-    assert kv.layers[0].n_q > 0                      # the history was quantized, so the kernels read codes
+    assert kv.layers[0].window.quantized(kv.length) > 0                      # the history was quantized, so the kernels read codes
     return torch.stack(logits, 1)
 
 
@@ -205,8 +188,10 @@ def test_kernel_decode_is_not_taken_where_it_does_not_fit(gqa_model):
 
 
 def kernels_on_cpu() -> bool:
-    from kvzoo.kernels.quant_matvec import kernels_run_on
-
+    try:
+        from kvzoo.kernels.quant_matvec import kernels_run_on
+    except ImportError:              # no triton: no kernel runs anywhere
+        return False
     return kernels_run_on(torch.device("cpu"))
 
 

@@ -1,14 +1,11 @@
 """SQuat and SQuat-pre: the linear algebra (Lemmas 2 and 3, Woodbury), λ = 0 is KIVI, the subspace
-(GQA stacking, padding, batch sharing), the perplexity protocol, bytes, options, real keys, chat."""
+(GQA stacking, padding, batch sharing), the perplexity protocol, bytes, options, real keys."""
 
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from kvzoo.cache.kivi import SCALE_DTYPE
+from kvzoo.cache.store import SCALE_DTYPE
 from kvzoo.cache.kvquant import dequantize, quantize
 from kvzoo.cache.squat import grouped_queries, query_subspace, squat_adjust, squat_quantize_keys, update_matrices
 from kvzoo.eval.perplexity import perplexity
@@ -16,7 +13,6 @@ from kvzoo.models.loader import load_weights
 from tests.cache.test_cache_contract import stream, tokens
 from tests.tiny import tiny_llama
 
-REPO = Path(__file__).resolve().parents[2]
 T = 48
 
 
@@ -138,7 +134,8 @@ def test_lambda_zero_reproduces_kivi_exactly(model, name):
         ref, c2 = stream(model, f"{kivi}:bits=2,group_size=8,residual=8", x, **mode_kwargs)
         assert torch.equal(ours, ref)
         for a, b in zip(c1.layers, c2.layers):
-            assert torch.equal(a.k_codes, b.k_codes) and torch.equal(a.k_scale, b.k_scale)
+            ka, kb = a.store.codecs["k"], b.store.codecs["k"]
+            assert torch.equal(ka.codes, kb.codes) and torch.equal(ka.scale, kb.scale)
     # simulated mode: the prompt's queries read every key exact in both (prompt_frac=0.5 of the window)
     sim = model(x, model.new_cache(f"{name}:lam=0,group_size=8,residual=8", 2, T, mode="simulated", prompt=T // 2))
     ref = model(x, model.new_cache(f"{kivi}:bits=2,group_size=8,residual=8", 2, T, mode="simulated", prompt=T // 2))
@@ -151,8 +148,8 @@ def test_lambda_changes_the_keys_but_not_the_values(model):
     _, ours = stream(model, "squat:lam=0.05,group_size=8,residual=8,block=8", x, prefill=20)
     _, ref = stream(model, "kivi:bits=2,group_size=8,residual=8", x, prefill=20)
     for a, b in zip(ours.layers, ref.layers):
-        assert not torch.equal(a.k_codes, b.k_codes)
-        assert torch.equal(a.v_codes, b.v_codes)
+        assert not torch.equal(a.store.codecs["k"].codes, b.store.codecs["k"].codes)
+        assert torch.equal(a.store.codecs["v"].codes, b.store.codecs["v"].codes)
 
 
 @torch.no_grad()
@@ -231,8 +228,8 @@ def test_real_keys_squat_beats_kivi_inside_the_subspace_and_on_scores(default_mo
     """SmolLM2's post-RoPE keys of one 512-token window, the first half the prompt: with the paper's
     r = 5, λ = 0.001 (g = 32, two iterations at head_dim 64), SQuat's ||Q̂(k - k̂)|| and its attention-score
     error against the response's queries are both below KIVI's, in most layers and on average."""
-    from kvzoo.eval.squat_analysis import capture_qk, score_errors
     from kvzoo.tokenizer import Tokenizer
+    from repro.squat.analysis import capture_qk, score_errors
 
     model = load_weights(default_model_dir)
     ids = torch.tensor(Tokenizer.from_pretrained(default_model_dir).encode(wikitext_text)[:512])
@@ -248,13 +245,3 @@ def test_real_keys_squat_beats_kivi_inside_the_subspace_and_on_scores(default_mo
     assert wins_sub >= 25 and wins_score >= 25
     assert means["squat_subspace"] < 0.9 * means["kivi_subspace"]
     assert means["squat_score"] < 0.95 * means["kivi_score"]
-
-
-@pytest.mark.parametrize("cache", ["squat", "squat-pre"])
-def test_chat(cache):
-    """Groups of 16 and a residual of 16 so that the answer is decoded from packed codes."""
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "chat.py"), "--cache", cache, "--group-size", "16",
-                          "--residual", "16", "--prompt", "What is the capital of France?", "--temperature", "0"],
-                         capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert out.returncode == 0, out.stderr
-    assert "Paris" in out.stdout and f"cache {cache}:" in out.stderr

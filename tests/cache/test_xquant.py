@@ -1,17 +1,15 @@
 """XQuant and XQuant-CL: what is cached (X for MHA, SVD latents for GQA, cross-layer deltas), exactness
-with quantization off, simulated == streaming, bytes at SmolLM2's shapes, options, chat."""
+with quantization off, simulated == streaming, bytes at SmolLM2's shapes, options."""
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from kvzoo.cache.base import CacheSpec, fp16_kv_nbytes
 from kvzoo.cache.kvquant import dequantize, quantize
-from kvzoo.cache.xquant import rematerialize, token_group
+from kvzoo.cache.store import token_group
+from kvzoo.cache.xquant import rematerialize
 from kvzoo.config import ModelConfig
 from kvzoo.models.llama import Transformer
 from kvzoo.models.loader import load_weights
@@ -19,7 +17,6 @@ from tests.cache.test_cache_contract import stream, tokens
 from tests.cache.test_kivi import SMOLLM_ATTENTION, smollm_shaped_layer_cache
 from tests.tiny import tiny_llama
 
-REPO = Path(__file__).resolve().parents[2]
 KERNEL_DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes") else "cuda"
 T = 48
 
@@ -79,9 +76,9 @@ def test_mha_caches_x_itself(mha):
     for h in handles:
         h.remove()
     for i, layer in enumerate(cache.layers):
-        assert not layer.gqa and list(layer.stores) == ["x"]
+        assert not layer.gqa and list(layer.store.codecs) == ["x"]
         X = torch.cat(seen[i], dim=1)                                         # (B, T, hidden)
-        assert torch.equal(layer.stores["x"].rows[:, :T], X)
+        assert torch.equal(layer.store.codecs["x"].rows[:, :T], X)
     # X is as wide as K alone: half an fp16-precision KV cache (the model runs in fp32 here)
     assert cache.nbytes() == 4 * 2 * T * 64 * 4
 
@@ -100,8 +97,8 @@ def test_gqa_caches_svd_latents(gqa):
         assert torch.allclose(U_v @ layer.up_v, attn.v_proj.weight.T, atol=1e-5)
         assert torch.allclose(U_k.T @ U_k, torch.eye(32), atol=1e-5)
         X = torch.cat(seen[i], dim=1)
-        assert torch.allclose(layer.stores["k"].rows[:, :T], X @ U_k, atol=1e-6)
-        assert torch.allclose(layer.stores["v"].rows[:, :T], X @ U_v, atol=1e-6)
+        assert torch.allclose(layer.store.codecs["k"].rows[:, :T], X @ U_k, atol=1e-6)
+        assert torch.allclose(layer.store.codecs["v"].rows[:, :T], X @ U_v, atol=1e-6)
     # two 32-wide latents: exactly the room of K and V
     assert cache.nbytes() == 4 * 2 * T * 2 * 32 * 4
 
@@ -114,11 +111,11 @@ def test_outlier_channel_keeps_the_first_latent_channel_exact(gqa):
     for h in handles:
         h.remove()
     layer = cache.layers[1]
-    k_store = layer.stores["k"]
+    k_store = layer.store.codecs["k"]
     latent = (torch.cat(seen[1], dim=1) @ layer.down[:, :32])                 # X U_k (B, T, 32)
     assert k_store.coded == 31 and torch.allclose(k_store.first[:, :T, 0], latent[..., 0], atol=1e-6)
     want = quantize(latent[..., 1:], 2, 16, axis=-2)                            # channels 1.., per channel
-    assert torch.allclose(k_store.quantized(T)[0].dequantize(), want.dequantize(), atol=1e-5)
+    assert torch.allclose(k_store.held(T).dequantize(), want.dequantize(), atol=1e-5)
     assert layer.nbytes() == layer.formula_nbytes(T)
 
 
@@ -187,6 +184,7 @@ def test_cl_gqa_latent_is_narrower_than_x(tmp_path):
 def test_fused_rematerialize_equals_torch_path(bits, axis, first):
     """What the cache does on a GPU (dequant_matmul, here under the interpreter) equals its torch path:
     X U_k per channel (with or without the exact first channel), X U_v per token, r = 192 as SmolLM2."""
+    pytest.importorskip("triton")
     gen = torch.Generator().manual_seed(bits)
     z = torch.randn(2, 64, 192, generator=gen).to(KERNEL_DEVICE)
     up = torch.randn(192, 96, generator=gen).to(KERNEL_DEVICE)
@@ -227,31 +225,32 @@ def test_quantized_once_whatever_the_chunking():
     x = torch.randn(1, 400, 576, generator=torch.Generator().manual_seed(0))
     start, latents = 0, []
     for size in (1, 37, 5, 90, 1, 1, 66, 150, 49):
-        cache._append(x[:, start:start + size])
+        cache.length = cache.store.append(cache.length, cache._rows(x[:, start:start + size]))
         latents.append(x[:, start:start + size] @ cache.down)               # X [U_k | U_v], as the cache does
         start += size
-    n = cache.n_q
+    n = cache.window.quantized(cache.length)
     assert n == (400 - 64) // 32 * 32 and 64 <= cache.length - n < 96
     z = torch.cat(latents, dim=1)                                            # (1, 400, 2 * 192)
-    k_codes, v_codes = cache.stores["k"].quantized(n)[0], cache.stores["v"].quantized(n)[0]
+    k_codes, v_codes = cache.store.codecs["k"].held(n), cache.store.codecs["v"].held(n)
     assert torch.equal(k_codes.codes, quantize(z[:, :n, :192], 3, 32, axis=-2).codes)     # per channel
     assert torch.equal(v_codes.codes, quantize(z[:, :n, 192:], 3, 32, axis=-1).codes)     # per token, Gt = 32
-    assert torch.allclose(cache.stores["v"].window[:, :cache.length - n], z[:, n:, 192:], atol=1e-5)
+    assert torch.allclose(cache.store.recent("v")[:, :cache.length - n], z[:, n:, 192:], atol=1e-5)
 
 
 @pytest.mark.parametrize("bits, per_token", [(4, 206), (3, 158), (2, 110)])
 def test_smollm_bytes_per_token_at_2048(bits, per_token):
     """X U_k: 192*b/8 codes + 192 fp16 scale/zero pairs per 128 tokens; X U_v: 192*b/8 + 2 pairs of 96."""
     cache = smollm_shaped_layer_cache(f"xquant:bits={bits}", 2048)
-    cache._append(torch.randn(1, 2048, 576, dtype=torch.float16))
-    assert cache.n_q == 2048
+    cache.length = cache.store.append(0, cache._rows(torch.randn(1, 2048, 576, dtype=torch.float16)))
+    assert cache.window.quantized(cache.length) == 2048
     assert cache.nbytes() == cache.formula_nbytes(2048) == 2048 * per_token
-    assert cache.stores["k"].codes.dtype == torch.int32 and cache.stores["k"].codes.shape[-1] == 192 * bits // 32
+    codes = cache.store.codecs["k"].codes
+    assert codes.dtype == torch.int32 and codes.shape[-1] == 192 * bits // 32
 
 
 def test_outlier_channel_bytes():
     cache = smollm_shaped_layer_cache("xquant:bits=4,outlier_channel=true", 2048)
-    cache._append(torch.randn(1, 2048, 576, dtype=torch.float16))
+    cache.length = cache.store.append(0, cache._rows(torch.randn(1, 2048, 576, dtype=torch.float16)))
     # channels 1..191: 24 words (191 codes padded to 192) + 191 pairs per 128 tokens, + channel 0 in fp16
     assert cache.nbytes() == cache.formula_nbytes(2048) == 2048 * (96 + 2 + 104) + 191 * 16 * 4
 
@@ -283,7 +282,7 @@ def test_kivi_first_layers_at_high_bits(smollm_shaped):
     """KIVI* of Table 4: layers 0-2 hold 4-bit codes (8 words per 64-wide head), the rest 2-bit (4 words)."""
     cache = smollm_shaped.new_cache("kivi-pre:bits=2,high_layers=3", batch_size=1, max_len=256)
     smollm_shaped(torch.randint(0, 64, (1, 256)), cache)
-    assert [layer.k_codes.shape[-1] for layer in cache.layers] == [8] * 3 + [4] * 27
+    assert [layer.store.codecs["k"].codes.shape[-1] for layer in cache.layers] == [8] * 3 + [4] * 27
     assert all(layer.nbytes() == layer.formula_nbytes(256) for layer in cache.layers)
 
 
@@ -295,7 +294,7 @@ def test_bf16_model_keeps_rows_in_bf16(tmp_path):
         logits, cache = stream(model, spec, x, prefill=20)
         assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
         assert cache.layers[0].nbytes() == cache.layers[0].formula_nbytes(T)
-    assert cache.layers[0].plain.stores["k"].window.dtype == torch.bfloat16
+    assert cache.layers[0].plain.store.recent("k").dtype == torch.bfloat16
 
 
 # ---- bad input ----------------------------------------------------------------------------------------
@@ -328,14 +327,3 @@ def test_base_layer_beyond_the_model(mha):
     cache = mha.new_cache("xquant-cl:base_layer=4", 1, 16)
     with pytest.raises(ValueError, match="base_layer=4 is not a layer of this 4-layer model; accepted: 0 to 3"):
         mha(tokens(batch=1, length=4), cache)
-
-
-# ---- the embedded model ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("cache", [["xquant", "--group-size", "16"], ["xquant-cl"]])
-def test_chat(cache):
-    """xquant with groups of 16 so that the answer is decoded from packed codes, not the window."""
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "chat.py"), "--cache", *cache, "--prompt",
-                          "What is the capital of France?", "--temperature", "0"],
-                         capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert out.returncode == 0, out.stderr
-    assert "Paris" in out.stdout and f"cache {cache[0]}:" in out.stderr

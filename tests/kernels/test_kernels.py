@@ -270,7 +270,7 @@ def test_mismatched_inputs_are_rejected():
                                              (2, "sym", torch.float32), (4, "hybrid", torch.bfloat16)], ids=name)
 def test_flush_kernel_writes_what_the_cache_writes(bits, mode, dtype):
     """innerq_flush (the CUDA-graph step's group quantization, reading its slot from a device tensor) leaves
-    InnerQ's buffers bit-identical to the cache's torch path (_write_quantized) for the same 32 tokens."""
+    InnerQ's buffers bit-identical to the cache's torch path (InnerQCodec.write) for the same 32 tokens."""
     from kvzoo.kernels.quantize_pack import innerq_flush
     from tests.cache.test_kivi import smollm_shaped_layer_cache
 
@@ -281,15 +281,17 @@ def test_flush_kernel_writes_what_the_cache_writes(bits, mode, dtype):
         cache.to(DEVICE)
     k, v = (torch.randn(2, 1, 3, 64, 64, device=DEVICE) * 2 + 0.5).to(dtype)
     for n in (0, 64):                                # two groups, the second at a later slot
-        ours.k_res[:, :, :32], ours.v_res[:, :, :32] = k[:, :, :32], v[:, :, :32]
-        innerq_flush(ours.k_res, ours.v_res, torch.tensor([n], device=DEVICE), ours.k_codes, ours.k_scale,
-                     ours.k_slot, ours.k_mask, ours.v_codes, ours.v_scale, ours.v_slot, ours.v_mask, bits, mode,
-                     write_mask=mode == "hybrid")
-        ref._write_quantized(n, n + 32, k[:, :, :32], v[:, :, :32])
+        k_res, v_res = ours.store.recent("k"), ours.store.recent("v")
+        k_res[:, :, :32], v_res[:, :, :32] = k[:, :, :32], v[:, :, :32]
+        oc, ov = ours.store.codecs["k"], ours.store.codecs["v"]
+        innerq_flush(k_res, v_res, torch.tensor([n], device=DEVICE), oc.codes, oc.scale, oc.slot, oc.mask, ov.codes,
+                     ov.scale, ov.slot, ov.mask, bits, mode, write_mask=mode == "hybrid")
+        for kv, x in (("k", k), ("v", v)):
+            ref.store.codecs[kv].write(n, n + 32, x[:, :, :32])
         k, v = k.roll(7, dims=2) * 1.5, v.roll(5, dims=2) - 0.25
     for name in ("codes", "scale", "slot", "mask"):
         for kv in "kv":
-            got, want = getattr(ours, f"{kv}_{name}"), getattr(ref, f"{kv}_{name}")
+            got, want = getattr(ours.store.codecs[kv], name), getattr(ref.store.codecs[kv], name)
             assert torch.equal(got, want), f"{kv}_{name}"
 
 
@@ -299,5 +301,6 @@ def test_flush_kernel_refuses_views():
 
     c = smollm_shaped_layer_cache("innerq:sink=0,recent=32,key_norm=false", 96, torch.float32).to(DEVICE)
     with pytest.raises(ValueError, match="k_res must be contiguous"):
-        innerq_flush(c.k_res[:, :, :32], c.v_res, torch.zeros(1, dtype=torch.long, device=DEVICE), c.k_codes,
-                     c.k_scale, c.k_slot, c.k_mask, c.v_codes, c.v_scale, c.v_slot, c.v_mask, 2, "hybrid", True)
+        k, v = c.store.codecs["k"], c.store.codecs["v"]
+        innerq_flush(c.store.recent("k")[:, :, :32], c.store.recent("v"), torch.zeros(1, dtype=torch.long, device=DEVICE),
+                     k.codes, k.scale, k.slot, k.mask, v.codes, v.scale, v.slot, v.mask, 2, "hybrid", True)
