@@ -1,4 +1,4 @@
-"""Command-line pieces shared by scripts/: model/cache/device arguments, checked before any work starts."""
+"""Command-line pieces shared by scripts/ and repro/: model/cache/device arguments, checked before any work starts."""
 
 from __future__ import annotations
 

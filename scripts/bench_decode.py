@@ -45,7 +45,6 @@ import argparse
 import gc
 import json
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,14 +52,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvzoo.cache.base import CacheSpec, fp16_kv_nbytes
+from kvzoo.config import ModelConfig
+from kvzoo.generate import decode_one_token, prefill
+from kvzoo.graphs import decoder
+from kvzoo.models.llama import Transformer, rope_inv_freq
 
-from kvzoo.cache.base import CacheSpec, fp16_kv_nbytes  # noqa: E402
-from kvzoo.config import ModelConfig  # noqa: E402
-from kvzoo.generate import decode_one_token, prefill  # noqa: E402
-from kvzoo.graphs import decoder  # noqa: E402
-from kvzoo.kernels.bench import output_paths  # noqa: E402
-from kvzoo.models.llama import Transformer, rope_inv_freq  # noqa: E402
+from timing import output_paths
 
 WARMUP = 40        # untimed decode steps per cell: more than one 32-token period of every strategy's phases
 

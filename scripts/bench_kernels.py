@@ -23,8 +23,6 @@ Writes OUT.json and OUT.md (GPU, versions, settings, tables); refuses to replace
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +30,7 @@ import triton
 import triton.language as tl
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvzoo.kernels.bench import Timer, output_paths, require_compiled_gpu  # noqa: E402
+from timing import Timer, output_paths, require_compiled_gpu
 
 MODELS = {                      # name: (KV heads, head_dim, query heads)
     "Llama 3.2-1B": (8, 64, 32),
@@ -254,7 +250,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 def main() -> None:
     args = parse_args()
-    require_compiled_gpu("bench_kernels.py", "tests/test_kernels.py")
+    require_compiled_gpu("bench_kernels.py", "tests/kernels/test_kernels.py")
     paths = output_paths(args.out, args.overwrite)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "cuda": torch.version.cuda, "bits": BITS, "window": WINDOW, "runs": args.runs, "warmup": args.warmup,

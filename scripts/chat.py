@@ -9,12 +9,9 @@ an fp16 cache). Ctrl-C or Ctrl-D leave cleanly; "/reset" clears the history.
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvzoo.cli import add_model_args, parse_cache_args, human_bytes, load_from_args, run  # noqa: E402
-from kvzoo.generate import check_sampling, generate  # noqa: E402
+from kvzoo.cli import add_model_args, parse_cache_args, human_bytes, load_from_args, run
+from kvzoo.generate import check_sampling, generate
 
 
 class Streamer:

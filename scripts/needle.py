@@ -9,17 +9,14 @@ hidden at each depth and asked for after the text; a cell scores 1 when the gree
 
 import argparse
 import dataclasses
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tqdm import tqdm
 
-from tqdm import tqdm  # noqa: E402
-
-from kvzoo.cli import (PLOT_SUFFIXES, add_model_args, check_output, load_from_args, numbers,  # noqa: E402
+from kvzoo.cli import (PLOT_SUFFIXES, add_model_args, check_output, load_from_args, numbers,
                        parse_cache_args, run, write_json)
-from kvzoo.eval.datasets import DATASETS, load_text  # noqa: E402
-from kvzoo.eval.needle import needle_grid  # noqa: E402
+from kvzoo.eval.datasets import DATASETS, load_text
+from kvzoo.eval.needle import needle_grid
 
 
 def plot(cells: list[dict], lengths: list[int], depths: list[float], title: str, path: str) -> None:

@@ -4,14 +4,10 @@
 """
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvzoo.cli import add_model_args, parse_cache_args, human_bytes, load_from_args, run, write_json  # noqa: E402
-from kvzoo.eval.datasets import DATASETS, load_text  # noqa: E402
-from kvzoo.eval.perplexity import perplexity  # noqa: E402
+from kvzoo.cli import add_model_args, parse_cache_args, human_bytes, load_from_args, run, write_json
+from kvzoo.eval.datasets import DATASETS, load_text
+from kvzoo.eval.perplexity import perplexity
 
 
 def main() -> None:

@@ -9,15 +9,12 @@ the evaluation mode, and the KV size ratio to an fp16 cache measured from the st
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvzoo.cache.base import CacheSpec  # noqa: E402
-from kvzoo.cli import add_model_args, load_from_args, run  # noqa: E402
-from kvzoo.eval.datasets import DATASETS, load_text  # noqa: E402
-from kvzoo.eval.perplexity import perplexity  # noqa: E402
+from kvzoo.cache.base import CacheSpec
+from kvzoo.cli import add_model_args, load_from_args, run
+from kvzoo.eval.datasets import DATASETS, load_text
+from kvzoo.eval.perplexity import perplexity
 
 # fp16, then KIVI and KIVI* at 4 and 2 bits with the two (group size, residual) settings of the papers.
 DEFAULT_MATRIX = ["fp16"] + [f"{name}:bits={bits},group_size={g},residual=128"

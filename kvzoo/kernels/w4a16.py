@@ -24,7 +24,7 @@ exact 2^23 trick of quant_matvec.unpack_codes, and multiplies by the (BLOCK_M, B
 against the transposed tile for M > 4, broadcast products summed over K for decode (M <= 4, where a 16-row
 tensor-core tile would be mostly padding and the product is bound by reading the weight). Rows past M,
 outputs past N and channels past K are masked. Default tiles (`default_tiles`) were picked on an H100 with
-scripts/bench_w4a16.py; split_k by default makes about two programs per SM.
+repro/kvpareto/bench.py; split_k by default makes about two programs per SM.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class Tiles:
 
 
 GEMV_ROWS = 4                                   # up to this many rows, the broadcast (non-tl.dot) path
-# The winners of scripts/bench_w4a16.py's sweep on an H100 (results/kvpareto/bench_w4a16.md):
+# The winners of repro/kvpareto/bench.py's sweep on an H100 (results/kvpareto/bench_w4a16.md):
 DECODE_LONG_K = Tiles(block_n=16, block_k=512)             # M <= GEMV_ROWS, K >= 2048 (Llama-2-7B layers)
 DECODE = Tiles(block_n=32, block_k=128, num_warps=8)       # M <= GEMV_ROWS, small K (SmolLM2's 576)
 SMALL = Tiles(block_m=16, block_n=32, block_k=128)         # M <= 16

@@ -12,7 +12,7 @@ import torch
 from kvzoo.cache.alignedkv import (AlignedKVOptions, estimate_output, exponent, join_planes, key_levels, read_levels,
                                    split_planes, truncate, value_levels)
 from kvzoo.cache.base import CacheSpec
-from kvzoo.eval.alignedkv_analysis import bucket_counts, decode_step
+from repro.alignedkv.analysis import bucket_counts, decode_step
 from tests.cache.test_cache_contract import model, stream, tokens  # noqa: F401  (the tiny model fixture)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -147,8 +147,8 @@ def test_decode_step_on_random_caches():
 
 def test_analysis_script_end_to_end(tmp_path):
     target, figure = tmp_path / "a.json", tmp_path / "a.png"
-    cmd = [sys.executable, str(REPO / "scripts" / "alignedkv_analysis.py"), "--device", "cpu", "--contexts", "64,160",
-           "--block", "32", "--json", str(target), "--plot", str(figure)]
+    cmd = [sys.executable, "-m", "repro.alignedkv.figure9", "--device", "cpu", "--contexts", "64,160", "--block", "32",
+           "--json", str(target), "--plot", str(figure)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr
     result = json.loads(target.read_text())
@@ -163,7 +163,7 @@ def test_analysis_script_end_to_end(tmp_path):
 def test_greedy_script_matches_token_for_token(tmp_path):
     """The paper's Table 3 claim, small: 2 prompts x 40 tokens with blocks of 8 (so most reads are aligned)."""
     target = tmp_path / "g.json"
-    cmd = [sys.executable, str(REPO / "scripts" / "alignedkv_greedy.py"), "--device", "cpu", "--prompts", "2",
+    cmd = [sys.executable, "-m", "repro.alignedkv.greedy", "--device", "cpu", "--prompts", "2",
            "--new-tokens", "40", "--cache", "alignedkv:block=8", "--baseline", "alignedkv:min_bits=16",
            "--json", str(target)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)

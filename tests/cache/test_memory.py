@@ -3,7 +3,7 @@ attention activation."""
 
 import pytest
 
-from kvzoo.eval.memory import activation_estimate, estimate, measure
+from repro.kvpareto.memory_model import activation_estimate, estimate, measure
 from tests.cache.test_cache_contract import model  # noqa: F401  (the tiny model fixture)
 
 

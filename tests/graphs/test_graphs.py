@@ -156,12 +156,20 @@ def test_cuda_graph_equals_eager(model):
 
 
 def bench_module():
+    """scripts/bench_decode.py, loaded with scripts/ first on the module search path as `python
+    scripts/bench_decode.py` has it: it imports its sibling helper scripts/timing.py as `timing`."""
     import importlib.util
+    import sys
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("bench_decode", Path(__file__).parents[2] / "scripts" / "bench_decode.py")
+    scripts = Path(__file__).parents[2] / "scripts"
+    spec = importlib.util.spec_from_file_location("bench_decode", scripts / "bench_decode.py")
     bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    sys.path.insert(0, str(scripts))
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(scripts))
     return bench
 
 

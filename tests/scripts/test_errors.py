@@ -1,6 +1,9 @@
 """Bad input gets a clear error naming the problem and what is accepted, and nothing is overwritten."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,49 +149,76 @@ def test_json_output_never_overwrites(tmp_path):
     assert json.loads(target.read_text()) == {"a": 1}
 
 
-OWN_QUANTIZERS = {"squat_analysis.py", "alignedkv_analysis.py", "memory.py", "pareto.py", "weights_ppl.py"}
+REPO = Path(__file__).resolve().parents[2]
+# repro modules that build their own caches (or none): the SQuat / AlignedKV analyses and the KV Pareto sweeps
+OWN_QUANTIZERS = {"repro.squat.figure2", "repro.alignedkv.figure9", "repro.kvpareto.memory", "repro.kvpareto.frontier",
+                  "repro.kvpareto.weights_ppl"}
+
+
+def runnable(path: Path) -> bool:
+    return 'if __name__ == "__main__":' in path.read_text()
+
+
+def command(name: str) -> list[str]:
+    """An entry point of scripts/ ("chat.py") is run by path, a reproduction ("repro.squat.bench") as a module
+    from the repository root: as the README runs them."""
+    return [sys.executable, str(REPO / "scripts" / name)] if name.endswith(".py") else [sys.executable, "-m", name]
+
+
+def entry_points() -> list[str]:
+    return [p.name for p in sorted((REPO / "scripts").glob("*.py")) if runnable(p)]
+
+
+def reproductions() -> list[str]:
+    return [".".join(p.relative_to(REPO).with_suffix("").parts) for p in sorted((REPO / "repro").rglob("*.py"))
+            if runnable(p)]
+
+
+def test_the_layout():
+    """Entry points in scripts/, every paper's reproduction in repro/<paper>/; no script edits the module search
+    path (they import the installed kvzoo, repro modules their siblings as repro.<paper>....)."""
+    assert set(entry_points()) == {"chat.py", "perplexity.py", "report.py", "needle.py", "bench_decode.py",
+                                   "bench_kernels.py"}
+    papers = {name.split(".")[1] for name in reproductions()}
+    assert papers == {"alignedkv", "squat", "xquant", "kvpareto"}
+    for paper in papers:
+        assert (REPO / "repro" / paper / "__init__.py").exists() and (REPO / "repro" / paper / "analysis.py").exists()
+    for path in [*(REPO / "scripts").glob("*.py"), *(REPO / "repro").rglob("*.py"), *(REPO / "kvzoo").rglob("*.py")]:
+        assert "sys.path" not in path.read_text(), path
 
 
 def test_every_script_builds_its_command_line():
-    """Every script's --help builds; in those that take a model, strategy options become flags (--bits,
-    --quant-mode ...) and none may clash with the script's own."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[2]
-    for script in sorted((repo / "scripts").glob("*.py")):
-        out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True,
-                             text=True, timeout=60)
-        assert out.returncode == 0, f"{script.name}: {out.stderr}"
-        # benchmarks, the SQuat / AlignedKV analyses and the KV Pareto sweeps build their own caches (or none)
-        if not script.name.startswith("bench_") and script.name not in OWN_QUANTIZERS:
-            assert "--cache" in out.stdout, script.name
+    """Every entry point's and reproduction's --help builds; in those that take a model, strategy options become
+    flags (--bits, --quant-mode ...) and none may clash with the script's own."""
+    for name in entry_points() + reproductions():
+        out = subprocess.run(command(name) + ["--help"], capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert out.returncode == 0, f"{name}: {out.stderr}"
+        if not name.endswith(".py"):
+            assert f"usage: python -m {name}" in out.stdout, name
+        # benchmarks and OWN_QUANTIZERS build their own caches (or none)
+        if not (name.startswith("bench_") or name.endswith(".bench") or name in OWN_QUANTIZERS):
+            assert "--cache" in out.stdout, name
 
 
 @pytest.mark.parametrize("script, args, message", [
-    ("alignedkv_greedy.py", ["--batch", "0"], "--prompts, --new-tokens and --batch must be >= 1"),
-    ("pareto.py", ["--chunks", "a"], "--chunks and --group-sizes take comma-separated integers"),
-    ("pareto.py", ["--kv", "8/4"], "--kv takes pairs like k8v4"),
-    ("pareto.py", ["--weights", "w16,w3"], "--weights takes a comma-separated list of w16, w4-rtn, w4-awq"),
-    ("pareto.py", ["--weights", "w4-awq"], "that includes w16"),
-    ("pareto.py", ["--depths", "mid"], "--depths takes comma-separated numbers"),
-    ("pareto.py", ["--depths", "0,1.5"], "--depths must lie in [0, 1]"),
-    ("pareto.py", ["--calib-windows", "0"], "--calib-windows must be >= 1, got 0"),
+    ("repro.alignedkv.greedy", ["--batch", "0"], "--prompts, --new-tokens and --batch must be >= 1"),
+    ("repro.kvpareto.frontier", ["--chunks", "a"], "--chunks and --group-sizes take comma-separated integers"),
+    ("repro.kvpareto.frontier", ["--kv", "8/4"], "--kv takes pairs like k8v4"),
+    ("repro.kvpareto.frontier", ["--weights", "w16,w3"],
+     "--weights takes a comma-separated list of w16, w4-rtn, w4-awq"),
+    ("repro.kvpareto.frontier", ["--weights", "w4-awq"], "that includes w16"),
+    ("repro.kvpareto.frontier", ["--depths", "mid"], "--depths takes comma-separated numbers"),
+    ("repro.kvpareto.frontier", ["--depths", "0,1.5"], "--depths must lie in [0, 1]"),
+    ("repro.kvpareto.frontier", ["--calib-windows", "0"], "--calib-windows must be >= 1, got 0"),
     ("needle.py", ["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
-    ("memory.py", ["--chunks", "-1"], "--tokens must be >= 1 and --chunks >= 0"),
+    ("repro.kvpareto.memory", ["--chunks", "-1"], "--tokens must be >= 1 and --chunks >= 0"),
     ("needle.py", ["--depths", "x"], "--depths takes comma-separated numbers"),
     ("chat.py", ["--prefill-chunk", "0", "--prompt", "hi"], "prefill_chunk must be >= 1, got 0"),
 ])
 def test_new_script_options_refuse_bad_values(script, args, message):
     """Refused with one line naming the problem (exit 2), before or instead of any long work."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, str(repo / "scripts" / script), "--device", "cpu", *args],
-                         capture_output=True, text=True, timeout=300, cwd=repo)
+    out = subprocess.run(command(script) + ["--device", "cpu", *args], capture_output=True, text=True, timeout=300,
+                         cwd=REPO)
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
@@ -202,15 +232,9 @@ def test_new_script_options_refuse_bad_values(script, args, message):
     ("bench_decode.py", ["--graph-only"], "--graph-only needs --compile"),
     ("bench_decode.py", ["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
     ("bench_decode.py", ["--max-context", "100"], "--max-context must be >= 1024"),
-    ("bench_w4a16.py", ["--rows", "0"], "--rows and --runs must be >= 1"),
+    ("repro.kvpareto.bench", ["--rows", "0"], "--rows and --runs must be >= 1"),
 ])
 def test_gpu_benchmarks_refuse_bad_values_before_looking_for_a_gpu(script, args, message):
     """The GPU benchmarks check their options first, so a bad value is named on any machine."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, str(repo / "scripts" / script), *args],
-                         capture_output=True, text=True, timeout=120, cwd=repo)
+    out = subprocess.run(command(script) + args, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -1,6 +1,5 @@
 """KV Pareto's frontier: non-dominated points, the chosen point, the configuration grid, the script."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -8,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvzoo.eval.pareto import Point, choose, frontier
+from repro.kvpareto import frontier as frontier_script
+from repro.kvpareto.analysis import Point, choose, frontier
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,21 +30,18 @@ def test_frontier_keeps_the_non_dominated_points():
 
 
 def test_configuration_grid():
-    spec = importlib.util.spec_from_file_location("pareto_script", REPO / "scripts" / "pareto.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    specs = script.configurations(["k8v4", "k2v2"], ["token", "tensor"], [32, 64])
+    specs = frontier_script.configurations(["k8v4", "k2v2"], ["token", "tensor"], [32, 64])
     assert specs[0] == "fp16" and len(specs) == 1 + 2 * (2 + 1)
     assert "kvpareto:k_bits=8,v_bits=4,granularity=token,group_size=64" in specs
     assert "kvpareto:k_bits=2,v_bits=2,granularity=tensor" in specs
     with pytest.raises(ValueError, match="--kv takes pairs like k8v4"):
-        script.configurations(["8/4"], ["token"], [32])
+        frontier_script.configurations(["8/4"], ["token"], [32])
 
 
 def test_script_end_to_end(tmp_path):
     target, figure = tmp_path / "p.json", tmp_path / "p.png"
     """Both weight formats: w4-awq's model memory is its 4-bit codes, the w16 model's its fp weights."""
-    cmd = [sys.executable, str(REPO / "scripts" / "pareto.py"), "--device", "cpu", "--context", "256",
+    cmd = [sys.executable, "-m", "repro.kvpareto.frontier", "--device", "cpu", "--context", "256",
            "--windows", "1", "--kv", "k8v8,k2v2", "--chunks", "0,64", "--weights", "w16,w4-awq", "--calib-windows",
            "1", "--json", str(target), "--plot", str(figure)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)

@@ -1,4 +1,4 @@
-"""XQuant Appendix B statistics (kvzoo/eval/outliers.py) and scripts/xquant_outliers.py.
+"""XQuant Appendix B statistics (repro/xquant/analysis.py) and `python -m repro.xquant.outliers`.
 
 Constructed inputs with a known answer: a W_k with a planted dominant singular direction whose first
 row of B_kᵀ peaks at a chosen key channel, and X concentrated along that direction, so the latent first
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvzoo.eval.outliers import (analyze, latent_stats, outlier_channel, predicted_outlier_channels,
-                                 prediction_rank, rope_pair, svd_factors)
 from kvzoo.models.loader import load_weights
+from repro.xquant.analysis import (analyze, latent_stats, outlier_channel, predicted_outlier_channels, prediction_rank,
+                                   rope_pair, svd_factors)
 from tests.tiny import tiny_llama
 
 REPO = Path(__file__).resolve().parents[2]
@@ -161,7 +161,7 @@ def test_script_end_to_end_writes_json_and_plot(tiny_dir, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog.\n\n" * 20)
     target, figure = tmp_path / "out" / "outliers.json", tmp_path / "out" / "outliers.png"
-    cmd = [sys.executable, str(REPO / "scripts" / "xquant_outliers.py"), "--model", str(tiny_dir), "--device", "cpu",
+    cmd = [sys.executable, "-m", "repro.xquant.outliers", "--model", str(tiny_dir), "--device", "cpu",
            "--data-path", str(text), "--seq-len", "64", "--max-windows", "3", "--top-k", "1,2,4",
            "--json", str(target), "--plot", str(figure)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
@@ -174,7 +174,7 @@ def test_script_end_to_end_writes_json_and_plot(tiny_dir, tmp_path):
     assert set(result["summary"]["hit_pre_rope_bk"]) == {"1", "2", "4"}
     assert figure.stat().st_size > 0
 
-    status, err = run_script(cmd[2:])                 # again: refused before any work, file untouched
+    status, err = run_script(cmd[3:])                 # again: refused before any work, file untouched
     assert status == 2 and "exists; choose another path or pass --overwrite" in err
     assert json.loads(target.read_text()) == result
 
@@ -182,14 +182,12 @@ def test_script_end_to_end_writes_json_and_plot(tiny_dir, tmp_path):
 def run_script(argv: list[str]) -> tuple[int, str]:
     """Run the script's main() in this process (no interpreter start-up): (exit status, stderr)."""
     import contextlib
-    import importlib.util
     import io
 
-    spec = importlib.util.spec_from_file_location("xquant_outliers_script", REPO / "scripts" / "xquant_outliers.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    from repro.xquant import outliers as script
+
     err = io.StringIO()
-    old, sys.argv = sys.argv, ["xquant_outliers.py", *argv]
+    old, sys.argv = sys.argv, ["repro.xquant.outliers", *argv]
     try:
         with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stop:
             script.run(script.main)

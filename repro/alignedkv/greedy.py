@@ -1,6 +1,6 @@
 """AlignedKV's Table 3 claim on any model: greedy generation with AlignedKV is token-for-token the fp16 one.
 
-    python scripts/alignedkv_greedy.py --device cuda --dtype float16 --json results/alignedkv/greedy.json
+    python -m repro.alignedkv.greedy --device cuda --dtype float16 --json results/alignedkv/greedy.json
 
 Prompts: the paper's ("I have just received a letter from my brother,") and the opening words of the
 next C4 documents, --prompts in all. Each is continued greedily for --new-tokens tokens with
@@ -14,15 +14,12 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tqdm import tqdm
 
-from tqdm import tqdm  # noqa: E402
-
-from kvzoo.cli import add_model_args, check_output, load_from_args, run, write_json  # noqa: E402
-from kvzoo.eval.datasets import dataset_path  # noqa: E402
-from kvzoo.generate import generate  # noqa: E402
+from kvzoo.cli import add_model_args, check_output, load_from_args, run, write_json
+from kvzoo.eval.datasets import dataset_path
+from kvzoo.generate import generate
 
 PAPER_PROMPT = "I have just received a letter from my brother,"
 
@@ -43,7 +40,8 @@ def prompts(n: int, words: int) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m repro.alignedkv.greedy", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser, cache=False)
     parser.add_argument("--cache", default="alignedkv", help="the strategy under test (with options)")
     parser.add_argument("--baseline", default="fp16", help="the reference cache")

@@ -1,6 +1,6 @@
 """SQuat's quantization cost on a CUDA GPU (squat.md Appendix C): what it adds to KIVI, per quantized group.
 
-    python scripts/bench_squat.py --out results/squat/bench
+    python -m repro.squat.bench --out results/squat/bench
 
 Keys only (values are quantized per token exactly as KIVI does, in both). One layer, fp16 keys, batch B,
 the paper's settings: 2-bit, G = 32, r = 5, λ = 0.001, g = head_dim / 2 (two iterations). Head shapes:
@@ -13,7 +13,7 @@ Timed steps (kvzoo/cache/squat.py is what runs; nothing here is a copy of it):
     KIVI group     one group of G tokens leaving the residual window: per-channel quantize + pack
     SQuat group    squat_adjust (the block loop of eq. 6) then the same quantize + pack
     KIVI prompt / SQuat prompt   the whole prompt quantized at prefill (P / G groups at once)
-Group and prompt steps are medians of --runs CUDA-graph replays (kvzoo.kernels.bench.Timer, L2 flushed).
+Group and prompt steps are medians of --runs CUDA-graph replays (scripts.timing.Timer, L2 flushed).
 "per decode token" divides a group's cost by G: a group is quantized once every G decoded tokens.
 
 Writes OUT.json and OUT.md; refuses to replace them without --overwrite.
@@ -23,17 +23,15 @@ import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvzoo.cache.kvquant import quantize
+from kvzoo.cache.squat import grouped_queries, query_subspace, squat_adjust, update_matrices
+from kvzoo.cache.store import SCALE_DTYPE
 
-from kvzoo.cache.kivi import SCALE_DTYPE  # noqa: E402
-from kvzoo.cache.kvquant import quantize  # noqa: E402
-from kvzoo.cache.squat import grouped_queries, query_subspace, squat_adjust, update_matrices  # noqa: E402
-from kvzoo.kernels.bench import Timer, output_paths  # noqa: E402
+from scripts.timing import Timer, output_paths
 
 SHAPES = {            # name: (KV heads, head_dim, query heads)
     "SmolLM2-135M": (3, 64, 9),
@@ -46,7 +44,8 @@ DEVICE = "cuda"
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m repro.squat.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/squat/bench", help="output path without suffix")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64], help="batch sizes B")
     parser.add_argument("--prompt", type=int, nargs="+", default=[1024, 8192], help="prompt lengths P")
@@ -121,7 +120,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
 def main() -> None:
     args = parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench_squat.py times GPU work and found no CUDA GPU (tests/test_squat.py checks the "
+        raise SystemExit("repro.squat.bench times GPU work and found no CUDA GPU (tests/cache/test_squat.py checks the "
                          "same code on the CPU)")
     paths = output_paths(args.out, args.overwrite)
     timer = Timer(args.runs, args.warmup, DEVICE)
@@ -131,7 +130,7 @@ def main() -> None:
         rows.append(measure(s, b, p, timer, args.runs))
         torch.cuda.empty_cache()                   # release the captured graphs' pools before a larger case
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": args.runs,
-            "command": "python scripts/bench_squat.py " + " ".join(sys.argv[1:])}
+            "command": "python -m repro.squat.bench " + " ".join(sys.argv[1:])}
     text = markdown(rows, meta)
     print(text)
     paths[0].parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Weight-only 4-bit cost on perplexity: w16 against plain round-to-nearest and AWQ (KV Pareto §4.3).
 
-    python scripts/weights_ppl.py --windows 2 --calib-windows 8 --json results/kvpareto/weights.json
+    python -m repro.kvpareto.weights_ppl --windows 2 --calib-windows 8 --json results/kvpareto/weights.json
 
 Each method is applied to a fresh copy of the model (kvzoo/weightquant/awq.py): RTN and AWQ at 4 bits, asymmetric,
 groups of 128 input channels (64 where 128 does not divide the layer widths, as SmolLM2's 576); AWQ
@@ -10,20 +10,17 @@ calibrates on --calib-windows windows of 512 tokens from the end of the C4 sampl
 
 import argparse
 import copy
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvzoo.cli import add_model_args, check_output, load_from_args, run, write_json  # noqa: E402
-from kvzoo.eval.datasets import load_text  # noqa: E402
-from kvzoo.eval.perplexity import perplexity  # noqa: E402
-from kvzoo.weightquant.awq import METHODS, group_for, quantize_weights  # noqa: E402
+from kvzoo.cli import add_model_args, check_output, load_from_args, run, write_json
+from kvzoo.eval.datasets import load_text
+from kvzoo.eval.perplexity import perplexity
+from kvzoo.weightquant.awq import METHODS, group_for, quantize_weights
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m repro.kvpareto.weights_ppl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser, cache=False)
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=2048)

@@ -1,13 +1,13 @@
 """AlignedKV decode attention on a CUDA GPU (alignedkv.md Figure 10): latency over context length against
 fp16 SDPA and the KIVI-layout kernels, with the bytes each step reads.
 
-    python scripts/bench_alignedkv.py --out results/alignedkv/bench
+    python -m repro.alignedkv.bench --out results/alignedkv/bench
 
 One layer's decode step, batch 1, fp16, head shapes:
     Llama-2-7B     32 heads of 128 (MHA, the paper's model)
     Llama-3.1-8B   8 KV heads of 128, 32 query heads
     SmolLM2-135M   3 KV heads of 64, 9 query heads (the embedded model)
-Methods (each a CUDA graph; median of --runs replays, L2 flushed before each, kvzoo.kernels.bench.Timer):
+Methods (each a CUDA graph; median of --runs replays, L2 flushed before each, scripts.timing.Timer):
     fp16 SDPA           F.scaled_dot_product_attention over N fp16 keys/values (GQA)
     AlignedKV           kvzoo.kernels.alignedkv_attention.aligned_decode, what the cache runs: aligned_qk,
                         softmax, top-k O_est, aligned_pv over N/BT complete blocks, plus the new token exact
@@ -27,16 +27,14 @@ Writes OUT.json and OUT.md; refuses to replace them without --overwrite.
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvzoo.cache.alignedkv import exponent, key_levels, split_planes, value_levels
 
-from kvzoo.cache.alignedkv import exponent, key_levels, split_planes, value_levels  # noqa: E402
-from kvzoo.kernels.bench import Timer, output_paths, require_compiled_gpu  # noqa: E402
+from scripts.timing import Timer, output_paths, require_compiled_gpu
 
 SHAPES = {            # name: (KV heads, head_dim, query heads)
     "Llama-2-7B (MHA)": (32, 128, 32),
@@ -49,7 +47,8 @@ METHODS = ("fp16 SDPA", "AlignedKV", "AlignedKV 16-bit", "KIVI 4-bit")
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m repro.alignedkv.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/alignedkv/bench", help="output path without suffix")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 65536, 131072])
     parser.add_argument("--runs", type=int, default=50)
@@ -169,7 +168,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 def main() -> None:
     args = parse_args()
-    require_compiled_gpu("bench_alignedkv.py", "tests/test_alignedkv_kernel.py")
+    require_compiled_gpu("repro.alignedkv.bench", "tests/kernels/test_alignedkv_kernel.py")
     if any(n % BLOCK or n < BLOCK for n in args.contexts):
         raise SystemExit(f"--contexts must be positive multiples of the block size {BLOCK}")
     paths = output_paths(args.out, args.overwrite)
@@ -181,7 +180,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     import triton
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "runs": args.runs, "command": "python scripts/bench_alignedkv.py " + " ".join(sys.argv[1:])}
+            "runs": args.runs, "command": "python -m repro.alignedkv.bench " + " ".join(sys.argv[1:])}
     text = markdown(rows, meta)
     print(text)
     paths[0].parent.mkdir(parents=True, exist_ok=True)

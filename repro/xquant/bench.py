@@ -2,8 +2,8 @@
 quantized X (MHA) or latents X·U (GQA), against the fp16 KV cache and KIVI* at the same bits, over context
 length, with the paper's roofline estimate beside each measurement.
 
-    python scripts/bench_xquant.py --out results/xquant/bench          # N = 1K ... 128K
-    python scripts/bench_xquant.py --out results/xquant/bench-quick --quick
+    python -m repro.xquant.bench --out results/xquant/bench          # N = 1K ... 128K
+    python -m repro.xquant.bench --out results/xquant/bench-quick --quick
 
 One layer, batch 1, one decode query per query head, fp16; random weights and codes (latency does not
 depend on the values). Head shapes:
@@ -30,16 +30,12 @@ Writes OUT.json and OUT.md; refuses to replace them without --overwrite.
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvzoo.kernels.bench import Timer, output_paths, require_compiled_gpu  # noqa: E402
+from scripts.timing import Timer, output_paths, require_compiled_gpu
 
 SHAPES = {            # name: (hidden d, KV heads, head_dim, query heads)
     "Llama-2-7B (MHA)": (4096, 32, 128, 32),
@@ -54,7 +50,8 @@ DEVICE = "cuda"
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m repro.xquant.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/xquant/bench", help="output path without suffix")
     parser.add_argument("--quick", action="store_true", help=f"N in {QUICK_N}")
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 4], help="code widths (2, 4 or 8)")
@@ -211,7 +208,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 def main() -> None:
     args = parse_args()
-    require_compiled_gpu("bench_xquant.py", "tests/test_xquant_remat.py")
+    require_compiled_gpu("repro.xquant.bench", "tests/kernels/test_xquant_remat.py")
     import triton
 
     from kvzoo.cache.kvquant import quantize

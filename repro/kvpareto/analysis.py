@@ -3,7 +3,7 @@ accuracy, and the non-dominated set (kv-pareto.md §4, Figure 2).
 
 A configuration is a weight format (w16, or 4-bit w4-rtn / w4-awq from kvzoo.weightquant.awq, applied to the model
 before it is evaluated), a KV cache spec and a prefill chunk (0 = none), written like the paper's
-`w4-awq / kvpareto:k_bits=4,... / chunk 256`. Memory is the total of kvzoo.eval.memory (model + KV + peak
+`w4-awq / kvpareto:k_bits=4,... / chunk 256`. Memory is the total of repro.kvpareto.memory_model (model + KV + peak
 activation) at the task's context, the model's 4-bit codes counted as held: measured on CUDA, the Appendix I
 estimate elsewhere.
 Accuracy tasks, higher is better:
@@ -20,9 +20,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from kvzoo.cache.base import CacheSpec
-from kvzoo.eval.memory import estimate, measure
 from kvzoo.eval.needle import needle_grid
 from kvzoo.eval.perplexity import perplexity
+
+from repro.kvpareto.memory_model import estimate, measure
 
 TASKS = ("wikitext", "needle")
 

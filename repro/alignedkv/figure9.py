@@ -1,27 +1,25 @@
 """AlignedKV, Figure 9 and Table 1 on any model: bits read per KV element over context length, and the
 relative-error distribution of QKᵀ and SV against exact fp16, beside uniform truncation to 13 bits.
 
-    python scripts/alignedkv_analysis.py --json results/alignedkv/analysis.json --plot results/alignedkv/analysis.png
+    python -m repro.alignedkv.figure9 --json results/alignedkv/analysis.json --plot results/alignedkv/analysis.png
 
 One window of the dataset (--contexts' largest + 1 tokens) runs once without a cache; a decode step at
 each context length c (the query of slot c over keys [0, c]) is replayed per layer through
-kvzoo.cache.alignedkv's rules (kvzoo/eval/alignedkv_analysis.py says exactly how). Bits are per element
+kvzoo.cache.alignedkv's rules (repro/alignedkv/analysis.py says exactly how). Bits are per element
 read, counted once per KV head (GQA heads share the read); "aligned" counts only the complete blocks that
 AlignedKV truncates, "all" adds the exact tail (the block being filled) at 16 bits.
 """
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from tqdm import tqdm
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+from kvzoo.cli import PLOT_SUFFIXES, add_model_args, check_output, load_from_args, run, write_json
+from kvzoo.eval.datasets import DATASETS, load_text
 
-from kvzoo.cli import PLOT_SUFFIXES, add_model_args, check_output, load_from_args, run, write_json  # noqa: E402
-from kvzoo.eval.alignedkv_analysis import BUCKET_NAMES, capture_qkv, decode_step  # noqa: E402
-from kvzoo.eval.datasets import DATASETS, load_text  # noqa: E402
+from repro.alignedkv.analysis import BUCKET_NAMES, capture_qkv, decode_step
 
 
 def plot(result: dict, path: str) -> None:
@@ -53,7 +51,8 @@ def plot(result: dict, path: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m repro.alignedkv.figure9", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser, cache=False)
     parser.add_argument("--dataset", choices=list(DATASETS), default="wikitext2")
     parser.add_argument("--contexts", default="512,1024,2048,4096,8191",

@@ -1,5 +1,12 @@
-"""What the GPU benchmark scripts (scripts/bench_*.py) share: a CUDA-graph timer that finds the cache cold,
-the checks that refuse to time on the wrong machine, and output paths that are never overwritten silently."""
+"""What the GPU benchmarks share: a CUDA-graph timer that finds the cache cold, the checks that refuse to time
+on the wrong machine, and output paths that are never overwritten silently.
+
+Not an entry point, and not part of the kvzoo package. Imported, with no edit of the module search path, as
+    `from timing import ...`          by scripts/bench_kernels.py and scripts/bench_decode.py: running
+                                      `python scripts/x.py` puts scripts/ first on the search path
+    `from scripts.timing import ...`  by repro/<paper>/bench.py: `python -m repro.<paper>.bench`, run from the
+                                      repository root, puts the root there
+"""
 
 from __future__ import annotations
 

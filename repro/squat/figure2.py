@@ -1,6 +1,6 @@
 """SQuat, Figure 2 on any model: query subspaces and the attention-score error of SQuat vs KIVI.
 
-    python scripts/squat_analysis.py --json results/squat/figure2.json --plot results/squat/figure2.png
+    python -m repro.squat.figure2 --json results/squat/figure2.json --plot results/squat/figure2.png
 
 One window of --seq-len tokens of --dataset: the first --prompt-frac of it is the prompt, the rest the
 response (teacher-forced). Pre-RoPE queries and keys, as the paper's Appendix D.1. Prints, per layer and
@@ -12,18 +12,15 @@ subspace error ||Q̂(k - k̂)|| that SQuat minimizes.
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from tqdm import tqdm
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+from kvzoo.cli import PLOT_SUFFIXES, add_model_args, check_output, load_from_args, run
+from kvzoo.eval.datasets import DATASETS, load_text
 
-from kvzoo.cli import PLOT_SUFFIXES, add_model_args, check_output, load_from_args, run  # noqa: E402
-from kvzoo.eval.datasets import DATASETS, load_text  # noqa: E402
-from kvzoo.eval.squat_analysis import capture_qk, deviation_curves, score_errors  # noqa: E402
-
+from repro.squat.analysis import capture_qk, deviation_curves, score_errors
 
 
 def plot(result: dict, path: str, layer: int) -> None:
@@ -59,7 +56,8 @@ def summary(values: torch.Tensor) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m repro.squat.figure2", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser, cache=False)
     parser.add_argument("--dataset", choices=list(DATASETS), default="wikitext2")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens in the window")

@@ -1,28 +1,25 @@
 """XQuant Appendix B on any kvzoo model: the first-channel outliers of X U_k, and how well the first row
 of B_kᵀ (from the SVD W_k = U_k Σ_k B_kᵀ, weights only) predicts the keys' outlier channel (Table B.2).
 
-    python scripts/xquant_outliers.py --seq-len 2048 --max-windows 4 --json results/xquant-outliers.json
+    python -m repro.xquant.outliers --seq-len 2048 --max-windows 4 --json results/xquant-outliers.json
 
 Per layer: σ0/σ1 of W_k; for Z = X U_k (X = attention input after RMSNorm) the share of Σ|Z| in
 channel 0 (uniform would be 1/r), channel 0's mean |Z| over the next-largest channel's, and the fraction
 of tokens whose largest |Z| entry is channel 0; the same share for X U_v (the paper's control); the
 measured outlier channel of the pre-RoPE keys (largest mean |K|, written head:dim), its rank among
 |B_kᵀ[0, :]| (1 = predicted top-1), and the fraction of windows where the top-1 / top-K prediction hits.
-The statistics are defined in kvzoo/eval/outliers.py. --cache fp16 (the default) runs plain attention;
+The statistics are defined in repro/xquant/analysis.py. --cache fp16 (the default) runs plain attention;
 another strategy runs the windows through it in simulated mode, so later layers see its quantized attention.
 """
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvzoo.cli import (PLOT_SUFFIXES, add_model_args, check_output, load_from_args, parse_cache_args, run,  # noqa: E402
+from kvzoo.cli import (PLOT_SUFFIXES, add_model_args, check_output, load_from_args, parse_cache_args, run,
                        write_json)
-from kvzoo.eval.datasets import DATASETS, load_text  # noqa: E402
-from kvzoo.eval.outliers import analyze  # noqa: E402
+from kvzoo.eval.datasets import DATASETS, load_text
 
+from repro.xquant.analysis import analyze
 
 
 def parse_ks(text: str) -> list[int]:
@@ -110,7 +107,8 @@ def plot(result: dict, path: str, title: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m repro.xquant.outliers", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser)
     parser.add_argument("--dataset", choices=list(DATASETS), default="wikitext2")
     parser.add_argument("--data-path", default=None, help="override the dataset file (default: ../shared/data)")

@@ -1,30 +1,28 @@
 """Total inference memory, estimated (KV Pareto Appendix I) beside measured, for caches x prefill chunking.
 
-    python scripts/memory.py --device cuda --dtype float16 --tokens 8000 --caches fp16 kvpareto:k_bits=4,v_bits=4 \
-        --chunks 0 256 --json results/kvpareto/memory.json
+    python -m repro.kvpareto.memory --device cuda --dtype float16 --tokens 8000 \
+        --caches fp16 kvpareto:k_bits=4,v_bits=4 --chunks 0 256 --json results/kvpareto/memory.json
 
-For each (cache, chunk) a batch-1 prompt of --tokens random ids is prefilled (kvzoo/eval/memory.py):
+For each (cache, chunk) a batch-1 prompt of --tokens random ids is prefilled (repro/kvpareto/memory_model.py):
 model bytes, KV bytes and peak activation bytes, each as the formula gives it and as measured (the
 activation is measured on CUDA only). chunk 0 = one unchunked prefill.
 """
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tqdm import tqdm
 
-from tqdm import tqdm  # noqa: E402
+from kvzoo.cache.base import CacheSpec
+from kvzoo.cli import add_model_args, check_output, load_from_args, run, write_json
 
-from kvzoo.cache.base import CacheSpec  # noqa: E402
-from kvzoo.cli import add_model_args, check_output, load_from_args, run, write_json  # noqa: E402
-from kvzoo.eval.memory import estimate, measure  # noqa: E402
+from repro.kvpareto.memory_model import estimate, measure
 
 MB = 2 ** 20
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m repro.kvpareto.memory", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser, cache=False)
     parser.add_argument("--caches", nargs="+", default=["fp16"], help="cache specs name[:key=value,...]")
     parser.add_argument("--tokens", type=int, default=4096, help="prompt length M")

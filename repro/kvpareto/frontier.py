@@ -1,30 +1,28 @@
 """KV Pareto's frontier search (kv-pareto.md Figure 2): weights x KV quantization x granularity x prefill
 chunking, total memory against accuracy, the non-dominated set starred.
 
-    python scripts/pareto.py --device cuda --dtype float16 --context 4096 --task wikitext \
+    python -m repro.kvpareto.frontier --device cuda --dtype float16 --context 4096 --task wikitext \
         --json results/kvpareto/pareto-wikitext.json --plot results/kvpareto/pareto-wikitext.png
 
 Configurations: every --weights format (w16; w4-rtn and w4-awq quantize a copy of the model's linear layers
 to 4 bits, AWQ calibrating on --calib-windows windows of C4) with the fp16 cache and
 `kvpareto:k_bits=K,v_bits=V,granularity=...,group_size=G` for every --kv pair (k8v8 ...), --granularity and
 --group-sizes, each with every --chunks value (0 = no chunking). The baseline is w16, fp16 cache, no chunking.
-kvzoo/eval/pareto.py defines memory, the tasks, the frontier and the chosen point.
+repro/kvpareto/analysis.py defines memory, the tasks, the frontier and the chosen point.
 """
 
 import argparse
 import copy
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from tqdm import tqdm
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+from kvzoo.cli import PLOT_SUFFIXES, add_model_args, check_output, load_from_args, numbers, run, write_json
+from kvzoo.eval.datasets import load_text
+from kvzoo.weightquant.awq import METHODS, quantize_weights
 
-from kvzoo.cli import PLOT_SUFFIXES, add_model_args, check_output, load_from_args, numbers, run, write_json  # noqa: E402
-from kvzoo.eval.datasets import load_text  # noqa: E402
-from kvzoo.eval.pareto import TASKS, choose, evaluate, frontier  # noqa: E402
-from kvzoo.weightquant.awq import METHODS, quantize_weights  # noqa: E402
+from repro.kvpareto.analysis import TASKS, choose, evaluate, frontier
 
 MB = 2 ** 20
 MARKERS = {"w16": "o", "w4-rtn": "^", "w4-awq": "s"}
@@ -76,7 +74,8 @@ def plot(points: list[dict], baseline: dict, chosen: dict, task: str, title: str
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m repro.kvpareto.frontier", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser, cache=False)
     parser.add_argument("--task", choices=TASKS, default="wikitext")
     parser.add_argument("--weights", default="w16,w4-awq", help=f"comma-separated weight formats: {', '.join(METHODS)}")

@@ -1,13 +1,13 @@
 """The W4A16 weight-only matmul on a CUDA GPU (kvzoo/kernels/w4a16.py, KV Pareto's AWQ weights, kv-pareto.md §4.3)
 against the fp16 product a w16 model runs (cuBLAS through torch) and the dequantize-then-multiply reference.
 
-    python scripts/bench_w4a16.py --out results/kvpareto/bench_w4a16
+    python -m repro.kvpareto.bench --out results/kvpareto/bench_w4a16
 
 Layers (out_features N, in_features K, group G):
     SmolLM2-135M   q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536 (G = 64, the embedded model)
     Llama-2-7B     q/k/v/o 4096x4096, gate/up 11008x4096, down 4096x11008 (G = 128)
 Rows M = 1 (decode), 16, 256 and 4096 (prefill chunks). Each cell is the median of --runs CUDA-graph replays
-with the L2 flushed first (kvzoo.kernels.bench.Timer): a decode step finds a layer's weights cold. The kernel
+with the L2 flushed first (scripts.timing.Timer): a decode step finds a layer's weights cold. The kernel
 runs at its default tiles (kvzoo.kernels.w4a16.default_tiles) and at the best of a small sweep (`candidates`;
 the winning tiles are printed).
 "weight GB/s" is the 4-bit weight's bytes (codes, scales, zeros) over the kernel's time: at M = 1 the product
@@ -18,16 +18,13 @@ Writes OUT.json and OUT.md; refuses to replace them without --overwrite.
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvzoo.kernels.w4a16 import GEMV_ROWS, Tiles, quantize_weight, w4a16_matmul, w4a16_matmul_ref
 
-from kvzoo.kernels.bench import Timer, output_paths, require_compiled_gpu  # noqa: E402
-from kvzoo.kernels.w4a16 import GEMV_ROWS, Tiles, quantize_weight, w4a16_matmul, w4a16_matmul_ref  # noqa: E402
+from scripts.timing import Timer, output_paths, require_compiled_gpu
 
 LAYERS = {            # model: (group, [(name, N, K)])
     "SmolLM2-135M": (64, [("q/o", 576, 576), ("k/v", 192, 576), ("gate/up", 1536, 576), ("down", 576, 1536)]),
@@ -46,7 +43,8 @@ def candidates(M: int) -> list[Tiles]:
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m repro.kvpareto.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/kvpareto/bench_w4a16", help="output path without suffix")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256, 4096], help="rows M of x")
     parser.add_argument("--runs", type=int, default=50)
@@ -68,7 +66,7 @@ def copy_bandwidth(timer: Timer) -> float:
 
 def main() -> None:
     args = parse_args()
-    require_compiled_gpu("bench_w4a16.py", "TRITON_INTERPRET=1 pytest tests/test_w4a16.py")
+    require_compiled_gpu("repro.kvpareto.bench", "TRITON_INTERPRET=1 pytest tests/kernels/test_w4a16.py")
     paths = output_paths(args.out, args.overwrite)
     timer = Timer(args.runs, args.warmup)
     copy_gbs = copy_bandwidth(timer)
