@@ -157,12 +157,12 @@ def test_cl_caches_quantized_deltas_against_the_accumulator(request, arch):
     assert all(layer._acc is None for layer in layers)                        # handed on, then dropped
     X = [seen[i][0] for i in range(4)]
     base = quantize(X[1], 4, 16)
-    assert torch.equal(layers[1].store.codes[:, :T], base.codes)
+    assert torch.equal(layers[1].store.codecs["x"].codes[:, :T], base.codes)
     acc = dequantize(base)
     for i in (2, 3):
         U = layers[i].down if arch == "gqa" else torch.eye(64)                # GQA: U_kv, r_kv = min(64, 2 * 32)
         delta = quantize((X[i].float() - acc) @ U, 2, 16)
-        assert torch.equal(layers[i].store.codes[:, :T], delta.codes)
+        assert torch.equal(layers[i].store.codecs["x"].codes[:, :T], delta.codes)
         acc = acc + dequantize(delta) @ U.T
 
 
@@ -171,7 +171,7 @@ def test_cl_gqa_latent_is_narrower_than_x(tmp_path):
     """SVD of [W_k | W_v] (64 x 2*16): the deltas are cached 32 wide, not 64."""
     model = load_weights(tiny_llama(tmp_path, num_key_value_heads=1, num_hidden_layers=3))
     cache = model.new_cache("xquant-cl:bits=16,high_bits=16,base_layer=0", 2, T)
-    assert [tuple(layer.store.rows.shape) for layer in cache.layers] == [(2, T, 64), (2, T, 32), (2, T, 32)]
+    assert [tuple(layer.store.codecs["x"].rows.shape) for layer in cache.layers] == [(2, T, 64), (2, T, 32), (2, T, 32)]
     x = tokens()
     reference, _ = stream(model, "fp16", x, prefill=20)
     ours, _ = stream(model, "xquant-cl:bits=16,high_bits=16,base_layer=0", x, prefill=20)
@@ -199,7 +199,6 @@ def test_fused_rematerialize_equals_torch_path(bits, axis, first):
 def test_cuda_decode_uses_the_kernel(tmp_path, monkeypatch):
     """On a GPU every packed latent goes through dequant_matmul; swapping in its torch reference changes
     the logits only by rounding."""
-    import kvzoo.cache.xquant as xq
     from kvzoo.kernels import xquant_remat
 
     model = load_weights(tiny_llama(tmp_path, num_hidden_layers=3)).cuda()
@@ -207,14 +206,16 @@ def test_cuda_decode_uses_the_kernel(tmp_path, monkeypatch):
     spec = "xquant:bits=4,group_size=16,outlier_channel=true"
     calls = []
 
+    kernel = xquant_remat.dequant_matmul
+
     def counting(q, weight):
         calls.append(q.bits)
-        return xquant_remat.dequant_matmul(q, weight)
+        return kernel(q, weight)
 
-    monkeypatch.setattr(xq, "dequant_matmul", counting)
+    monkeypatch.setattr(xquant_remat, "dequant_matmul", counting)
     fused, _ = stream(model, spec, x, prefill=20)
     assert calls
-    monkeypatch.setattr(xq, "dequant_matmul", xquant_remat.dequant_matmul_ref)
+    monkeypatch.setattr(xquant_remat, "dequant_matmul", xquant_remat.dequant_matmul_ref)
     reference, _ = stream(model, spec, x, prefill=20)
     assert torch.allclose(fused, reference, rtol=1e-3, atol=1e-3)
 

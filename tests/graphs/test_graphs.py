@@ -7,7 +7,6 @@ import torch
 
 from kvzoo.generate import generate, prefill
 from kvzoo.graphs import GraphDecoder, PiecewiseDecoder, decoder
-from kvzoo.kernels.quant_matvec import kernels_run_on
 from kvzoo.models.loader import load_weights
 from tests.model.test_generate import CharTokenizer
 from tests.tiny import tiny_llama, tiny_mistral
@@ -77,6 +76,9 @@ INNERQ_STATIC = ["innerq:bits=2,sink=4,recent=0", "innerq:bits=4,sink=4,recent=0
 def needs_kernels_on_cpu() -> None:
     """Skip where the Triton interpreter is off: the CPU model's InnerQ cache then has no kernel to run (on a GPU
     machine test_cuda_graph_equals_eager runs these configurations through the compiled kernel)."""
+    pytest.importorskip("triton")
+    from kvzoo.kernels.quant_matvec import kernels_run_on
+
     if not kernels_run_on(torch.device("cpu")):
         pytest.skip("InnerQ's kernel runs on CPU tensors only under the Triton interpreter")
 
@@ -128,7 +130,7 @@ def test_generate_compile_gives_the_same_tokens(model):
 
 def test_refuses_strategies_without_a_static_step(model):
     kv = model.new_cache("kvpareto", 1, 16)
-    with pytest.raises(ValueError, match="cache strategy kvpareto has no static decode step here.*PiecewiseDecoder"):
+    with pytest.raises(ValueError, match="cache strategy kvpareto has no whole-step decode.*PiecewiseDecoder"):
         GraphDecoder(model, kv)
     kv = model.new_cache("fp16", 1, 4)
     prefill(model, torch.tensor([[3, 4, 5, 6]]), kv, None)
@@ -196,7 +198,7 @@ def test_bench_decode_largest_search():
 def test_bench_decode_cells_run_on_cpu(model, tmp_path):
     """bench_decode's cells on CPU with tiny models: a kvzoo cell (InnerQ's whole-step graph path, eager here),
     a batch filled by copying one prefilled row, and Hugging Face's DynamicCache the same ways."""
-    import transformers
+    transformers = pytest.importorskip("transformers")
 
     bench = bench_module()
     runner = bench.Kvzoo(model)

@@ -66,7 +66,7 @@ CASES = [(spec, arch) for spec, archs in STATIC for arch in archs]
 @pytest.mark.parametrize("spec, arch", CASES)
 @pytest.mark.parametrize("padded", [False, True])
 def test_whole_step_equals_eager(request, spec, arch, padded):
-    """Through every phase: tokens joining the window ("step") and filling it, so that its oldest group is
+    """Through every phase: tokens joining the window ("recent") and filling it, so that its oldest group is
     quantized into the codes at a device-held slot inside the step ("flush")."""
     model = request.getfixturevalue(arch)
     eager, static, phases = decode_both(model, spec, torch.tensor([0, 2]) if padded else None)
@@ -79,7 +79,7 @@ def test_paper_defaults_before_any_group_is_quantized(gqa):
     """G = 128 > max_len: no quantized slot is allocated (capacity 0), every token stays in the window."""
     eager, static, phases = decode_both(gqa, "xquant", None)
     torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
-    assert phases == {("step",) * 4}
+    assert phases == {("recent",) * 4}
 
 
 @pytest.mark.parametrize("spec", ["xquant:bits=4,group_size=8,residual=8", STATIC[5][0]])
