@@ -219,14 +219,14 @@ class Kvzoo:
 
 
 def store_random(kv, tokens: int, chunk: int = 65536) -> None:
-    """Store `tokens` random K/V tokens (B = 1) in every layer through the strategy's own store path
-    (`_append`: windows, quantization), with no attention: a largest-context probe of a strategy without a
-    whole-step graph, whose eager decode's memory grows with the tokens held."""
+    """Store `tokens` random K/V tokens (B = 1) in every layer through the strategy's windowed store
+    (kvzoo/cache/store.py: windows, quantization), with no attention: a largest-context probe of a strategy
+    without a whole-step graph, whose eager decode's memory grows with the tokens held."""
     for layer in kv.layers:
         weight, n_kv, d = layer.attn.q_proj.weight, layer.attn.n_kv_heads, layer.attn.head_dim
         for start in range(0, tokens, chunk):
             k, v = torch.randn(2, 1, n_kv, min(chunk, tokens - start), d, dtype=weight.dtype, device=weight.device)
-            layer._append(k, v)
+            layer.length = layer.store.append(layer.length, {"k": k, "v": v})
     kv.length += tokens
 
 

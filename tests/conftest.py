@@ -32,6 +32,14 @@ def default_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def default_model(default_model_dir):
+    """(model, tokenizer) of the default model, fp32 on CPU, loaded once for the session: tests only read it."""
+    import kvzoo
+
+    return kvzoo.load_model(default_model_dir)
+
+
+@pytest.fixture(scope="session")
 def wikitext_text() -> str:
     return shared_data_file("wikitext2-test.txt").read_text(encoding="utf-8")
 

@@ -65,7 +65,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvzoo.cache.base import LayerCache, Positions, StaticStep, attend, attend_split, full_mask, register
+from kvzoo.cache.base import Chunk, LayerCache, Positions, StaticStep, attend, full_mask, register
+from kvzoo.cache.store import Window
+from kvzoo.graphs import WholeStep
 
 LEVELS = (8, 12, 16)
 DIFF_FOR_12, DIFF_FOR_8 = 4, 8        # binary orders below the target at which 12 / 8 bits suffice
@@ -248,8 +250,14 @@ def aligned_attention(q: Tensor, k16: Tensor, v16: Tensor, k_exp: Tensor, v_exp:
 # The cache
 # ----------------------------------------------------------------------------------------------------
 @register("alignedkv")
-class AlignedKVCache(LayerCache):
+class AlignedKVCache(WholeStep, LayerCache):
+    """fp16 bit planes of every slot (not the windowed store: the format is fp16's own, nothing is quantized).
+    Query t reads slot j < t from storage, aligned where j lies in a block complete before t; so `window` says
+    every stored slot is read as held (a token at a time, Window(0, 0, 1)) and `attend_simulated`, fed that,
+    reads the complete blocks aligned."""
+
     Options = AlignedKVOptions
+    window = Window(0, 0, 1)
 
     def __init__(self, spec, layer, prev, batch_size, max_len):
         super().__init__(spec, layer, prev, batch_size, max_len)
@@ -306,21 +314,20 @@ class AlignedKVCache(LayerCache):
         return join_planes(self.v_hi[:, :, a:b], self.v_mid[:, :, a:b], self.v_lo[:, :, a:b])
 
     # ---- attention ---------------------------------------------------------------------------------
-    def _attend(self, q: Tensor, hist_k: Tensor, hist_v: Tensor, k: Tensor, v: Tensor, exact_mask: Tensor,
-                n_aligned: Tensor, mask: Tensor) -> Tensor:
-        """q (B, Hq, T, d) over L stored slots (hist_*, fp16) and the chunk's T (k, v, model dtype).
-        exact_mask (T or 1, L + T): True where query t reads the chunk's own exact copy of slot j.
+    def _attend(self, c: Chunk, exact_mask: Tensor, n_aligned: Tensor, mask: Tensor) -> Tensor:
+        """c.q (B, Hq, T, d) over the L = self.length slots stored (the chunk's T included): c.keys, c.values the
+        chunk's exact view of them (the history as held, the chunk exact), the planes the fp16 copy as stored.
+        exact_mask (T or 1, L): True where query t reads the chunk's exact copy of slot j; n_aligned (T,): query t
+        reads slots [0, n_aligned[t]) aligned.
 
         The reference expands keys and values per query, (B, H, T, S, d), so queries go through it in blocks
         of `rows`, each such fp32 temporary within QUERY_BLOCK_BYTES (a block's peak is about 6 of them); the
         queries are independent, so the result does not depend on the blocking."""
-        o = self.opts
-        keys = torch.cat([hist_k.to(k.dtype), k], dim=2)               # (B, H, S, d), stored then chunk
-        values = torch.cat([hist_v.to(v.dtype), v], dim=2)
+        o, q, keys, values = self.opts, c.q, c.keys, c.values           # (B, H, S, d), model dtype
         if o.min_bits == 16 or int(n_aligned.max()) == 0:
             return attend(q, keys, values, mask)
-        stored_k = torch.cat([hist_k, k.to(torch.float16)], dim=2)     # (B, H, S, d): every slot as stored
-        stored_v = torch.cat([hist_v, v.to(torch.float16)], dim=2)
+        L = self.length
+        stored_k, stored_v = self._stored_keys(0, L), self._stored_values(L)   # (B, H, S, d): every slot as stored
         B, H, S, d = keys.shape
         rows = max(1, QUERY_BLOCK_BYTES // (4 * B * H * S * d))         # queries per block
         out = []
@@ -331,8 +338,8 @@ class AlignedKVCache(LayerCache):
                 out.append(attend(q[:, :, t], keys, values, mask[:, :, t]))
                 continue
             em = exact_mask[t if exact_mask.shape[0] > 1 else slice(None)][None, None, :, :, None]  # (1, 1, Tb|1, S, 1)
-            exact_k = torch.where(em, keys[:, :, None], stored_k.to(k.dtype)[:, :, None])   # (B, H, Tb or 1, S, d)
-            exact_v = torch.where(em, values[:, :, None], stored_v.to(v.dtype)[:, :, None])
+            exact_k = torch.where(em, keys[:, :, None], stored_k.to(keys.dtype)[:, :, None])   # (B, H, Tb or 1, S, d)
+            exact_v = torch.where(em, values[:, :, None], stored_v.to(values.dtype)[:, :, None])
             out.append(aligned_attention(q[:, :, t], stored_k[:, :, :NA], stored_v[:, :, :NA], self.k_exp, self.v_exp,
                                          exact_k, exact_v, n_aligned[t], mask[:, :, t], o.block, o.topk, o.min_bits,
                                          self.stats))
@@ -345,18 +352,42 @@ class AlignedKVCache(LayerCache):
         real = (slots[None, :] >= pos.pad[:, None])[:, None, :, None]          # (B, 1, T, 1)
         return k * real, v * real
 
-    def prefill(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
-        """The history as stored (complete blocks aligned, the block being filled exact) plus the chunk
-        exact, then store the chunk."""
+    def append(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions, held: bool = False) -> Chunk:
         q, k = self.attn.rope(q, k, pos.ids)
         k, v = self._zero_padding(k, v, pos)
-        L, T = self.length, q.shape[2]
-        hist_k, hist_v = self._stored_keys(0, L), self._stored_values(L)
-        n_aligned = torch.full((T,), L // self.opts.block * self.opts.block, device=q.device)
-        exact_mask = (torch.arange(L + T, device=q.device) >= L)[None, :]           # (1, L + T): every query alike
-        out = self._attend(q, hist_k, hist_v, k, v, exact_mask, n_aligned, full_mask(pos, L + T, q.device))
+        L = self.length
+        hist_k, hist_v = self._stored_keys(0, L), self._stored_values(L)              # (B, H, L, d) fp16
         self._append(k, v)
-        return out
+        c = Chunk(q, torch.cat([hist_k.to(k.dtype), k], dim=2), torch.cat([hist_v.to(v.dtype), v], dim=2))
+        if held:
+            L = self.length
+            c.held_keys, c.held_values = self._stored_keys(0, L).to(k.dtype), self._stored_values(L).to(v.dtype)
+        return c
+
+    def prefill(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
+        """The history as stored (complete blocks aligned, the block being filled exact) plus the chunk
+        exact, then store the chunk. Not the base class's plain attention over what `append` returns: an aligned
+        read depends on the query (each element's bits come from its product), so the chunk's queries read the
+        complete blocks through the reference, as decode reads them."""
+        L0 = self.length
+        c = self.append(x, q, k, v, pos)
+        L, T = self.length, c.q.shape[2]
+        n_aligned = torch.full((T,), L0 // self.opts.block * self.opts.block, device=c.q.device)
+        exact_mask = (torch.arange(L, device=c.q.device) >= L0)[None, :]            # (1, L): every query alike
+        return self._attend(c, exact_mask, n_aligned, full_mask(pos, L, c.q.device))
+
+    def attend_simulated(self, c: Chunk, use_held: Tensor, mask: Tensor) -> Tensor:
+        """Query slot t reads slot j < t from storage (use_held), aligned if j lies in a block complete before
+        t (j < floor(t / block) * block), and its own slot exact, as decoding it would; the prompt's queries
+        read every slot exact."""
+        if self.opts.min_bits == 16 and c.keys.dtype == torch.float16:     # every bit read: the fp16 cache
+            return attend(c.q, c.keys, c.values, mask)
+        if self.opts.min_bits == 16:   # every bit read: the stored copy for j < t, the exact one for j = t
+            return super().attend_simulated(c, use_held, mask)
+        L, T = self.length, c.q.shape[2]
+        q_slots = torch.arange(L - T, L, device=c.q.device)
+        n_aligned = torch.where(q_slots >= self.prompt, q_slots // self.opts.block * self.opts.block, 0)
+        return self._attend(c, ~use_held, n_aligned, mask)
 
     # ---- decode: the kernels on CUDA ---------------------------------------------------------------
     def _kernels_fit(self) -> bool:
@@ -386,28 +417,6 @@ class AlignedKVCache(LayerCache):
                              self.v_lo, self.v_exp, L // o.block, tail_k, tail_v, o.topk, o.min_bits)
         self._append(k, v)
         return out.to(q.dtype)[:, :, None]                                              # (B, Hq, 1, d)
-
-    def simulate(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
-        """Query slot t reads slot j < t from storage (aligned if j lies in a block complete before t,
-        i.e. j < floor(t / block) * block) and its own slot exact, as decoding it would."""
-        q, k = self.attn.rope(q, k, pos.ids)
-        k, v = self._zero_padding(k, v, pos)
-        L, T = self.length, q.shape[2]
-        self._append(k, v)
-        stored_k, stored_v = self._stored_keys(0, L + T), self._stored_values(L + T)
-        hist_k, hist_v = stored_k[:, :, :L], stored_v[:, :, :L]
-        q_slots = torch.arange(L, L + T, device=q.device)
-        key_slots = torch.arange(L + T, device=q.device)
-        mask = full_mask(pos, L + T, q.device)
-        if self.opts.min_bits == 16 and k.dtype == torch.float16:   # every bit read: the fp16 cache
-            return attend(q, torch.cat([hist_k, k], 2), torch.cat([hist_v, v], 2), mask)
-        if self.opts.min_bits == 16:   # every bit read: the stored copy for j < t, the exact one for j = t
-            use_stored = self.after_prompt(key_slots[None, :] < q_slots[:, None], q_slots)
-            keys, values = torch.cat([hist_k.to(k.dtype), k], 2), torch.cat([hist_v.to(v.dtype), v], 2)
-            return attend_split(q, keys, values, stored_k.to(k.dtype), stored_v.to(v.dtype), use_stored, mask)
-        n_aligned = torch.where(q_slots >= self.prompt, q_slots // self.opts.block * self.opts.block, 0)
-        exact_mask = ~self.after_prompt(key_slots[None, :] < q_slots[:, None], q_slots)   # (T, L + T)
-        return self._attend(q, hist_k, hist_v, k, v, exact_mask, n_aligned, mask)
 
     # ---- the static step (CUDA graphs, kvzoo/graphs.py) ----------------------------------------------
     def _static_fused(self) -> bool:

@@ -21,8 +21,16 @@ q·(k - m) = q·k - q·m shifts every score of a query by the same amount, so so
 unchanged; only the quantization error changes (tested). The mean is taken once, over the first prefill
 chunk (simulated mode: over the prompt, or the first token without one), and kept:
     k_mean fp32 (B, H, 1, d)
-Codes: int32 (B, H, N, d*b/32) for token / tensor, (B, H, N/G, G*d*b/32) for block; a 16-bit tensor is kept
-at the model's precision instead.
+
+Stored per layer, in kvzoo/cache/store.py's windowed store (streams "k" and "v", B rows, H = n_kv_heads,
+d = head_dim, N quantized tokens) with no sink and no recent window beyond the block being filled:
+    token   Window(0, 0, 1), GroupCodec: codes int32 (B, H, N, d*b/32), scale, zero fp16 (B, H, N, d/G)
+    block   Window(0, 0, G), BlockCodec: codes int32 (B, H, N/G, G*d*b/32), scale, zero fp16 (B, H, N/G);
+            the r = L mod G tokens of the block being filled in the store's recent window (B, H, G, d)
+    tensor  Window(0, 0, 1), TensorCodec: codes int32 (B, H, N, d*b/32), scale, zero fp16 (B, N), and the
+            row's running range lo, hi fp32 (B,) (8 bytes per row, not counted below)
+A 16-bit K or V is kept at the model's precision instead (GroupCodec's exact rows; with block granularity the
+block being filled stays in the window as for the quantized stream, so every token is still held once).
 
 Bytes per token per layer and KV head (b = k_bits or v_bits, summed over K and V): token d*b/8 + 4*d/G;
 block d*b/8 + 4/G (+ the exact tokens of the block being filled at the model's precision); tensor
@@ -38,10 +46,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from kvzoo.cache.base import LayerCache, Positions, attend, attend_split, full_mask, register
+from kvzoo.cache.base import Chunk, LayerCache, Positions, register
 from kvzoo.cache.kvquant import QTensor, dequantize, packed_words, quantize
+from kvzoo.cache.store import EXACT, SCALE_DTYPE, Codec, GroupCodec, Window, WindowedStore
 
 PRECISIONS = (2, 4, 8, 16)
 GRANULARITIES = ("token", "block", "tensor")
@@ -65,129 +74,120 @@ class KVParetoOptions:
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
 
 
-class _Store(nn.Module):
-    """One of K or V for one layer: `bits`-bit codes at `granularity`, or exact when bits = 16."""
+class BlockCodec(Codec):
+    """Block granularity: each block of G consecutive slots of a (row, head) shares one scale and zero over its
+    G x d elements. Written in whole blocks (the window's groups of G)."""
 
-    def __init__(self, bits: int, granularity: str, G: int, shape: tuple[int, int, int, int], dtype, device):
+    def __init__(self, lead: tuple[int, int], capacity: int, width: int, bits: int, G: int, device):
         super().__init__()
-        B, H, N, d = shape
-        self.bits, self.granularity, self.G, self.d = bits, granularity, G, d
-        buf = lambda name, size, kind: self.register_buffer(   # noqa: E731
-            name, torch.zeros(size, dtype=kind, device=device), persistent=False)
-        if bits == 16:
-            buf("exact", (B, H, N, d), dtype)
-        elif granularity == "block":
-            buf("codes", (B, H, N // G, packed_words(G * d, bits)), torch.int32)
-            buf("scale", (B, H, N // G), torch.float16)
-            buf("zero", (B, H, N // G), torch.float16)
-            buf("exact", (B, H, G, d), dtype)                  # the block being filled
-        else:
-            if granularity == "token" and d % G:
-                raise ValueError(f"kvpareto group_size {G} must divide the head dimension {d} (per-token groups)")
-            groups = (B, H, N, d // G) if granularity == "token" else (B, N)
-            buf("codes", (B, H, N, packed_words(d, bits)), torch.int32)
-            buf("scale", groups, torch.float16)
-            buf("zero", groups, torch.float16)
-            buf("lo", (B,), torch.float32)                      # tensor: the running range of the row
-            buf("hi", (B,), torch.float32)
+        self.width, self.bits, self.G = width, bits, G
+        for name, shape, kind in (("codes", (capacity // G, packed_words(G * width, bits)), torch.int32),
+                                  ("scale", (capacity // G,), SCALE_DTYPE), ("zero", (capacity // G,), SCALE_DTYPE)):
+            self.register_buffer(name, torch.zeros((*lead, *shape), dtype=kind, device=device), persistent=False)
 
-    def append(self, x: Tensor, start: int, real: Tensor) -> None:
-        """Store x (B, H, T, d) at slots [start, start + T); real (B, T) False on padding slots."""
-        T = x.shape[2]
-        if self.bits == 16:
-            self.exact[:, :, start:start + T] = x
-        elif self.granularity == "token":
-            q = quantize(x, self.bits, self.G, axis=-1)
-            self.codes[:, :, start:start + T], self.scale[:, :, start:start + T] = q.codes, q.scale
-            self.zero[:, :, start:start + T] = q.zero
-        elif self.granularity == "tensor":
-            xf = x.float()
-            inf = torch.tensor(float("inf"), device=x.device)
-            tok_lo = torch.where(real, xf.amin((1, 3)), inf).cummin(1).values       # (B, T): running minimum
-            tok_hi = torch.where(real, xf.amax((1, 3)), -inf).cummax(1).values
-            if start == 0:
-                self.lo.fill_(float("inf"))
-                self.hi.fill_(-float("inf"))
-            lo = torch.minimum(tok_lo, self.lo[:, None])
-            hi = torch.maximum(tok_hi, self.hi[:, None])
-            lo, hi = torch.where(lo <= hi, lo, 0.0), torch.where(lo <= hi, hi, 0.0)   # rows of padding only
-            self.lo.copy_(lo[:, -1])
-            self.hi.copy_(hi[:, -1])
-            q = quantize(x, self.bits, self.d, axis=-1, limits=(lo[:, None, :, None, None], hi[:, None, :, None, None]))
-            self.codes[:, :, start:start + T] = q.codes
-            self.scale[:, start:start + T], self.zero[:, start:start + T] = q.scale[:, 0, :, 0], q.zero[:, 0, :, 0]
-        else:
-            G, B, H = self.G, x.shape[0], x.shape[1]
-            r = start % G
-            tail = torch.cat([self.exact[:, :, :r], x], dim=2)                        # (B, H, r + T, d)
-            n = tail.shape[2] // G                                                    # blocks completed
-            if n:
-                q = quantize(tail[:, :, :n * G].reshape(B, H, n, G * self.d), self.bits, G * self.d, axis=-1)
-                first = start // G
-                self.codes[:, :, first:first + n] = q.codes
-                self.scale[:, :, first:first + n], self.zero[:, :, first:first + n] = q.scale[..., 0], q.zero[..., 0]
-            left = tail.shape[2] - n * G
-            self.exact[:, :, :left] = tail[:, :, n * G:]
+    def write(self, a: int, b: int, rows: Tensor, real: Tensor | None = None) -> None:
+        B, H, G = rows.shape[0], rows.shape[1], self.G
+        n, first = (b - a) // G, a // G
+        q = quantize(rows.reshape(B, H, n, G * self.width), self.bits, G * self.width, axis=-1)
+        self.codes[:, :, first:first + n] = q.codes
+        self.scale[:, :, first:first + n], self.zero[:, :, first:first + n] = q.scale[..., 0], q.zero[..., 0]
 
-    def read(self, length: int, dtype) -> Tensor:
-        """Slots [0, length) as attention reads them: (B, H, length, d)."""
-        if self.bits == 16:
-            return self.exact[:, :, :length]
+    def held(self, n: int) -> QTensor:
         B, H = self.codes.shape[:2]
-        d, G = self.d, self.G
-        if self.granularity == "block":
-            n = length // G
-            q = QTensor(self.codes[:, :, :n], self.scale[:, :, :n, None], self.zero[:, :, :n, None], self.bits,
-                        G * d, -1, (B, H, n, G * d))
-            blocks = dequantize(q, dtype).view(B, H, n * G, d)                        # (B, H, n*G, d)
-            return torch.cat([blocks, self.exact[:, :, :length - n * G]], dim=2)
-        if self.granularity == "token":
-            q = QTensor(self.codes[:, :, :length], self.scale[:, :, :length], self.zero[:, :, :length], self.bits,
-                        G, -1, (B, H, length, d))
-        else:
-            expand = lambda t: t[:, None, :length, None].expand(B, H, length, 1)        # noqa: E731
-            q = QTensor(self.codes[:, :, :length], expand(self.scale), expand(self.zero), self.bits, d, -1,
-                        (B, H, length, d))
-        return dequantize(q, dtype)
+        nb = n // self.G
+        return QTensor(self.codes[:, :, :nb], self.scale[:, :, :nb, None], self.zero[:, :, :nb, None], self.bits,
+                       self.G * self.width, -1, (B, H, nb, self.G * self.width))
 
-    def nbytes(self, length: int) -> int:
-        if self.bits == 16:
-            return self.exact[:, :, :length].nbytes
-        if self.granularity == "block":
-            n = length // self.G
-            parts = (self.codes[:, :, :n], self.scale[:, :, :n], self.zero[:, :, :n],
-                     self.exact[:, :, :length - n * self.G])
-        elif self.granularity == "token":
-            parts = (self.codes[:, :, :length], self.scale[:, :, :length], self.zero[:, :, :length])
-        else:
-            parts = (self.codes[:, :, :length], self.scale[:, :length], self.zero[:, :length])
-        return sum(t.nbytes for t in parts)
+    def read(self, n: int, dtype: torch.dtype) -> Tensor:
+        B, H = self.codes.shape[:2]
+        return dequantize(self.held(n), dtype).view(B, H, n // self.G * self.G, self.width)   # (B, H, n, d)
 
-    def formula(self, length: int, B: int, H: int, elem: int) -> int:
-        d, G, b = self.d, self.G, self.bits
-        if b == 16:
-            return B * H * length * d * elem
-        if self.granularity == "block":
-            n = length // G
-            return B * H * (n * (4 * packed_words(G * d, b) + 4) + (length - n * G) * d * elem)
-        per_token = 4 * packed_words(d, b) + (4 * d // G if self.granularity == "token" else 0)
-        return B * H * length * per_token + (4 * B * length if self.granularity == "tensor" else 0)
+    def nbytes(self, n: int) -> int:
+        nb = n // self.G
+        return sum(t[:, :, :nb].nbytes for t in (self.codes, self.scale, self.zero))
+
+    def token_bytes(self) -> float:
+        return (4 * packed_words(self.G * self.width, self.bits) + 4) / self.G
+
+
+class TensorCodec(Codec):
+    """Tensor granularity: one scale and zero per row and token over all heads and channels, from the row's
+    running min/max over the real (unpadded) tokens stored so far. Written a token at a time (Window(0, 0, 1))."""
+
+    def __init__(self, lead: tuple[int, int], capacity: int, width: int, bits: int, device):
+        super().__init__()
+        B = lead[0]
+        self.width, self.bits, self.heads = width, bits, lead[1]
+        for name, shape, kind in (("codes", (*lead, capacity, packed_words(width, bits)), torch.int32),
+                                  ("scale", (B, capacity), SCALE_DTYPE), ("zero", (B, capacity), SCALE_DTYPE),
+                                  ("lo", (B,), torch.float32), ("hi", (B,), torch.float32)):   # the running range
+            self.register_buffer(name, torch.zeros(shape, dtype=kind, device=device), persistent=False)
+
+    def write(self, a: int, b: int, rows: Tensor, real: Tensor | None = None) -> None:
+        if real is None:
+            real = torch.ones(rows.shape[0], b - a, dtype=torch.bool, device=rows.device)
+        xf = rows.float()
+        inf = torch.tensor(float("inf"), device=rows.device)
+        tok_lo = torch.where(real, xf.amin((1, 3)), inf).cummin(1).values       # (B, T): running minimum
+        tok_hi = torch.where(real, xf.amax((1, 3)), -inf).cummax(1).values
+        if a == 0:
+            self.lo.fill_(float("inf"))
+            self.hi.fill_(-float("inf"))
+        lo = torch.minimum(tok_lo, self.lo[:, None])
+        hi = torch.maximum(tok_hi, self.hi[:, None])
+        lo, hi = torch.where(lo <= hi, lo, 0.0), torch.where(lo <= hi, hi, 0.0)   # rows of padding only
+        self.lo.copy_(lo[:, -1])
+        self.hi.copy_(hi[:, -1])
+        q = quantize(rows, self.bits, self.width, axis=-1,
+                     limits=(lo[:, None, :, None, None], hi[:, None, :, None, None]))
+        self.codes[:, :, a:b] = q.codes
+        self.scale[:, a:b], self.zero[:, a:b] = q.scale[:, 0, :, 0], q.zero[:, 0, :, 0]
+
+    def held(self, n: int) -> QTensor:
+        B, H = self.codes.shape[:2]
+        expand = lambda t: t[:, None, :n, None].expand(B, H, n, 1)        # noqa: E731
+        return QTensor(self.codes[:, :, :n], expand(self.scale), expand(self.zero), self.bits, self.width, -1,
+                       (B, H, n, self.width))
+
+    def read(self, n: int, dtype: torch.dtype) -> Tensor:
+        return dequantize(self.held(n), dtype)
+
+    def nbytes(self, n: int) -> int:
+        return self.codes[:, :, :n].nbytes + self.scale[:, :n].nbytes + self.zero[:, :n].nbytes
+
+    def token_bytes(self) -> float:
+        return 4 * packed_words(self.width, self.bits) + 4 / self.heads      # the fp16 scale + zero, shared by H heads
 
 
 @register("kvpareto")
 class KVParetoCache(LayerCache):
+    """K and V in one windowed store: quantized token by token (token, tensor) or block by block, the block being
+    filled exact (block); keys smoothed before they are stored."""
+
     Options = KVParetoOptions
 
     def __init__(self, spec, layer, prev, batch_size, max_len):
         super().__init__(spec, layer, prev, batch_size, max_len)
-        o, weight = self.opts, layer.q_proj.weight
+        o, weight, d = self.opts, layer.q_proj.weight, layer.head_dim
         G = o.group_size
-        N = -(-max_len // G) * G if o.granularity == "block" else max_len
-        shape = (batch_size, layer.n_kv_heads, N, layer.head_dim)
-        self.k_store = _Store(o.k_bits, o.granularity, G, shape, weight.dtype, weight.device)
-        self.v_store = _Store(o.v_bits, o.granularity, G, shape, weight.dtype, weight.device)
-        self.register_buffer("k_mean", torch.zeros(batch_size, layer.n_kv_heads, 1, layer.head_dim,
-                                                   device=weight.device), persistent=False)
+        if o.granularity == "token" and d % G and (o.k_bits != EXACT or o.v_bits != EXACT):
+            raise ValueError(f"kvpareto group_size {G} must divide the head dimension {d} (per-token groups)")
+        self.window = Window(0, 0, G if o.granularity == "block" else 1)
+        lead, capacity = (batch_size, layer.n_kv_heads), self.window.quantized(max_len)
+
+        def codec(bits: int) -> Codec:
+            if bits == EXACT:
+                return GroupCodec(lead, capacity, d, bits, d, False, weight.dtype, weight.device)   # exact rows
+            if o.granularity == "block":
+                return BlockCodec(lead, capacity, d, bits, G, weight.device)
+            if o.granularity == "tensor":
+                return TensorCodec(lead, capacity, d, bits, weight.device)
+            return GroupCodec(lead, capacity, d, bits, G, False, weight.dtype, weight.device)
+
+        self.store = WindowedStore(self.window, {"k": codec(o.k_bits), "v": codec(o.v_bits)}, lead, weight.dtype,
+                                   weight.device)
+        self.register_buffer("k_mean", torch.zeros(batch_size, layer.n_kv_heads, 1, d, device=weight.device),
+                             persistent=False)
 
     def _smooth(self, k: Tensor, real: Tensor, first: int) -> Tensor:
         """K - mean, the mean taken over the real tokens among the first `first` slots of the first call."""
@@ -199,55 +199,34 @@ class KVParetoCache(LayerCache):
             self.k_mean.copy_(total / use.sum(2, keepdim=True).clamp_min(1))
         return k - self.k_mean.to(k.dtype)
 
-    def prefill(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
-        """The history as stored plus the chunk exact, then store the chunk."""
+    def append(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions, held: bool = False) -> Chunk:
         q, k = self.attn.rope(q, k, pos.ids)
         real = self._real(pos, k.shape[2])
-        k = self._smooth(k, real, k.shape[2])
-        L = self.length
-        keys = torch.cat([self.k_store.read(L, k.dtype), k], dim=2)
-        values = torch.cat([self.v_store.read(L, v.dtype), v], dim=2)
-        out = attend(q, keys, values, pos.mask)
+        # the smoothing mean: simulated mode's over its prompt (the first token without one), a streaming one's
+        # over the first prefill chunk
+        k = self._smooth(k, real, max(self.prompt, 1) if self.simulated else k.shape[2])
+        before = self.store.read(self.length, k.dtype)                            # (B, H, L, d) each
         self._append(k, v, real)
-        return out
-
-    decode = prefill
-
-    def simulate(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
-        """Query slot t reads slot j < t as stored by then (quantized, or exact in a block still being
-        filled) and its own slot exact; the prompt's queries read everything exact."""
-        q, k = self.attn.rope(q, k, pos.ids)
-        T, L = k.shape[2], self.length
-        real = self._real(pos, T)
-        k = self._smooth(k, real, max(self.prompt - L, 1))
-        exact_k = torch.cat([self.k_store.read(L, k.dtype), k], dim=2)
-        exact_v = torch.cat([self.v_store.read(L, v.dtype), v], dim=2)
-        self._append(k, v, real)
-        round_k, round_v = self.k_store.read(L + T, k.dtype), self.v_store.read(L + T, v.dtype)
-        q_slots = torch.arange(L, L + T, device=q.device)
-        key_slots = torch.arange(L + T, device=q.device)
-        G = self.opts.group_size
-        seen = q_slots // G * G if self.opts.granularity == "block" else q_slots   # slots quantized by then
-        use_round = self.after_prompt(key_slots[None, :] < seen[:, None], q_slots)
-        return attend_split(q, exact_k, exact_v, round_k, round_v, use_round, full_mask(pos, L + T, q.device))
+        c = Chunk(q, torch.cat([before["k"], k], dim=2), torch.cat([before["v"], v], dim=2))
+        if held:
+            after = self.store.read(self.length, k.dtype)
+            c.held_keys, c.held_values = after["k"], after["v"]
+        return c
 
     def _real(self, pos: Positions, T: int) -> Tensor:
         slots = torch.arange(pos.start, pos.start + T, device=pos.pad.device)
         return slots[None, :] >= pos.pad[:, None]                                     # (B, T)
 
     def _append(self, k: Tensor, v: Tensor, real: Tensor | None = None) -> None:
-        """Store a chunk (B, H, T, d); real (B, T) False on padding slots (None: none are)."""
-        if real is None:
-            real = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
-        self.k_store.append(k, self.length, real)
-        self.v_store.append(v, self.length, real)
-        self.length += k.shape[2]
+        """Store a chunk (B, H, T, d), keys smoothed; real (B, T) False on padding slots (None: none are), which
+        the tensor granularity's running range skips."""
+        self.length = self.store.append(self.length, {"k": k, "v": v},
+                                        real if self.opts.granularity == "tensor" else None)
 
     def nbytes(self) -> int:
         mean = self.k_mean.nbytes if self.opts.k_smooth and self.length else 0
-        return self.k_store.nbytes(self.length) + self.v_store.nbytes(self.length) + mean
+        return self.store.nbytes(self.length) + mean
 
     def formula_nbytes(self, length: int) -> int:
-        B, H, elem = self.batch_size, self.attn.n_kv_heads, self.attn.q_proj.weight.element_size()
-        mean = 4 * B * H * self.attn.head_dim if self.opts.k_smooth and length else 0
-        return self.k_store.formula(length, B, H, elem) + self.v_store.formula(length, B, H, elem) + mean
+        mean = 4 * self.batch_size * self.attn.n_kv_heads * self.attn.head_dim if self.opts.k_smooth and length else 0
+        return self.store.formula_nbytes(length) + mean

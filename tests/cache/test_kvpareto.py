@@ -1,9 +1,6 @@
 """KV Pareto's KV quantization: K-smoothing leaves attention unchanged, what each granularity stores, the
-precisions and options, and chat."""
+precisions and options."""
 
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +8,6 @@ import torch
 from kvzoo.cache.base import CacheSpec
 from tests.cache.test_cache_contract import model, stream, tokens  # noqa: F401  (the tiny model fixture)
 
-REPO = Path(__file__).resolve().parents[2]
 T = 48
 
 
@@ -36,7 +32,7 @@ def test_k_smoothing_stores_the_prefill_mean(model):  # noqa: F811
     x = tokens(seed=21)
     _, cache = stream(model, "kvpareto:k_bits=16,v_bits=16", x, prefill=20)
     layer = cache.layers[0]
-    keys = layer.k_store.read(T, torch.float32) + layer.k_mean                # stored smoothed: add the mean back
+    keys = layer.store.read(T, torch.float32)["k"] + layer.k_mean             # stored smoothed: add the mean back
     assert (keys[:, :, :20].mean(2, keepdim=True) - layer.k_mean).abs().max() < 1e-5
 
 
@@ -60,18 +56,24 @@ def test_what_each_granularity_stores(model):  # noqa: F811
     x = tokens(seed=22)
     d = model.cfg.head_dim
     _, cache = stream(model, "kvpareto:k_bits=4,v_bits=2,group_size=16", x[:, :21], prefill=5)
-    ks = cache.layers[0].k_store
+    ks = cache.layers[0].store.codecs["k"]
     assert ks.scale.shape[-1] == d // 16 and ks.codes.shape[-1] == d * 4 // 32
     # block: the two complete blocks of 8 are quantized, the 5 tokens of the third are held exact
     _, cache = stream(model, "kvpareto:k_bits=2,v_bits=2,granularity=block,group_size=8", x[:, :21], prefill=5)
-    vs = cache.layers[0].v_store
-    values = vs.read(21, torch.float32)
-    assert torch.equal(values[:, :, 16:], vs.exact[:, :, :5])
+    store = cache.layers[0].store
+    values = store.read(21, torch.float32)["v"]
+    assert store.counts(21) == (0, 16, 5) and torch.equal(values[:, :, 16:], store.recent("v")[:, :, :5])
     assert values[:, :, :16].unique().numel() <= 2 * 2 * 2 * 4                 # 4 levels per (row, head, block)
     assert cache.layers[0].nbytes() == cache.layers[0].formula_nbytes(21)
+    # a 16-bit K beside block-quantized V: every key held once and exact (the complete blocks as the codec's rows,
+    # the block being filled in the window), as layer 0 of an unquantized cache holds them
+    _, mixed = stream(model, "kvpareto:k_bits=16,v_bits=2,granularity=block,group_size=8", x[:, :21], prefill=5)
+    _, exact = stream(model, "kvpareto:k_bits=16,v_bits=16", x[:, :21], prefill=5)
+    keys = [c.layers[0].store.read(21, torch.float32)["k"] for c in (mixed, exact)]
+    assert torch.equal(*keys) and mixed.layers[0].nbytes() == mixed.layers[0].formula_nbytes(21)
     # tensor: one scale per row and token, from a running range that only grows
     _, cache = stream(model, "kvpareto:k_bits=8,v_bits=8,granularity=tensor", x[:, :21], prefill=5)
-    scale = cache.layers[0].v_store.scale[:, :21].float()
+    scale = cache.layers[0].store.codecs["v"].scale[:, :21].float()
     assert tuple(scale.shape) == (2, 21) and (scale[:, 1:] >= scale[:, :-1] - 1e-3).all()
 
 
@@ -90,11 +92,3 @@ def test_paper_grid_and_bad_options():
 def test_token_groups_must_divide_the_head(model):  # noqa: F811
     with pytest.raises(ValueError, match="group_size 24 must divide the head dimension 32"):
         model.new_cache("kvpareto:group_size=24", 1, 8)
-
-
-def test_chat():
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "chat.py"), "--cache", "kvpareto:k_bits=8,v_bits=4",
-                          "--prompt", "What is the capital of France?", "--temperature", "0", "--prefill-chunk", "8"],
-                         capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert out.returncode == 0, out.stderr
-    assert "Paris" in out.stdout and "cache kvpareto:" in out.stderr

@@ -2,10 +2,13 @@
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from kvzoo.cache.kvquant import SUPPORTED_BITS, check_bits, pack, packed_words, quantize, unpack
+pytest.importorskip("hypothesis")   # the `test` extra
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from kvzoo.cache.kvquant import SUPPORTED_BITS, check_bits, pack, packed_words, quantize, unpack  # noqa: E402
 
 bits_st = st.sampled_from(SUPPORTED_BITS)
 

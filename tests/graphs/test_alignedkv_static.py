@@ -9,12 +9,14 @@ import kvzoo.cache.alignedkv as alignedkv
 from kvzoo.cache.alignedkv import AlignedKVCache
 from kvzoo.generate import prefill
 from kvzoo.graphs import GraphDecoder, PiecewiseDecoder, decoder
-from kvzoo.kernels.quant_matvec import kernels_run_on
 from tests.graphs.test_graphs import decode_both, model, whole_step_equals_eager, windowed  # noqa: F401  (the tiny model fixtures)
 
 
 def kernels_on_cpu(monkeypatch):
     """The static step through aligned_decode_static (the Triton interpreter runs it on CPU)."""
+    pytest.importorskip("triton")
+    from kvzoo.kernels.quant_matvec import kernels_run_on
+
     if not kernels_run_on(torch.device("cpu")):
         pytest.skip("the Triton interpreter is off (on a GPU machine test_cuda_graph_equals_eager runs the kernels)")
     monkeypatch.setattr(AlignedKVCache, "_static_fused", lambda self: self._kernels_fit())

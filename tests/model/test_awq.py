@@ -6,9 +6,12 @@ import copy
 import pytest
 import torch
 
-from kvzoo.kernels.w4a16 import quantize_weight
-from kvzoo.weightquant.awq import ALPHAS, W4Linear, _best_scale, _inputs, group_for, quantize_awq, quantize_rtn, quantize_weights
-from tests.cache.test_cache_contract import model, tokens  # noqa: F401  (the tiny model fixture)
+pytest.importorskip("triton")       # kvzoo.kernels.w4a16 (W4Weight, the reference quantizer) imports it
+
+from kvzoo.kernels.w4a16 import quantize_weight  # noqa: E402
+from kvzoo.weightquant.awq import (ALPHAS, W4Linear, _best_scale, _inputs, group_for, quantize_awq,  # noqa: E402
+                                   quantize_rtn, quantize_weights)
+from tests.cache.test_cache_contract import model, tokens  # noqa: E402, F401  (the tiny model fixture)
 
 
 def test_w4linear_is_the_dequantized_product():

@@ -1,10 +1,12 @@
-"""The embedded default model end to end: reference perplexity, chat answer, batched generation.
+"""The embedded default model end to end: reference perplexity, batched generation, the chat script (one
+command-line run; its refusals run in process).
 
 Reference figures (../shared/data/README.md) were measured with Hugging Face transformers, fp32, on the
 same dequantized weights: 19.134 over the first 8 WikiText-2 windows of 2048 tokens.
 """
 
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -13,15 +15,13 @@ import pytest
 
 from kvzoo.eval.perplexity import perplexity
 from kvzoo.generate import generate
-from kvzoo.models.loader import load_weights
-from kvzoo.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def smollm(default_model_dir):
-    return load_weights(default_model_dir), Tokenizer.from_pretrained(default_model_dir)
+def smollm(default_model):
+    return default_model
 
 
 def test_wikitext_perplexity_matches_reference(smollm, wikitext_text):
@@ -47,20 +47,37 @@ def test_batch_of_prompts_matches_one_at_a_time(smollm):
 
 
 def test_chat_script_answers_paris():
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "chat.py"), "--prompt",
-                          "What is the capital of France? Answer in one sentence.", "--temperature", "0"],
+    """The one command-line smoke test of scripts/chat.py (every strategy generates in process:
+    tests/model/test_generate.py::test_generate_every_strategy)."""
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "chat.py"), "--cache", "fp16", "--prompt",
+                          "What is the capital of France? Answer in one sentence.", "--temperature", "0",
+                          "--max-new-tokens", "24"],
                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
-    assert "tok/s" in out.stderr and "cache fp16" in out.stderr
+    assert "tok/s" in out.stderr and "cache fp16" in out.stderr and "2.000x fp16]" in out.stderr
 
 
-def test_chat_script_refuses_unknown_cache():
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "chat.py"), "--cache", "zip", "--prompt", "hi"],
-                         capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert out.returncode == 2
-    assert "unknown cache 'zip'; available caches: alignedkv, fp16" in out.stderr
-    assert "Traceback" not in out.stderr
+def chat_in_process(monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    """(exit code, stderr) of scripts/chat.py run in this process: no second interpreter to start."""
+    monkeypatch.setattr(sys, "argv", ["chat.py", *args])
+    try:
+        runpy.run_path(str(REPO / "scripts" / "chat.py"), run_name="__main__")
+        code = 0
+    except SystemExit as done:
+        code = done.code
+    return code, capsys.readouterr().err
+
+
+def test_chat_script_refuses_unknown_cache(monkeypatch, capsys):
+    code, err = chat_in_process(monkeypatch, capsys, "--cache", "zip", "--prompt", "hi")
+    assert code == 2 and "unknown cache 'zip'; available caches: alignedkv, fp16" in err
+
+
+def test_chat_script_refuses_a_bad_prefill_chunk(monkeypatch, capsys):
+    """One line and exit 2 (kvzoo.cli.run), no traceback: an uncaught exception would fail this test."""
+    code, err = chat_in_process(monkeypatch, capsys, "--device", "cpu", "--prefill-chunk", "0", "--prompt", "hi")
+    assert code == 2 and "prefill_chunk must be >= 1, got 0" in err
 
 
 def test_perplexity_script_writes_json(tmp_path):

@@ -1,8 +1,10 @@
-"""The generation loop on a tiny random model: batching, sampling, stopping, streaming."""
+"""The generation loop on a tiny random model (batching, sampling, stopping, streaming), and every registered
+cache strategy generating with the embedded default model."""
 
 import pytest
 import torch
 
+import kvzoo
 from kvzoo.generate import generate, sample
 from kvzoo.models.loader import load_weights
 from tests.tiny import tiny_llama
@@ -91,3 +93,43 @@ def test_generation_reports_cache_bytes(model):
     cfg = model.cfg
     assert out.cache_nbytes == 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4 * 2 * 7
     assert out.kv_ratio == pytest.approx(2.0)
+
+
+# ---- every registered strategy on the embedded model -----------------------------------------------------
+STRATEGIES = kvzoo.list_caches()     # read at collection time, so a newly registered strategy is covered at once
+# strategies that keep every bit of K and V: fp16 (at the model's precision) and AlignedKV (fp16 split into the
+# bit planes it reads as few of as it can); every other strategy must hold less than an fp16 cache
+FULL_STORAGE = {"fp16", "alignedkv"}
+PROMPT_TOKENS, NEW_TOKENS = 400, 16
+
+
+@pytest.fixture(scope="module")
+def prompt(default_model, wikitext_text):
+    """400 tokens of WikiText-2: past every built-in strategy's exact windows at its default options (KIVI's
+    residual of 128 plus a group of 32, InnerQ's sink of 32 plus 96 recent tokens, XQuant's groups of 128,
+    AlignedKV's blocks of 64), so each quantizes most of the prompt and decodes the answer from what it stored."""
+    _, tok = default_model
+    ids = tok.encode(wikitext_text[:20_000])[:PROMPT_TOKENS]
+    assert len(ids) == PROMPT_TOKENS
+    return ids
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_generate_every_strategy(default_model, prompt, name):
+    """Greedy generation in process (one model for every strategy) through each registered strategy at its
+    default options; bytes against an fp16 cache of the same slots."""
+    model, tok = default_model
+    out = kvzoo.generate(model, tok, [prompt], max_new_tokens=NEW_TOKENS, temperature=0, cache=name)
+    assert out.texts[0].strip() and out.new_tokens > 0
+    cfg = model.cfg
+    slots = PROMPT_TOKENS + out.decode_steps           # the last token is sampled, never stored
+    assert out.fp16_nbytes == 2 * 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * slots   # K and V, 2 bytes
+    model_bytes = next(model.parameters()).element_size()     # 4: fp32 on CPU
+    if name == "fp16":
+        # K/V held at the model's precision: an fp32 run holds twice an fp16 cache (an fp16 run: exactly 1x)
+        assert out.kv_ratio == model_bytes / 2
+    elif name in FULL_STORAGE:
+        assert 1 <= out.kv_ratio < 1.1, out.kv_ratio
+    else:
+        # its exact windows at fp32 (twice an fp16 cache's bytes) included, a quantizing strategy holds less
+        assert 0 < out.kv_ratio < 1, f"{name}: {out.kv_ratio:.3f}x fp16 (exact windows longer than the prompt?)"

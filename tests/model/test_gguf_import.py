@@ -12,8 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kvzoo.models import gguf_import
-from kvzoo.models.gguf_import import (
+pytest.importorskip("gguf")         # the reader of the GGUF file being converted
+
+from kvzoo.models import gguf_import  # noqa: E402
+from kvzoo.models.gguf_import import (  # noqa: E402
     DEFAULT_MODEL_NAME,
     MARKER_FILE,
     convert_gguf,
@@ -21,7 +23,7 @@ from kvzoo.models.gguf_import import (
     find_default_gguf,
     weights_root,
 )
-from kvzoo.tokenizer import Tokenizer
+from kvzoo.tokenizer import Tokenizer  # noqa: E402
 
 N_LAYERS, HIDDEN, FFN, VOCAB, HEAD_DIM = 30, 576, 1536, 49152, 64
 N_HEADS, N_KV_HEADS = 9, 3
@@ -35,6 +37,8 @@ def gguf_path():
 @pytest.fixture(scope="module")
 def reference_model(gguf_path):
     """transformers' own GGUF loader (needs accelerate installed)."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32).eval()
@@ -76,6 +80,7 @@ def test_tensors_have_hf_shapes(converted_state):
 
 
 def test_config_is_a_hf_llama_config(default_model_dir):
+    pytest.importorskip("transformers")
     from transformers import AutoConfig
 
     config = json.loads((default_model_dir / "config.json").read_text())
@@ -116,6 +121,7 @@ def test_weights_equal_transformers_gguf_load(converted_state, reference_model):
 
 
 def test_logits_and_greedy_answer_match_transformers(default_model_dir, reference_model):
+    pytest.importorskip("transformers")
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
@@ -139,6 +145,7 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(default_model_dir, gguf_p
     pre-tokenizer set to the SmolLM one, transformers agrees with us id for id.
     """
     from tokenizers import pre_tokenizers
+    pytest.importorskip("transformers")
     from transformers import AutoTokenizer
 
     ours = Tokenizer.from_pretrained(default_model_dir)

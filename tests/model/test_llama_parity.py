@@ -7,9 +7,10 @@ full forward and for token-by-token decode through the fp16 cache.
 
 import pytest
 import torch
-import transformers
 
 from kvzoo.models.loader import load_weights
+
+transformers = pytest.importorskip("transformers")   # the `test` extra
 
 TOL = 1e-4
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

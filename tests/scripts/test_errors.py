@@ -213,7 +213,6 @@ def test_every_script_builds_its_command_line():
     ("needle.py", ["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     ("repro.kvpareto.memory", ["--chunks", "-1"], "--tokens must be >= 1 and --chunks >= 0"),
     ("needle.py", ["--depths", "x"], "--depths takes comma-separated numbers"),
-    ("chat.py", ["--prefill-chunk", "0", "--prompt", "hi"], "prefill_chunk must be >= 1, got 0"),
 ])
 def test_new_script_options_refuse_bad_values(script, args, message):
     """Refused with one line naming the problem (exit 2), before or instead of any long work."""

@@ -53,6 +53,7 @@ def test_grid_scores_exact_retrieval(smollm):
 
 
 def test_script_end_to_end(tmp_path):
+    pytest.importorskip("matplotlib")   # --plot (the `eval` extra)
     target, figure = tmp_path / "n.json", tmp_path / "n.png"
     cmd = [sys.executable, str(REPO / "scripts" / "needle.py"), "--device", "cpu", "--lengths", "256",
            "--depths", "0,1", "--cache", "kvpareto:k_bits=8,v_bits=8", "--prefill-chunk", "64",

@@ -39,6 +39,8 @@ def test_configuration_grid():
 
 
 def test_script_end_to_end(tmp_path):
+    pytest.importorskip("matplotlib")   # --plot (the `eval` extra)
+    pytest.importorskip("triton")       # --weights w4-awq: kvzoo.weightquant.awq imports kvzoo.kernels.w4a16
     target, figure = tmp_path / "p.json", tmp_path / "p.png"
     """Both weight formats: w4-awq's model memory is its 4-bit codes, the w16 model's its fp weights."""
     cmd = [sys.executable, "-m", "repro.kvpareto.frontier", "--device", "cpu", "--context", "256",

@@ -158,6 +158,7 @@ def test_analyze_hooks_see_the_normalized_attention_input(tiny_dir):
 
 
 def test_script_end_to_end_writes_json_and_plot(tiny_dir, tmp_path):
+    pytest.importorskip("matplotlib")   # --plot (the `eval` extra)
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog.\n\n" * 20)
     target, figure = tmp_path / "out" / "outliers.json", tmp_path / "out" / "outliers.png"
