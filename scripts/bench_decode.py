@@ -220,13 +220,17 @@ class Kvzoo:
 
 def store_random(kv, tokens: int, chunk: int = 65536) -> None:
     """Store `tokens` random K/V tokens (B = 1) in every layer through the strategy's windowed store
-    (kvzoo/cache/store.py: windows, quantization), with no attention: a largest-context probe of a strategy
-    without a whole-step graph, whose eager decode's memory grows with the tokens held."""
+    (kvzoo/cache/store.py: windows, quantization), or AlignedKV's own fp16 planes (`_append`), with no attention:
+    a largest-context probe of a strategy without a whole-step graph, whose eager decode's memory grows with the
+    tokens held."""
     for layer in kv.layers:
         weight, n_kv, d = layer.attn.q_proj.weight, layer.attn.n_kv_heads, layer.attn.head_dim
         for start in range(0, tokens, chunk):
             k, v = torch.randn(2, 1, n_kv, min(chunk, tokens - start), d, dtype=weight.dtype, device=weight.device)
-            layer.length = layer.store.append(layer.length, {"k": k, "v": v})
+            if hasattr(layer, "store"):
+                layer.length = layer.store.append(layer.length, {"k": k, "v": v})
+            else:
+                layer._append(k, v)
     kv.length += tokens
 
 

@@ -247,7 +247,8 @@ def test_bench_decode_writes_each_row_as_it_is_measured(model, tmp_path):
     assert seen == [1, 2] and saved["partial"] and [r["batch"] for r in saved["rows"]] == [1, 2]
 
 
-@pytest.mark.parametrize("cache", ["kivi:bits=2,group_size=32,residual=32", "squat:bits=2", "kvpareto"])
+@pytest.mark.parametrize("cache", ["kivi:bits=2,group_size=32,residual=32", "squat:bits=2", "kvpareto",
+                                   "kvpareto:granularity=tensor", "alignedkv:block=16,fused=false"])
 def test_bench_decode_stores_random_tokens_through_the_strategy(model, cache):
     """A piecewise strategy's largest-context probe fills its buffers with random K/V through the strategy's own
     store path: every layer then holds the tokens, in the bytes its formula gives, and decodes on."""
