@@ -53,6 +53,15 @@ LOSSY = {
     "kvpareto-k16": "kvpareto:k_bits=16,v_bits=2,granularity=tensor",
     "int8": "int8",
 }
+# Settings whose statistics come from the prompt (InnerQ's key norm, KV Pareto's K-smoothing mean, SQuat's
+# subspace) at their defaults, so that the causality test covers them
+CAUSAL = LOSSY | {
+    "innerq-norm": "innerq:sink=4,recent=0",
+    "innerq-default": "innerq:sink=8,recent=32",
+    "squat-default": "squat:group_size=8,residual=8",
+    "squat-pre-default": "squat-pre:group_size=8,residual=8",
+    "kvpareto-smooth-block": "kvpareto:k_bits=2,v_bits=2,granularity=block,group_size=8",
+}
 T = 48
 # Strategies whose storage format is fp16 itself (AlignedKV reads fp16 bit planes): an fp32 model rounds
 # their K/V to fp16, so their lossless setting is checked in a half-precision copy of the model.
@@ -126,6 +135,21 @@ def test_streaming_prefill_is_exact_then_decode_uses_storage(model, name):
     ours, cache = stream(model, LOSSY[name], x, prefill=30)
     assert (ours[:, :30] - reference[:, :30]).abs().max() < 1e-5
     assert cache.length == T
+
+
+@pytest.mark.parametrize("prompt", [0, 20])
+@pytest.mark.parametrize("name", sorted(CAUSAL))
+@torch.no_grad()
+def test_simulated_mode_is_causal(model, name, prompt):
+    """No prediction depends on a later token: changing the tokens after slot t leaves the logits of slots
+    <= t unchanged (statistics taken from the prompt only, as a streaming run has them)."""
+    x = tokens(seed=8)
+    base = model(x, model.new_cache(CAUSAL[name], 2, T, mode="simulated", prompt=prompt))
+    for t in (5, 40):
+        changed = x.clone()
+        changed[:, t + 1:] = tokens(seed=9)[:, t + 1:]
+        other = model(changed, model.new_cache(CAUSAL[name], 2, T, mode="simulated", prompt=prompt))
+        assert (other[:, :t + 1] - base[:, :t + 1]).abs().max() < 1e-5, f"slot <= {t} saw a later token"
 
 
 @pytest.mark.parametrize("name", sorted(LOSSY))
