@@ -24,7 +24,7 @@ def strategy_options() -> dict[str, type]:
 
 
 def add_model_args(parser: argparse.ArgumentParser, cache: bool = True) -> None:
-    """--model, --device, --dtype and (cache=True) --cache, --cache-opts and a flag per strategy option;
+    """--model, --device, --dtype, --mha and (cache=True) --cache, --cache-opts and a flag per strategy option;
     scripts that take their caches another way (report.py's --caches) or none pass cache=False."""
     parser.add_argument("--model", default=None,
                         help="local HF folder or hub id (default: the embedded SmolLM2-135M-Instruct)")
@@ -40,6 +40,9 @@ def add_model_args(parser: argparse.ArgumentParser, cache: bool = True) -> None:
                         help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                         help="weights and activations (auto: float32 on cpu, bfloat16 on cuda)")
+    parser.add_argument("--mha", action="store_true",
+                        help="expand GQA to multi-head attention by repeating each KV head (the same function; "
+                             "XQuant's MHA path)")
 
 
 def check_device(device: str) -> torch.device:
@@ -68,12 +71,17 @@ def parse_cache_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 
 def load_from_args(args: argparse.Namespace):
-    """(model, tokenizer) for parsed add_model_args arguments."""
+    """(model, tokenizer) for parsed add_model_args arguments; with --mha the model is expanded from GQA to
+    the equivalent multi-head attention (kvzoo/models/mha.py) right after loading."""
     from kvzoo import load_model
+    from kvzoo.models.mha import expand_to_mha
 
     device = check_device(args.device)
     dtype = args.dtype if args.dtype != "auto" else ("float32" if device.type == "cpu" else "bfloat16")
-    return load_model(args.model, device=device, dtype=dtype, progress=True)
+    model, tokenizer = load_model(args.model, device=device, dtype=dtype, progress=True)
+    if getattr(args, "mha", False):
+        expand_to_mha(model)
+    return model, tokenizer
 
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
