@@ -17,15 +17,15 @@ def main() -> None:
     parser.add_argument("--data-path", default=None, help="override the dataset file (default: ../shared/data)")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--max-windows", type=int, default=None, help="score only the first N windows")
-    parser.add_argument("--prefill", type=int, default=None,
-                        help="streaming mode: tokens prefilled before decoding (default 256, or the prompt of a "
-                             "strategy that takes one: SQuat's prompt_frac of the window)")
+    parser.add_argument("--prompt", type=int, default=None,
+                        help="tokens of each window that are the prompt: prefilled exact (streaming: a real prefill), "
+                             "statistics taken from them, not scored (default min(256, seq_len / 8))")
     parser.add_argument("--batch-size", type=int, default=1, help="windows run side by side")
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="streaming mode: prefill this many tokens at a time (chunked prefill)")
     parser.add_argument("--mode", choices=["simulated", "streaming"], default="simulated",
                         help="simulated: each token sees the cache as token-by-token decoding would (the papers' "
-                             "protocol); streaming: prefill --prefill tokens, then decode the rest token by token")
+                             "protocol); streaming: prefill the prompt, then decode the rest token by token")
     parser.add_argument("--json", default=None, help="also write the result to this JSON file")
     parser.add_argument("--overwrite", action="store_true", help="let --json replace an existing file")
     args = parser.parse_args()
@@ -35,15 +35,14 @@ def main() -> None:
     model, tokenizer = load_from_args(args)
     ids = tokenizer.encode(text)
     result = perplexity(model, ids, seq_len=args.seq_len, max_windows=args.max_windows, cache=args.cache,
-                        mode=args.mode, prefill=args.prefill, batch_size=args.batch_size,
+                        mode=args.mode, prompt=args.prompt, batch_size=args.batch_size,
                         prefill_chunk=args.prefill_chunk)
     print(f"dataset      {args.dataset}")
     print(f"cache        {args.cache} ({args.mode})")
     print(f"perplexity   {result.perplexity:.3f}")
     print(f"tokens       {result.tokens:,} ({result.windows} windows of {result.seq_len} scored)")
-    if result.score_from:
-        print(f"protocol     the first {result.score_from} tokens of each window are the prompt ({args.cache.name} "
-              f"builds its subspace from them) and are not scored: {result.scored_tokens:,} predictions")
+    print(f"prompt       the first {result.prompt} tokens of each window (prefilled exact, statistics from them, "
+          f"not scored): {result.scored_tokens:,} predictions scored")
     print(f"KV bytes     {human_bytes(result.kv_nbytes)} per window "
           f"({result.kv_ratio:.3f}x the fp16 cache's {human_bytes(result.fp16_kv_nbytes)})")
     print(f"time         {result.seconds:.1f} s")

@@ -376,18 +376,18 @@ class AlignedKVCache(WholeStep, LayerCache):
         exact_mask = (torch.arange(L, device=c.q.device) >= L0)[None, :]            # (1, L): every query alike
         return self._attend(c, exact_mask, n_aligned, full_mask(pos, L, c.q.device))
 
-    def attend_simulated(self, c: Chunk, use_held: Tensor, mask: Tensor) -> Tensor:
-        """Query slot t reads slot j < t from storage (use_held), aligned if j lies in a block complete before
+    def attend_simulated(self, c: Chunk, use_k: Tensor, use_v: Tensor, mask: Tensor) -> Tensor:
+        """Query slot t reads slot j < t from storage (use_k, use_v: one window, the same), aligned if j lies in a block complete before
         t (j < floor(t / block) * block), and its own slot exact, as decoding it would; the prompt's queries
         read every slot exact."""
         if self.opts.min_bits == 16 and c.keys.dtype == torch.float16:     # every bit read: the fp16 cache
             return attend(c.q, c.keys, c.values, mask)
         if self.opts.min_bits == 16:   # every bit read: the stored copy for j < t, the exact one for j = t
-            return super().attend_simulated(c, use_held, mask)
+            return super().attend_simulated(c, use_k, use_v, mask)
         L, T = self.length, c.q.shape[2]
         q_slots = torch.arange(L - T, L, device=c.q.device)
         n_aligned = torch.where(q_slots >= self.prompt, q_slots // self.opts.block * self.opts.block, 0)
-        return self._attend(c, ~use_held, n_aligned, mask)
+        return self._attend(c, ~use_k, n_aligned, mask)
 
     # ---- decode: the kernels on CUDA ---------------------------------------------------------------
     def _kernels_fit(self) -> bool:

@@ -17,8 +17,9 @@ What a strategy says (the contract):
     formula_nbytes(length) -> int            the module docstring's bytes-per-token formula (the contract
                                              test holds nbytes() to it)
     reset()                                  forget every token (buffers are kept for reuse)
-    window                                   which slots are quantized when (kvzoo/cache/store.py's Window),
-                                             or None for a strategy that shows every token what it stored
+    window, value_window                     which key (value) slots are quantized when (kvzoo/cache/store.py's
+                                             Window; value_window None: the keys'), or window None for a
+                                             strategy that shows every token what it stored
 The base class owns `length` and derives the two evaluation modes from `append`:
   streaming   prefill = attention over what `append` returns; what chat and benchmarks do.
   simulated   the papers' perplexity protocol: in one teacher-forced forward, the query at slot s sees
@@ -26,7 +27,12 @@ The base class owns `length` and derives the two evaluation modes from `append`:
               round-tripped (as held) where `window.rounded` says j was quantized by the time s is decoded,
               exact otherwise. Its logits equal a streaming run that decodes the text one token at a time.
               With a prompt of P tokens (`new_cache(..., prompt=P)`), the queries of slots [0, P) see every
-              key exact, as a streaming prefill of the prompt does.
+              key exact, as a streaming prefill of the prompt does. It is causal: no prediction depends on a
+              later token (tests/cache/test_cache_contract.py checks every strategy).
+Statistics a strategy takes from the prompt (InnerQ's key norm, KV Pareto's smoothing mean, SQuat's query
+subspace) come from the first `prompt_slots` tokens of the first call: the prompt, exactly as a streaming run
+has it (a streaming prefill's whole chunk; in simulated mode slots [0, max(P, 1)), the first token standing in
+for a run that decodes from one token).
 A whole-step CUDA-graph decode is an opt-in capability (kvzoo/graphs.py's `WholeStep`).
 
 Shapes: x (B, T, hidden); q (B, n_heads, T, hd); k, v (B, n_kv_heads, T, hd); out (B, n_heads, T, hd).
@@ -114,18 +120,19 @@ def full_mask(pos: Positions, n_keys: int, device) -> Tensor:
     return (torch.arange(n_keys, device=device)[None, :] <= q_slot[:, None])[None, None]
 
 
-def attend_split(q: Tensor, k_a: Tensor, v_a: Tensor, k_b: Tensor, v_b: Tensor, use_b: Tensor,
+def attend_split(q: Tensor, k_a: Tensor, v_a: Tensor, k_b: Tensor, v_b: Tensor, use_kb: Tensor, use_vb: Tensor,
                  mask: Tensor) -> Tensor:
-    """Attention where each (query, key) pair reads key/value version a or b: use_b (T, S) True picks b.
+    """Attention where each (query, key) pair reads key version a or b (use_kb (T, S) True picks b) and value
+    version a or b (use_vb).
 
     The simulated mode's workhorse: b is the quantize-dequantize round trip, a full precision.
     q (B, Hq, T, hd); k_*, v_* (B, Hkv, S, hd); mask (B, 1, T, S) booleans. Pure torch, fp32 softmax."""
     rep = q.shape[1] // k_a.shape[1]
     k_a, v_a, k_b, v_b = (t.repeat_interleave(rep, dim=1) for t in (k_a, v_a, k_b, v_b))   # (B, Hq, S, hd)
     scale = q.shape[-1] ** -0.5
-    scores = torch.where(use_b, q @ k_b.transpose(-1, -2), q @ k_a.transpose(-1, -2)) * scale  # (B, Hq, T, S)
+    scores = torch.where(use_kb, q @ k_b.transpose(-1, -2), q @ k_a.transpose(-1, -2)) * scale  # (B, Hq, T, S)
     probs = scores.float().masked_fill(~mask, float("-inf")).softmax(dim=-1).to(q.dtype)
-    return probs.masked_fill(use_b, 0) @ v_a + probs.masked_fill(~use_b, 0) @ v_b
+    return probs.masked_fill(use_vb, 0) @ v_a + probs.masked_fill(~use_vb, 0) @ v_b
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None) -> Tensor:
@@ -217,7 +224,8 @@ class LayerCache(nn.Module):
 
     name: ClassVar[str]
     Options: ClassVar[type] = NoOptions
-    window: Any = None    # a kvzoo.cache.store.Window, or None: every token is seen as stored
+    window: Any = None          # a kvzoo.cache.store.Window, or None: every token is seen as stored
+    value_window: Any = None    # the values' Window where it differs from the keys'
 
     def __init__(self, spec: CacheSpec, layer: "Attention", prev: "LayerCache | None",
                  batch_size: int, max_len: int):
@@ -275,6 +283,13 @@ class LayerCache(nn.Module):
         """Forget every token; preallocated buffers are simply overwritten by the next ones."""
         self.length = 0
 
+    def prompt_slots(self, chunk: int) -> int:
+        """Of a chunk of `chunk` tokens, how many prompt statistics come from (module docstring): the whole
+        chunk on a streaming first call, the first max(prompt, 1) on a simulated one, none once a token is stored."""
+        if self.length:
+            return 0
+        return min(chunk, max(self.prompt, 1)) if self.simulated else chunk
+
     # ---- the two evaluation modes, for every strategy ------------------------------------------------
     def prefill(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
         """Streaming: the chunk attends over the history as held plus itself exact, then stays stored."""
@@ -289,12 +304,14 @@ class LayerCache(nn.Module):
         c = self.append(x, q, k, v, pos, held=True)
         L = self.length
         q_slots = torch.arange(L - q.shape[2], L, device=q.device)
-        use_held = self.window.rounded(q_slots, L) & (q_slots >= self.prompt)[:, None]     # (T, L)
-        return self.attend_simulated(c, use_held, full_mask(pos, L, q.device))
+        decoded = (q_slots >= self.prompt)[:, None]                                          # (T, 1)
+        use_k = self.window.rounded(q_slots, L) & decoded                                    # (T, L)
+        use_v = (self.value_window or self.window).rounded(q_slots, L) & decoded
+        return self.attend_simulated(c, use_k, use_v, full_mask(pos, L, q.device))
 
-    def attend_simulated(self, c: Chunk, use_held: Tensor, mask: Tensor) -> Tensor:
+    def attend_simulated(self, c: Chunk, use_k: Tensor, use_v: Tensor, mask: Tensor) -> Tensor:
         """Attention of simulated mode; a strategy whose reads depend on the query (AlignedKV) overrides it."""
-        return attend_split(c.q, c.keys, c.values, c.held_keys, c.held_values, use_held, mask)
+        return attend_split(c.q, c.keys, c.values, c.held_keys, c.held_values, use_k, use_v, mask)
 
 
 def _coerce(raw: Any, kind: type) -> Any:

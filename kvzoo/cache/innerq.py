@@ -15,18 +15,21 @@ are the shared store's (store.py), as for KIVI; InnerQ changes what is quantized
   group or the 32 sign bits of a symmetric one, and a 1-bit mask per group says which (`mode`: asym |
   sym | hybrid | hybrid_prefill, the last using hybrid groups only for the first forward call, the
   prompt, and symmetric ones afterwards, so the mask stops growing).
-- High-precision windows (§4.2): the first `sink` and the last `recent` tokens stay exact.
-- Per-channel key normalization (§4.3): at the end of the prefill, norm_i = sqrt(max_t |K_t,i|) over the
-  prompt's (post-RoPE) keys; keys are stored divided by it and queries multiplied by it, so q·k is
-  unchanged. The paper folds the factor into W_q and W_k; RoPE rotates channel i with i + d/2, so the
-  folding commutes with RoPE only if both channels share one factor, hence norms are tied per RoPE pair
-  (the larger of the two). kvzoo applies the factor to q and k after projection, which is the folded
-  product exactly, without rewriting weights shared by every sequence the model serves.
+- High-precision windows (§4.2, Algorithms 1 and 2): the first `sink` tokens stay exact, and exactly the last
+  `recent` keys (a key is quantized on its own, its groups lying within the token); values are quantized a
+  group of 32 tokens at a time once 32 have left the recent window. `policy=grouped` flushes keys the same
+  way as values, `none` keeps no window (kvzoo/cache/store.py).
+- Per-channel key normalization (§4.3): norm_i = sqrt(max_t |K_t,i|) over the prompt's post-RoPE keys
+  (LayerCache.prompt_slots: the prefill, as Algorithm 2 computes it); keys are stored divided by it and
+  queries multiplied by it, after RoPE, so q·k is unchanged channel by channel, as the paper's factor folded
+  into W_q and W_k intends, without rewriting weights shared by every sequence the model serves.
+  `tie_norm=true` ties the factor per RoPE pair (channels i and i + d/2 share the larger), the form that
+  could be folded into pre-RoPE weights (an ablation).
 
 Stored per layer (B rows, H = n_kv_heads, d = head_dim, b = bits, Nq quantized tokens; inner layout):
     k_codes int32 (B, H, Nq, d*b/32)   k_scale fp16 + k_slot int32 (B, H, Nq, d/32)   per-token groups
     v_codes int32 (B, H, Nq, d*b/32)   v_scale fp16 + v_slot int32 (B, H, Nq/32, d)   per-channel groups
-    k_mask int32 (B, H, d/32, Nq/32)   v_mask int32 (B, H, Nq/32, d/32)              hybrid modes only
+    k_mask int32 (B, H, d/32, ⌈Nq/32⌉) v_mask int32 (B, H, Nq/32, d/32)              hybrid modes only
     sink and recent windows (B, H, ·, d) at the model's precision; norm (B, H, 1, d) with key_norm
 Bytes per quantized token, per layer and KV head: d*b/4 (codes) + 2 * 6d/32 (fp16 scale + 32-bit slot per
 group, K and V) + d/128 (mask bits, hybrid). d = 64, b = 2: 32 + 24 + 0.5 = 56.5 bytes against 256 in fp16.
@@ -49,7 +52,7 @@ from torch import Tensor
 from kvzoo.cache.base import Chunk, LayerCache, Positions, StaticStep, register
 from kvzoo.cache.kvquant import (UnifiedQTensor, check_bits, dequantize_unified, pack_sym_mask, packed_words,
                                  quantize_unified, unpack_sym_mask)
-from kvzoo.cache.store import Codec, Window, WindowedStore
+from kvzoo.cache.store import Codec, Window, WindowedStore, check_policy, policy_windows
 from kvzoo.graphs import WholeStep
 
 GROUP = 32        # the unified slot holds 32 bits: an fp32 zero point or 32 sign bits
@@ -64,11 +67,14 @@ class InnerQOptions:
     recent: int = 96
     quant_mode: str = "hybrid"
     key_norm: bool = True
+    tie_norm: bool = False     # one norm factor per RoPE pair (ablation); default per channel
+    policy: str = "reference"  # window policy (kvzoo/cache/store.py): reference | grouped | none
     outer: bool = False
     fused: bool = True     # decode through the Triton kernel (kvzoo/kernels/innerq_attention.py) on CUDA
 
     def __post_init__(self):
         check_bits(self.bits)
+        check_policy(self.policy)
         if self.group_size != GROUP:
             raise ValueError(f"innerq group_size must be {GROUP} (one 32-bit slot holds a group's zero point "
                              f"or its sign bits), got {self.group_size}")
@@ -99,7 +105,7 @@ class InnerQCodec(Codec):
         buf("slot", self._group_shape(capacity), torch.int32)
         # mask bits packed along tokens (per-token groups) or along channels (per-channel groups); no bits at
         # all (zero columns along tokens) in the asym and sym modes
-        tokens = capacity // 32 if self.has_mask else 0
+        tokens = -(-capacity // 32) if self.has_mask else 0
         buf("mask", (d // GROUP, tokens) if axis == -1 else (tokens, d // 32), torch.int32)
 
     def _group_shape(self, n: int) -> tuple[int, int]:
@@ -120,8 +126,12 @@ class InnerQCodec(Codec):
         self.scale[:, :, groups] = q.scale
         self.slot[:, :, groups] = q.slot
         if self.has_mask:
-            if self.axis == -1:     # bits along tokens (B, H, d/32, n/32)
-                self.mask[:, :, :, a // 32:b // 32] = pack_sym_mask(q.sym, self.axis)
+            if self.axis == -1:     # bits along tokens (B, H, d/32, n/32), a word shared by 32 tokens
+                a0 = a // 32 * 32   # the first word's earlier tokens keep their bits
+                sym = torch.cat([unpack_sym_mask(self.mask[:, :, :, a0 // 32:], -1, a - a0, a - a0, self.width), q.sym],
+                                dim=2)                                                   # (B, H, b - a0, d/32)
+                words = pack_sym_mask(sym, -1)
+                self.mask[:, :, :, a0 // 32:a0 // 32 + words.shape[-1]] = words
             else:                   # bits along channels (B, H, n/32, d/32)
                 self.mask[:, :, a // GROUP:b // GROUP] = pack_sym_mask(q.sym, self.axis)
 
@@ -134,23 +144,31 @@ class InnerQCodec(Codec):
         """Of the first n quantized tokens, those whose groups carry a mask bit."""
         return min(n, self.mask_upto())
 
-    def held(self, n: int) -> UnifiedQTensor:
-        shape = (*self.codes.shape[:2], n, self.width)
+    def held(self, n: int, start: int = 0) -> UnifiedQTensor:
+        shape = (*self.codes.shape[:2], n - start, self.width)
+        a = start // 32 * 32                   # mask bits are read from the word holding slot `start` on
         if self.mode == "asym":
-            sym = torch.zeros((*shape[:2], *self._group_shape(n)), dtype=torch.bool, device=self.codes.device)
+            sym = torch.zeros((*shape[:2], *self._group_shape(n - a)), dtype=torch.bool, device=self.codes.device)
         else:
-            sym = unpack_sym_mask(self.mask, self.axis, n, self.mask_upto(), self.width)
-        groups = self._group_slice(0, n)
-        return UnifiedQTensor(codes=self.codes[:, :, :n], scale=self.scale[:, :, groups], slot=self.slot[:, :, groups],
-                              sym=sym, bits=self.bits, axis=self.axis, shape=shape)
+            words = self.mask[:, :, :, a // 32:] if self.axis == -1 else self.mask[:, :, a // 32:]
+            sym = unpack_sym_mask(words, self.axis, n - a, max(0, self.mask_upto() - a), self.width)
+        groups = self._group_slice(start, n)
+        return UnifiedQTensor(codes=self.codes[:, :, start:n], scale=self.scale[:, :, groups],
+                              slot=self.slot[:, :, groups], sym=sym[:, :, self._group_slice(start - a, n - a)],
+                              bits=self.bits, axis=self.axis, shape=shape)
 
-    def read(self, n: int, dtype: torch.dtype) -> Tensor:
-        return dequantize_unified(self.held(n), dtype)
+    def read(self, n: int, dtype: torch.dtype, start: int = 0) -> Tensor:
+        return dequantize_unified(self.held(n, start), dtype)
+
+    def mask_words(self, n: int) -> int:
+        """32-bit mask words per (row, head) held for the first n quantized tokens."""
+        m = self.mask_tokens(n)
+        return -(-m // 32) * self.width // GROUP if self.axis == -1 else m // 32 * self.width // 32
 
     def nbytes(self, n: int) -> int:
         groups = self._group_slice(0, n)
         total = self.codes[:, :, :n].nbytes + self.scale[:, :, groups].nbytes + self.slot[:, :, groups].nbytes
-        m = self.mask_tokens(n) // 32
+        m = -(-self.mask_tokens(n) // 32)
         if m:
             total += (self.mask[:, :, :, :m] if self.axis == -1 else self.mask[:, :, :m]).nbytes
         return total
@@ -171,19 +189,22 @@ class InnerQCache(WholeStep, LayerCache):
         o, d, weight = self.opts, layer.head_dim, layer.q_proj.weight
         if d % GROUP:
             raise ValueError(f"innerq needs a head dimension divisible by {GROUP}, got {d}")
-        self.window = Window(o.sink, o.recent, GROUP)
-        lead, capacity = (batch_size, layer.n_kv_heads), self.window.quantized(max_len)
         # (key group axis, value group axis): -1 groups along head_dim, -2 along tokens
-        axes = (-2, -1) if o.outer else (-1, -2)
-        codecs = {name: InnerQCodec(lead, capacity, d, o.bits, axis, o.quant_mode, weight.device)
-                  for name, axis in zip("kv", axes)}
-        self.store = WindowedStore(self.window, codecs, lead, weight.dtype, weight.device)
+        axes = dict(zip("kv", (-2, -1) if o.outer else (-1, -2)))
+        spans = {name: 1 if axis == -1 else GROUP for name, axis in axes.items()}    # tokens one group covers
+        windows = policy_windows(o.policy, {name: Window(o.sink, o.recent, span) for name, span in spans.items()},
+                                 o.sink, o.recent, GROUP, spans)
+        self.window, self.value_window = windows["k"], windows["v"]
+        lead = (batch_size, layer.n_kv_heads)
+        codecs = {name: InnerQCodec(lead, windows[name].quantized(max_len), d, o.bits, axis, o.quant_mode, weight.device)
+                  for name, axis in axes.items()}
+        self.store = WindowedStore(windows, codecs, lead, weight.dtype, weight.device)
         self.register_buffer("norm", torch.zeros(*lead, 1, d, dtype=weight.dtype, device=weight.device),
                              persistent=False)
 
     # ---- key normalization -------------------------------------------------------------------------
     def _qk(self, q: Tensor, k: Tensor, pos: Positions) -> tuple[Tensor, Tensor]:
-        """(q, k) after RoPE and key normalization; the first call (the prompt) sets the per-channel norm."""
+        """(q, k) after RoPE and key normalization; the prompt (the first call) sets the per-channel norm."""
         q, k = self.attn.rope(q, k, pos.ids)
         first_call = self.length == 0
         for codec in self.store.codecs.values():
@@ -191,12 +212,14 @@ class InnerQCache(WholeStep, LayerCache):
         if not self.opts.key_norm:
             return q, k
         if first_call:
-            slots = torch.arange(pos.start, pos.start + k.shape[2], device=k.device)
-            real = (slots[None, :] >= pos.pad[:, None])[:, None, :, None]        # (B, 1, T, 1): not padding
-            peak = k.abs().masked_fill(~real, 0).amax(dim=2, keepdim=True)       # (B, H, 1, d)
-            half = peak.shape[-1] // 2
-            tied = torch.maximum(peak[..., :half], peak[..., half:])             # one factor per RoPE pair
-            self.norm.copy_(torch.cat([tied, tied], dim=-1).clamp_min(1e-6).sqrt())
+            n = self.prompt_slots(k.shape[2])
+            slots = torch.arange(pos.start, pos.start + n, device=k.device)
+            real = (slots[None, :] >= pos.pad[:, None])[:, None, :, None]        # (B, 1, n, 1): not padding
+            peak = k[:, :, :n].abs().masked_fill(~real, 0).amax(dim=2, keepdim=True)   # (B, H, 1, d)
+            if self.opts.tie_norm:                                               # one factor per RoPE pair
+                half = peak.shape[-1] // 2
+                peak = torch.maximum(peak[..., :half], peak[..., half:]).repeat(1, 1, 1, 2)
+            self.norm.copy_(peak.clamp_min(1e-6).sqrt())
         rep = q.shape[1] // k.shape[1]
         return q * self.norm.repeat_interleave(rep, dim=1), k / self.norm
 
@@ -212,9 +235,11 @@ class InnerQCache(WholeStep, LayerCache):
 
     def formula_nbytes(self, length: int) -> int:
         H, d, B = self.attn.n_kv_heads, self.attn.head_dim, self.batch_size
-        mask = self.store.codecs["k"].mask_tokens(self.window.quantized(length)) * B * H * d / 128
+        # mask bits: one per group, packed in 32-bit words (along tokens for keys: a partly filled last word)
+        mask = sum(4 * B * H * codec.mask_words(self.store.windows[name].quantized(length))
+                   for name, codec in self.store.codecs.items())
         norm = B * H * d * self.norm.element_size() if self.opts.key_norm and length else 0
-        return self.store.formula_nbytes(length) + round(mask) + norm
+        return self.store.formula_nbytes(length) + mask + norm
 
     def reset(self) -> None:
         super().reset()
@@ -262,22 +287,20 @@ class InnerQCache(WholeStep, LayerCache):
             return self.prefill(x, q, k, v, pos)
         q, k = self._qk(q, k, pos)
         st, L = self.store, self.length
-        _, n, r = st.counts(L)
-        k_sink, v_sink, k_rec, v_rec = st.sink("k"), st.sink("v"), st.recent("k"), st.recent("v")
-        if L < self.opts.sink:        # the token joins the sink window; nothing is quantized yet
-            k_sink[:, :, L:L + 1], v_sink[:, :, L:L + 1] = k, v
-            windows = ((k_sink[:, :, :L + 1], v_sink[:, :, :L + 1]), (None, None))
-        else:                         # the token joins the recent window (room for R + G tokens)
-            k_rec[:, :, r:r + 1], v_rec[:, :, r:r + 1] = k, v
-            windows = ((k_sink, v_sink), (k_rec[:, :, :r + 1], v_rec[:, :, :r + 1]))
-        out = self._attend_fused(q, n, windows)
-        self.length = st.append(L, {"k": k, "v": v})   # rewrites the window slot above, quantizes a leaving group
+        # the kernel reads the whole groups quantized in both streams; the rest (the sink, a stream's later
+        # quantized slots dequantized, the recent window) joins the token as exact rows
+        n = min(st.counts(L, name)[1] for name in "kv") // GROUP * GROUP
+        rows = st.read(L, q.dtype, start=n)
+        out = self._attend_fused(q, n, ((torch.cat([rows["k"], k], dim=2), torch.cat([rows["v"], v], dim=2)),
+                                        (None, None)))
+        self.length = st.append(L, {"k": k, "v": v})   # quantizes what leaves the recent windows
         return out
 
     # ---- the static step (WholeStep: CUDA graphs, kvzoo/graphs.py) -------------------------------------
     def can_decode_static(self, padded: bool) -> bool:
-        """Whole-step graphs need the kernel (no mask: unpadded rows) and a prompt already stored."""
-        return not padded and self.length > 0 and self._fused_ok(self.norm)
+        """Whole-step graphs need the kernel (no mask: unpadded rows), a prompt already stored and one window
+        for keys and values (policy=grouped)."""
+        return not padded and self.length > 0 and self.store.window is not None and self._fused_ok(self.norm)
 
     def static_phase(self) -> str:
         return self.store.phase(self.length)

@@ -18,21 +18,23 @@ G = group_size, R = residual, S = sink):
     v_codes  int32 (B, H, Nq, d*b/32)     values, bit-packed along d
     v_scale, v_zero  fp16 (B, H, Nq, d/Gv) one pair per Gv = min(G, d) channels per token
     sink and recent windows (B, H, ., d)  the first S and the r most recent tokens at the model's precision
-With L tokens stored, Nq = max(0, floor((L - S - R) / G)) * G and r = L - S - Nq, so R <= r < R + G once
-L >= S + R:
-the newest R tokens are always exact, and a group is quantized once, when it leaves the window;
-quantized data is never dequantized and requantized.
+Windows (`policy`, kvzoo/cache/store.py). reference, the authors' code: keys wait in a residual of up to R
+exact keys that is quantized whole when it fills (Nq_k = floor((L - S) / R) * R: 0..R-1 exact keys), values
+leave the R-token window one at a time (Nq_v = L - S - R: exactly R exact values). grouped: both streams
+Nq = floor((L - S - R) / G) * G (R..R+G-1 exact). none: no window (keys in whole groups of G, values per
+token). A group is quantized once, when it leaves the window; quantized data is never requantized.
 
 Bytes per token, per layer and KV head: quantized d*b/4 (K and V codes, d a multiple of 32) + 4*d/G
 (fp16 key scale and zero) + 4*d/Gv (value scale and zero); residual 2*d*bytes(dtype). fp16 cache: 4*d.
-For b=2, G=32, d=64: 48 vs 256 bytes, and at L=2048, R=128: (1920*48 + 128*256) / (2048*256) = 0.2383 of the fp16 cache.
+For b=2, G=32, d=64: 48 vs 256 bytes, and at L=2048, R=128 (grouped): (1920*48 + 128*256) / (2048*256) = 0.2383 of
+the fp16 cache.
 
 Decode on a GPU (unpadded rows, KIVI and SQuat, not KIVI*, whose keys need RoPE after dequantization) reads
 the quantized history in place through the outer-layout kernels of kvzoo/kernels/quant_matvec.py (q·Kᵀ with
 per-channel key groups, p·V with per-token value groups; one launch each, GQA rows reading their KV head), with the
 windows and the token exact in one fp32 softmax; everywhere else decode is a one-token prefill, which
 dequantizes the whole history. `decode_static` is the same step with the length in a device tensor, for
-kvzoo/graphs.py's whole-step CUDA graph (WholeStep): attention over every allocated slot, the dead ones and those the
+kvzoo/graphs.py's whole-step CUDA graph (WholeStep), where keys and values share one window (policy=grouped): attention over every allocated slot, the dead ones and those the
 step's mask forbids (padding, sliding windows) masked, one graph per phase (the token joins the sink, joins
 the residual window, or fills it and its oldest group is quantized at a device-held slot). Its cost grows
 with the buffer (max_len), not with the tokens stored.
@@ -50,7 +52,7 @@ from torch import Tensor
 
 from kvzoo.cache.base import Chunk, LayerCache, Positions, StaticStep, register
 from kvzoo.cache.kvquant import check_bits
-from kvzoo.cache.store import GroupCodec, Window, WindowedStore
+from kvzoo.cache.store import GroupCodec, Window, WindowedStore, check_policy, policy_windows
 from kvzoo.graphs import WholeStep
 
 
@@ -62,8 +64,10 @@ class KIVIOptions:
     sink: int = 0          # "KIVI+sink" (InnerQ's baseline): the first tokens also stay exact
     high_layers: int = 0   # the first high_layers layers use high_bits (XQuant Table 4: 3 layers at 4 bits)
     high_bits: int = 4
+    policy: str = "reference"   # window policy (kvzoo/cache/store.py): reference | grouped | none
 
     def __post_init__(self):
+        check_policy(self.policy)
         check_bits(self.bits)
         check_bits(self.high_bits)
         if self.high_layers < 0:
@@ -92,10 +96,14 @@ class KIVICache(WholeStep, LayerCache):
         if d % self.v_group:
             raise ValueError(f"{self.name} group_size {o.group_size} must divide the head dimension {d} "
                              f"(values are grouped along it), or be at least {d}")
-        self.window = Window(o.sink, o.residual, o.group_size)
-        lead, capacity = (batch_size, layer.n_kv_heads), self.window.quantized(max_len)   # the most ever quantized
-        values = GroupCodec(lead, capacity, d, o.bits, self.v_group, False, weight.dtype, weight.device)
-        self.store = WindowedStore(self.window, {"k": self.key_codec(lead, capacity), "v": values}, lead,
+        # the authors' code: the key residual is flushed whole when it holds R keys, exactly R values stay exact
+        reference = {"k": Window(o.sink, 0, max(o.residual, o.group_size)), "v": Window(o.sink, o.residual, 1)}
+        windows = policy_windows(o.policy, reference, o.sink, o.residual, o.group_size, {"k": o.group_size, "v": 1})
+        self.window, self.value_window = windows["k"], windows["v"]
+        lead = (batch_size, layer.n_kv_heads)
+        capacity = {name: w.quantized(max_len) for name, w in windows.items()}      # the most ever quantized
+        values = GroupCodec(lead, capacity["v"], d, o.bits, self.v_group, False, weight.dtype, weight.device)
+        self.store = WindowedStore(windows, {"k": self.key_codec(lead, capacity["k"]), "v": values}, lead,
                                    weight.dtype, weight.device)
 
     def key_codec(self, lead: tuple[int, int], capacity: int) -> GroupCodec:
@@ -135,11 +143,12 @@ class KIVICache(WholeStep, LayerCache):
         if not self._kernels_serve(q, pos):
             return self.prefill(x, q, k, v, pos)
         q, k_rot = self.attn.rope(q, k, pos.ids)
-        in_sink, n_q, r = self.store.counts(self.length)
-        st = self.store
-        k_win = torch.cat([st.sink("k")[:, :, :in_sink], st.recent("k")[:, :, :r], k_rot], dim=2)    # (B, H, W, d)
-        v_win = torch.cat([st.sink("v")[:, :, :in_sink], st.recent("v")[:, :, :r], v], dim=2)
-        out = self._attend_kernels(q, n_q, k_win, v_win)
+        # the kernels read the whole groups quantized in both streams; the rest (a stream's later quantized
+        # slots, dequantized, the sink and recent windows) joins the token as exact rows
+        G = self.opts.group_size
+        n = min(self.store.counts(self.length, name)[1] for name in "kv") // G * G
+        rows = self.store.read(self.length, q.dtype, start=n)
+        out = self._attend_kernels(q, n, torch.cat([rows["k"], k_rot], dim=2), torch.cat([rows["v"], v], dim=2))
         self.length = self.store.append(self.length, {"k": k_rot, "v": v})
         return out
 
@@ -186,7 +195,7 @@ class KIVICache(WholeStep, LayerCache):
         Triton interpreter), once a prompt is stored. The step's mask serves padding and sliding windows."""
         from kvzoo.kernels.quant_matvec import kernels_run_on
 
-        return (not self.simulated and self.length > 0 and self._kernel_layout()
+        return (not self.simulated and self.length > 0 and self._kernel_layout() and self.store.window is not None
                 and kernels_run_on(self.store.codecs["k"].codes.device))
 
     def static_phase(self) -> str:

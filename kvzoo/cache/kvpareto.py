@@ -98,9 +98,10 @@ class BlockCodec(Codec):
         return QTensor(self.codes[:, :, :nb], self.scale[:, :, :nb, None], self.zero[:, :, :nb, None], self.bits,
                        self.G * self.width, -1, (B, H, nb, self.G * self.width))
 
-    def read(self, n: int, dtype: torch.dtype) -> Tensor:
+    def read(self, n: int, dtype: torch.dtype, start: int = 0) -> Tensor:
         B, H = self.codes.shape[:2]
-        return dequantize(self.held(n), dtype).view(B, H, n // self.G * self.G, self.width)   # (B, H, n, d)
+        rows = dequantize(self.held(n), dtype).view(B, H, n // self.G * self.G, self.width)   # (B, H, n, d)
+        return rows[:, :, start:]
 
     def nbytes(self, n: int) -> int:
         nb = n // self.G
@@ -149,8 +150,8 @@ class TensorCodec(Codec):
         return QTensor(self.codes[:, :, :n], expand(self.scale), expand(self.zero), self.bits, self.width, -1,
                        (B, H, n, self.width))
 
-    def read(self, n: int, dtype: torch.dtype) -> Tensor:
-        return dequantize(self.held(n), dtype)
+    def read(self, n: int, dtype: torch.dtype, start: int = 0) -> Tensor:
+        return dequantize(self.held(n), dtype)[:, :, start:]
 
     def nbytes(self, n: int) -> int:
         return self.codes[:, :, :n].nbytes + self.scale[:, :n].nbytes + self.zero[:, :n].nbytes

@@ -22,13 +22,15 @@ group costs T - 1 small matmuls on top of KIVI's quantizer. λ = 0 gives U_t = 0
 Quantization is KIVI's (kvzoo/cache/kivi.py): keys per channel in groups of G tokens, values per token,
 the newest R tokens exact. Rounding of block t depends only on block t's (updated) values, so SQuat's
 codes are KIVI's quantizer applied to the keys as the block loop leaves them; storage and the decode
-path are KIVI's, unchanged. `squat-pre` stores keys before RoPE (RoPE after dequantization, like KIVI*)
-and takes its subspace from pre-RoPE queries; `squat` uses post-RoPE keys and queries.
+path are KIVI's, unchanged, windows included (`policy`: the authors' code flushes the key residual whole
+when it holds R keys and keeps exactly R values). `squat-pre` stores keys before RoPE (RoPE after
+dequantization, like KIVI*). Both take the subspace from queries after RoPE, as the reference code does by
+default; `rope_queries=false` takes it from pre-RoPE queries (an ablation).
 
-The prompt. The subspace comes from the first call's queries: the streaming prefill (chat: the prompt),
-or in simulated mode the first prompt_frac of the window (perplexity then scores only the tokens after
-it, see kvzoo/eval/perplexity.py). Padding slots are left out. As the paper does, every row of a batch
-uses the matrices of the first row; per_sample=true builds them per row.
+The prompt. The subspace comes from the prompt's queries (LayerCache.prompt_slots): a streaming prefill's
+whole first chunk (chat: the prompt), or in simulated mode the evaluation's prompt (kvzoo/eval/perplexity.py
+prefills it exact and scores the tokens after it). Padding slots are left out. As the paper does, every row
+of a batch uses the matrices of the first row; per_sample=true builds them per row.
 
 Stored per layer (B rows, H = n_kv_heads, d = head_dim, b = bits, G = group_size, T = d / g):
     KIVI's codes, scales, zeros and windows (see kivi.py)
@@ -48,7 +50,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvzoo.cache.base import Positions, register
+from kvzoo.cache.base import Chunk, Positions, register
 from kvzoo.cache.kivi import KIVICache, KIVIOptions
 from kvzoo.cache.kvquant import QTensor, dequantize, quantize
 from kvzoo.cache.store import SCALE_DTYPE, GroupCodec
@@ -131,7 +133,7 @@ class SQuatOptions(KIVIOptions):
     rank: int = 5             # r, the subspace dimension
     lam: float = 0.001        # λ, weight of the orthogonality term (0: plain KIVI)
     block: int = 0            # g, channels quantized per iteration; 0 = head_dim / 2 (two iterations)
-    prompt_frac: float = 0.5  # simulated mode: the first share of the first call is the prompt
+    rope_queries: bool = True  # subspace of the queries after RoPE (the reference code); false: before RoPE
     per_sample: bool = False  # build the matrices per batch row (default: from the first row, as the paper)
 
     def __post_init__(self):
@@ -142,8 +144,6 @@ class SQuatOptions(KIVIOptions):
             raise ValueError(f"lam must be >= 0, got {self.lam}")
         if self.block < 0:
             raise ValueError(f"block must be >= 0 (0: head_dim / 2), got {self.block}")
-        if not 0 <= self.prompt_frac < 1:
-            raise ValueError(f"prompt_frac must be in [0, 1), got {self.prompt_frac}")
 
 
 class SQuatKeys(GroupCodec):
@@ -190,9 +190,8 @@ class SQuatCache(KIVICache):
         """Build the update matrices from the queries (B, Hq, T, d, before RoPE) of the first `prompt`
         tokens of this chunk, padding slots zeroed (a zero row changes no singular vector)."""
         q = q[:, :, :prompt]
-        ids = pos.ids[:, :prompt]
-        if not self.pre_rope:
-            q = self.attn.rope.apply(q, ids)
+        if self.opts.rope_queries:
+            q = self.attn.rope.apply(q, pos.ids[:, :prompt])
         slots = torch.arange(pos.start, pos.start + prompt, device=q.device)
         real = slots[None, :] >= pos.pad[:, None]                               # (B, P)
         q = q * real[:, None, :, None]
@@ -203,16 +202,10 @@ class SQuatCache(KIVICache):
             buf.copy_(mat)
         self.ready = True
 
-    def prefill(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
-        if not self.ready:                                  # the prompt: the whole first chunk
-            self._set_subspace(q, pos, q.shape[2])
-        return super().prefill(x, q, k, v, pos)
-
-    def simulate(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
-        if not self.ready:       # the prompt (from perplexity, or the first prompt_frac of the window)
-            self.prompt = self.prompt or max(1, int(self.opts.prompt_frac * q.shape[2]))
-            self._set_subspace(q, pos, self.prompt)
-        return super().simulate(x, q, k, v, pos)
+    def append(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions, held: bool = False) -> Chunk:
+        if not self.ready:                                  # the prompt's queries give the subspace
+            self._set_subspace(q, pos, self.prompt_slots(q.shape[2]))
+        return super().append(x, q, k, v, pos, held)
 
     def reset(self) -> None:
         super().reset()
@@ -233,6 +226,6 @@ class SQuatCache(KIVICache):
 
 @register("squat-pre")
 class SQuatPreRoPECache(SQuatCache):
-    """SQuat-pre: keys stored before RoPE (rotated after dequantization), subspace from pre-RoPE queries."""
+    """SQuat-pre: keys stored before RoPE (rotated after dequantization)."""
 
     pre_rope = True

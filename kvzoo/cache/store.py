@@ -17,6 +17,17 @@ s sees slots [S, S + quantized(s)) round-tripped and every other slot exact, as 
 A strategy picks a codec per stream (how a group of rows becomes integer codes, which buffers hold them,
 their bytes); the store owns everything around it: the windows, where a chunk's rows go, host writes and
 device-slot writes (the static step), bytes held and their formula.
+
+Each stream has its own window, and a window *policy* says which (`policy_windows`):
+    reference  what the paper or the authors' code does (the default of every strategy). KIVI's and SQuat's code
+               keep exactly R values exact (Window(S, R, 1), a value quantized per token as it leaves) and flush
+               the key residual all at once when it reaches R (Window(S, 0, R): 0..R-1 exact keys); InnerQ's
+               paper keeps exactly w_recent keys (Window(S, R, 1)) and quantizes values a group of 32 tokens
+               at a time (Window(S, R, 32)).
+    grouped    every stream Window(S, R, G): R..R+G-1 newest tokens exact, flushed a group at a time.
+    none       the XQuant paper's perplexity protocol: no sink, no exact window; each token is quantized as
+               soon as its group is complete (Window(0, 0, 1) for groups within a token, Window(0, 0, G) for
+               groups of G tokens, whose newest G-1 tokens wait exact: the causal form of quantizing all).
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from kvzoo.cache.kvquant import QTensor, dequantize, packed_words, quantize
 
 SCALE_DTYPE = torch.float16
 EXACT = 16        # bits = 16: rows kept at the model's precision, no codes
+POLICIES = ("reference", "grouped", "none")
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,23 @@ class Window:
         """(T, n_keys) True where the query at slot q_slots[t] reads key slot j quantized: j in [S, S + Nq(s))."""
         keys = torch.arange(n_keys, device=q_slots.device)[None, :]
         return (keys >= self.sink) & (keys < self.sink + self.quantized(q_slots)[:, None])
+
+
+def check_policy(policy: str) -> None:
+    if policy not in POLICIES:
+        raise ValueError(f"unknown window policy {policy!r}; accepted: {', '.join(POLICIES)}")
+
+
+def policy_windows(policy: str, reference: dict[str, Window], sink: int, recent: int, group: int,
+                   spans: dict[str, int]) -> dict[str, Window]:
+    """The window of each stream under `policy` (module docstring): `reference` is the strategy's own (the
+    paper's), `spans[name]` the tokens one group of that stream covers (G along tokens, 1 within a token)."""
+    check_policy(policy)
+    if policy == "reference":
+        return reference
+    if policy == "grouped":
+        return {name: Window(sink, recent, group) for name in spans}
+    return {name: Window(0, 0, span) for name, span in spans.items()}
 
 
 def token_group(width: int, group_size: int) -> int:
@@ -83,8 +112,9 @@ class Codec(nn.Module):
         """Slots [0, n) as stored (a QTensor-like object, or exact rows)."""
         raise NotImplementedError
 
-    def read(self, n: int, dtype: torch.dtype) -> Tensor:
-        """Slots [0, n) dequantized: (*lead, n, width)."""
+    def read(self, n: int, dtype: torch.dtype, start: int = 0) -> Tensor:
+        """Slots [start, n) dequantized: (*lead, n - start, width); start a multiple of the codec's token
+        groups."""
         raise NotImplementedError
 
     def nbytes(self, n: int) -> int:
@@ -155,21 +185,21 @@ class GroupCodec(Codec):
         for buf, values, grouped in self._encode(rows):
             buf.index_copy_(buf.dim() - 2, groups if grouped else slots, values)
 
-    def held(self, n: int) -> QTensor | Tensor:
-        if self.bits == EXACT:
-            return self.rows[..., :n, :]
-        g = self._groups(0, n)
-        return QTensor(self.codes[..., :n, :], self.scale[..., g, :], self.zero[..., g, :], self.bits, self.group,
-                       -2 if self.per_channel else -1, (*self.codes.shape[:-2], n, self.coded))
-
     def held_first(self, n: int) -> Tensor | None:
         """Channel 0 of slots [0, n) at full precision (exact_first), else None."""
         return self.first[..., :n, :] if self.exact_first else None
 
-    def read(self, n: int, dtype: torch.dtype) -> Tensor:
-        q = self.held(n)
+    def held(self, n: int, start: int = 0) -> QTensor | Tensor:
+        if self.bits == EXACT:
+            return self.rows[..., start:n, :]
+        g = self._groups(start, n)
+        return QTensor(self.codes[..., start:n, :], self.scale[..., g, :], self.zero[..., g, :], self.bits, self.group,
+                       -2 if self.per_channel else -1, (*self.codes.shape[:-2], n - start, self.coded))
+
+    def read(self, n: int, dtype: torch.dtype, start: int = 0) -> Tensor:
+        q = self.held(n, start)
         x = q.to(dtype) if isinstance(q, Tensor) else dequantize(q, dtype)
-        return x if not self.exact_first else torch.cat([self.first[..., :n, :].to(dtype), x], dim=-1)
+        return x if not self.exact_first else torch.cat([self.first[..., start:n, :].to(dtype), x], dim=-1)
 
     def nbytes(self, n: int) -> int:
         if self.bits == EXACT:
@@ -189,19 +219,23 @@ class GroupCodec(Codec):
 
 class WindowedStore(nn.Module):
     """Streams of rows (*lead, L, width) held as sink | quantized groups | recent window (see the module
-    docstring). `codecs` names the streams; every stream shares the window. The store keeps no counters:
-    the caller's length L says what is where (Nq = window.quantized(L))."""
+    docstring). `codecs` names the streams; `windows` gives each its window (one Window: all share it). The
+    store keeps no counters: the caller's length L says what is where (Nq = window.quantized(L))."""
 
-    def __init__(self, window: Window, codecs: dict[str, Codec], lead: tuple[int, ...], dtype: torch.dtype, device):
+    def __init__(self, windows: Window | dict[str, Window], codecs: dict[str, Codec], lead: tuple[int, ...],
+                 dtype: torch.dtype, device):
         super().__init__()
-        self.window, self.lead = window, lead
+        self.windows = windows if isinstance(windows, dict) else {name: windows for name in codecs}
+        shared = set(self.windows.values())
+        self.window = shared.pop() if len(shared) == 1 else None     # the window every stream shares, if one
+        self.lead = lead
         self.codecs = nn.ModuleDict(codecs)
-        S, W = window.sink, window.recent + window.group
         for name, codec in codecs.items():
-            self.register_buffer(f"sink_{name}", torch.zeros((*lead, S, codec.width), dtype=dtype, device=device),
+            w = self.windows[name]
+            self.register_buffer(f"sink_{name}", torch.zeros((*lead, w.sink, codec.width), dtype=dtype, device=device),
                                  persistent=False)
-            self.register_buffer(f"recent_{name}", torch.zeros((*lead, W, codec.width), dtype=dtype, device=device),
-                                 persistent=False)
+            self.register_buffer(f"recent_{name}", torch.zeros((*lead, w.recent + w.group, codec.width), dtype=dtype,
+                                                               device=device), persistent=False)
 
     def sink(self, name: str) -> Tensor:
         return self.get_buffer(f"sink_{name}")
@@ -209,43 +243,49 @@ class WindowedStore(nn.Module):
     def recent(self, name: str) -> Tensor:
         return self.get_buffer(f"recent_{name}")
 
-    def counts(self, length: int) -> tuple[int, int, int]:
-        """(tokens in the sink, quantized, in the recent window) once `length` are stored."""
-        in_sink, n_q = min(length, self.window.sink), self.window.quantized(length)
+    def counts(self, length: int, name: str | None = None) -> tuple[int, int, int]:
+        """(tokens in the sink, quantized, in the recent window) of stream `name` (default: the shared window)
+        once `length` are stored."""
+        w = self.windows[name] if name is not None else self.shared()
+        in_sink, n_q = min(length, w.sink), w.quantized(length)
         return in_sink, n_q, length - in_sink - n_q
+
+    def shared(self) -> Window:
+        if self.window is None:
+            raise ValueError(f"the streams have different windows ({self.windows}); name the stream")
+        return self.window
 
     def append(self, length: int, rows: dict[str, Tensor], real: Tensor | None = None) -> int:
         """Store a chunk (rows[name] (*lead, T, width)) after `length` stored tokens; returns the new length.
         The first tokens of the sequence fill the sink window, the rest join the recent window, whose oldest
         whole groups beyond R tokens are quantized. real (B, T): False on padding slots, for codecs whose
         ranges span tokens (only with windows that quantize every token as it comes: S = R = 0, G = 1)."""
-        S = self.window.sink
-        T = next(iter(rows.values())).shape[-2]
-        into_sink = max(0, min(S - length, T))
-        if into_sink:
-            for name, x in rows.items():
-                self.sink(name)[..., length:length + into_sink, :] = x[..., :into_sink, :]
-            rows = {name: x[..., into_sink:, :] for name, x in rows.items()}
-            length += into_sink
-            T -= into_sink
-        _, n_q, r = self.counts(length)
-        flush = self.window.quantized(length + T) - n_q
-        assert real is None or (r == 0 and flush == T), "padding masks go with token-by-token windows only"
         for name, x in rows.items():
+            w, at = self.windows[name], length
+            into_sink = max(0, min(w.sink - at, x.shape[-2]))
+            if into_sink:
+                self.sink(name)[..., at:at + into_sink, :] = x[..., :into_sink, :]
+                x, at = x[..., into_sink:, :], at + into_sink
+            _, n_q, r = self.counts(at, name)
+            flush = w.quantized(at + x.shape[-2]) - n_q
+            assert real is None or (r == 0 and flush == x.shape[-2]), "padding masks go with token-by-token windows"
             recent = self.recent(name)
             tail = torch.cat([recent[..., :r, :], x], dim=-2)              # (*lead, r + T, width)
             if flush:
                 self.codecs[name].write(n_q, n_q + flush, tail[..., :flush, :], real)
             recent[..., :tail.shape[-2] - flush, :] = tail[..., flush:, :]
-        return length + T
+        return length + next(iter(rows.values())).shape[-2]
 
-    def read(self, length: int, dtype: torch.dtype) -> dict[str, Tensor]:
-        """Every stored slot as attention sees it: (*lead, length, width) per stream (sink and recent exact,
-        the quantized groups dequantized)."""
-        in_sink, n_q, r = self.counts(length)
-        return {name: torch.cat([self.sink(name)[..., :in_sink, :], codec.read(n_q, dtype),
-                                 self.recent(name)[..., :r, :]], dim=-2)
-                for name, codec in self.codecs.items()}
+    def read(self, length: int, dtype: torch.dtype, start: int = 0) -> dict[str, Tensor]:
+        """The stored slots as attention sees them, per stream: the sink, quantized slots [start, Nq) dequantized,
+        the recent window: (*lead, length - start, width). start > 0 leaves out quantized slots the caller reads
+        another way (decode kernels read them in place)."""
+        out = {}
+        for name, codec in self.codecs.items():
+            in_sink, n_q, r = self.counts(length, name)
+            out[name] = torch.cat([self.sink(name)[..., :in_sink, :], codec.read(n_q, dtype, min(start, n_q)),
+                                   self.recent(name)[..., :r, :]], dim=-2)
+        return out
 
     def append_read(self, length: int, rows: dict[str, Tensor], held: bool = False):
         """Store a chunk and return what its queries read, per stream: (the new length; every slot as a
@@ -258,33 +298,38 @@ class WindowedStore(nn.Module):
         return new_length, seen, (self.read(new_length, dtype) if held else None)
 
     def nbytes(self, length: int) -> int:
-        in_sink, n_q, r = self.counts(length)
-        return sum(self.sink(name)[..., :in_sink, :].nbytes + codec.nbytes(n_q) + self.recent(name)[..., :r, :].nbytes
-                   for name, codec in self.codecs.items())
+        total = 0
+        for name, codec in self.codecs.items():
+            in_sink, n_q, r = self.counts(length, name)
+            total += self.sink(name)[..., :in_sink, :].nbytes + codec.nbytes(n_q) + self.recent(name)[..., :r, :].nbytes
+        return total
 
     def formula_nbytes(self, length: int) -> int:
         """The bytes-per-token formula: quantized slots at their codec's token_bytes, the rest exact."""
-        n_q = self.window.quantized(length)
-        per_row = sum(n_q * codec.token_bytes() + (length - n_q) * codec.width * self.sink(name).element_size()
-                      for name, codec in self.codecs.items())
+        per_row = 0.0
+        for name, codec in self.codecs.items():
+            n_q = self.windows[name].quantized(length)
+            per_row += n_q * codec.token_bytes() + (length - n_q) * codec.width * self.sink(name).element_size()
         return round(prod(self.lead) * per_row)
 
     # ---- device-held lengths (the static step, kvzoo/graphs.py) -------------------------------------------
     def phase(self, length: int) -> str:
         """What the next token does: joins the sink, joins the recent window, or fills it so that its oldest
         group is quantized ("flush")."""
-        if length < self.window.sink:
+        w = self.shared()
+        if length < w.sink:
             return "sink"
-        return "flush" if self.window.quantized(length + 1) > self.window.quantized(length) else "recent"
+        return "flush" if w.quantized(length + 1) > w.quantized(length) else "recent"
 
     def window_row(self, step) -> tuple[Tensor, Tensor]:
         """From the device-held length L = step.slot: (Nq (1,), the token's row in its window: sink row L while
         L < S, else recent row L - S - Nq). Computed once per step, shared by every layer."""
-        S, R, G = self.window.sink, self.window.recent, self.window.group
+        w = self.shared()
+        S, R, G = w.sink, w.recent, w.group
         key = ("window", S, R, G)
         if key not in step.derived:
             L = step.slot
-            n_q = self.window.quantized(L)
+            n_q = w.quantized(L)
             step.derived[key] = (n_q, torch.where(L < S, L.clamp_max(max(S - 1, 0)), L - S - n_q))
         return step.derived[key]
 
@@ -297,12 +342,12 @@ class WindowedStore(nn.Module):
     def flush_at(self, n_q: Tensor) -> None:
         """The full recent window's oldest group into quantized slots [Nq, Nq + G), Nq a device tensor (1,)."""
         for name, codec in self.codecs.items():
-            codec.write_at(n_q, self.recent(name)[..., :self.window.group, :])
+            codec.write_at(n_q, self.recent(name)[..., :self.shared().group, :])
         self.shift()
 
     def shift(self) -> None:
         """Move the recent window down by one group (after its oldest group was quantized)."""
-        G, R = self.window.group, self.window.recent
+        G, R = self.shared().group, self.shared().recent
         for name in self.codecs:
             buf = self.recent(name)
             buf[..., :R, :] = buf[..., G:G + R, :].clone()

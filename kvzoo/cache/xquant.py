@@ -20,12 +20,14 @@ X is the layer input after RMSNorm (what the attention module hands its cache as
   size but quantizability (the paper's §3.3.1 point). With `outlier_channel` the first channel of
   X U_k stays at full precision beside the codes of channels 1..r-1 (Table B.1).
 
-Windows are the shared store's (store.py), as KIVI's: per-channel groups need G tokens before they can be
-quantized, so the newest tokens wait at the model's precision; with L tokens stored, Nq = max(0, floor((L - R)/G)) * G are
-quantized (once, when their group leaves the window: never requantized) and L - Nq < R + G are exact.
-Both layouts use the one window (§4: "we leave the final residual tokens unquantized (up to group size
-tokens)" in generation, for every method). Per-token groups span Gt = the largest divisor of the row
-width that is <= G channels (G = 128: Gt = 96 for SmolLM2's 192-wide latents, 128 for Llama's 4096).
+Windows are the shared store's (store.py). `policy=reference`, the paper's perplexity protocol (every token
+quantized, §4 "teacher forcing with the output logits of all input tokens"): a per-token stream (X, X U_v)
+is quantized as each token comes (Window(0, R, 1)); a per-channel stream (X U_k) needs G tokens per group,
+so its newest < G tokens wait at the model's precision (Window(0, R, G), the causal form of quantizing all).
+`policy=grouped` gives every stream Window(0, R, G), the paper's generation setting ("we leave the final
+residual tokens unquantized (up to group size tokens)"). A group is quantized once, when it leaves the
+window, never requantized. Per-token groups span Gt = the largest divisor of the row width that is <= G
+channels (G = 128: Gt = 96 for SmolLM2's 192-wide latents, 128 for Llama's 4096).
 
 Stored per layer (B rows, Nmax = quantized slots for max_len, W = R + G window slots, b = bits):
     MHA  x:  codes int32 (B, Nmax, hidden*b/32), scale/zero fp16 (B, Nmax, hidden/Gt), window (B, W, hidden)
@@ -68,7 +70,7 @@ from torch import Tensor
 
 from kvzoo.cache.base import Chunk, LayerCache, Positions, StaticStep, attend, register
 from kvzoo.cache.kvquant import SUPPORTED_BITS, QTensor, dequantize
-from kvzoo.cache.store import EXACT, GroupCodec, Window, WindowedStore, token_group
+from kvzoo.cache.store import EXACT, GroupCodec, Window, WindowedStore, check_policy, policy_windows, token_group
 from kvzoo.graphs import WholeStep
 
 
@@ -137,8 +139,10 @@ class XQuantOptions:
     outlier_channel: bool = False    # GQA: the first channel of X U_k at full precision (Table B.1)
     high_layers: int = 0             # the first high_layers layers use high_bits (Table 4: 3 layers at 4 bits)
     high_bits: int = 4
+    policy: str = "reference"        # window policy (kvzoo/cache/store.py): reference | grouped | none
 
     def __post_init__(self):
+        check_policy(self.policy)
         check_latent_bits(self.bits)
         check_latent_bits(self.high_bits, "high_bits")
         if self.high_layers < 0:
@@ -160,14 +164,16 @@ class XQuantCache(WholeStep, LayerCache):
         if o.outlier_channel and not self.gqa:
             raise ValueError("xquant outlier_channel applies to GQA models (the first channel of the latent "
                              "X U_k, Appendix B); this model is MHA (n_kv_heads == n_heads) and caches X itself")
-        self.window = Window(0, o.residual, o.group_size)
-        self.capacity = self.window.quantized(max_len)            # quantized slots allocated
+        spans = {"k": o.group_size, "v": 1} if self.gqa else {"x": 1}       # tokens one group covers
+        windows = policy_windows(o.policy, {name: Window(0, o.residual, span) for name, span in spans.items()},
+                                 0, o.residual, o.group_size, spans)
+        self.window, self.value_window = windows["k" if self.gqa else "x"], windows["v" if self.gqa else "x"]
 
-        def codec(width: int, per_channel: bool, exact_first: bool = False) -> GroupCodec:
+        def codec(name: str, width: int, per_channel: bool, exact_first: bool = False) -> GroupCodec:
             coded = width - int(exact_first and o.bits != EXACT)
             group = o.group_size if per_channel else token_group(coded, o.group_size)
-            return GroupCodec((batch_size,), self.capacity, width, o.bits, group, per_channel, weight.dtype,
-                              weight.device, exact_first)
+            return GroupCodec((batch_size,), windows[name].quantized(max_len), width, o.bits, group, per_channel,
+                              weight.dtype, weight.device, exact_first)
 
         if self.gqa:
             down_k, up_k = svd_factors(layer.k_proj.weight)       # U_k (hidden, r), Σ_k B_kᵀ (r, n_kv*hd)
@@ -175,10 +181,10 @@ class XQuantCache(WholeStep, LayerCache):
             self.register_buffer("down", torch.cat([down_k, down_v], dim=1), persistent=False)   # (hidden, 2r)
             self.register_buffer("up_k", up_k, persistent=False)
             self.register_buffer("up_v", up_v, persistent=False)
-            codecs = {"k": codec(up_k.shape[0], True, o.outlier_channel), "v": codec(up_v.shape[0], False)}
+            codecs = {"k": codec("k", up_k.shape[0], True, o.outlier_channel), "v": codec("v", up_v.shape[0], False)}
         else:
-            codecs = {"x": codec(weight.shape[1], False)}
-        self.store = WindowedStore(self.window, codecs, (batch_size,), weight.dtype, weight.device)
+            codecs = {"x": codec("x", weight.shape[1], False)}
+        self.store = WindowedStore(windows, codecs, (batch_size,), weight.dtype, weight.device)
 
     # ---- what is cached, and how K and V come back -------------------------------------------------
     def _rows(self, x: Tensor) -> dict[str, Tensor]:
@@ -195,21 +201,22 @@ class XQuantCache(WholeStep, LayerCache):
             return ("k", self.up_k), ("v", self.up_v)
         return ("x", self.attn.k_proj.weight.t()), ("x", self.attn.v_proj.weight.t())
 
-    def _kv(self, n: int, in_window: int) -> tuple[Tensor, Tensor]:
-        """K and V (before RoPE) of quantized slots [0, n) then the first `in_window` window rows:
-        (B, n_kv, n + in_window, hd) each, at the model's dtype."""
+    def _kv(self, n: int | None = None, in_window: int | None = None, length: int = 0) -> tuple[Tensor, Tensor]:
+        """K and V (before RoPE) of quantized slots [0, n) then the first `in_window` window rows (by default
+        those of `length` stored tokens, each stream's own): (B, n_kv, n + in_window, hd) each, model dtype."""
         out = []
         for name, up in self._sources():
             codec, window = self.store.codecs[name], self.store.recent(name)
-            flat = torch.cat([rematerialize(codec.held(n), codec.held_first(n), up),
-                              rematerialize(window[:, :in_window], None, up)], dim=1)   # (B, N, n_kv*hd)
+            _, n_q, r = self.store.counts(length, name)
+            n_q, r = n_q if n is None else n, r if in_window is None else in_window
+            flat = torch.cat([rematerialize(codec.held(n_q), codec.held_first(n_q), up),
+                              rematerialize(window[:, :r], None, up)], dim=1)   # (B, N, n_kv*hd)
             out.append(heads(flat, self.attn.n_kv_heads, window.dtype))
         return out[0], out[1]
 
     def _held_kv(self, length: int) -> tuple[Tensor, Tensor]:
         """K and V (before RoPE) of every stored slot as held: (B, n_kv, length, hd) each."""
-        n = self.window.quantized(length)
-        return self._kv(n, length - n)
+        return self._kv(length=length)
 
     def nbytes(self) -> int:
         return self.store.nbytes(self.length)
@@ -233,7 +240,7 @@ class XQuantCache(WholeStep, LayerCache):
         """Every streaming cache: the step attends over every allocated slot with a mask built from the
         step's (B, 1, 1, max_len) mask, so left padding and sliding windows are served as in decode. The
         simulated mode has no decode step."""
-        return not self.simulated
+        return not self.simulated and self.store.window is not None
 
     def static_phase(self) -> str:
         """Whether the next token fills the window, so that its oldest group is quantized (one graph each)."""
@@ -248,12 +255,13 @@ class XQuantCache(WholeStep, LayerCache):
         token's window row r = L - Nq (1,), RoPE positions of the keys (B, K), mask (B, 1, 1, K): a key
         may be attended where it is live (a quantized slot < Nq, a window row < r, the new token) and
         the step's mask allows its slot). Shared by every layer of the step."""
-        R, G = self.opts.residual, self.opts.group_size
-        key = ("xquant", R, G, self.capacity)
+        R, G = self.store.window.recent, self.store.window.group
+        capacity = self.store.window.quantized(self.max_len)
+        key = ("xquant", R, G, capacity)
         if key not in step.derived:
             L, device = step.slot, step.slot.device
             n_q, r = self.store.window_row(step)
-            quant, win = torch.arange(self.capacity, device=device), torch.arange(R + G, device=device)
+            quant, win = torch.arange(capacity, device=device), torch.arange(R + G, device=device)
             slots = torch.cat([quant, n_q + win, L])                                             # (K,) key slots
             live = torch.cat([quant < n_q, win < r, torch.ones_like(L, dtype=torch.bool)])       # (K,)
             mask = step.mask.index_select(-1, slots.clamp_max(self.max_len - 1)) & live          # (B, 1, 1, K)
@@ -267,7 +275,8 @@ class XQuantCache(WholeStep, LayerCache):
         "flush" phase the window's oldest group is then quantized into slots [Nq, Nq + G)."""
         n_q, r, ids, mask = self._static_keys(step)
         self.store.write_token_at("recent", r, self._rows(x))              # rows (B, 1, width) into window row r
-        hist_k, hist_v = self._kv(self.capacity, self.opts.residual + self.opts.group_size)    # (B, H, K - 1, hd)
+        w = self.store.window
+        hist_k, hist_v = self._kv(w.quantized(self.max_len), w.recent + w.group)              # (B, H, K - 1, hd)
         keys = self.attn.rope.apply(torch.cat([hist_k, k], dim=2), ids)
         out = attend(self.attn.rope.apply(q, step.ids), keys, torch.cat([hist_v, v], dim=2), mask)
         if self.static_phase() == "flush":

@@ -68,7 +68,7 @@ from torch import Tensor
 
 from kvzoo.cache.base import CacheSpec, Chunk, LayerCache, Positions, StaticStep, attend, register
 from kvzoo.cache.kvquant import QTensor
-from kvzoo.cache.store import GroupCodec, Window, WindowedStore, token_group
+from kvzoo.cache.store import GroupCodec, Window, WindowedStore, check_policy, token_group
 from kvzoo.cache.xquant import (XQuantCache, XQuantOptions, check_latent_bits, check_window, dequantize_latent, heads,
                                 rematerialize, rope_stored_keys, svd_factors)
 from kvzoo.graphs import WholeStep
@@ -82,8 +82,10 @@ class XQuantCLOptions:
     base_layer: int = 2
     group_size: int = 128
     residual: int = 0       # the window of the plain-XQuant layers before the base
+    policy: str = "reference"   # window policy of the plain-XQuant layers (base and deltas: every token quantized)
 
     def __post_init__(self):
+        check_policy(self.policy)
         check_latent_bits(self.bits)
         check_latent_bits(self.high_bits, "high_bits")
         check_window(self.group_size, self.residual)
@@ -114,9 +116,9 @@ class XQuantCLCache(WholeStep, LayerCache):
         self.role = "xquant" if i < o.base_layer else "base" if i == o.base_layer else "delta"
         self._acc: Tensor | None = None                          # X̂_i of this pass, for the next layer
         if self.role == "xquant":
-            plain = XQuantOptions(bits=self.bits, group_size=o.group_size, residual=o.residual)
+            plain = XQuantOptions(bits=self.bits, group_size=o.group_size, residual=o.residual, policy=o.policy)
             self.plain = XQuantCache(CacheSpec("xquant", plain), layer, None, batch_size, max_len)
-            self.window = self.plain.window
+            self.window, self.value_window = self.plain.window, self.plain.value_window
             return
         weight = layer.k_proj.weight
         width = weight.shape[1]                                   # hidden

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from kvzoo.cli import PLOT_SUFFIXES, add_model_args, check_output, load_from_args, numbers, run, write_json
-from kvzoo.eval.datasets import load_text
+from kvzoo.eval.datasets import DATASETS, load_text
 from kvzoo.weightquant.awq import METHODS, quantize_weights
 
 from repro.kvpareto.analysis import TASKS, choose, evaluate, frontier
@@ -78,6 +78,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser, cache=False)
     parser.add_argument("--task", choices=TASKS, default="wikitext")
+    parser.add_argument("--dataset", choices=list(DATASETS), default="wikitext2",
+                        help="the text of the perplexity task (--task wikitext) and of the needle's haystack")
     parser.add_argument("--weights", default="w16,w4-awq", help=f"comma-separated weight formats: {', '.join(METHODS)}")
     parser.add_argument("--calib-windows", type=int, default=32, help="w4-awq: calibration windows of 512 C4 tokens")
     parser.add_argument("--context", type=int, default=4096, help="tokens per window / haystack")
@@ -112,7 +114,7 @@ def main() -> None:
     check_output(args.json, args.overwrite)
     check_output(args.plot, args.overwrite, PLOT_SUFFIXES)
     model, tokenizer = load_from_args(args)
-    text = load_text("wikitext2")
+    text = load_text(args.dataset)
     ids = torch.tensor(tokenizer.encode(text)) if args.task == "wikitext" else None
     filler = tokenizer.encode(text, bos=False) if args.task == "needle" else None
     points = []
@@ -131,7 +133,7 @@ def main() -> None:
     chosen = choose(front, baseline, args.tolerance)
     reduction = 1 - chosen.memory / baseline.memory
     label = "-perplexity" if args.task == "wikitext" else "needle score"
-    print(f"\n{args.task}, context {args.context}, {model.dtype} on {model.device}; memory {points[0].memory_source}")
+    print(f"\n{args.task} ({args.dataset}), context {args.context}, {model.dtype} on {model.device}; memory {points[0].memory_source}")
     print(f"| weights | cache | chunk | total memory (MiB) | {label} | frontier |")
     print("|---|---|---|---|---|---|")
     for p in sorted(points, key=lambda p: p.memory):
@@ -140,7 +142,8 @@ def main() -> None:
     print(f"\nchosen (frontier, within {args.tolerance:.0%} of the baseline's accuracy): `{chosen.label}`: "
           f"{chosen.memory / MB:.1f} MiB, {reduction:.1%} less than `{baseline.label}` ({baseline.memory / MB:.1f} "
           f"MiB); accuracy {chosen.accuracy:.3f} vs {baseline.accuracy:.3f}")
-    result = {"task": args.task, "context": args.context, "weights": formats, "dtype": str(model.dtype), "device": str(model.device),
+    result = {"task": args.task, "dataset": args.dataset, "context": args.context, "windows": args.windows,
+              "weights": formats, "dtype": str(model.dtype), "device": str(model.device),
               "points": [p.to_dict() for p in points], "baseline": baseline.to_dict(), "chosen": chosen.to_dict(),
               "memory_reduction": reduction, "tolerance": args.tolerance}
     if args.json:

@@ -32,18 +32,19 @@ LOSSY = {
     "kivi": "kivi:bits=2,group_size=8,residual=16",
     "kivi-pre": "kivi-pre:bits=3,group_size=8,residual=8",
     "kivi+sink": "kivi:bits=2,group_size=8,residual=8,sink=5",
-    # key_norm takes its factor from the first call's keys, which differ between one teacher-forced
-    # forward and a one-token prefill, so simulated == streaming holds with it off
-    "innerq": "innerq:sink=4,recent=0,key_norm=false",
+    "innerq": "innerq:sink=4,recent=0",
     "innerq-sym-outer": "innerq:bits=3,sink=0,recent=32,quant_mode=sym,outer=true,key_norm=false",
     "innerq-asym": "innerq:bits=4,sink=7,recent=0,quant_mode=asym,key_norm=false",
     "xquant": "xquant:bits=2,group_size=8,residual=8",
     "xquant-outlier": "xquant:bits=3,group_size=16,residual=0,outlier_channel=true",
     "xquant-cl": "xquant-cl:bits=2,high_layers=1,base_layer=0,group_size=16",        # base 4-bit, a 2-bit delta
-    # per_sample: rows alone must equal the batch; prompt_frac=0: simulated mode's prompt is the first
-    # token, as a one-token streaming prefill's is
-    "squat": "squat:group_size=8,residual=8,rank=4,lam=0.05,prompt_frac=0,per_sample=true",
-    "squat-pre-g8": "squat-pre:bits=3,group_size=16,residual=0,rank=2,lam=0.5,block=8,prompt_frac=0,per_sample=true",
+    # per_sample: rows alone must equal the batch
+    "squat": "squat:group_size=8,residual=8,rank=4,lam=0.05,per_sample=true",
+    "squat-pre-g8": "squat-pre:bits=3,group_size=16,residual=0,rank=2,lam=0.5,block=8,per_sample=true",
+    "squat-grouped": "squat:group_size=8,residual=8,rank=4,lam=0.05,per_sample=true,policy=grouped",
+    "kivi-none": "kivi:bits=2,group_size=8,residual=16,policy=none",
+    "innerq-grouped": "innerq:bits=2,sink=3,recent=0,policy=grouped,key_norm=false",
+    "innerq-none-hybrid-prefill": "innerq:bits=3,recent=32,quant_mode=hybrid_prefill,policy=none,key_norm=false",
     "xquant-cl-plain-first": "xquant-cl:bits=3,high_layers=0,base_layer=1,group_size=8,residual=8",
     "alignedkv": "alignedkv:block=8,topk=4",
     "alignedkv-12": "alignedkv:block=16,topk=2,min_bits=12",
@@ -56,7 +57,7 @@ LOSSY = {
 # Settings whose statistics come from the prompt (InnerQ's key norm, KV Pareto's K-smoothing mean, SQuat's
 # subspace) at their defaults, so that the causality test covers them
 CAUSAL = LOSSY | {
-    "innerq-norm": "innerq:sink=4,recent=0",
+    "innerq-tied": "innerq:sink=4,recent=0,tie_norm=true",
     "innerq-default": "innerq:sink=8,recent=32",
     "squat-default": "squat:group_size=8,residual=8",
     "squat-pre-default": "squat-pre:group_size=8,residual=8",
@@ -123,7 +124,7 @@ def test_simulated_mode_with_a_prompt_equals_prefill_then_decode(model, name):
     x = tokens(seed=1)
     streamed, _ = stream(model, LOSSY[name], x, prefill=20)
     simulated = model(x, model.new_cache(LOSSY[name], 2, T, mode="simulated", prompt=20))
-    assert (simulated - streamed).abs().max() < (3e-3 if name == "innerq" else 1e-4)
+    assert (simulated - streamed).abs().max() < (3e-3 if name.startswith("innerq") else 1e-4)
 
 
 @pytest.mark.parametrize("name", sorted(LOSSY))
@@ -192,8 +193,8 @@ def test_streaming_perplexity_equals_simulated_when_decoding_from_one_token(mode
 
     ids = torch.randint(0, 97, (3 * T,), generator=torch.Generator().manual_seed(6))
     spec = LOSSY["kivi"]
-    sim = perplexity(model, ids, seq_len=T, cache=spec, mode="simulated", progress=False)
-    stream_ = perplexity(model, ids, seq_len=T, cache=spec, mode="streaming", prefill=1, batch_size=2,
+    sim = perplexity(model, ids, seq_len=T, cache=spec, mode="simulated", prompt=0, progress=False)
+    stream_ = perplexity(model, ids, seq_len=T, cache=spec, mode="streaming", prompt=0, batch_size=2,
                          progress=False)
     assert sim.windows == stream_.windows == 3
     assert stream_.perplexity == pytest.approx(sim.perplexity, rel=1e-5)
@@ -201,21 +202,24 @@ def test_streaming_perplexity_equals_simulated_when_decoding_from_one_token(mode
 
 
 @torch.no_grad()
-def test_perplexity_scores_from_a_prompt(model):
-    """score_from = P scores the predictions of tokens P..L-1 only: the mean of exactly those losses."""
+def test_perplexity_scores_after_the_prompt(model):
+    """prompt = P scores the predictions of tokens P..L-1 only: the mean of exactly those losses; the default
+    prompt is min(256, L // 8), the same for every strategy."""
     import torch.nn.functional as F
 
-    from kvzoo.eval.perplexity import perplexity
+    from kvzoo.eval.perplexity import default_prompt, perplexity
 
     ids = torch.randint(0, 97, (T,), generator=torch.Generator().manual_seed(7))
-    result = perplexity(model, ids, seq_len=T, score_from=20, progress=False)
+    result = perplexity(model, ids, seq_len=T, prompt=20, progress=False)
     logits = model(ids[None], model.new_cache("fp16", 1, T))[0]
     expected = F.cross_entropy(logits[19:-1].float(), ids[20:]).exp().item()
     assert result.scored_tokens == T - 20 and result.perplexity == pytest.approx(expected, rel=1e-5)
-    assert perplexity(model, ids, seq_len=T, score_from=1, progress=False).perplexity == \
-        pytest.approx(perplexity(model, ids, seq_len=T, progress=False).perplexity, rel=1e-6)
-    with pytest.raises(ValueError, match=r"score_from must be in \[0, seq_len=48\), got 48"):
-        perplexity(model, ids, seq_len=T, score_from=T, progress=False)
+    assert perplexity(model, ids, seq_len=T, prompt=1, progress=False).perplexity == \
+        pytest.approx(perplexity(model, ids, seq_len=T, prompt=0, progress=False).perplexity, rel=1e-6)
+    assert perplexity(model, ids, seq_len=T, progress=False).prompt == default_prompt(T) == T // 8
+    assert default_prompt(2048) == default_prompt(4096) == 256
+    with pytest.raises(ValueError, match=r"prompt must be in \[0, seq_len=48\), got 48"):
+        perplexity(model, ids, seq_len=T, prompt=T, progress=False)
 
 
 @pytest.mark.parametrize("name", sorted(LOSSY))

@@ -11,7 +11,8 @@ from tests.cache.test_kivi import smollm_shaped_layer_cache, store
 
 def test_paper_defaults():
     assert str(CacheSpec.parse("innerq")) == \
-        "innerq:bits=2,group_size=32,sink=32,recent=96,quant_mode=hybrid,key_norm=True,outer=False,fused=True"
+        "innerq:bits=2,group_size=32,sink=32,recent=96,quant_mode=hybrid,key_norm=True,tie_norm=False," \
+        "policy=reference,outer=False,fused=True"
 
 
 def test_ratio_at_2048_tokens_matches_formula():
@@ -64,9 +65,11 @@ def test_hybrid_prefill_masks_only_the_prompt():
     assert hybrid.nbytes() - cache.nbytes() == 3 * (224 - 96) * 64 // 128      # the mask bits saved
 
 
+@pytest.mark.parametrize("tie", [False, True])
 @torch.no_grad()
-def test_key_normalization_is_tied_per_rope_pair_and_stores_normalized_keys():
-    cache = smollm_shaped_layer_cache("innerq:sink=0,recent=32", 128, torch.float32)
+def test_key_normalization_per_channel_from_the_prompt_stores_normalized_keys(tie):
+    """norm = sqrt(max |K|) per channel of the prompt's post-RoPE keys (tie_norm: the larger of each RoPE pair)."""
+    cache = smollm_shaped_layer_cache(f"innerq:sink=0,recent=32,tie_norm={tie}", 128, torch.float32)
     attn = cache.attn
     from kvzoo.cache.base import Positions
     x = torch.randn(1, 40, 576)
@@ -75,10 +78,39 @@ def test_key_normalization_is_tied_per_rope_pair_and_stores_normalized_keys():
     cache.prefill(x, q, k, v, pos)
     _, k_rot = attn.rope(q, k, pos.ids)
     peak = k_rot.abs().amax(dim=2, keepdim=True)
-    tied = torch.maximum(peak[..., :32], peak[..., 32:])
-    assert torch.allclose(cache.norm, torch.cat([tied, tied], -1).sqrt())
+    if tie:
+        peak = torch.maximum(peak[..., :32], peak[..., 32:]).repeat(1, 1, 1, 2)
+    assert torch.allclose(cache.norm, peak.sqrt())
     keys = cache.store.read(cache.length, k_rot.dtype)["k"]
-    assert torch.allclose(keys[:, :, 8:], (k_rot / cache.norm)[:, :, 8:])       # the exact recent window
+    assert torch.allclose(keys[:, :, 8:], (k_rot / cache.norm)[:, :, 8:])       # exactly the 32 newest keys exact
+
+
+def test_reference_windows_keep_exactly_recent_keys():
+    """Algorithms 1 and 2: exactly w_recent keys exact (a key quantized alone as it leaves), values a group of 32
+    tokens at a time; `grouped` flushes keys like values."""
+    cache = smollm_shaped_layer_cache("innerq:sink=32,recent=96,key_norm=false", 512, torch.float32)
+    k, v = torch.randn(2, 1, 3, 300, 64)
+    store(cache, k, v)
+    assert cache.store.counts(300, "k") == (32, 300 - 32 - 96, 96)
+    assert cache.store.counts(300, "v") == (32, (300 - 32 - 96) // 32 * 32, 300 - 32 - (300 - 32 - 96) // 32 * 32)
+    assert cache.nbytes() == cache.formula_nbytes(300)
+    grouped = smollm_shaped_layer_cache("innerq:sink=32,recent=96,key_norm=false,policy=grouped", 512, torch.float32)
+    store(grouped, k, v)
+    assert grouped.store.counts(300, "k") == grouped.store.counts(300, "v") == cache.store.counts(300, "v")
+
+
+def test_key_mask_bits_written_a_token_at_a_time_equal_one_write():
+    """Keys quantized one at a time (the reference window) pack their hybrid mask bits as one write would."""
+    k, v = torch.randn(2, 1, 3, 100, 64)
+    one = smollm_shaped_layer_cache("innerq:sink=0,recent=0,key_norm=false", 128, torch.float32)
+    store(one, k, v)
+    many = smollm_shaped_layer_cache("innerq:sink=0,recent=0,key_norm=false", 128, torch.float32)
+    for t in range(100):
+        store(many, k[:, :, t:t + 1], v[:, :, t:t + 1])
+    a, b = one.store.codecs["k"], many.store.codecs["k"]
+    assert torch.equal(a.mask, b.mask) and torch.equal(a.codes, b.codes)
+    assert torch.equal(a.read(100, torch.float32), b.read(100, torch.float32))
+    assert torch.equal(a.read(100, torch.float32, start=37), a.read(100, torch.float32)[:, :, 37:])
 
 
 @pytest.mark.parametrize("text, message", [

@@ -28,33 +28,42 @@ def store(cache, k, v):
 
 @pytest.mark.parametrize("name", ["kivi", "kivi-pre"])
 def test_kivi_2bit_ratio_at_2048_tokens_matches_formula(name):
-    cache = smollm_shaped_layer_cache(f"{name}:bits=2,group_size=32,residual=128", 2048)
+    cache = smollm_shaped_layer_cache(f"{name}:bits=2,group_size=32,residual=128,policy=grouped", 2048)
     k, v = torch.randn(2, 1, 3, 2048, 64, dtype=torch.float16)
     store(cache, k, v)
     fp16_bytes = 2 * 3 * 64 * 2 * 2048
     # (1920 quantized tokens * 48 B + 128 residual tokens * 256 B) / (2048 * 256 B), per KV head
     assert cache.nbytes() == cache.formula_nbytes(2048) == 3 * (1920 * 48 + 128 * 256)
     assert cache.nbytes() / fp16_bytes == pytest.approx(0.23828125)
+    # the authors' windows: 2048 keys quantized (the residual just flushed), 1920 values; per KV head, keys
+    # 2048 * (16 B codes + 4 * 64 / 32 B scale/zero), values 1920 * 24 + 128 * 128 B
+    reference = smollm_shaped_layer_cache(f"{name}:bits=2,group_size=32,residual=128", 2048)
+    store(reference, k, v)
+    assert reference.nbytes() == reference.formula_nbytes(2048) == 3 * (2048 * 24 + 1920 * 24 + 128 * 128)
     codes = cache.store.codecs["k"].codes
     assert codes.dtype == torch.int32 and codes.shape[-1] == 64 * 2 // 32
 
 
-def test_storage_is_quantized_once_whatever_the_chunking():
-    """Appending in odd chunks stores exactly the codes of quantizing each finished group once."""
-    cache = smollm_shaped_layer_cache("kivi:bits=3,group_size=32,residual=64", 400, dtype=torch.float32)
+@pytest.mark.parametrize("policy, n_k, n_v", [("reference", 400 // 64 * 64, 400 - 64),
+                                              ("grouped", (400 - 64) // 32 * 32, (400 - 64) // 32 * 32)])
+def test_storage_is_quantized_once_whatever_the_chunking(policy, n_k, n_v):
+    """Appending in odd chunks stores exactly the codes of quantizing each finished group once. The authors'
+    windows (reference): keys flushed R at a time, exactly R values exact; grouped: R..R+G-1 of both."""
+    cache = smollm_shaped_layer_cache(f"kivi:bits=3,group_size=32,residual=64,policy={policy}", 400,
+                                      dtype=torch.float32)
     k, v = torch.randn(2, 1, 3, 400, 64)
     start = 0
     for size in (1, 37, 5, 90, 1, 1, 66, 150, 49):
         store(cache, k[:, :, start:start + size], v[:, :, start:start + size])
         start += size
     assert start == cache.length == 400
-    n_q = cache.window.quantized(cache.length)
-    assert n_q == (400 - 64) // 32 * 32 and 64 <= cache.length - n_q < 96
-    want_k = quantize(k[:, :, :n_q], 3, 32, axis=-2).dequantize()
-    want_v = quantize(v[:, :, :n_q], 3, 32, axis=-1).dequantize()
-    got_k, got_v = (cache.store.codecs[name].read(n_q, torch.float32) for name in "kv")
+    assert (cache.window.quantized(400), cache.value_window.quantized(400)) == (n_k, n_v)
+    want_k = quantize(k[:, :, :n_k], 3, 32, axis=-2).dequantize()
+    want_v = quantize(v[:, :, :n_v], 3, 32, axis=-1).dequantize()
+    got_k, got_v = (cache.store.codecs[name].read(n, torch.float32) for name, n in (("k", n_k), ("v", n_v)))
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-    assert torch.equal(cache.store.recent("k")[:, :, :cache.length - n_q], k[:, :, n_q:])     # the window is exact
+    assert torch.equal(cache.store.recent("k")[:, :, :400 - n_k], k[:, :, n_k:])     # the windows are exact
+    assert torch.equal(cache.store.recent("v")[:, :, :400 - n_v], v[:, :, n_v:])
 
 
 @pytest.mark.parametrize("text, message", [
@@ -62,6 +71,7 @@ def test_storage_is_quantized_once_whatever_the_chunking():
     ("kivi:residual=100", "residual must be a non-negative multiple of group_size 32"),
     ("kivi:group_size=abc", "option group_size='abc' is not a valid int"),
     ("kivi:window=4", "cache 'kivi' has no option window; accepted options: bits, group_size, residual, sink"),
+    ("kivi:policy=paper", "unknown window policy 'paper'; accepted: reference, grouped, none"),
 ])
 def test_bad_options_name_what_is_accepted(text, message):
     with pytest.raises(ValueError, match=message):
@@ -77,9 +87,11 @@ def test_cli_flags_and_cache_opts_make_one_spec():
     parser = argparse.ArgumentParser()
     add_model_args(parser)
     args = parser.parse_args(["--cache", "kivi", "--bits", "4", "--group-size", "32", "--residual", "64"])
-    assert str(parse_cache_args(parser, args)) == "kivi:bits=4,group_size=32,residual=64,sink=0,high_layers=0,high_bits=4"
-    args = parser.parse_args(["--cache", "kivi-pre", "--cache-opts", "bits=3,residual=96"])
-    assert str(parse_cache_args(parser, args)) == "kivi-pre:bits=3,group_size=32,residual=96,sink=0,high_layers=0,high_bits=4"
+    assert str(parse_cache_args(parser, args)) == \
+        "kivi:bits=4,group_size=32,residual=64,sink=0,high_layers=0,high_bits=4,policy=reference"
+    args = parser.parse_args(["--cache", "kivi-pre", "--cache-opts", "bits=3,residual=96,policy=grouped"])
+    assert str(parse_cache_args(parser, args)) == \
+        "kivi-pre:bits=3,group_size=32,residual=96,sink=0,high_layers=0,high_bits=4,policy=grouped"
     args = parser.parse_args(["--cache", "fp16", "--bits", "2"])
     with pytest.raises(SystemExit):
         parse_cache_args(parser, args)
@@ -92,7 +104,7 @@ def test_streaming_decode_after_long_prompt_holds_packed_storage(default_model_d
 
     model, tok = load_weights(default_model_dir), Tokenizer.from_pretrained(default_model_dir)
     ids = torch.tensor(tok.encode(wikitext_text[:20000])[:1280])[None]
-    cache = model.new_cache("kivi:bits=2,group_size=32,residual=128", batch_size=1, max_len=1280)
+    cache = model.new_cache("kivi:bits=2,group_size=32,residual=128,policy=grouped", batch_size=1, max_len=1280)
     model(ids[:, :1024], cache)
     for t in range(1024, 1280):
         logits = model(ids[:, t:t + 1], cache)
@@ -106,7 +118,8 @@ def test_streaming_decode_after_long_prompt_holds_packed_storage(default_model_d
 
 def test_sink_window_keeps_the_first_tokens_exact():
     """KIVI+sink (InnerQ's baseline, 32/96): slots [0, 32) exact, then whole quantized groups, then the window."""
-    cache = smollm_shaped_layer_cache("kivi:bits=2,group_size=32,residual=96,sink=32", 400, dtype=torch.float32)
+    cache = smollm_shaped_layer_cache("kivi:bits=2,group_size=32,residual=96,sink=32,policy=grouped", 400,
+                                      dtype=torch.float32)
     k, v = torch.randn(2, 1, 3, 200, 64)
     store(cache, k[:, :, :10], v[:, :, :10])
     store(cache, k[:, :, 10:], v[:, :, 10:])
@@ -180,6 +193,9 @@ def test_kernel_decode_is_not_taken_where_it_does_not_fit(gqa_model):
         layer = gqa_model.new_cache(spec, 1, 64).layers[0]
         layer.length = 50
         assert layer._kernel_layout() is fits, spec
+        assert not layer.can_decode_static(padded=True), spec       # the reference windows differ per stream
+        layer = gqa_model.new_cache(spec + (",policy=grouped" if ":" in spec else ":policy=grouped"), 1, 64).layers[0]
+        layer.length = 50
         assert layer.can_decode_static(padded=True) is (fits and kernels_on_cpu()), spec
         assert not layer._kernels_serve(torch.zeros(1, 4, 1, 32), plain)            # CPU tensors: never
     layer = gqa_model.new_cache("kivi", 1, 64).layers[0]
@@ -196,9 +212,9 @@ def kernels_on_cpu() -> bool:
 
 
 # ---- the whole-step static decode (kvzoo/graphs.py; eager on CPU, the kernels under the interpreter) ----
-@pytest.mark.parametrize("cache", KERNEL_DECODE)
+@pytest.mark.parametrize("cache", [spec + ",policy=grouped" for spec in KERNEL_DECODE])
 def test_whole_step_equals_eager(gqa_model, cache):
-    """decoder() picks the whole-step graph, and its steps equal the eager torch decode: 40 after a 2-token
+    """With one window for keys and values (policy=grouped), decoder() picks the whole-step graph, and its steps equal the eager torch decode: 40 after a 2-token
     prompt (tokens joining the sink window) and 40 after a 40-token one (groups leaving the residual window
     quantized at a device-held slot inside the step, the window moving down)."""
     from tests.graphs.test_graphs import decode_both, whole_step_equals_eager
@@ -225,6 +241,7 @@ def test_whole_step_with_padding_and_sliding_window(gqa_model, tmp_path):
     prompts[1, :4] = prompts[2, :7] = 0
     windowed = load_weights(tiny_mistral(tmp_path, head_dim=32))
     for m in (gqa_model, windowed):
-        for cache in ("kivi:bits=2,group_size=32,residual=0,sink=2", "squat:bits=4,group_size=32,residual=0"):
+        for cache in ("kivi:bits=2,group_size=32,residual=0,sink=2,policy=grouped",
+                      "squat:bits=4,group_size=32,residual=0,policy=grouped"):
             eager, static = decode_both(m, prompts, pad, steps=40, cache=cache, make=GraphDecoder)
             torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)

@@ -136,7 +136,7 @@ def test_lambda_zero_reproduces_kivi_exactly(model, name):
         for a, b in zip(c1.layers, c2.layers):
             ka, kb = a.store.codecs["k"], b.store.codecs["k"]
             assert torch.equal(ka.codes, kb.codes) and torch.equal(ka.scale, kb.scale)
-    # simulated mode: the prompt's queries read every key exact in both (prompt_frac=0.5 of the window)
+    # simulated mode with a prompt of half the window: its queries read every key exact in both
     sim = model(x, model.new_cache(f"{name}:lam=0,group_size=8,residual=8", 2, T, mode="simulated", prompt=T // 2))
     ref = model(x, model.new_cache(f"{kivi}:bits=2,group_size=8,residual=8", 2, T, mode="simulated", prompt=T // 2))
     assert torch.equal(sim, ref)
@@ -149,7 +149,8 @@ def test_lambda_changes_the_keys_but_not_the_values(model):
     _, ref = stream(model, "kivi:bits=2,group_size=8,residual=8", x, prefill=20)
     for a, b in zip(ours.layers, ref.layers):
         assert not torch.equal(a.store.codecs["k"].codes, b.store.codecs["k"].codes)
-        assert torch.equal(a.store.codecs["v"].codes, b.store.codecs["v"].codes)
+    # layer 0's values are the same tensors in both (later layers' values follow the changed attention)
+    assert torch.equal(ours.layers[0].store.codecs["v"].codes, ref.layers[0].store.codecs["v"].codes)
 
 
 @torch.no_grad()
@@ -184,18 +185,17 @@ def test_padding_is_left_out_of_the_subspace(model):
 @pytest.mark.parametrize("name", ["squat", "squat-pre"])
 @torch.no_grad()
 def test_perplexity_protocol_simulated_equals_streaming(model, name):
-    """The first half of each window is the prompt (the subspace, unscored): simulated mode and a real
-    prefill of that half followed by token-by-token decoding score the same predictions identically.
-    per_sample: the two windows streamed side by side must not share the first one's subspace."""
+    """The prompt (the subspace, unscored): simulated mode and a real prefill of it followed by token-by-token
+    decoding score the same predictions identically. per_sample: the two windows streamed side by side must not
+    share the first one's subspace."""
     ids = torch.randint(0, 97, (2 * T,), generator=torch.Generator().manual_seed(12))
     spec = f"{name}:group_size=8,residual=8,block=8,lam=0.05,per_sample=true"
-    sim = perplexity(model, ids, seq_len=T, cache=spec, mode="simulated", progress=False)
-    streamed = perplexity(model, ids, seq_len=T, cache=spec, mode="streaming", batch_size=2, progress=False)
-    assert sim.score_from == streamed.score_from == T // 2
+    sim = perplexity(model, ids, seq_len=T, cache=spec, mode="simulated", prompt=T // 2, progress=False)
+    streamed = perplexity(model, ids, seq_len=T, cache=spec, mode="streaming", prompt=T // 2, batch_size=2,
+                          progress=False)
+    assert sim.prompt == streamed.prompt == T // 2
     assert sim.scored_tokens == 2 * (T - T // 2)
     assert streamed.perplexity == pytest.approx(sim.perplexity, rel=1e-5)
-    with pytest.raises(ValueError, match=r"as its prompt: score_from and the streaming prefill must be 24, got 0"):
-        perplexity(model, ids, seq_len=T, cache=spec, score_from=0, progress=False)
 
 
 @torch.no_grad()
@@ -214,7 +214,6 @@ def test_nbytes_counts_the_update_matrices(model):
     ("squat:rank=33", "squat rank 33 exceeds the head dimension 32"),
     ("squat:lam=-1", "lam must be >= 0, got -1.0"),
     ("squat:rank=0", "rank must be >= 1, got 0"),
-    ("squat:prompt_frac=1", r"prompt_frac must be in \[0, 1\), got 1.0"),
     ("squat-pre:bits=5", "unsupported bit width 5; accepted: 2, 3, 4, 8"),
 ])
 def test_bad_options_are_refused(model, spec, message):

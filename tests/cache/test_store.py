@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvzoo.cache.kvquant import quantize
-from kvzoo.cache.store import GroupCodec, Window, WindowedStore, device_slots
+from kvzoo.cache.store import GroupCodec, Window, WindowedStore, device_slots, policy_windows
 
 WINDOWS = [Window(0, 0, 1), Window(0, 0, 8), Window(0, 16, 8), Window(5, 16, 8), Window(32, 96, 32)]
 
@@ -75,3 +75,38 @@ def test_device_slot_writes_equal_host_writes():
 def test_device_slots():
     slots, groups = device_slots(torch.tensor([16]), 8, 8)
     assert slots.tolist() == list(range(16, 24)) and groups.tolist() == [2]
+
+
+def test_window_policies():
+    """reference = the strategy's own windows; grouped = Window(S, R, G) for every stream; none = no sink, no
+    window, a stream quantized as soon as its group (G tokens along tokens, 1 within a token) is complete."""
+    reference = {"k": Window(4, 0, 32), "v": Window(4, 32, 1)}
+    spans = {"k": 8, "v": 1}
+    assert policy_windows("reference", reference, 4, 32, 8, spans) == reference
+    assert policy_windows("grouped", reference, 4, 32, 8, spans) == {"k": Window(4, 32, 8), "v": Window(4, 32, 8)}
+    assert policy_windows("none", reference, 4, 32, 8, spans) == {"k": Window(0, 0, 8), "v": Window(0, 0, 1)}
+    with pytest.raises(ValueError, match="unknown window policy 'paper'; accepted: reference, grouped, none"):
+        policy_windows("paper", reference, 4, 32, 8, spans)
+
+
+def test_streams_with_their_own_windows():
+    """KIVI's reference windows on one store: keys flushed R at a time, exactly R values exact."""
+    windows = {"k": Window(0, 0, 16), "v": Window(0, 16, 1)}
+    codecs = {"k": GroupCodec((1, 2), 64, 8, 2, 8, True, torch.float32, "cpu"),
+              "v": GroupCodec((1, 2), 64, 8, 2, 8, False, torch.float32, "cpu")}
+    st = WindowedStore(windows, codecs, (1, 2), torch.float32, "cpu")
+    assert st.window is None
+    rows = {name: torch.randn(1, 2, 40, 8) for name in "kv"}
+    length = 0
+    for t in range(40):
+        length = st.append(length, {name: x[:, :, t:t + 1] for name, x in rows.items()})
+        assert st.counts(length, "k") == (0, (t + 1) // 16 * 16, (t + 1) % 16)
+        assert st.counts(length, "v") == (0, max(0, t + 1 - 16), min(t + 1, 16))
+    held = st.read(length, torch.float32)
+    assert torch.equal(held["k"][:, :, 32:], rows["k"][:, :, 32:]) and torch.equal(held["v"][:, :, 24:], rows["v"][:, :, 24:])
+    assert not torch.equal(held["k"][:, :, :32], rows["k"][:, :, :32])
+    tail = st.read(length, torch.float32, start=16)
+    assert torch.equal(tail["k"], held["k"][:, :, 16:]) and torch.equal(tail["v"], held["v"][:, :, 16:])
+    assert st.nbytes(length) == st.formula_nbytes(length)
+    with pytest.raises(ValueError, match="the streams have different windows"):
+        st.phase(length)

@@ -42,9 +42,10 @@ def layer_inputs(model):
 
 
 def test_paper_defaults():
-    assert str(CacheSpec.parse("xquant")) == "xquant:bits=4,group_size=128,residual=0,outlier_channel=False,high_layers=0,high_bits=4"
+    assert str(CacheSpec.parse("xquant")) == \
+        "xquant:bits=4,group_size=128,residual=0,outlier_channel=False,high_layers=0,high_bits=4,policy=reference"
     assert str(CacheSpec.parse("xquant-cl")) == \
-        "xquant-cl:bits=3,high_bits=4,high_layers=3,base_layer=2,group_size=128,residual=0"
+        "xquant-cl:bits=3,high_bits=4,high_layers=3,base_layer=2,group_size=128,residual=0,policy=reference"
     assert token_group(192, 128) == 96 and token_group(4096, 128) == 128 and token_group(576, 128) == 96
 
 
@@ -229,13 +230,15 @@ def test_quantized_once_whatever_the_chunking():
         cache.length = cache.store.append(cache.length, cache._rows(x[:, start:start + size]))
         latents.append(x[:, start:start + size] @ cache.down)               # X [U_k | U_v], as the cache does
         start += size
-    n = cache.window.quantized(cache.length)
-    assert n == (400 - 64) // 32 * 32 and 64 <= cache.length - n < 96
+    # X U_k per channel: whole groups of 32 beyond the R = 64 window; X U_v per token: exactly R exact
+    n_k, n_v = cache.window.quantized(cache.length), cache.value_window.quantized(cache.length)
+    assert (n_k, n_v) == ((400 - 64) // 32 * 32, 400 - 64)
     z = torch.cat(latents, dim=1)                                            # (1, 400, 2 * 192)
-    k_codes, v_codes = cache.store.codecs["k"].held(n), cache.store.codecs["v"].held(n)
-    assert torch.equal(k_codes.codes, quantize(z[:, :n, :192], 3, 32, axis=-2).codes)     # per channel
-    assert torch.equal(v_codes.codes, quantize(z[:, :n, 192:], 3, 32, axis=-1).codes)     # per token, Gt = 32
-    assert torch.allclose(cache.store.recent("v")[:, :cache.length - n], z[:, n:, 192:], atol=1e-5)
+    k_codes, v_codes = cache.store.codecs["k"].held(n_k), cache.store.codecs["v"].held(n_v)
+    assert torch.equal(k_codes.codes, quantize(z[:, :n_k, :192], 3, 32, axis=-2).codes)     # per channel
+    assert torch.equal(v_codes.codes, quantize(z[:, :n_v, 192:], 3, 32, axis=-1).codes)     # per token, Gt = 32
+    assert torch.allclose(cache.store.recent("v")[:, :cache.length - n_v], z[:, n_v:, 192:], atol=1e-5)
+    assert torch.allclose(cache.store.recent("k")[:, :cache.length - n_k], z[:, n_k:, :192], atol=1e-5)
 
 
 @pytest.mark.parametrize("bits, per_token", [(4, 206), (3, 158), (2, 110)])

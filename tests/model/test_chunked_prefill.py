@@ -37,8 +37,8 @@ def test_every_strategy_prefills_in_chunks(model, name):  # noqa: F811
 @torch.no_grad()
 def test_perplexity_streaming_with_chunks(model):  # noqa: F811
     ids = torch.randint(0, 97, (96,), generator=torch.Generator().manual_seed(13))
-    one = perplexity(model, ids, seq_len=48, mode="streaming", prefill=32, progress=False)
-    chunked = perplexity(model, ids, seq_len=48, mode="streaming", prefill=32, prefill_chunk=10, progress=False)
+    one = perplexity(model, ids, seq_len=48, mode="streaming", prompt=32, progress=False)
+    chunked = perplexity(model, ids, seq_len=48, mode="streaming", prompt=32, prefill_chunk=10, progress=False)
     assert chunked.perplexity == pytest.approx(one.perplexity, rel=1e-5)
     with pytest.raises(ValueError, match="prefill_chunk applies to streaming mode"):
         perplexity(model, ids, seq_len=48, prefill_chunk=8, progress=False)
