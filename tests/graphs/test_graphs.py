@@ -69,8 +69,10 @@ def test_piecewise_step_equals_eager(model, cache):
     torch.testing.assert_close(piecewise, eager, rtol=1e-5, atol=1e-5)
 
 
-INNERQ_STATIC = ["innerq:bits=2,sink=4,recent=0", "innerq:bits=4,sink=4,recent=0,quant_mode=hybrid_prefill",
-                 "innerq:bits=2,sink=0,recent=32,quant_mode=asym,key_norm=false", "innerq:bits=2,sink=4,recent=0,quant_mode=sym"]
+# the whole step needs one window for keys and values: policy=grouped (the reference windows differ per stream)
+INNERQ_STATIC = [spec + ",policy=grouped" for spec in (
+    "innerq:bits=2,sink=4,recent=0", "innerq:bits=4,sink=4,recent=0,quant_mode=hybrid_prefill",
+    "innerq:bits=2,sink=0,recent=32,quant_mode=asym,key_norm=false", "innerq:bits=2,sink=4,recent=0,quant_mode=sym")]
 
 
 def needs_kernels_on_cpu() -> None:
@@ -112,11 +114,14 @@ def test_decoder_picks_the_whole_step_where_it_can(model):
 
 def test_decoder_picks_innerqs_whole_step_where_its_kernel_serves(model):
     needs_kernels_on_cpu()
-    kv = model.new_cache("innerq", 2, 8)
+    kv = model.new_cache("innerq:policy=grouped", 2, 8)
     prefill(model, torch.tensor([[0, 5, 6], [4, 5, 6]]), kv, torch.tensor([1, 0]))
     assert isinstance(decoder(model, kv, torch.tensor([1, 0])), PiecewiseDecoder)      # padding: no kernel
     assert isinstance(decoder(model, kv, torch.tensor([0, 0])), GraphDecoder)
-    assert isinstance(decoder(model, model.new_cache("innerq:outer=true", 1, 8)), PiecewiseDecoder)
+    assert isinstance(decoder(model, model.new_cache("innerq:outer=true,policy=grouped", 1, 8)), PiecewiseDecoder)
+    kv = model.new_cache("innerq", 2, 8)                   # the paper's windows: keys and values differ
+    prefill(model, torch.tensor([[0, 5, 6], [4, 5, 6]]), kv, None)
+    assert isinstance(decoder(model, kv), PiecewiseDecoder)
 
 
 def test_generate_compile_gives_the_same_tokens(model):
@@ -150,7 +155,8 @@ def test_cuda_graph_equals_eager(model):
         eager, graphed = decode_both(m, prompts, pad, steps=40, device="cuda", cache=cache, make=PiecewiseDecoder)
         torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
     short = prompts[:, :2]
-    for cache in INNERQ_STATIC + ["kivi:bits=2,group_size=32,residual=32", "squat:bits=2,group_size=32,residual=32"]:
+    for cache in INNERQ_STATIC + ["kivi:bits=2,group_size=32,residual=32,policy=grouped",
+                                  "squat:bits=2,group_size=32,residual=32,policy=grouped"]:
         # one graph per phase, against the eager decode through the same kernels
         eager, graphed = decode_both(m, short, None, steps=40, device="cuda", cache=cache)
         torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
@@ -202,7 +208,7 @@ def test_bench_decode_cells_run_on_cpu(model, tmp_path):
 
     bench = bench_module()
     runner = bench.Kvzoo(model)
-    spec = "innerq:bits=2,sink=4,recent=0"
+    spec = "innerq:bits=2,sink=4,recent=0,policy=grouped"
     row = bench.run_cell(runner, spec, 20, 2, 3, 8, graphed=True, warmup=2)
     assert row["filled"] == "prefill" and len(row["step_ms"]) == 3 and row["kv_bytes"] > 0
     with torch.inference_mode():
