@@ -48,6 +48,7 @@ def main() -> None:
     print(f"time         {result.seconds:.1f} s")
     if args.json:
         write_json(args.json, {"dataset": args.dataset, "model": args.model or "smollm2-135m-instruct",
+                               "mha": args.mha,
                                "dtype": str(model.dtype).removeprefix("torch."), "mode": args.mode, **result.to_dict()},
                    overwrite=args.overwrite)
 

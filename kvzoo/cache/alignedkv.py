@@ -377,8 +377,8 @@ class AlignedKVCache(WholeStep, LayerCache):
         return self._attend(c, exact_mask, n_aligned, full_mask(pos, L, c.q.device))
 
     def attend_simulated(self, c: Chunk, use_k: Tensor, use_v: Tensor, mask: Tensor) -> Tensor:
-        """Query slot t reads slot j < t from storage (use_k, use_v: one window, the same), aligned if j lies in a block complete before
-        t (j < floor(t / block) * block), and its own slot exact, as decoding it would; the prompt's queries
+        """Query slot t reads slot j < t from storage (use_k, use_v: one window, the same), aligned if j lies in a
+        block complete before t (j < floor(t / block) * block), and its own slot exact, as decoding it would; the prompt's queries
         read every slot exact."""
         if self.opts.min_bits == 16 and c.keys.dtype == torch.float16:     # every bit read: the fp16 cache
             return attend(c.q, c.keys, c.values, mask)

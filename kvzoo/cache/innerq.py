@@ -196,8 +196,8 @@ class InnerQCache(WholeStep, LayerCache):
                                  o.sink, o.recent, GROUP, spans)
         self.window, self.value_window = windows["k"], windows["v"]
         lead = (batch_size, layer.n_kv_heads)
-        codecs = {name: InnerQCodec(lead, windows[name].quantized(max_len), d, o.bits, axis, o.quant_mode, weight.device)
-                  for name, axis in axes.items()}
+        codecs = {name: InnerQCodec(lead, windows[name].quantized(max_len), d, o.bits, axis, o.quant_mode,
+                                    weight.device) for name, axis in axes.items()}
         self.store = WindowedStore(windows, codecs, lead, weight.dtype, weight.device)
         self.register_buffer("norm", torch.zeros(*lead, 1, d, dtype=weight.dtype, device=weight.device),
                              persistent=False)

@@ -33,11 +33,13 @@ Decode on a GPU (unpadded rows, KIVI and SQuat, not KIVI*, whose keys need RoPE 
 the quantized history in place through the outer-layout kernels of kvzoo/kernels/quant_matvec.py (q·Kᵀ with
 per-channel key groups, p·V with per-token value groups; one launch each, GQA rows reading their KV head), with the
 windows and the token exact in one fp32 softmax; everywhere else decode is a one-token prefill, which
-dequantizes the whole history. `decode_static` is the same step with the length in a device tensor, for
-kvzoo/graphs.py's whole-step CUDA graph (WholeStep), where keys and values share one window (policy=grouped): attention over every allocated slot, the dead ones and those the
-step's mask forbids (padding, sliding windows) masked, one graph per phase (the token joins the sink, joins
-the residual window, or fills it and its oldest group is quantized at a device-held slot). Its cost grows
-with the buffer (max_len), not with the tokens stored.
+dequantizes the whole history. With the authors' windows the kernels read the whole groups quantized in both
+streams and the rest (at most R + G keys) joins the exact rows. `decode_static` is the same step with the
+length in a device tensor, for kvzoo/graphs.py's whole-step CUDA graph (WholeStep), where keys and values share
+one window (policy=grouped): attention over every allocated slot, the dead ones and those the step's mask
+forbids (padding, sliding windows) masked, one graph per phase (the token joins the sink, joins the residual
+window, or fills it and its oldest group is quantized at a device-held slot). Its cost grows with the buffer
+(max_len), not with the tokens stored.
 
 Paper settings: b = 2 (also 4), G = 32, R = 128 (Llama/Mistral); scales and zeros in fp16. The XQuant
 paper's KIVI* rows of its Table 4 keep the first 3 layers at 4 bits: `high_layers=3` (`high_bits=4`).

@@ -18,8 +18,9 @@ round((x - min) / scale) (kvzoo.cache.kvquant, asymmetric). Granularity (Figure 
             so its scale is fixed when it is stored               scale, zero fp16 (B, N)
 K-smoothing (Appendix E, from SageAttention): K' = K - mean over the sequence, per row, head and channel.
 q·(k - m) = q·k - q·m shifts every score of a query by the same amount, so softmax and the output are
-unchanged; only the quantization error changes (tested). The mean is taken once, over the first prefill
-chunk (simulated mode: over the prompt, or the first token without one), and kept:
+unchanged; only the quantization error changes (tested). The mean is taken once, over the prompt's keys
+(LayerCache.prompt_slots: a streaming run's first prefill chunk, the evaluation's prompt in simulated mode),
+and kept:
     k_mean fp32 (B, H, 1, d)
 
 Stored per layer, in kvzoo/cache/store.py's windowed store (streams "k" and "v", B rows, H = n_kv_heads,
@@ -203,9 +204,7 @@ class KVParetoCache(LayerCache):
     def append(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions, held: bool = False) -> Chunk:
         q, k = self.attn.rope(q, k, pos.ids)
         real = self._real(pos, k.shape[2])
-        # the smoothing mean: simulated mode's over its prompt (the first token without one), a streaming one's
-        # over the first prefill chunk
-        k = self._smooth(k, real, max(self.prompt, 1) if self.simulated else k.shape[2])
+        k = self._smooth(k, real, self.prompt_slots(k.shape[2]))           # the mean: over the prompt's keys
         before = self.store.read(self.length, k.dtype)                            # (B, H, L, d) each
         self._append(k, v, real)
         c = Chunk(q, torch.cat([before["k"], k], dim=2), torch.cat([before["v"], v], dim=2))
