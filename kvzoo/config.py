@@ -69,9 +69,11 @@ class ModelConfig:
 
         rope_theta, rope_scaling = _rope_settings(hf, where)
         n_heads = hf["num_attention_heads"]
-        eos = hf.get("eos_token_id")
+        eos = hf.get("eos_token_id", 2)
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        window = hf.get("sliding_window") if arch == "MistralForCausalLM" else None
+        mistral = arch == "MistralForCausalLM"
+        # absent keys take transformers' defaults (LlamaConfig / MistralConfig)
+        window = hf.get("sliding_window", 4096) if mistral else None
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -79,15 +81,15 @@ class ModelConfig:
             intermediate_size=hf["intermediate_size"],
             n_layers=hf["num_hidden_layers"],
             n_heads=n_heads,
-            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+            n_kv_heads=hf.get("num_key_value_heads") or (8 if mistral else n_heads),
             head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096 * 32 if mistral else 2048),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             sliding_window=window,
-            bos_token_id=hf.get("bos_token_id"),
+            bos_token_id=hf.get("bos_token_id", 1),
             eos_token_ids=eos_ids,
         )
 
