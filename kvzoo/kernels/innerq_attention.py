@@ -23,10 +23,10 @@ Two kernels:
      accumulation); an online softmax in base 2 keeps running max m, sum l and output acc (REP_P, d); the value
      codes of the step form GS per-channel groups, dequantized as (GS, 32, d) tiles and multiplied by p in one
      tl.dot. fp16 and bf16 models on a GPU take a fast path: code words are unpacked two at a time into
-     half2 registers with inline PTX (prmt, lop3 into the mantissa of 1024.0, sub.f16x2; keys also
-     fma.f16x2 with their scale and zero and, for symmetric groups, the sign bits of the slot XOR-ed into the
-     halves' sign bits), so the dequantized tiles are fp16 from the start and the dots run in fp16 (exact for
-     the cache's fp16 scales; a bf16 query is converted); a value's sign bit is XOR-ed into its fp16 code. The generic
+     half2 registers with inline PTX (prmt, lop3 into the mantissa of 1024.0, sub.f16x2), then code * scale +
+     zero (the fp32 zero point) is computed in fp32 and rounded to fp16 once, as the torch path's
+     dequantize_unified does, and the dots run in fp16 (a bf16 query is converted); a value's sign bit is
+     XOR-ed into its fp16 code, a key's applied in fp32. The generic
      path (fp32, the interpreter) keeps one group per step for fp32 or sym groups at d >= 128
      (_split_kernel_g1: scale and zero of the values after the dot). Symmetric flags are read from the cache's
      packed mask bits. It writes (m, l, acc) per split; with device lengths, a split past the live tokens
@@ -91,42 +91,26 @@ def _plan_splits(n_groups: int, rows: int, device: torch.device, num_splits: int
     return -(-n_groups // per_split), per_split, gs
 
 
-def _unpack_asm(bits: int, fma: bool, signed: bool = False) -> tuple[str, str]:
+def _unpack_asm(bits: int) -> tuple[str, str]:
     """PTX for tl.inline_asm_elementwise (pack=2): two int32 code words in, 32/bits outputs of fp16 codes
-    (output k: code k of each word, as exact fp16 values); with fma, times a per-word fp16 scale plus zero and,
-    signed, with the sign flipped where a per-word int32 of sign bits (bit k: code k is negative) says so.
-    Codes k and k + cpw/2 sit in the low and high halves of a word: the two words' low (high) halves are
-    gathered into one register, a code is masked into the mantissa of 1024.0 (0x6400) and 1024 subtracted.
-    The two words' sign bits are gathered as S = low16(signs a) | low16(signs b) << 16, so that S << (15 - k)
-    puts code k's signs on the two halves' sign bits."""
+    (output k: code k of each word, as exact fp16 values). Codes k and k + cpw/2 sit in the low and high halves
+    of a word: the two words' low (high) halves are gathered into one register, a code is masked into the
+    mantissa of 1024.0 (0x6400) and 1024 subtracted."""
     cpw, half = 32 // bits, 16 // bits
     mask = ((1 << bits) - 1) * 0x00010001
     a, b = f"${cpw}", f"${cpw + 1}"
-    lines = ["{", ".reg .b32 lo, hi, t, magic, S, m;", "mov.b32 magic, 0x64006400;",
+    lines = ["{", ".reg .b32 lo, hi, t, magic;", "mov.b32 magic, 0x64006400;",
              f"prmt.b32 lo, {a}, {b}, 0x5410;", f"prmt.b32 hi, {a}, {b}, 0x7632;"]
-    if signed:
-        lines.append(f"prmt.b32 S, ${cpw + 4}, ${cpw + 5}, 0x5410;")
     for k in range(cpw):
         src, shift = ("lo", k * bits) if k < half else ("hi", (k - half) * bits)
         lines.append(f"shr.b32 t, {src}, {shift};" if shift else f"mov.b32 t, {src};")
         lines.append(f"lop3.b32 t, t, {mask}, magic, 0xEA;")
-        if signed:
-            lines.append("sub.f16x2 t, t, magic;")
-            lines.append(f"fma.rn.f16x2 t, t, ${cpw + 2}, ${cpw + 3};")
-            lines.append(f"shl.b32 m, S, {15 - k};" if k < 15 else "mov.b32 m, S;")
-            lines.append(f"lop3.b32 ${k}, t, m, 0x80008000, 0x78;")          # t ^ (m & sign bits)
-        elif fma:
-            lines.append("sub.f16x2 t, t, magic;")
-            lines.append(f"fma.rn.f16x2 ${k}, t, ${cpw + 2}, ${cpw + 3};")
-        else:
-            lines.append(f"sub.f16x2 ${k}, t, magic;")
+        lines.append(f"sub.f16x2 ${k}, t, magic;")
     lines.append("}")
-    constraints = ",".join(["=r"] * cpw + ["r"] * (6 if signed else 4 if fma else 2))
-    return "\n".join(lines), constraints
+    return "\n".join(lines), ",".join(["=r"] * cpw + ["r"] * 2)
 
 
-_ASM = {(bits, kind): _unpack_asm(bits, kind != "codes", kind == "signed") for bits in (2, 4)
-        for kind in ("codes", "dequant", "signed")}
+_ASM = {bits: _unpack_asm(bits) for bits in (2, 4)}
 
 
 @triton.jit
@@ -201,8 +185,7 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
                   s_kc, s_ks, s_kz, s_km, s_kmg, s_vc, s_vs, s_vz, s_vm,
                   D: tl.constexpr, BITS: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
                   HAS_SYM: tl.constexpr, DYN: tl.constexpr, HAS_QS: tl.constexpr, GS: tl.constexpr,
-                  FAST: tl.constexpr,
-                  K_ASM: tl.constexpr, K_CON: tl.constexpr, V_ASM: tl.constexpr, V_CON: tl.constexpr):
+                  FAST: tl.constexpr, ASM: tl.constexpr, CON: tl.constexpr):
     CPW: tl.constexpr = 32 // BITS               # codes per word
     NG: tl.constexpr = D // 32                   # key groups per token
     W: tl.constexpr = D * BITS // 32             # words per token
@@ -225,6 +208,7 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
     j = tl.arange(0, BLOCK_N)                    # token within the step
     g = tl.arange(0, GS)                         # value group within the step
     w = tl.arange(0, W)
+    kg = tl.arange(0, NG)                        # key group within a token
     c = tl.arange(0, CPW)
     shifts = (c * BITS)[None, None, :]
     bit = (w % BITS)[:, None] * CPW + c[None, :]                                     # key: index in its group
@@ -244,20 +228,19 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
         # keys: (BLOCK_N tokens, W, CPW) codes, one scale/slot per (token, group of 32 channels)
         kw = tl.load(kc_ptr + n[:, None] * W + w[None, :], mask=live[:, None], other=0)
         per_word = n[:, None] * NG + (w // BITS)[None, :]                            # (BLOCK_N, W)
-        if FAST:   # packed half2 unpack, dequant and sign flip in PTX
-            scale = tl.load(ks_ptr + per_word, mask=live[:, None], other=0)
-            slot = tl.load(kz_ptr + per_word, mask=live[:, None], other=0)
-            zero = slot.to(tl.float32, bitcast=True)
-            if HAS_SYM:   # a symmetric group: no zero, and this word's CPW sign bits from the group's slot
-                sym = _key_sym(km_ptr, s_kmg, n, w, live, MASK_UPTO, BITS)
+        if FAST:   # codes unpacked as half2 in PTX; scale, zero and sign applied in fp32, rounded once
+            o = tl.inline_asm_elementwise(ASM, CON, [kw], dtype=(tl.float16,) * CPW, is_pure=True, pack=2)
+            x = tl.reshape(_join_codes(o, BITS), (BLOCK_N, NG, 32), can_reorder=False).to(tl.float32)
+            per_group = n[:, None] * NG + kg[None, :]                                   # (BLOCK_N, NG)
+            scale = tl.load(ks_ptr + per_group, mask=live[:, None], other=0).to(tl.float32)[:, :, None]
+            slot = tl.load(kz_ptr + per_group, mask=live[:, None], other=0)
+            zero = slot.to(tl.float32, bitcast=True)[:, :, None]
+            if HAS_SYM:   # a symmetric group: no zero, and bit i of the slot is channel i's sign
+                sym = _key_sym(km_ptr, s_kmg, n, kg * BITS, live, MASK_UPTO, BITS)[:, :, None]
+                negative = ((slot[:, :, None] >> i[None, None, :]) & 1) != 0
+                x = tl.where(sym & negative, -x, x)
                 zero = tl.where(sym, 0.0, zero)
-                signs = tl.where(sym, (slot >> ((w % BITS) * CPW)[None, :]) & ((1 << CPW) - 1), 0)
-                o = tl.inline_asm_elementwise(K_ASM, K_CON, [kw, scale, zero.to(tl.float16), signs],
-                                              dtype=(tl.float16,) * CPW, is_pure=True, pack=2)
-            else:
-                o = tl.inline_asm_elementwise(K_ASM, K_CON, [kw, scale, zero.to(tl.float16)],
-                                              dtype=(tl.float16,) * CPW, is_pure=True, pack=2)
-            k = _join_codes(o, BITS)
+            k = tl.reshape(x * scale + zero, (BLOCK_N, D), can_reorder=False).to(q.dtype)
         else:
             x = unpack_codes(kw[:, :, None], shifts, BITS)
             scale = tl.load(ks_ptr + per_word, mask=live[:, None], other=0).to(tl.float32)[:, :, None]
@@ -282,7 +265,7 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
         per_ch = (vg[:, None] * D + d[None, :])[:, None, :]                          # (GS, 1, D)
         live_g = (vg < stop)[:, None, None]
         if FAST:
-            o = tl.inline_asm_elementwise(V_ASM, V_CON, [vw], dtype=(tl.float16,) * CPW, is_pure=True, pack=2)
+            o = tl.inline_asm_elementwise(ASM, CON, [vw], dtype=(tl.float16,) * CPW, is_pure=True, pack=2)
             vx = tl.reshape(_join_codes(o, BITS), (GS, 32, D), can_reorder=False)
             v_scale = tl.load(vs_ptr + per_ch, mask=live_g, other=0)
             v_slot = tl.load(vz_ptr + per_ch, mask=live_g, other=0)
@@ -293,7 +276,8 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
                 signs = tl.where(v_sym, v_slot, 0)                                 # (GS, 1, D)
                 flip = ((signs >> i[None, :, None]) << 15).to(tl.int16)           # (GS, 32, D): bit 15
                 vx = (vx.to(tl.int16, bitcast=True) ^ flip).to(tl.float16, bitcast=True)
-            v = tl.reshape(vx * v_scale + v_zero.to(tl.float16), (BLOCK_N, D), can_reorder=False)
+            v = tl.reshape(vx.to(tl.float32) * v_scale.to(tl.float32) + v_zero, (BLOCK_N, D),
+                           can_reorder=False).to(q.dtype)
         else:
             vx = tl.reshape(unpack_codes(vw[:, :, None], shifts, BITS), (GS, 32, D), can_reorder=False)
             v_scale = tl.load(vs_ptr + per_ch, mask=live_g, other=0).to(tl.float32)
@@ -559,7 +543,6 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
         (km, s_km), (vm, s_vm) = (head_rows(k_mask), head_rows(v_mask)) if has_sym and k_mask.numel() \
             else ((kc, 0), (kc, 0))
         s_kmg = km.stride(2) if km is not kc else 0
-        key_asm = "signed" if has_sym else "dequant"
         common = (q, q if q_scale is None else q_scale, kc, ks, kz, km, vc, vs, vz, vm, m, l, acc, len_ptr, N, per_split, mask_upto, qk_scale,
                   s_kc, s_ks, s_kz, s_km, s_kmg, s_vc, s_vs, s_vz, s_vm)
         if heavy:
@@ -569,9 +552,8 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
         else:
             _split_kernel[(B * H, splits)](
                 *common, D=d, BITS=bits, REP=rep, REP_P=rep_p, HAS_SYM=has_sym, DYN=dyn, HAS_QS=q_scale is not None,
-                GS=gs, FAST=fast,
-                K_ASM=_ASM[bits, key_asm][0], K_CON=_ASM[bits, key_asm][1], V_ASM=_ASM[bits, "codes"][0],
-                V_CON=_ASM[bits, "codes"][1], num_warps=split_warps, num_stages=stages, enable_fp_fusion=True)
+                GS=gs, FAST=fast, ASM=_ASM[bits][0], CON=_ASM[bits][1], num_warps=split_warps, num_stages=stages,
+                enable_fp_fusion=True)
     # an empty window may have no storage: pass q, never read, rather than a null pointer
     (kw, s_kw), (vw, s_vw) = (head_rows(k_win), head_rows(v_win)) if W else ((q, 0), (q, 0))
     (kw2, s_kw2), (vw2, s_vw2) = (head_rows(k_win2), head_rows(v_win2)) if W2 else ((q, 0), (q, 0))

@@ -147,6 +147,23 @@ def test_fused_attention_matches_reference(bits, d, dtype, B, H, rep, n, w, mode
     assert_close(got, innerq_decode_attention_ref(*args, mask_upto=upto(mode, n)), dtype)
 
 
+@pytest.mark.parametrize("mode", ["asym", "hybrid", "sym"])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_fp16_attention_is_the_reference_within_output_rounding(bits, mode):
+    """fp16 inputs, keys and values far from zero (large fp32 zero points): the kernel dequantizes in fp32 and
+    rounds once, so its output stays within two fp16 ulps of the fp32 reference at the output's magnitude."""
+    torch.manual_seed(bits)
+    n, d, H, rep = (64, 64, 1, 2) if DEVICE == "cpu" else (2048, 128, 8, 4)
+    k, v = torch.randn(2, 1, H, n, d, device=DEVICE) + 12.0
+    q = torch.randn(1, H * rep, d, device=DEVICE).half()
+    win = (torch.randn(1, H, 5, d, device=DEVICE) + 12.0).half()
+    kq, vq = packed(k, bits, -1, mode), packed(v, bits, -2, mode)
+    got = innerq_decode_attention(q, *kq, *vq, win, win, bits, mask_upto=upto(mode, n)).float()
+    want = innerq_decode_attention_ref(q.float(), *kq, *vq, win.float(), win.float(), bits, mask_upto=upto(mode, n))
+    ulp = 2.0 ** (torch.floor(torch.log2(want.abs().max())) - 10)
+    assert (got - want).abs().max() <= 2 * ulp
+
+
 @pytest.mark.parametrize("bits,dtype,mode,live,mask_upto", [
     (2, torch.float32, "hybrid", (96, 3, 5), 160), (4, torch.float16, "hybrid", (160, 4, 8), 64),
     (2, torch.float32, "asym", (32, 0, 1), 160), (2, torch.float16, "sym", (0, 4, 1), 0),
