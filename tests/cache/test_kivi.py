@@ -214,9 +214,10 @@ def kernels_on_cpu() -> bool:
 # ---- the whole-step static decode (kvzoo/graphs.py; eager on CPU, the kernels under the interpreter) ----
 @pytest.mark.parametrize("cache", [spec + ",policy=grouped" for spec in KERNEL_DECODE])
 def test_whole_step_equals_eager(gqa_model, cache):
-    """With one window for keys and values (policy=grouped), decoder() picks the whole-step graph, and its steps equal the eager torch decode: 40 after a 2-token
-    prompt (tokens joining the sink window) and 40 after a 40-token one (groups leaving the residual window
-    quantized at a device-held slot inside the step, the window moving down)."""
+    """With one window for keys and values (policy=grouped), decoder() picks the whole-step graph, and its steps
+    equal the eager torch decode: 40 after a 2-token prompt (tokens joining the sink window) and 40 after a
+    40-token one (groups leaving the residual window quantized at a device-held slot inside the step, the window
+    moving down)."""
     from tests.graphs.test_graphs import decode_both, whole_step_equals_eager
 
     if not kernels_on_cpu():
