@@ -291,7 +291,7 @@ def test_flush_kernel_writes_what_the_cache_writes(bits, mode, dtype):
     from kvzoo.kernels.quantize_pack import innerq_flush
     from tests.cache.test_kivi import smollm_shaped_layer_cache
 
-    spec = f"innerq:bits={bits},sink=0,recent=32,quant_mode={mode},key_norm=false"
+    spec = f"innerq:bits={bits},sink=0,recent=32,quant_mode={mode},key_norm=false,policy=grouped"   # the static step's
     ours, ref = (smollm_shaped_layer_cache(spec, 192, dtype) for _ in range(2))
     torch.manual_seed(bits)
     for cache in (ours, ref):
@@ -316,7 +316,8 @@ def test_flush_kernel_refuses_views():
     from kvzoo.kernels.quantize_pack import innerq_flush
     from tests.cache.test_kivi import smollm_shaped_layer_cache
 
-    c = smollm_shaped_layer_cache("innerq:sink=0,recent=32,key_norm=false", 96, torch.float32).to(DEVICE)
+    c = smollm_shaped_layer_cache("innerq:sink=0,recent=32,key_norm=false,policy=grouped", 96, torch.float32)
+    c = c.to(DEVICE)
     with pytest.raises(ValueError, match="k_res must be contiguous"):
         k, v = c.store.codecs["k"], c.store.codecs["v"]
         innerq_flush(c.store.recent("k")[:, :, :32], c.store.recent("v"), torch.zeros(1, dtype=torch.long, device=DEVICE),

@@ -27,7 +27,8 @@ def smollm(default_model):
 def test_wikitext_perplexity_matches_reference(smollm, wikitext_text):
     model, tok = smollm
     ids = tok.encode(wikitext_text)
-    result = perplexity(model, ids, seq_len=2048, max_windows=8, cache="fp16", progress=False)
+    # prompt=0: every token scored, as the reference figure (../shared/data/README.md) is
+    result = perplexity(model, ids, seq_len=2048, max_windows=8, cache="fp16", prompt=0, progress=False)
     # 304,978: the model's own split (digits cut off first); transformers 5.23's GGUF tokenizer falls back to
     # the GPT-2 split and gets 304,986 (see tests/test_gguf_import.py)
     assert result.windows == 8 and result.tokens == 304_978
