@@ -152,7 +152,7 @@ def test_json_output_never_overwrites(tmp_path):
 REPO = Path(__file__).resolve().parents[2]
 # repro modules that build their own caches (or none): the SQuat / AlignedKV analyses and the KV Pareto sweeps
 OWN_QUANTIZERS = {"repro.squat.figure2", "repro.alignedkv.figure9", "repro.kvpareto.memory", "repro.kvpareto.frontier",
-                  "repro.kvpareto.weights_ppl"}
+                  "repro.kvpareto.weights_ppl", "repro.xquant.mha_error"}
 
 
 def runnable(path: Path) -> bool:
