@@ -91,6 +91,8 @@ def main() -> None:
     args = parser.parse_args()
     specs = with_policy(args.caches, args.policy)                       # refuse bad specs before any work
     prompt = default_prompt(args.seq_len) if args.prompt is None else args.prompt
+    if not 0 <= prompt < args.seq_len:
+        raise ValueError(f"--prompt must be in [0, --seq-len={args.seq_len}), got {prompt}")
     out = Path(args.out)
     targets = [out / f"report.{ext}" for ext in ("md", "json", "png")]
     if not args.overwrite and any(t.exists() for t in targets):

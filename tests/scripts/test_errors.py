@@ -213,6 +213,11 @@ def test_every_script_builds_its_command_line():
     ("needle.py", ["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     ("repro.kvpareto.memory", ["--chunks", "-1"], "--tokens must be >= 1 and --chunks >= 0"),
     ("needle.py", ["--depths", "x"], "--depths takes comma-separated numbers"),
+    ("report.py", ["--caches", "kivi:policy=grouped", "--policy", "reference"],
+     "every row of a table uses one window policy"),
+    ("report.py", ["--caches", "kivi:policy=paper"], "unknown window policy 'paper'; accepted: reference, grouped, none"),
+    ("report.py", ["--prompt", "2048"], "--prompt must be in [0, --seq-len=2048), got 2048"),
+    ("repro.xquant.mha_error", ["--windows", "0"], "--seq-len must be >= 2 and --windows >= 1, got 512 and 0"),
 ])
 def test_new_script_options_refuse_bad_values(script, args, message):
     """Refused with one line naming the problem (exit 2), before or instead of any long work."""
