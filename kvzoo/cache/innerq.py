@@ -39,7 +39,8 @@ Paper settings (the defaults): b = 2, G = 32, w_sink = 32, w_recent = 96, hybrid
 Decode on a GPU runs the fused kernel (kvzoo/kernels/innerq_attention.py) over these buffers as stored: packed
 codes, and mask bits read in place. `decode_static` is the same step with the lengths in device tensors, so
 that a CUDA graph holds it (kvzoo/graphs.py). It has one graph per phase: a token joins the sink, joins the
-recent window, or fills it and a group is quantized in place by innerq_flush.
+recent window, or fills it and a group is quantized in place by innerq_flush. Elsewhere (a CPU) decode reads the
+codes through the scale/zero algebra (WindowedStore.attend; a symmetric group's signs applied to its codes).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ from torch import Tensor
 
 from kvzoo.cache.base import Chunk, LayerCache, Positions, StaticStep, register
 from kvzoo.cache.kvquant import (UnifiedQTensor, check_bits, dequantize_unified, pack_sym_mask, packed_words,
-                                 quantize_unified, unpack_sym_mask)
-from kvzoo.cache.store import Codec, Window, WindowedStore, check_policy, policy_windows
+                                 quantize_unified, unpack_float, unpack_sym_mask)
+from kvzoo.cache.store import Codec, Window, WindowedStore, check_policy, code_scores, code_weigh, policy_windows
 from kvzoo.graphs import WholeStep
 
 GROUP = 32        # the unified slot holds 32 bits: an fp32 zero point or 32 sign bits
@@ -159,6 +160,27 @@ class InnerQCodec(Codec):
 
     def read(self, n: int, dtype: torch.dtype, start: int = 0) -> Tensor:
         return dequantize_unified(self.held(n, start), dtype)
+
+    def _algebra(self, n: int, start: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Slots [start, n) as (signed codes, scale, zero) with x̂ = codes * scale + zero: a symmetric group's
+        sign bits applied to its codes and a zero of 0, an asymmetric group's fp32 zero from its slot."""
+        q = self.held(n, start)
+        signs = q.slot * q.sym                                                      # an asymmetric group's: none
+        if self.axis == -1:         # groups (B, H, T, d/32): a group's sign bits run along its channels, as its codes
+            codes = unpack_float(q.codes, self.bits, self.width, signs)             # (B, H, T, d)
+        else:                       # groups (B, H, T/32, d): along its tokens
+            shifts = torch.arange(GROUP, dtype=torch.int32, device=signs.device)
+            flip = ((signs.unsqueeze(-1) >> shifts) << 31).transpose(-1, -2)       # (B, H, T/32, 32, d): bit 31
+            codes = unpack_float(q.codes, self.bits, self.width)                    # (B, H, T, d)
+            codes.view(torch.int32).unflatten(-2, (-1, GROUP)).bitwise_xor_(flip)   # an fp32's sign flipped
+        zero = torch.where(q.sym, 0.0, q.slot.view(torch.float32))                 # a symmetric group's is 0
+        return codes, q.scale.float(), zero
+
+    def scores(self, q: Tensor, n: int, start: int = 0) -> Tensor:
+        return code_scores(q, *self._algebra(n, start), GROUP, self.axis == -2)
+
+    def weigh(self, p: Tensor, n: int, start: int = 0) -> Tensor:
+        return code_weigh(p, *self._algebra(n, start), GROUP, self.axis == -2)
 
     def mask_words(self, n: int) -> int:
         """32-bit mask words per (row, head) held for the first n quantized tokens."""
@@ -282,9 +304,15 @@ class InnerQCache(WholeStep, LayerCache):
 
     def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
         """One token: dequantize-and-attend in one Triton kernel over the packed codes plus the exact sink and
-        recent windows; the torch path (prefill) where the kernel does not apply (CPU, padding, outer layout)."""
-        if not q.is_cuda or pos.mask is not None or not self._fused_ok(q):
+        recent windows; where the kernel does not apply (CPU, padding, outer layout), scores and outputs from the
+        codes' scale/zero algebra (WindowedStore.attend)."""
+        if not self.length:
             return self.prefill(x, q, k, v, pos)
+        if not q.is_cuda or pos.mask is not None or not self._fused_ok(q):
+            q, k = self._qk(q, k, pos)
+            out = self.store.attend(q, self.length, {"k": k, "v": v}, pos.mask)   # from the codes' algebra
+            self.length = self.store.append(self.length, {"k": k, "v": v})
+            return out
         q, k = self._qk(q, k, pos)
         st, L = self.store, self.length
         # the kernel reads the whole groups quantized in both streams; the rest (the sink, a stream's later

@@ -43,6 +43,15 @@ class Int8Cache(LayerCache):
         self.length, seen, after = self.store.append_read(self.length, {"k": k, "v": v}, held)
         return Chunk(q, seen["k"], seen["v"], *((after["k"], after["v"]) if held else ()))
 
+    def decode(self, x, q, k, v, pos):
+        """One token: attention computed from the codes (store.attend), then the token stored."""
+        if not self.length:
+            return self.prefill(x, q, k, v, pos)
+        q, k = self.attn.rope(q, k, pos.ids)
+        out = self.store.attend(q, self.length, {"k": k, "v": v}, pos.mask)
+        self.length = self.store.append(self.length, {"k": k, "v": v})
+        return out
+
     def nbytes(self) -> int:
         return self.store.nbytes(self.length)
 

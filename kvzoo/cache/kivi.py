@@ -140,10 +140,19 @@ class KIVICache(WholeStep, LayerCache):
     # ---- decode through the outer-layout kernels ------------------------------------------------------
     def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
         """One token per row. On a GPU (unpadded rows, keys stored after RoPE, 2/4 bits, groups of 32) the
-        quantized history is read where it lies by the outer-layout kernels of kvzoo/kernels/quant_matvec.py,
-        with no dequantized copy of it; otherwise as prefill (dequantize everything, then attend)."""
-        if not self._kernels_serve(q, pos):
+        quantized history is read where it lies by the outer-layout kernels of kvzoo/kernels/quant_matvec.py;
+        elsewhere scores and outputs come from the codes' scale/zero algebra (WindowedStore.attend), KIVI*'s keys
+        dequantized and rotated first (RoPE differs per slot)."""
+        if not self.length:
             return self.prefill(x, q, k, v, pos)
+        if not self._kernels_serve(q, pos):
+            q, k_rot = self.attn.rope(q, k, pos.ids)
+            keys = None
+            if self.pre_rope:
+                keys = self._rope_keys(self.store.read(self.length, q.dtype, names=("k",))["k"], pos)
+            out = self.store.attend(q, self.length, {"k": k_rot, "v": v}, pos.mask, keys)
+            self.length = self.store.append(self.length, {"k": k if self.pre_rope else k_rot, "v": v})
+            return out
         q, k_rot = self.attn.rope(q, k, pos.ids)
         # the kernels read the whole groups quantized in both streams; the rest (a stream's later quantized
         # slots, dequantized, the sink and recent windows) joins the token as exact rows

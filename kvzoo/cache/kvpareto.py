@@ -50,8 +50,8 @@ import torch
 from torch import Tensor
 
 from kvzoo.cache.base import Chunk, LayerCache, Positions, register
-from kvzoo.cache.kvquant import QTensor, dequantize, packed_words, quantize
-from kvzoo.cache.store import EXACT, SCALE_DTYPE, Codec, GroupCodec, Window, WindowedStore
+from kvzoo.cache.kvquant import QTensor, dequantize, packed_words, quantize, unpack_int
+from kvzoo.cache.store import EXACT, SCALE_DTYPE, Codec, GroupCodec, Window, WindowedStore, code_scores, code_weigh
 
 PRECISIONS = (2, 4, 8, 16)
 GRANULARITIES = ("token", "block", "tensor")
@@ -104,6 +104,20 @@ class BlockCodec(Codec):
         rows = dequantize(self.held(n), dtype).view(B, H, n // self.G * self.G, self.width)   # (B, H, n, d)
         return rows[:, :, start:]
 
+    def _algebra(self, n: int, start: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Slots [start, n) as fp32 codes (B, H, T, d) and each block's scale and zero, broadcast to (B, H, T/G, d)."""
+        B, H = self.codes.shape[:2]
+        blocks = slice(start // self.G, n // self.G)
+        codes = unpack_int(self.codes[:, :, blocks], self.bits, self.G * self.width).float()
+        per_block = lambda t: t[:, :, blocks, None].float().expand(-1, -1, -1, self.width)   # noqa: E731
+        return codes.view(B, H, -1, self.width), per_block(self.scale), per_block(self.zero)
+
+    def scores(self, q: Tensor, n: int, start: int = 0) -> Tensor:
+        return code_scores(q, *self._algebra(n, start), self.G, True)
+
+    def weigh(self, p: Tensor, n: int, start: int = 0) -> Tensor:
+        return code_weigh(p, *self._algebra(n, start), self.G, True)
+
     def nbytes(self, n: int) -> int:
         nb = n // self.G
         return sum(t[:, :, :nb].nbytes for t in (self.codes, self.scale, self.zero))
@@ -153,6 +167,19 @@ class TensorCodec(Codec):
 
     def read(self, n: int, dtype: torch.dtype, start: int = 0) -> Tensor:
         return dequantize(self.held(n), dtype)[:, :, start:]
+
+    def _algebra(self, n: int, start: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Slots [start, n) as fp32 codes (B, H, T, d) and each token's scale and zero, (B, H, T, 1)."""
+        H = self.codes.shape[1]
+        per_token = lambda t: t[:, None, start:n, None].float().expand(-1, H, -1, -1)   # noqa: E731
+        return unpack_int(self.codes[:, :, start:n], self.bits, self.width).float(), per_token(self.scale), \
+            per_token(self.zero)
+
+    def scores(self, q: Tensor, n: int, start: int = 0) -> Tensor:
+        return code_scores(q, *self._algebra(n, start), self.width, False)
+
+    def weigh(self, p: Tensor, n: int, start: int = 0) -> Tensor:
+        return code_weigh(p, *self._algebra(n, start), self.width, False)
 
     def nbytes(self, n: int) -> int:
         return self.codes[:, :, :n].nbytes + self.scale[:, :n].nbytes + self.zero[:, :n].nbytes
@@ -212,6 +239,17 @@ class KVParetoCache(LayerCache):
             after = self.store.read(self.length, k.dtype)
             c.held_keys, c.held_values = after["k"], after["v"]
         return c
+
+    def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
+        """One token: attention from the codes' scale/zero algebra (WindowedStore.attend; the smoothed keys shift
+        every score of a query by q·mean, which softmax ignores), then the token stored."""
+        if not self.length:
+            return self.prefill(x, q, k, v, pos)
+        q, k = self.attn.rope(q, k, pos.ids)
+        k = self._smooth(k, None, 0)
+        out = self.store.attend(q, self.length, {"k": k, "v": v}, pos.mask)
+        self._append(k, v)
+        return out
 
     def _real(self, pos: Positions, T: int) -> Tensor:
         slots = torch.arange(pos.start, pos.start + T, device=pos.pad.device)

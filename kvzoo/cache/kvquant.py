@@ -71,12 +71,37 @@ def pack(codes: Tensor, bits: int) -> Tensor:
 
 def unpack(words: Tensor, bits: int, n: int) -> Tensor:
     """Inverse of pack: int32 (..., packed_words(n)) -> uint8 codes (..., n)."""
-    n_padded = words.shape[-1] * 32 // bits
-    w = words.to(torch.int64) & 0xFFFFFFFF                                      # unsigned word values
-    w = torch.nn.functional.pad(w, (0, 1))                                      # a zero word to read past the end
-    word, offset = _layout(n_padded, bits, words.device)
-    stream = w[..., word] | (w[..., word + 1] << 32)                            # 64-bit window at each code
-    return ((stream >> offset) & ((1 << bits) - 1))[..., :n].to(torch.uint8)
+    return unpack_int(words, bits, n).to(torch.uint8)
+
+
+def unpack_int(words: Tensor, bits: int, n: int) -> Tensor:
+    """unpack's codes as int32 (or int64: 3 bits), saving a conversion where they go on into arithmetic.
+
+    Widths that divide 32 shift each word by every code offset at once; 3-bit blocks (32 codes in 3 words) are
+    read as two 64-bit windows, bits [0, 64) holding codes 0..20 and bits [32, 96) codes 21..31."""
+    mask = (1 << bits) - 1
+    if 32 % bits == 0:
+        shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
+        codes = (words.unsqueeze(-1) >> shifts) & mask                         # (..., words, 32 / bits)
+        return codes.flatten(-2)[..., :n]
+    assert bits == 3, f"no unpacking for {bits}-bit codes"
+    w = words.unflatten(-1, (-1, 3)).to(torch.int64) & 0xFFFFFFFF               # (..., blocks, 3) unsigned
+    low = w[..., 0] | (w[..., 1] << 32)                                          # bits [0, 64) of each block
+    high = w[..., 1] | (w[..., 2] << 32)                                         # bits [32, 96)
+    first = (low.unsqueeze(-1) >> torch.arange(0, 63, 3, device=words.device)) & mask            # codes 0..20
+    rest = (high.unsqueeze(-1) >> torch.arange(31, 64, 3, device=words.device)) & mask           # codes 21..31
+    return torch.cat([first, rest], dim=-1).flatten(-2)[..., :n]
+
+
+def unpack_float(words: Tensor, bits: int, n: int, signs: Tensor | None = None) -> Tensor:
+    """unpack(words, bits, n) as fp32 codes (..., n). signs: int32 words of one bit per code in the codes' own
+    order (InnerQ's symmetric groups along the packed axis): codes whose bit is set come back negated."""
+    codes = unpack_int(words, bits, n).float()
+    if signs is not None:        # each sign bit moved to bit 31 (an fp32's sign) and flipped into the code
+        shifts = torch.arange(32, dtype=torch.int32, device=signs.device)
+        flip = ((signs.unsqueeze(-1) >> shifts) << 31).flatten(-2)[..., :n]
+        codes.view(torch.int32).bitwise_xor_(flip)
+    return codes
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from math import prod
 import torch
 from torch import Tensor, nn
 
-from kvzoo.cache.kvquant import QTensor, dequantize, packed_words, quantize
+from kvzoo.cache.kvquant import QTensor, dequantize, packed_words, quantize, unpack_int
 
 SCALE_DTYPE = torch.float16
 EXACT = 16        # bits = 16: rows kept at the model's precision, no codes
@@ -94,6 +94,42 @@ def device_slots(start: Tensor, n: int, group: int) -> tuple[Tensor, Tensor]:
     return slots, groups
 
 
+def _blocks(w: int, group: int, device) -> Tensor:
+    """(w, w/G) one-hot: channel c belongs to group c // G."""
+    return (torch.arange(w, device=device)[:, None] // group == torch.arange(w // group, device=device)).float()
+
+
+def code_scores(q: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, group: int, per_channel: bool) -> Tensor:
+    """q·x̂_t for rows x̂ = codes * scale + zero held in groups, from the codes: Σ_c q_c (s code_tc + z) =
+    Σ_c (q_c s) code_tc + Σ_c q_c z, (s, z) the group's of slot t and channel c, so no dequantized row is formed;
+    the codes are read in their stored order by one matmul. q (*lead, rep, w); codes (*lead, T, w) fp32 integers;
+    scale, zero (*lead, T/G, w) per channel (groups of G slots) or (*lead, T, w/G) per token (groups of G
+    channels). Returns (*lead, rep, T)."""
+    if per_channel:
+        qs = q.unsqueeze(-3) * scale.unsqueeze(-2)                                   # (*lead, T/G, rep, w)
+        dots = codes.unflatten(-2, (-1, group)) @ qs.transpose(-1, -2)               # (*lead, T/G, G, rep)
+        dots = dots + (q @ zero.transpose(-1, -2)).transpose(-1, -2).unsqueeze(-2)
+        return dots.flatten(-3, -2).transpose(-1, -2)
+    blocks = _blocks(q.shape[-1], group, q.device)                                   # (w, w/G)
+    per_group = (q.unsqueeze(-2) * blocks.t()).flatten(-3, -2)                      # (*lead, rep * w/G, w)
+    dots = (per_group @ codes.transpose(-1, -2)).unflatten(-2, (q.shape[-2], -1))   # (*lead, rep, w/G, T)
+    out = (dots * scale.transpose(-1, -2).unsqueeze(-3)).sum(-2)                    # (*lead, rep, T)
+    return out + (q @ blocks) @ zero.transpose(-1, -2)
+
+
+def code_weigh(p: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, group: int, per_channel: bool) -> Tensor:
+    """Σ_t p_t x̂_t from the codes: Σ_t (p_t s) code_tc + Σ_t p_t z (shapes as code_scores; p (*lead, rep, T)).
+    Returns (*lead, rep, w)."""
+    if per_channel:
+        pg = p.unflatten(-1, (-1, group)).transpose(-2, -3)                         # (*lead, T/G, rep, G)
+        sums = pg @ codes.unflatten(-2, (-1, group))                                # (*lead, T/G, rep, w)
+        return (sums * scale.unsqueeze(-2)).sum(-3) + pg.sum(-1).transpose(-1, -2) @ zero
+    blocks = _blocks(codes.shape[-1], group, p.device)                               # (w, w/G)
+    ps = (p.unsqueeze(-2) * scale.transpose(-1, -2).unsqueeze(-3)).flatten(-3, -2)  # (*lead, rep * w/G, T)
+    sums = (ps @ codes).unflatten(-2, (p.shape[-2], -1))                            # (*lead, rep, w/G, w)
+    return (sums * blocks.t()).sum(-2) + (p @ zero) @ blocks.t()
+
+
 class Codec(nn.Module):
     """How one stream's quantized slots are held. Subclasses allocate buffers for `capacity` slots (token axis
     -2 of (*lead, capacity, width) rows) and implement the six methods below."""
@@ -120,6 +156,15 @@ class Codec(nn.Module):
     def nbytes(self, n: int) -> int:
         """Bytes of every tensor held for slots [0, n)."""
         raise NotImplementedError
+
+    def scores(self, q: Tensor, n: int, start: int = 0) -> Tensor:
+        """q·row for every held slot of [start, n): q (*lead, rep, width) fp32 -> (*lead, rep, n - start). A codec
+        with a scale/zero algebra computes it from the codes (GroupCodec); this default dequantizes."""
+        return q @ self.read(n, torch.float32, start).transpose(-1, -2)
+
+    def weigh(self, p: Tensor, n: int, start: int = 0) -> Tensor:
+        """Σ_t p_t row_t over the held slots [start, n): p (*lead, rep, n - start) fp32 -> (*lead, rep, width)."""
+        return p @ self.read(n, torch.float32, start)
 
     def token_bytes(self) -> float:
         """The formula: bytes of one quantized slot of one lead row (codes, scales, zeros)."""
@@ -201,6 +246,26 @@ class GroupCodec(Codec):
         x = q.to(dtype) if isinstance(q, Tensor) else dequantize(q, dtype)
         return x if not self.exact_first else torch.cat([self.first[..., start:n, :].to(dtype), x], dim=-1)
 
+    def _codes(self, n: int, start: int) -> Tensor:
+        """Codes of slots [start, n) as fp32 integers: (*lead, n - start, coded)."""
+        return unpack_int(self.codes[..., start:n, :], self.bits, self.coded).float()
+
+    def scores(self, q: Tensor, n: int, start: int = 0) -> Tensor:
+        if self.bits == EXACT:
+            return q @ self.rows[..., start:n, :].float().transpose(-1, -2)
+        first = q[..., :1] @ self.first[..., start:n, :].float().transpose(-1, -2) if self.exact_first else 0
+        g = self._groups(start, n)
+        return first + code_scores(q[..., int(self.exact_first):], self._codes(n, start), self.scale[..., g, :].float(),
+                                   self.zero[..., g, :].float(), self.group, self.per_channel)
+
+    def weigh(self, p: Tensor, n: int, start: int = 0) -> Tensor:
+        if self.bits == EXACT:
+            return p @ self.rows[..., start:n, :].float()
+        g = self._groups(start, n)
+        out = code_weigh(p, self._codes(n, start), self.scale[..., g, :].float(), self.zero[..., g, :].float(),
+                         self.group, self.per_channel)
+        return torch.cat([p @ self.first[..., start:n, :].float(), out], dim=-1) if self.exact_first else out
+
     def nbytes(self, n: int) -> int:
         if self.bits == EXACT:
             return self.rows[..., :n, :].nbytes
@@ -276,16 +341,43 @@ class WindowedStore(nn.Module):
             recent[..., :tail.shape[-2] - flush, :] = tail[..., flush:, :]
         return length + next(iter(rows.values())).shape[-2]
 
-    def read(self, length: int, dtype: torch.dtype, start: int = 0) -> dict[str, Tensor]:
-        """The stored slots as attention sees them, per stream: the sink, quantized slots [start, Nq) dequantized,
-        the recent window: (*lead, length - start, width). start > 0 leaves out quantized slots the caller reads
-        another way (decode kernels read them in place)."""
+    def read(self, length: int, dtype: torch.dtype, start: int = 0, names: tuple[str, ...] | None = None
+             ) -> dict[str, Tensor]:
+        """The stored slots as attention sees them, per stream (`names`, default all): the sink, quantized slots
+        [start, Nq) dequantized, the recent window: (*lead, length - start, width). start > 0 leaves out quantized
+        slots the caller reads another way (decode kernels read them in place)."""
         out = {}
-        for name, codec in self.codecs.items():
+        for name in names or self.codecs:
+            codec = self.codecs[name]
             in_sink, n_q, r = self.counts(length, name)
             out[name] = torch.cat([self.sink(name)[..., :in_sink, :], codec.read(n_q, dtype, min(start, n_q)),
                                    self.recent(name)[..., :r, :]], dim=-2)
         return out
+
+    def attend(self, q: Tensor, length: int, token: dict[str, Tensor], mask: Tensor | None = None,
+               keys: Tensor | None = None) -> Tensor:
+        """One decode token's attention over the slots held (streams "k" and "v", keys as attention sees them)
+        plus the token's own k, v exact, reading quantized slots from their codes (Codec.scores / weigh): no
+        dequantized copy of the history. q (B, Hq, 1, d) (Hq a multiple of H, GQA); token (B, H, 1, d) each;
+        mask (B, 1, 1, length + 1) True = may attend, or None; keys (B, H, length, d): the history's keys given
+        instead (keys stored before RoPE, rotated by the caller). Returns (B, Hq, 1, d) in q's dtype; fp32 inside."""
+        (B, Hq, _, d), H = q.shape, self.lead[1]
+        qf = q.float().view(B, H, Hq // H, d) * d ** -0.5                            # (B, H, rep, d)
+        if keys is not None:
+            scores = qf @ torch.cat([keys, token["k"]], dim=-2).float().transpose(-1, -2)
+        else:
+            in_sink, n_q, r = self.counts(length, "k")
+            exact = [self.sink("k")[..., :in_sink, :], self.recent("k")[..., :r, :], token["k"]]
+            k_sink, k_recent, k_token = (qf @ rows.float().transpose(-1, -2) for rows in exact)
+            scores = torch.cat([k_sink, self.codecs["k"].scores(qf, n_q), k_recent, k_token], dim=-1)  # (B, H, rep, L + 1)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        p = scores.softmax(dim=-1)
+        in_sink, n_q, r = self.counts(length, "v")
+        p_sink, p_q, p_recent, p_token = p.split([in_sink, n_q, r, 1], dim=-1)
+        out = (p_sink @ self.sink("v")[..., :in_sink, :].float() + self.codecs["v"].weigh(p_q, n_q)
+               + p_recent @ self.recent("v")[..., :r, :].float() + p_token @ token["v"].float())
+        return out.view(B, Hq, 1, d).to(q.dtype)
 
     def append_read(self, length: int, rows: dict[str, Tensor], held: bool = False):
         """Store a chunk and return what its queries read, per stream: (the new length; every slot as a
