@@ -38,6 +38,12 @@ def decode_one_token(model: Transformer, token: Tensor, cache: ModelCache, pad: 
     return model(token[:, None], cache, pad=pad)[:, -1]
 
 
+def penalize(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """The CTRL / transformers repetition penalty on tokens already generated (seen (B, V) True): a positive
+    logit divided by `penalty`, a negative one multiplied, so a repeat becomes less likely either way."""
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
 def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
            generator: torch.Generator | None = None) -> Tensor:
     """Greedy when temperature == 0; otherwise softmax(logits / T) restricted to the top-k tokens and
@@ -71,6 +77,9 @@ class Generation:
     decode_steps: int                 # forward passes after the prefill
     cache_nbytes: int                 # bytes the cache strategy holds at the end
     fp16_nbytes: int                  # what an fp16 K/V cache would hold for the same slots
+    model_nbytes: int                 # what a K/V cache at the model's dtype would hold (fp32 models: twice fp16's)
+    stored_tokens: int                # slots per row in the cache at the end (prompt + answer, padding included)
+    quantized_tokens: tuple[int, int]  # (keys, values) of them held quantized per row; the rest exact
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -83,7 +92,22 @@ class Generation:
         return self.cache_nbytes / self.fp16_nbytes
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
+def chat_sampling(generation_config: dict) -> dict:
+    """Sampling defaults for chat from a model's generation_config.json, read as transformers reads it: sampling
+    (temperature, top_p, top_k) only where it says do_sample, otherwise greedy; its repetition_penalty, or 1.1 on
+    the answer's own tokens (a guard: a small model's greedy answer otherwise tends to loop to the token limit)."""
+    cfg = generation_config
+    sampled = bool(cfg.get("do_sample"))
+    return {"temperature": float(cfg.get("temperature", 1.0)) if sampled else 0.0,
+            "top_p": float(cfg["top_p"]) if sampled and cfg.get("top_p") is not None else None,
+            "top_k": int(cfg["top_k"]) if sampled and cfg.get("top_k") else None,
+            "repetition_penalty": float(cfg.get("repetition_penalty") or 1.1)}
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
+                   repetition_penalty: float = 1.0) -> None:
+    if repetition_penalty <= 0:
+        raise ValueError(f"repetition_penalty must be > 0 (1 = none), got {repetition_penalty}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0:
@@ -97,15 +121,17 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, t
 @torch.inference_mode()
 def generate(model: Transformer, tokenizer, prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
              max_new_tokens: int = 256, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int | None = None, cache: str | CacheSpec = "fp16",
+             top_p: float | None = None, repetition_penalty: float = 1.0, seed: int | None = None,
+             cache: str | CacheSpec = "fp16",
              stop: Sequence[str] = (), on_step: Callable[[list[int]], None] | None = None,
              prefill_chunk: int | None = None, compile: bool = False) -> Generation:
     """Generate for one prompt or a batch. Prompts are strings (encoded with the tokenizer's BOS rule)
     or lists of token ids. on_step(ids) is called after every decode step with each row's new token.
     prefill_chunk: prefill the prompt that many tokens at a time (chunked prefill). compile: replay the
     decode step from CUDA graphs (kvzoo.graphs.decoder: the whole step for strategies with a static step,
-    all but attention for the others; the same code runs eagerly on CPU)."""
-    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    all but attention for the others; the same code runs eagerly on CPU). repetition_penalty (1 = none, the
+    default) penalizes the tokens each row has generated so far (transformers also counts the prompt's)."""
+    check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty)
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -138,8 +164,17 @@ def generate(model: Transformer, tokenizer, prompts: str | Sequence[str] | Seque
     if compile:
         from kvzoo.graphs import decoder
         step_fn = decoder(model, kv, pad)
+    seen = torch.zeros(B, model.cfg.vocab_size, dtype=torch.bool, device=device)   # each row's generated tokens
+
+    def pick(logits: Tensor) -> Tensor:
+        if repetition_penalty != 1.0:
+            logits = penalize(logits, seen, repetition_penalty)
+        token = sample(logits, temperature, top_k, top_p, generator)
+        seen.scatter_(1, token[:, None], True)
+        return token
+
     logits = prefill(model, tokens, kv, pad, prefill_chunk)
-    token = sample(logits, temperature, top_k, top_p, generator)
+    token = pick(logits)
     t1 = time.perf_counter()
     for step in range(max_new_tokens):
         ids = token.tolist()
@@ -156,7 +191,7 @@ def generate(model: Transformer, tokenizer, prompts: str | Sequence[str] | Seque
             on_step(ids)
         if all(done) or step == max_new_tokens - 1:
             break
-        token = sample(step_fn(token), temperature, top_k, top_p, generator)
+        token = pick(step_fn(token))
         steps += 1
     t2 = time.perf_counter()
 
@@ -167,7 +202,9 @@ def generate(model: Transformer, tokenizer, prompts: str | Sequence[str] | Seque
             text = text[:min(text.find(s) for s in stop if s in text)]
         texts.append(text)
     cfg = model.cfg
+    fp16 = fp16_kv_nbytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, B * kv.length)
     return Generation(texts=texts, tokens=new, finish=finish, prompt_tokens=sum(map(len, rows)),
                       new_tokens=sum(map(len, new)), prefill_seconds=t1 - t0, decode_seconds=t2 - t1,
-                      decode_steps=steps, cache_nbytes=kv.nbytes(),
-                      fp16_nbytes=fp16_kv_nbytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, B * kv.length))
+                      decode_steps=steps, cache_nbytes=kv.nbytes(), fp16_nbytes=fp16,
+                      model_nbytes=fp16 * model.dtype.itemsize // 2, stored_tokens=kv.length,
+                      quantized_tokens=kv.quantized_slots())

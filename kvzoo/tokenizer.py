@@ -44,6 +44,8 @@ class Tokenizer:
         add_bos: whether ``encode`` prepends BOS by default.
         vocab_size: number of ids the tokenizer can produce, added tokens included.
         chat_template: the Jinja chat template, or None.
+        generation_config: the model folder's generation_config.json ({} if none): its sampling settings
+            (do_sample, temperature, top_p, top_k, repetition_penalty) are chat's defaults.
     """
 
     def __init__(self, backend, *, config: dict | None = None, generation_config: dict | None = None,
@@ -51,6 +53,7 @@ class Tokenizer:
         config = config or {}
         generation_config = generation_config or {}
         self._backend = backend
+        self.generation_config = generation_config
 
         self.special_tokens = {
             name: _token_content(config.get(f"{name}_token")) for name in ("bos", "eos", "pad", "unk")

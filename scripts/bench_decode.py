@@ -1,4 +1,4 @@
-"""End-to-end decode on a CUDA GPU: prefill time, per-token decode latency, tokens/s, peak memory and KV bytes
+"""End-to-end decode on a CUDA GPU (or, with --device cpu, on the CPU): prefill time, per-token decode latency, tokens/s, peak memory and KV bytes
 for every strategy and for Hugging Face transformers' own caches, on models given by config only (random bf16
 weights, no download) and the embedded model; the largest batch and the largest context each strategy fits.
 
@@ -32,6 +32,12 @@ strategy with a whole-step graph (with --compile) decodes so at once: its memory
 the buffers are. The others (KV Pareto, KIVI*: their eager decode dequantizes the whole history) first
 have the rest of the context stored as random K/V through each layer's own store path (quantization, no
 attention), as HF's caches are given that many random K/V tokens through update().
+
+--device cpu times the same cells on the CPU (fp32 unless --dtype says otherwise, eager steps only), the way chat runs
+there: every strategy decodes from its packed codes (kvzoo/cache/store.py's WindowedStore.attend):
+
+    python scripts/bench_decode.py --device cpu --models smollm2 --contexts 4096 --caches fp16 kivi innerq \
+        --warmup 4 --steps 16 --out results/decode/cpu
 
 --plot draws tokens/s against context: a panel per batch (the largest batches in one), a line per cache and
 step. --merge joins earlier OUT.json files into one table and plot without a GPU (a cell measured again
@@ -97,6 +103,10 @@ def parse_args():
     parser.add_argument("--max-batch", type=int, default=256, help="upper end of the batch search")
     parser.add_argument("--find-max-context", action="store_true", help="search the largest context at batch 1")
     parser.add_argument("--max-context", type=int, default=LONGEST, help="upper end of the context search")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"],
+                        help="where to time (default: cuda when there is a GPU)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights and activations (auto: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--out", default="results/decode/run", help="output path without suffix")
     parser.add_argument("--plot", action="store_true", help="also write OUT.png: tokens/s vs context")
     parser.add_argument("--overwrite", action="store_true", help="replace existing OUT.json / OUT.md")
@@ -126,11 +136,28 @@ def parse_args():
         raise SystemExit("nothing to run: give --caches and/or --hf")
     if args.graph_only and not args.compile:
         raise SystemExit("--graph-only needs --compile")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: this machine has no CUDA GPU; pass --device cpu")
+    if args.device == "cpu" and (args.compile or args.hf or args.find_max_batch or args.find_max_context):
+        raise SystemExit("--device cpu times kvzoo's eager step only: --compile (CUDA graphs), --hf and the "
+                         "memory searches need a GPU")
     if args.max_batch < 1:
         raise SystemExit(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_context < 1024:
         raise SystemExit(f"--max-context must be >= 1024 (the context search's step), got {args.max_context}")
     return args
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else the platform's processor string."""
+    import platform
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def randomize(model: torch.nn.Module) -> None:
@@ -139,17 +166,17 @@ def randomize(model: torch.nn.Module) -> None:
             p.normal_(0.0, 0.02)
 
 
-def build(name: str) -> Transformer:
-    """A bf16 kvzoo model on the GPU: random weights for a config-only shape, the real ones for smollm2."""
+def build(name: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> Transformer:
+    """A kvzoo model: random weights for a config-only shape, the real ones for smollm2."""
     if name == "smollm2":
         from kvzoo import load_model
-        return load_model(None, device="cuda", dtype=torch.bfloat16)[0]
+        return load_model(None, device=device, dtype=dtype)[0]
     cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], **SHAPES[name]})
     with torch.device("meta"):
         model = Transformer(cfg)
-    model = model.to_empty(device="cuda").to(torch.bfloat16)
+    model = model.to_empty(device=device).to(dtype)
     randomize(model)
-    model.rope.inv_freq = rope_inv_freq(cfg).to("cuda")              # fp32, as the loader sets it (to_empty blanked it)
+    model.rope.inv_freq = rope_inv_freq(cfg).to(device)              # fp32, as the loader sets it (to_empty blanked it)
     return model.eval()
 
 
@@ -517,19 +544,20 @@ def main() -> None:
               f"merged from {', '.join(Path(f).name for f in args.merge)} (a later file's row replaces an earlier "
               f"one of the same cell)")
         return
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_decode.py times decoding on a CUDA GPU and found none")
     if args.hf:
         try:
             import optimum.quanto  # noqa: F401  (transformers' QuantizedCache backend)
         except ImportError:
             if any(c != "fp16" for c in args.hf):
                 raise SystemExit("--hf quanto:N needs optimum-quanto (pip install optimum-quanto)") from None
-    gpu, how = torch.cuda.get_device_name(), f"mean of {args.steps} decode steps after {args.warmup} untimed"
+    dtype = {"auto": torch.bfloat16 if args.device == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({cpu_name()}, {torch.get_num_threads()} threads)"
+    how = f"{str(dtype).removeprefix('torch.')} weights; mean of {args.steps} decode steps after {args.warmup} untimed"
     keep = Rows(paths[0], gpu, how)
     for name in args.models:
         if args.caches:
-            runner = Kvzoo(build(name))
+            runner = Kvzoo(build(name, args.device, dtype))
             modes = ([True] if args.graph_only else [False, True]) if args.compile else [False]
             cells(runner, args, name, args.caches, modes, keep)
             del runner
@@ -558,20 +586,24 @@ class Rows:
 
 def write(args, paths: list[Path], rows: list[dict], gpu: str, torch_version: str, how: str) -> None:
     """The table (OUT.md, printed), the rows (OUT.json) and with --plot the throughput plot (OUT.png)."""
-    lines = [f"GPU: {gpu}; bf16 weights; {how}; torch {torch_version}", "",
+    lines = [f"device: {gpu}; {how}; torch {torch_version}", "",
              "| model | cache | step | context | batch | filled by | prefill (s) | decode (ms/token) | tokens/s | "
-             "peak (GiB) | KV (GiB) | KV ratio |", "|" + "---|" * 12]
+             "vs fp16 | peak (GiB) | KV (GiB) | KV ratio |", "|" + "---|" * 13]
+    cell = lambda r: (r["model"], r.get("step"), r["context"], r["batch"])          # noqa: E731
+    fp16 = {cell(r): r["tokens_per_s"] for r in rows if r.get("cache") == "fp16" and "tokens_per_s" in r}
     for r in rows:
         if "max_context" in r:
             continue
         head = f"| {r['model']} | `{r['cache']}` | {r.get('step', '')} | {r['context']} | {r['batch']}"
         if r.get("oom"):
-            lines.append(head + " | | OOM |  |  |  |  |  |")
+            lines.append(head + " | | OOM |  |  |  |  |  |  |")
             continue
         prefill_s = "" if r["prefill_s"] is None else f"{r['prefill_s']:.2f}"
         largest = " (the search's cap)" if r.get("batch_cap") == r.get("max_batch") else " (largest)"
         lines.append(head + f"{largest if 'max_batch' in r else ''} | {r['filled']} | {prefill_s} | "
-                     f"{r['decode_ms']:.2f} | {r['tokens_per_s']:.1f} | {r['peak_gib']:.1f} | "
+                     f"{r['decode_ms']:.2f} | {r['tokens_per_s']:.1f} | "
+                     f"{format(r['tokens_per_s'] / fp16[cell(r)], '.2f') + 'x' if cell(r) in fp16 else ''} | "
+                     f"{'' if r['peak_gib'] is None else format(r['peak_gib'], '.1f')} | "
                      f"{r['kv_bytes'] / 2 ** 30:.2f} | {r['kv_ratio']:.3f} |")
     found = [r for r in rows if "max_context" in r]
     if found:

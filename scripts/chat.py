@@ -1,17 +1,29 @@
 """Chat with a model through a KV-cache strategy.
 
-    python scripts/chat.py --cache fp16                       # interactive, with history
-    python scripts/chat.py --prompt "Hello!" --temperature 0  # one answer, then exit
+    python scripts/chat.py                                    # interactive, with history (cache fp16)
+    python scripts/chat.py --cache innerq                     # the same through InnerQ's 2-bit cache
+    python scripts/chat.py --prompt "Hello!"                  # one answer, then exit
 
-After every answer it prints decode tokens/s and the bytes the cache strategy holds (and their ratio to
-an fp16 cache). Ctrl-C or Ctrl-D leave cleanly; "/reset" clears the history.
+Sampling follows the model's generation_config.json where it samples; otherwise (the embedded SmolLM2) answers
+are greedy, with a repetition penalty of 1.1 on the answer's own tokens so that a small model does not loop.
+--temperature / --top-p / --top-k / --repetition-penalty override them.
+
+In the chat: /quit (or Ctrl-D) leaves, /reset clears the history, /cache <spec> switches strategy (the same
+text as --cache), /stats repeats the last answer's numbers, /help lists these. Ctrl-C stops an answer.
+After every answer one line gives decode tokens/s and the cache: how many of its tokens are quantized and how
+many exact, its bytes, and their ratio to an fp16 cache of the same tokens (and to the model's own dtype).
 """
 
 import argparse
 import sys
 
-from kvzoo.cli import add_model_args, parse_cache_args, human_bytes, load_from_args, run
-from kvzoo.generate import check_sampling, generate
+from kvzoo.cache.base import CacheSpec
+from kvzoo.cli import add_model_args, check_device, human_bytes, load_from_args, parse_cache_args, run
+from kvzoo.generate import chat_sampling, check_sampling, generate
+
+COMMANDS = {"/quit": "leave (also /exit, Ctrl-D)", "/reset": "forget the conversation",
+            "/cache <spec>": "switch the KV-cache strategy, e.g. /cache innerq:bits=2 (--cache help lists them)",
+            "/stats": "the last answer's speed and cache numbers", "/help": "this list"}
 
 
 class Streamer:
@@ -38,7 +50,19 @@ def render(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer.encode("\n".join(m["content"] for m in messages))   # a base model: plain continuation
 
 
-def answer(model, tokenizer, messages: list[dict], args, stream: bool) -> str:
+def summary(out, cache: CacheSpec, dtype_name: str) -> str:
+    """One line: speed, then what the cache holds against an fp16 (and the model's dtype) cache of its tokens."""
+    k_q, v_q = out.quantized_tokens
+    held = (f"{out.stored_tokens} tokens, none quantized" if not (k_q or v_q) else
+            f"{out.stored_tokens} tokens, {k_q} keys / {v_q} values quantized, the rest exact")
+    ratios = f"{out.kv_ratio:.3f}x an fp16 cache of these tokens"
+    if out.model_nbytes != out.fp16_nbytes:
+        ratios += f", {out.cache_nbytes / out.model_nbytes:.3f}x this {dtype_name} model's own"
+    return (f"[{out.new_tokens} tokens at {out.decode_tokens_per_s:.1f} tok/s; prompt {out.prompt_tokens} tokens in "
+            f"{out.prefill_seconds:.2f} s | cache {cache.name}: {held}; {human_bytes(out.cache_nbytes)} = {ratios}]")
+
+
+def answer(model, tokenizer, messages: list[dict], args, stream: bool):
     context = model.cfg.max_position_embeddings
     ids = render(tokenizer, messages)
     while len(ids) + 1 > context and len(messages) > 2:      # forget the oldest exchange, keep the system turn
@@ -47,16 +71,31 @@ def answer(model, tokenizer, messages: list[dict], args, stream: bool) -> str:
         ids = render(tokenizer, messages)
     streamer = Streamer(tokenizer) if stream else None
     out = generate(model, tokenizer, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, cache=args.cache, on_step=streamer,
-                   prefill_chunk=args.prefill_chunk, compile=args.compile)
-    if stream:
-        print(out.texts[0][len(streamer.shown):])
-    else:
-        print(out.texts[0])
-    print(f"[{out.new_tokens} tokens, {out.decode_tokens_per_s:.1f} tok/s decode, prompt {out.prompt_tokens} "
-          f"tokens in {out.prefill_seconds:.2f} s | cache {args.cache}: {human_bytes(out.cache_nbytes)}, "
-          f"{out.kv_ratio:.3f}x fp16]", file=sys.stderr)
-    return out.texts[0]
+                   top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                   cache=args.cache, on_step=streamer, prefill_chunk=args.prefill_chunk, compile=args.compile)
+    print(out.texts[0][len(streamer.shown):] if stream else out.texts[0])
+    if out.finish[0] == "length":
+        print(f"[stopped at --max-new-tokens {args.max_new_tokens}]", file=sys.stderr)
+    print(summary(out, args.cache, str(model.dtype).removeprefix("torch.")), file=sys.stderr)
+    return out
+
+
+def banner(model, args) -> str:
+    seen, params = set(), 0
+    for p in model.parameters():              # tied embeddings counted once
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            params += p.numel()
+    name = args.model or "SmolLM2-135M-Instruct (embedded)"
+    how = ("greedy" if args.temperature == 0 else
+           f"sampled at temperature {args.temperature}" + (f", top-p {args.top_p}" if args.top_p else "")
+           + (f", top-k {args.top_k}" if args.top_k else ""))
+    if args.repetition_penalty != 1.0:
+        how += f", repetition penalty {args.repetition_penalty}"
+    size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
+    small = " A model this small answers short factual questions best." if params < 1e9 else ""
+    return (f"kvzoo chat: {name}, {size} parameters, {str(model.dtype).removeprefix('torch.')} on {model.device}; "
+            f"cache {args.cache}; {how}.{small}\n/help lists commands; /quit or Ctrl-D leaves.")
 
 
 def main() -> None:
@@ -65,28 +104,40 @@ def main() -> None:
     parser.add_argument("--prompt", default=None, help="answer this one message and exit")
     parser.add_argument("--system", default=None, help="system message (default: the template's own)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.2, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=0.9)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="0 = greedy (default: the model's generation_config; greedy if it does not sample)")
+    parser.add_argument("--top-k", type=int, default=None, help="default: the model's generation_config")
+    parser.add_argument("--top-p", type=float, default=None, help="default: the model's generation_config")
+    parser.add_argument("--repetition-penalty", type=float, default=None,
+                        help="on the answer's own tokens, 1 = none (default: the model's generation_config, else 1.1)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (no effect when greedy)")
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="prefill the prompt this many tokens at a time (chunked prefill)")
     parser.add_argument("--compile", action="store_true",
-                        help="replay decode steps from CUDA graphs (kvzoo/graphs.py): the whole step for fp16 and "
-                             "innerq (its kernel, unpadded rows), all but attention for the other strategies")
+                        help="on a CUDA GPU, replay decode steps from CUDA graphs (kvzoo/graphs.py): the whole step "
+                             "for strategies with a static step, all but attention for the others")
     args = parser.parse_args()
     parse_cache_args(parser, args)
-    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    if args.compile and check_device(args.device).type != "cuda":
+        raise ValueError("--compile replays CUDA graphs and needs --device cuda; on a CPU leave it out")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise ValueError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+    given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+             "repetition_penalty": args.repetition_penalty}
+    check_sampling(args.max_new_tokens, *(v if v is not None else d for v, d in
+                                          zip(given.values(), (0.0, None, None, 1.0))))
 
     model, tokenizer = load_from_args(args)
+    for key, value in chat_sampling(tokenizer.generation_config).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     system = [{"role": "system", "content": args.system}] if args.system else []
     if args.prompt is not None:
         answer(model, tokenizer, system + [{"role": "user", "content": args.prompt}], args, stream=False)
         return
 
-    print(f"kvzoo chat: {model.cfg.architecture}, cache {args.cache}. Ctrl-D or Ctrl-C to leave, /reset to "
-          "clear the history.", file=sys.stderr)
-    messages = list(system)
+    print(banner(model, args), file=sys.stderr)
+    messages, last = list(system), None
     while True:
         try:
             user = input("\nyou> ").strip()
@@ -95,13 +146,34 @@ def main() -> None:
             return
         if not user:
             continue
-        if user == "/reset":
+        command, _, rest = user.partition(" ")
+        if command in ("/quit", "/exit"):
+            return
+        if command == "/reset":
             messages = list(system)
+            print("[history cleared]", file=sys.stderr)
+            continue
+        if command == "/help":
+            print("\n".join(f"  {c:<15} {what}" for c, what in COMMANDS.items()), file=sys.stderr)
+            continue
+        if command == "/stats":
+            print(summary(last, args.cache, str(model.dtype).removeprefix("torch.")) if last else "[no answer yet]",
+                  file=sys.stderr)
+            continue
+        if command == "/cache":
+            try:
+                args.cache = CacheSpec.parse(rest.strip())
+                print(f"[cache {args.cache}; the next answer re-reads the conversation into it]", file=sys.stderr)
+            except ValueError as err:
+                print(f"error: {err}", file=sys.stderr)
+            continue
+        if command.startswith("/") and command[1:].isalpha():
+            print(f"unknown command {command}; " + ", ".join(c.split()[0] for c in COMMANDS), file=sys.stderr)
             continue
         messages.append({"role": "user", "content": user})
         print("bot> ", end="", flush=True)
         try:
-            reply = answer(model, tokenizer, messages, args, stream=True)
+            last = answer(model, tokenizer, messages, args, stream=True)
         except KeyboardInterrupt:            # stop this answer, keep the session
             print("\n[interrupted]", file=sys.stderr)
             messages.pop()
@@ -110,7 +182,7 @@ def main() -> None:
             print(f"\nerror: {err}", file=sys.stderr)
             messages.pop()
             continue
-        messages.append({"role": "assistant", "content": reply})
+        messages.append({"role": "assistant", "content": last.texts[0]})
 
 
 if __name__ == "__main__":

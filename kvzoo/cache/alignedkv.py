@@ -276,6 +276,10 @@ class AlignedKVCache(WholeStep, LayerCache):
         self._buf("v_exp", (*shape, NB * BT), torch.int8)
         self.stats = ReadStats()
 
+    def quantized_slots(self) -> tuple[int, int]:
+        """Nothing is held quantized: every slot is stored as fp16 (complete blocks are read at 8/12/16 bits)."""
+        return 0, 0
+
     def _buf(self, name: str, shape: tuple, dtype: torch.dtype) -> None:
         device = self.attn.q_proj.weight.device
         self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device), persistent=False)

@@ -283,6 +283,13 @@ class LayerCache(nn.Module):
         """Forget every token; preallocated buffers are simply overwritten by the next ones."""
         self.length = 0
 
+    def quantized_slots(self) -> tuple[int, int]:
+        """(keys, values): how many of the stored slots are held quantized (by `window`, `value_window`); the
+        others are exact."""
+        if self.window is None:
+            return 0, 0
+        return self.window.quantized(self.length), (self.value_window or self.window).quantized(self.length)
+
     def prompt_slots(self, chunk: int) -> int:
         """Of a chunk of `chunk` tokens, how many prompt statistics come from (module docstring): the whole
         chunk on a streaming first call, the first max(prompt, 1) on a simulated one, none once a token is stored."""
@@ -366,6 +373,11 @@ class ModelCache(nn.Module):
         for layer in self.layers:
             layer.reset()
         self.length = 0
+
+    def quantized_slots(self) -> tuple[int, int]:
+        """(keys, values) held quantized per row, in the layer that quantizes the most (the rest are exact)."""
+        counts = [layer.quantized_slots() for layer in self.layers]
+        return max(k for k, _ in counts), max(v for _, v in counts)
 
     @torch.no_grad()
     def repeat_row(self, src: "ModelCache") -> None:
