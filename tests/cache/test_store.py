@@ -111,3 +111,63 @@ def test_streams_with_their_own_windows():
     assert st.nbytes(length) == st.formula_nbytes(length)
     with pytest.raises(ValueError, match="the streams have different windows"):
         st.phase(length)
+
+
+# ---- attention from the codes (CPU decode) ----------------------------------------------------------------
+def codecs_under_test():
+    """Every codec with a scale/zero algebra, filled with 96 slots of random rows (B = 2, H = 3, width 64)."""
+    from kvzoo.cache.innerq import InnerQCodec
+    from kvzoo.cache.kvpareto import BlockCodec, TensorCodec
+
+    lead, cap, w = (2, 3), 96, 64
+    out = {f"group-{'channel' if pc else 'token'}-{b}{'-first' if ef else ''}":
+           GroupCodec(lead, cap, w + int(ef), b, 32, pc, torch.float32, "cpu", exact_first=ef)
+           for b in (2, 3, 4, 8, 16) for pc in (True, False) for ef in ((False, True) if pc else (False,))}
+    for axis in (-1, -2):
+        for mode in ("asym", "sym", "hybrid"):
+            out[f"innerq{axis}-{mode}"] = InnerQCodec(lead, cap, w, 2, axis, mode, "cpu")
+    out["kvpareto-block"] = BlockCodec(lead, cap, w, 4, 16, "cpu")
+    out["kvpareto-tensor"] = TensorCodec(lead, cap, w, 2, "cpu")
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(codecs_under_test()))
+def test_scores_and_weighted_sums_from_codes_equal_the_dequantized_products(name):
+    """Codec.scores / weigh compute q·x̂ and Σ p x̂ from the codes (the scale/zero algebra, signs of InnerQ's
+    symmetric groups flipped in), equal to the products with the dequantized rows up to fp32 summation order
+    (sums of ~100 terms of magnitude 16), from any group boundary."""
+    codec = codecs_under_test()[name]
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randn(2, 3, 96, codec.width, generator=g) * torch.linspace(0.1, 4, codec.width)
+    rows[..., 5] += 6                                  # an outlier channel
+    codec.write(0, 96, rows)
+    for start in (0, 32):
+        held = codec.read(96, torch.float32, start)                            # (2, 3, 96 - start, w)
+        q = torch.randn(2, 3, 4, codec.width, generator=g)
+        p = torch.rand(2, 3, 4, 96 - start, generator=g)
+        assert torch.allclose(codec.scores(q, 96, start), q @ held.transpose(-1, -2), atol=1e-3, rtol=1e-5)   # fp32 sums of ~100 terms
+        assert torch.allclose(codec.weigh(p, 96, start), p @ held, atol=1e-3, rtol=1e-5)   # fp32 sums of ~100 terms
+
+
+@pytest.mark.parametrize("windows", [Window(0, 16, 8), {"k": Window(5, 0, 32), "v": Window(5, 32, 1)}], ids=str)
+def test_store_attend_equals_attention_over_what_is_held(windows):
+    """WindowedStore.attend (a decode token's GQA attention over sink | codes | recent window, plus the token
+    exact, with a mask) equals plain attention over the rows `read` returns."""
+    from kvzoo.cache.base import attend
+
+    lead = (2, 3)
+    ws = windows if isinstance(windows, dict) else {"k": windows, "v": windows}
+    s = WindowedStore(windows, {"k": GroupCodec(lead, 256, 64, 2, 32 if ws["k"].group > 1 else 8, ws["k"].group > 1,
+                                                torch.float32, "cpu"),
+                                "v": GroupCodec(lead, 256, 64, 4, 32, False, torch.float32, "cpu")},
+                      lead, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(2, 2, 3, 150, 64, generator=g)
+    length = s.append(0, {"k": k, "v": v})
+    q, k1, v1 = torch.randn(2, 9, 1, 64, generator=g), torch.randn(2, 3, 1, 64, generator=g), \
+        torch.randn(2, 3, 1, 64, generator=g)
+    mask = torch.ones(2, 1, 1, length + 1, dtype=torch.bool)
+    mask[1, ..., :7] = False                           # row 1 left-padded by 7
+    held = s.read(length, torch.float32)
+    want = attend(q, torch.cat([held["k"], k1], 2), torch.cat([held["v"], v1], 2), mask)
+    assert torch.allclose(s.attend(q, length, {"k": k1, "v": v1}, mask), want, atol=1e-5)
