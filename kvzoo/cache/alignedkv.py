@@ -121,6 +121,15 @@ def join_planes(hi: Tensor, mid: Tensor, lo: Tensor) -> Tensor:
     return from_bits(bits)
 
 
+def read_planes(hi: Tensor, mid: Tensor, lo: Tensor, bits: Tensor) -> Tensor:
+    """Elements held as planes (split_planes: hi (..., n), mid and lo (..., n/2)) read at `bits` (8/12/16 per
+    element, broadcastable), as fp32: the nibbles not read are replaced by the fill (truncate's 100...)."""
+    unpair = lambda p: torch.stack([p & 0xF, p >> 4], dim=-1).flatten(-2).to(torch.int32)   # noqa: E731
+    m = torch.where(bits >= 12, unpair(mid), 8)                                     # 8 bits: 0x80 filled
+    low = torch.where(bits == 16, unpair(lo), torch.where(bits == 12, 8, 0))        # 12 bits: 0x8 filled
+    return from_bits((hi.to(torch.int32) << 8) | (m << 4) | low).float()
+
+
 def truncate(x: Tensor, bits: int) -> Tensor:
     """fp16 x read at its top `bits` bits, the rest filled with 100... (bits = 16: x itself)."""
     if bits == 16:
@@ -405,10 +414,17 @@ class AlignedKVCache(WholeStep, LayerCache):
 
     def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
         """One token: the complete blocks through aligned_qk / aligned_pv, which decide each element's bits
-        before loading its low bits; the block being filled and the new token exact, in torch. The torch
-        path (prefill) where the kernels do not apply (CPU, padding, min_bits=16, no complete block yet)."""
+        before loading its low bits; the block being filled and the new token exact, in torch. Elsewhere (a CPU,
+        padding) `_decode_planes`, the same reads in torch; the reference (prefill) for min_bits=16 and before a
+        block is complete."""
         if not self._fused_ok(q, pos):
-            return self.prefill(x, q, k, v, pos)
+            if self.opts.min_bits == 16 or self.length < self.opts.block:
+                return self.prefill(x, q, k, v, pos)
+            q, k = self.attn.rope(q, k, pos.ids)
+            k, v = self._zero_padding(k, v, pos)
+            out = self._decode_planes(q, k, v, pos.mask)
+            self._append(k, v)
+            return out
         from kvzoo.kernels.alignedkv_attention import aligned_decode
 
         o = self.opts
@@ -421,6 +437,38 @@ class AlignedKVCache(WholeStep, LayerCache):
                              self.v_lo, self.v_exp, L // o.block, tail_k, tail_v, o.topk, o.min_bits)
         self._append(k, v)
         return out.to(q.dtype)[:, :, None]                                              # (B, Hq, 1, d)
+
+    def _decode_planes(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """One token's aligned attention read from the planes, for T = 1 (aligned_attention's reads without its
+        per-query copies): q (B, Hq, 1, d) and the token's k, v (B, H, 1, d) after RoPE; mask (B, 1, 1, L + 1) or
+        None. The NA = floor(L / BT) * BT slots of complete blocks are read at their 8/12/16 bits (Rules 1 and 2),
+        the block being filled and the token exact. Returns (B, Hq, 1, d)."""
+        o, L = self.opts, self.length
+        (B, Hq, _, d), H = q.shape, k.shape[1]
+        NB = L // o.block
+        NA = NB * o.block
+        qf = q.float().view(B, H, Hq // H, d)                                           # (B, H, G, d)
+        k_bits = key_levels(q, self.k_exp[:, :, :NB], o.min_bits)[:, :, 0]              # (B, H, NB, d)
+        keys = read_planes(self.k_hi[:, :, :NB], self.k_mid[:, :, :NB], self.k_lo[:, :, :NB], k_bits[..., None])
+        aligned = (qf.unsqueeze(2) @ keys).transpose(2, 3).flatten(-2)                  # (B, H, G, NA)
+        tail_k = torch.cat([self._stored_keys(NA, L).float(), k.float()], dim=2)        # (B, H, L + 1 - NA, d)
+        scores = torch.cat([aligned, qf @ tail_k.transpose(-1, -2)], dim=-1) * d ** -0.5  # (B, H, G, L + 1)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        p = scores.softmax(dim=-1)
+        # O_est: the top-k probabilities times their exact values (every bit of a stored slot, the token's v)
+        top_p, idx = p.flatten(2, 3).view(B, Hq, L + 1).topk(min(o.topk, L + 1), dim=-1)   # (B, Hq, k)
+        rows = idx.view(B, H, -1).clamp_max(L - 1)                                      # (B, H, G*k)
+        planes = (t.gather(2, rows[..., None].expand(-1, -1, -1, t.shape[-1])) for t in (self.v_hi, self.v_mid, self.v_lo))
+        top_v = torch.where(idx.view(B, H, -1, 1) == L, v.float(), join_planes(*planes).float())   # (B, H, G*k, d)
+        o_est = (top_p[..., None] * top_v.view(B, Hq, -1, d)).sum(2)                    # (B, Hq, d)
+        v_bits = value_levels(p[..., :NA].reshape(B, Hq, 1, NA), o_est[:, :, None], self.v_exp[:, :, :NA],
+                              o.min_bits)[:, :, 0]                                       # (B, H, NA, d)
+        values = read_planes(self.v_hi[:, :, :NA], self.v_mid[:, :, :NA], self.v_lo[:, :, :NA], v_bits)
+        tail_v = torch.cat([self._stored_values(L, NA).float(), v.float()], dim=2)
+        out = p[..., :NA] @ values + p[..., NA:] @ tail_v                                # (B, H, G, d)
+        self.stats.add(k_bits, v_bits)
+        return out.reshape(B, Hq, 1, d).to(q.dtype)
 
     # ---- the static step (CUDA graphs, kvzoo/graphs.py) ----------------------------------------------
     def _static_fused(self) -> bool:

@@ -131,6 +131,26 @@ def rope_stored_keys(attn, k: Tensor, pos: Positions) -> Tensor:
     return attn.rope.apply(k, (slots[None, :] - pos.pad[:, None]).clamp_min(0))
 
 
+def decode_attention(attn, q: Tensor, hist_k: Tensor, k: Tensor, v: Tensor, pos: Positions, weigh,
+                     up_v: Tensor) -> Tensor:
+    """One decode token's attention when K and V are linear in cached rows (X, or its latents). Keys are
+    rematerialized (hist_k (B, H, L, hd) before RoPE, which differs per slot); values are not: a query head's output
+    Σ_t p_t V_t = (Σ_t p_t row_t) · up_v is the probability-weighted sum of the cached rows, weigh(p) (B, Hq, L) ->
+    (B, Hq, width), times the head's slice of the up-projection up_v (width, n_kv*hd). The token's own k, v
+    (B, H, 1, hd) are exact. Returns (B, Hq, 1, hd) in v's dtype."""
+    (B, Hq, _, d), H = q.shape, hist_k.shape[1]
+    keys = rope_stored_keys(attn, torch.cat([hist_k, k], dim=2), pos)                # (B, H, L + 1, hd)
+    q = attn.rope.apply(q, pos.ids).float().view(B, H, Hq // H, d)
+    scores = q @ keys.float().transpose(-1, -2) * d ** -0.5                          # (B, H, rep, L + 1)
+    if pos.mask is not None:
+        scores = scores.masked_fill(~pos.mask, float("-inf"))
+    p = scores.softmax(dim=-1).view(B, Hq, -1)
+    up = up_v.float().view(-1, H, d).transpose(0, 1)                                  # (H, width, hd)
+    out = weigh(p[..., :-1]).view(B, H, Hq // H, -1) @ up                            # (B, H, rep, hd)
+    out = out.view(B, Hq, 1, d) + p[..., -1:, None] * v.float().repeat_interleave(Hq // H, dim=1)
+    return out.to(v.dtype)
+
+
 @dataclass(frozen=True)
 class XQuantOptions:
     bits: int = 4
@@ -236,32 +256,21 @@ class XQuantCache(WholeStep, LayerCache):
         return c
 
     def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
-        """One token. Keys are rematerialized (RoPE differs per slot), values are not: a query head's output
-        Σ_t p_t V_t = (Σ_t p_t row_t) · up is the probability-weighted sum of the cached rows, taken from their codes
-        (Codec.weigh), times the head's slice of the up-projection. Then the token's rows are stored."""
+        """One token: keys rematerialized, values weighed from the codes (decode_attention); then the token's rows
+        are stored."""
         if not self.length:
             return self.prefill(x, q, k, v, pos)
-        (B, Hq, _, d), H = q.shape, self.attn.n_kv_heads
         (k_name, up_k), (v_name, up_v) = self._sources()
         codec, window = self.store.codecs[k_name], self.store.recent(k_name)
         _, n_q, r = self.store.counts(self.length, k_name)
         flat = torch.cat([rematerialize(codec.held(n_q), codec.held_first(n_q), up_k),
                           rematerialize(window[:, :r], None, up_k)], dim=1)          # (B, L, n_kv*hd)
-        keys = rope_stored_keys(self.attn, torch.cat([heads(flat, H, k.dtype), k], dim=2), pos)   # (B, H, L + 1, d)
-        q = self.attn.rope.apply(q, pos.ids).float().view(B, H, Hq // H, d)
-        scores = q @ keys.float().transpose(-1, -2) * d ** -0.5                       # (B, H, rep, L + 1)
-        if pos.mask is not None:
-            scores = scores.masked_fill(~pos.mask, float("-inf"))
-        p = scores.softmax(dim=-1)
         codec, window = self.store.codecs[v_name], self.store.recent(v_name)
         _, n_q, r = self.store.counts(self.length, v_name)
-        p_q, p_window, p_token = p.view(B, Hq, -1).split([n_q, r, 1], dim=-1)        # (B, Hq, .)
-        rows = codec.weigh(p_q, n_q) + p_window @ window[:, :r].float()              # (B, Hq, width): Σ_t p_t row_t
-        up = up_v.float().view(-1, H, d).transpose(0, 1)                               # (H, width, hd)
-        out = (rows.view(B, H, Hq // H, -1) @ up).view(B, Hq, 1, d) + p_token[..., None] * v.float().repeat_interleave(
-            Hq // H, dim=1)
+        weigh = lambda p: codec.weigh(p[..., :n_q], n_q) + p[..., n_q:] @ window[:, :r].float()   # noqa: E731
+        out = decode_attention(self.attn, q, heads(flat, self.attn.n_kv_heads, k.dtype), k, v, pos, weigh, up_v)
         self.length = self.store.append(self.length, self._rows(x))
-        return out.to(v.dtype)
+        return out
 
     # ---- the static step (WholeStep: CUDA graphs, kvzoo/graphs.py) -------------------------------------
     def can_decode_static(self, padded: bool) -> bool:

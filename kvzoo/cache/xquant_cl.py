@@ -69,8 +69,8 @@ from torch import Tensor
 from kvzoo.cache.base import CacheSpec, Chunk, LayerCache, Positions, StaticStep, attend, register
 from kvzoo.cache.kvquant import QTensor
 from kvzoo.cache.store import GroupCodec, Window, WindowedStore, check_policy, token_group
-from kvzoo.cache.xquant import (XQuantCache, XQuantOptions, check_latent_bits, check_window, dequantize_latent, heads,
-                                rematerialize, rope_stored_keys, svd_factors)
+from kvzoo.cache.xquant import (XQuantCache, XQuantOptions, check_latent_bits, check_window, decode_attention,
+                                dequantize_latent, heads, rematerialize, rope_stored_keys, svd_factors)
 from kvzoo.graphs import WholeStep
 
 
@@ -201,6 +201,22 @@ class XQuantCLCache(WholeStep, LayerCache):
         if held:
             c.held_keys, c.held_values = rope_stored_keys(self.attn, held_k, pos), held_v
         return c
+
+    def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
+        """One token: the accumulator advanced over the stored slots and the token, keys rematerialized from it,
+        values weighed from it (xquant.decode_attention: Σ_t p_t X̂_t times W_v, no V rematerialized)."""
+        self._check_base()
+        if self.role == "xquant":
+            out = self.plain.decode(x, q, k, v, pos)
+            self.length = self.plain.length
+            return out
+        if not self.length:
+            return self.prefill(x, q, k, v, pos)
+        start, dtype = self.length, self.attn.k_proj.weight.dtype
+        hist = self._advance(x)[:, :start]                                       # X̂ of the stored slots (B, L, hidden)
+        hist_k = heads(self.attn.k_proj(hist.to(dtype)), self.attn.n_kv_heads, dtype)
+        return decode_attention(self.attn, q, hist_k, k, v, pos, lambda p: p @ hist.float(),
+                                self.attn.v_proj.weight.t())
 
     # ---- the static step (CUDA graphs, kvzoo/graphs.py) ----------------------------------------------
     def static_phase(self) -> str:
