@@ -65,11 +65,24 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self._recent: dict = {}              # (ids shape, dtype) -> (ids, inv_freq, cos, sin) of the last CPU call
 
     def cos_sin(self, ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        # On a CPU, strategies that rotate every stored key after reading it (KIVI*, XQuant) ask each layer for the
+        # same positions in a decode step: the last table of each shape is reused (comparing B*T ids costs far less
+        # than d-wide sines). On a GPU nothing is kept: the comparison would sync, and CUDA graphs replay the step.
+        key = (tuple(ids.shape), dtype)
+        last = self._recent.get(key)
+        if last is not None and last[1] is self.inv_freq and torch.equal(last[0], ids):
+            return last[2], last[3]
         angles = ids.float()[..., None] * self.inv_freq          # (B, T, d/2), fp32
         emb = torch.cat((angles, angles), dim=-1)[:, None]       # (B, 1, T, d): broadcast over heads
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        if ids.device.type == "cpu" and not torch.is_grad_enabled():
+            if len(self._recent) > 4:
+                self._recent.clear()
+            self._recent[key] = (ids.clone(), self.inv_freq, cos, sin)
+        return cos, sin
 
     @staticmethod
     def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
