@@ -176,7 +176,7 @@ def quantize(x: Tensor, bits: int, group_size: int, axis: int = -1, symmetric: b
 
 
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    codes = unpack(q.codes, q.bits, q.shape[-1]).float()                        # q.shape
+    codes = unpack_int(q.codes, q.bits, q.shape[-1]).float()                    # q.shape
     g = _grouped(codes, q.axis, q.group_size)                                   # (..., group_size)
     scale = q.scale.float().unsqueeze(-1)
     if q.symmetric:
@@ -241,7 +241,7 @@ def quantize_unified(x: Tensor, bits: int, axis: int, mode: str) -> UnifiedQTens
 
 
 def dequantize_unified(q: UnifiedQTensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    codes = _grouped(unpack(q.codes, q.bits, q.shape[-1]).float(), q.axis, 32)  # (..., 32)
+    codes = _grouped(unpack_int(q.codes, q.bits, q.shape[-1]).float(), q.axis, 32)  # (..., 32)
     magnitude = codes * q.scale.float().unsqueeze(-1)
     negative = unpack(q.slot.unsqueeze(-1), 1, 32).bool()                      # (..., 32) sign bits
     zero = q.slot.view(torch.float32).unsqueeze(-1)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import kvzoo
-from kvzoo.generate import generate, sample
+from kvzoo.generate import chat_sampling, check_sampling, generate, penalize, sample
 from kvzoo.models.loader import load_weights
 from tests.tiny import tiny_llama
 
@@ -87,6 +87,35 @@ def test_streaming_callback_sees_every_step(model):
     assert out.decode_steps == 4 and out.new_tokens == 10
 
 
+def test_repetition_penalty_lowers_tokens_already_generated():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 3.0]])
+    seen = torch.tensor([[True, True, False, False]])
+    assert torch.equal(penalize(logits, seen, 2.0), torch.tensor([[1.0, -4.0, 1.0, 3.0]]))
+    with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
+        check_sampling(8, 0.0, None, None, 0.0)
+
+
+def test_repetition_penalty_breaks_a_greedy_loop(model):
+    """A tiny random model's greedy answer repeats tokens; with a penalty every token is rarer, and 1.0 is plain
+    greedy."""
+    plain = generate(model, CharTokenizer(), [[4, 5, 6]], max_new_tokens=24, temperature=0)
+    same = generate(model, CharTokenizer(), [[4, 5, 6]], max_new_tokens=24, temperature=0, repetition_penalty=1.0)
+    guarded = generate(model, CharTokenizer(), [[4, 5, 6]], max_new_tokens=24, temperature=0, repetition_penalty=5.0)
+    assert same.tokens == plain.tokens
+    most = lambda ids: max(ids.count(t) for t in set(ids))      # noqa: E731
+    assert most(guarded.tokens[0]) < most(plain.tokens[0])
+
+
+def test_chat_sampling_follows_generation_config():
+    """transformers' reading: sampling settings apply only with do_sample; else greedy. The repetition guard is
+    1.1 unless the config names one."""
+    assert chat_sampling({}) == {"temperature": 0.0, "top_p": None, "top_k": None, "repetition_penalty": 1.1}
+    assert chat_sampling({"temperature": 0.6, "top_p": 0.9}) ["temperature"] == 0.0
+    sampled = chat_sampling({"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20,
+                             "repetition_penalty": 1.05})
+    assert sampled == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05}
+
+
 def test_generation_reports_cache_bytes(model):
     out = generate(model, CharTokenizer(), [[4, 5, 6], [7]], max_new_tokens=5, temperature=0)
     # fp32 model: the fp16 strategy keeps K and V at 4 bytes per element over 2 rows x 7 slots
@@ -125,6 +154,9 @@ def test_generate_every_strategy(default_model, prompt, name):
     slots = PROMPT_TOKENS + out.decode_steps           # the last token is sampled, never stored
     assert out.fp16_nbytes == 2 * 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * slots   # K and V, 2 bytes
     model_bytes = next(model.parameters()).element_size()     # 4: fp32 on CPU
+    assert out.stored_tokens == slots and out.model_nbytes == out.fp16_nbytes * model_bytes // 2
+    quantized = out.quantized_tokens                   # (keys, values) held quantized per row
+    assert quantized == (0, 0) if name in FULL_STORAGE else 0 < max(quantized) <= slots
     if name == "fp16":
         # K/V held at the model's precision: an fp32 run holds twice an fp16 cache (an fp16 run: exactly 1x)
         assert out.kv_ratio == model_bytes / 2
