@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
+import os
+import re
 import sys
+import textwrap
 from pathlib import Path
 
 import torch
@@ -14,28 +18,80 @@ from kvzoo.cache.base import CacheSpec, get_strategy, list_caches
 from kvzoo.models.loader import DTYPES
 
 
-def strategy_options() -> dict[str, type]:
-    """Every option name any registered strategy declares -> its type (for --bits, --group-size ...)."""
-    found: dict[str, type] = {}
+def describe(name: str) -> str:
+    """A strategy's description: the first paragraph of its module's docstring, or of its class's for a
+    variant defined beside the strategy it extends (kivi-pre, squat-pre), less a leading "Name:" that repeats
+    the strategy's name."""
+    cls = get_strategy(name)
+    variant = any(base.__module__ == cls.__module__ and getattr(base, "name", None) in list_caches()
+                  for base in cls.__bases__)
+    doc = (cls.__doc__ if variant else sys.modules[cls.__module__].__doc__) or ""
+    first = " ".join(doc.strip().split("\n\n")[0].split()).rstrip(".")
+    head, colon, rest = first.partition(": ")
+    return rest if colon and head.lower() == name else first
+
+
+def option_notes(options: type) -> dict[str, str]:
+    """Option name -> the comment beside its field in the Options dataclass source (or a parent's), if any."""
+    notes: dict[str, str] = {}
+    for klass in reversed([k for k in options.__mro__ if dataclasses.is_dataclass(k)]):
+        for line in inspect.getsource(klass).splitlines():
+            found = re.match(r"\s+(\w+)\s*:[^=#]+=[^#]+#\s*(.+)", line)
+            if found:
+                notes[found[1]] = found[2].strip()
+    return notes
+
+
+def cache_help() -> str:
+    """Every registered strategy with its description and its options (default, type, the source's comment),
+    for --cache help."""
+    lines = ["KV-cache strategies: --cache name, or name:key=value,... (--cache-opts key=value,... adds options)."]
     for name in list_caches():
-        for f in dataclasses.fields(get_strategy(name).Options):
-            found.setdefault(f.name, type(getattr(get_strategy(name).Options(), f.name)))
-    return found
+        options = get_strategy(name).Options
+        notes = option_notes(options)
+        lines += ["", textwrap.fill(f"{name}: {describe(name)}", width=110, subsequent_indent="    ")]
+        for f in dataclasses.fields(options):
+            value = getattr(options(), f.name)
+            shown = str(value).lower() if isinstance(value, bool) else value
+            line = f"    {f.name}={shown}".ljust(30) + f"{type(value).__name__:<6} {notes.get(f.name, '')}"
+            lines.append(line.rstrip())
+        if not dataclasses.fields(options):
+            lines.append("    (no options)")
+    return "\n".join(lines)
+
+
+class CacheArg(argparse.Action):
+    """--cache: `help` prints cache_help() and exits while the command line is read, before any model loads."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values == "help":
+            print(cache_help())
+            parser.exit()
+        setattr(namespace, self.dest, values)
+
+
+class ListCaches(argparse.Action):
+    """--list-caches: cache_help() printed as soon as the flag is read, then exit."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(cache_help())
+        parser.exit()
 
 
 def add_model_args(parser: argparse.ArgumentParser, cache: bool = True) -> None:
-    """--model, --device, --dtype, --mha and (cache=True) --cache, --cache-opts and a flag per strategy option;
-    scripts that take their caches another way (report.py's --caches) or none pass cache=False."""
+    """--model, --device, --dtype, --mha and (cache=True) --cache, --cache-opts and --list-caches; scripts that
+    take their caches another way (report.py's --caches) or none pass cache=False."""
     parser.add_argument("--model", default=None,
                         help="local HF folder or hub id (default: the embedded SmolLM2-135M-Instruct)")
     if cache:
-        parser.add_argument("--cache", default="fp16",
+        parser.add_argument("--cache", default="fp16", action=CacheArg,
                             help=f"KV-cache strategy (available: {', '.join(list_caches())}); options may follow "
-                                 "as name:key=value,...")
+                                 "as name:key=value,...; --cache help lists strategies, options and defaults")
         parser.add_argument("--cache-opts", default="", help="strategy options as key=value,key=value")
-        for name in strategy_options():
-            parser.add_argument(f"--{name.replace('_', '-')}", dest=f"opt_{name}", default=None,
-                                metavar=name.upper(), help="strategy option (only for strategies that declare it)")
+        parser.add_argument("--list-caches", action=ListCaches, help="the same as --cache help")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
@@ -58,15 +114,10 @@ def check_device(device: str) -> torch.device:
 
 
 def parse_cache_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> CacheSpec:
-    """Merge --cache name[:opts], --cache-opts and --<option> flags into one checked CacheSpec
-    (stored back into args.cache); bad names or values end the program through parser.error."""
+    """Merge --cache name[:opts] and --cache-opts into one checked CacheSpec (stored back into args.cache); a bad
+    name, option or value raises ValueError, which run() prints as one line."""
     text = args.cache + ("," if ":" in args.cache else ":") + args.cache_opts if args.cache_opts else args.cache
-    flags = {name: getattr(args, f"opt_{name}") for name in strategy_options()
-             if getattr(args, f"opt_{name}") is not None}
-    try:
-        args.cache = CacheSpec.parse(text, **flags)
-    except ValueError as err:
-        parser.error(str(err))
+    args.cache = CacheSpec.parse(text)
     return args.cache
 
 
@@ -116,6 +167,9 @@ def run(main) -> None:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:     # the reader of stdout went away (`--cache help | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # so the exit's flush has somewhere to go
+        sys.exit(1)
 
 
 def numbers(text: str, kind, name: str) -> list:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# keys without a default: the model's shapes
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,14 @@ class ModelConfig:
                 path = path / "config.json"
             if not path.is_file():
                 raise FileNotFoundError(f"no config.json at {path}; a model folder needs a Hugging Face config.json")
-            hf, where = json.loads(path.read_text()), str(path)
+            try:
+                hf = json.loads(path.read_text())
+            except ValueError as err:       # JSONDecodeError, UnicodeDecodeError
+                raise ValueError(f"{path} is not valid JSON ({err}); a model folder needs the Hugging Face "
+                                 "config.json its checkpoint was saved with") from None
+            if not isinstance(hf, dict):
+                raise ValueError(f"{path} holds a JSON {type(hf).__name__}, not the object of a Hugging Face config")
+            where = str(path)
 
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}.get(
@@ -68,6 +77,9 @@ class ModelConfig:
             raise ValueError(f"{where} uses hidden_act={hf['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
 
         rope_theta, rope_scaling = _rope_settings(hf, where)
+        missing = [key for key in REQUIRED_KEYS if key not in hf]
+        if missing:
+            raise ValueError(f"{where} lacks {', '.join(missing)}; a {arch} config needs {', '.join(REQUIRED_KEYS)}")
         n_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id", 2)
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))

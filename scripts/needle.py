@@ -16,7 +16,7 @@ from tqdm import tqdm
 from kvzoo.cli import (PLOT_SUFFIXES, add_model_args, check_output, load_from_args, numbers,
                        parse_cache_args, run, write_json)
 from kvzoo.eval.datasets import DATASETS, load_text
-from kvzoo.eval.needle import needle_grid
+from kvzoo.eval.needle import FLAGS, check_grid, needle_grid
 
 
 def plot(cells: list[dict], lengths: list[int], depths: list[float], title: str, path: str) -> None:
@@ -49,8 +49,7 @@ def main() -> None:
     args = parser.parse_args()
     cache = parse_cache_args(parser, args)
     lengths, depths = numbers(args.lengths, int, "lengths"), numbers(args.depths, float, "depths")
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    check_grid(lengths, depths, args.batch_size, args.prefill_chunk, FLAGS)
     check_output(args.json, args.overwrite)
     check_output(args.plot, args.overwrite, PLOT_SUFFIXES)
     model, tokenizer = load_from_args(args)

@@ -5,9 +5,9 @@
 
 import argparse
 
-from kvzoo.cli import add_model_args, parse_cache_args, human_bytes, load_from_args, run, write_json
+from kvzoo.cli import add_model_args, check_output, human_bytes, load_from_args, parse_cache_args, run, write_json
 from kvzoo.eval.datasets import DATASETS, load_text
-from kvzoo.eval.perplexity import perplexity
+from kvzoo.eval.perplexity import FLAGS, MODES, check_args, perplexity
 
 
 def main() -> None:
@@ -23,13 +23,15 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1, help="windows run side by side")
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="streaming mode: prefill this many tokens at a time (chunked prefill)")
-    parser.add_argument("--mode", choices=["simulated", "streaming"], default="simulated",
+    parser.add_argument("--mode", choices=MODES, default="simulated",
                         help="simulated: each token sees the cache as token-by-token decoding would (the papers' "
                              "protocol); streaming: prefill the prompt, then decode the rest token by token")
     parser.add_argument("--json", default=None, help="also write the result to this JSON file")
     parser.add_argument("--overwrite", action="store_true", help="let --json replace an existing file")
     args = parser.parse_args()
     parse_cache_args(parser, args)
+    check_args(args.seq_len, args.max_windows, args.prompt, args.batch_size, args.prefill_chunk, args.mode, FLAGS)
+    check_output(args.json, args.overwrite)
 
     text = load_text(args.dataset, args.data_path)
     model, tokenizer = load_from_args(args)
@@ -40,7 +42,8 @@ def main() -> None:
     print(f"dataset      {args.dataset}")
     print(f"cache        {args.cache} ({args.mode})")
     print(f"perplexity   {result.perplexity:.3f}")
-    print(f"tokens       {result.tokens:,} ({result.windows} windows of {result.seq_len} scored)")
+    print(f"windows      {result.windows} of {result.total_windows} ({result.seq_len} tokens each); "
+          f"dataset {result.tokens:,} tokens")
     print(f"prompt       the first {result.prompt} tokens of each window (prefilled exact, statistics from them, "
           f"not scored): {result.scored_tokens:,} predictions scored")
     print(f"KV bytes     {human_bytes(result.kv_nbytes)} per window "

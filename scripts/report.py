@@ -13,9 +13,9 @@ from pathlib import Path
 
 from kvzoo.cache.base import CacheSpec
 from kvzoo.cache.store import POLICIES, check_policy
-from kvzoo.cli import add_model_args, load_from_args, run
+from kvzoo.cli import ListCaches, add_model_args, load_from_args, run
 from kvzoo.eval.datasets import DATASETS, load_text
-from kvzoo.eval.perplexity import default_prompt, perplexity
+from kvzoo.eval.perplexity import FLAGS, MODES, check_args, perplexity
 
 # fp16, then KIVI and KIVI* at 4 and 2 bits with the two (group size, residual) settings of the papers.
 DEFAULT_MATRIX = ["fp16"] + [f"{name}:bits={bits},group_size={g},residual=128"
@@ -74,12 +74,14 @@ def plot(rows: list[dict], datasets: list[str], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser, cache=False)
-    parser.add_argument("--caches", nargs="+", default=DEFAULT_MATRIX, help="cache specs name[:key=value,...]")
+    parser.add_argument("--caches", nargs="+", default=DEFAULT_MATRIX,
+                        help="cache specs name[:key=value,...] (--list-caches lists strategies, options and defaults)")
+    parser.add_argument("--list-caches", action=ListCaches, help="every strategy with its options and defaults")
     parser.add_argument("--datasets", nargs="+", choices=list(DATASETS), default=list(DATASETS))
     parser.add_argument("--windows", type=int, default=16, help="windows per dataset")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch-size", type=int, default=1, help="windows run side by side")
-    parser.add_argument("--mode", choices=["simulated", "streaming"], default="simulated")
+    parser.add_argument("--mode", choices=MODES, default="simulated")
     parser.add_argument("--prompt", type=int, default=None,
                         help="tokens of each window that are the prompt: prefilled exact, statistics taken from them, "
                              "not scored (default min(256, seq_len / 8), the same for every row)")
@@ -90,9 +92,8 @@ def main() -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing report in --out")
     args = parser.parse_args()
     specs = with_policy(args.caches, args.policy)                       # refuse bad specs before any work
-    prompt = default_prompt(args.seq_len) if args.prompt is None else args.prompt
-    if not 0 <= prompt < args.seq_len:
-        raise ValueError(f"--prompt must be in [0, --seq-len={args.seq_len}), got {prompt}")
+    prompt = check_args(args.seq_len, args.windows, args.prompt, args.batch_size, mode=args.mode,
+                        names=FLAGS | {"max_windows": "--windows"})
     out = Path(args.out)
     targets = [out / f"report.{ext}" for ext in ("md", "json", "png")]
     if not args.overwrite and any(t.exists() for t in targets):

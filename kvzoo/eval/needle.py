@@ -49,20 +49,36 @@ def prompt_ids(tokenizer, filler: list[int], length: int, depth: float, value: s
     return ids
 
 
+# keyword -> the option of scripts/needle.py that sets it, to name it in check_grid's messages
+FLAGS = {key: "--" + key.replace("_", "-") for key in ("lengths", "depths", "batch_size", "prefill_chunk")}
+
+
+def check_grid(lengths: list[int], depths: list[float], batch_size: int = 1, prefill_chunk: int | None = None,
+               names: dict[str, str] | None = None) -> None:
+    """Refuse a grid needle_grid() cannot run, before a model or text is loaded. Messages name each setting by
+    its keyword, or as `names` maps it (FLAGS for the script)."""
+    name = {key: key for key in FLAGS} | (names or {})
+    if not lengths or any(n < 1 for n in lengths):
+        raise ValueError(f"{name['lengths']} must be token counts >= 1, got {lengths}")
+    if not depths or any(not 0 <= d <= 1 for d in depths):
+        raise ValueError(f"{name['depths']} must lie in [0, 1], got {depths}")
+    if batch_size < 1:
+        raise ValueError(f"{name['batch_size']} must be >= 1, got {batch_size}")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError(f"{name['prefill_chunk']} must be >= 1, got {prefill_chunk}")
+
+
 def needle_grid(model, tokenizer, filler: list[int], lengths: list[int], depths: list[float], cache="fp16",
                 max_new_tokens: int = 24, seed: int = 0, prefill_chunk: int | None = None,
                 progress=None, batch_size: int = 1) -> list[NeedleCell]:
     """Score every (length, depth) cell; `progress` wraps the iterator over batches of cells (e.g. tqdm).
     batch_size cells are generated side by side (left-padded to the longest prompt of the batch)."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    check_grid(lengths, depths, batch_size, prefill_chunk)
     if max(lengths) + max_new_tokens > model.cfg.max_position_embeddings:
         raise ValueError(f"lengths up to {max(lengths)} + {max_new_tokens} new tokens exceed the model's context "
                          f"of {model.cfg.max_position_embeddings}")
     if len(filler) < max(lengths):
         raise ValueError(f"the filler text has {len(filler)} tokens, fewer than the longest haystack {max(lengths)}")
-    if any(not 0 <= d <= 1 for d in depths):
-        raise ValueError(f"depths must lie in [0, 1], got {depths}")
     rng = random.Random(seed)
     cells = [(n, d, str(rng.randrange(10 ** 6, 10 ** 7))) for n in lengths for d in depths]
     batches = [cells[i:i + batch_size] for i in range(0, len(cells), batch_size)]

@@ -30,10 +30,40 @@ def default_prompt(seq_len: int) -> int:
     return min(256, seq_len // 8)
 
 
+MODES = ("simulated", "streaming")
+# keyword -> the option of scripts/perplexity.py that sets it, to name it in check_args' messages
+FLAGS = {key: "--" + key.replace("_", "-") for key in ("seq_len", "max_windows", "prompt", "batch_size",
+                                                        "prefill_chunk", "mode")}
+
+
+def check_args(seq_len: int, max_windows: int | None = None, prompt: int | None = None, batch_size: int = 1,
+               prefill_chunk: int | None = None, mode: str = "simulated", names: dict[str, str] | None = None) -> int:
+    """Refuse settings perplexity() cannot run, before a model or text is loaded; return the prompt (the default
+    for None). Messages name each setting by its keyword, or as `names` maps it (a script's FLAGS)."""
+    name = {key: key for key in FLAGS} | (names or {})
+    if seq_len < 2:
+        raise ValueError(f"{name['seq_len']} must be at least 2, got {seq_len}")
+    if max_windows is not None and max_windows < 1:
+        raise ValueError(f"{name['max_windows']} must be >= 1, got {max_windows}")
+    prompt = default_prompt(seq_len) if prompt is None else prompt
+    if not 0 <= prompt < seq_len:
+        raise ValueError(f"{name['prompt']} must be in [0, {name['seq_len']}={seq_len}), got {prompt}")
+    if batch_size < 1:
+        raise ValueError(f"{name['batch_size']} must be >= 1, got {batch_size}")
+    if mode not in MODES:
+        raise ValueError(f"unknown {name['mode']} {mode!r}; accepted: {', '.join(MODES)}")
+    if prefill_chunk is not None and mode != "streaming":
+        raise ValueError(f"{name['prefill_chunk']} applies to streaming mode only; {name['mode']} is {mode}")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError(f"{name['prefill_chunk']} must be >= 1, got {prefill_chunk}")
+    return prompt
+
+
 @dataclass
 class PerplexityResult:
     perplexity: float
-    windows: int
+    windows: int             # windows scored
+    total_windows: int       # windows the whole text holds
     seq_len: int
     tokens: int              # tokens in the whole tokenized text
     scored_tokens: int       # predictions scored: windows * (seq_len - max(prompt, 1))
@@ -64,26 +94,14 @@ def perplexity(model: Transformer, token_ids: list[int] | torch.Tensor, seq_len:
     (streaming): prefill that many tokens at a time (chunked prefill)."""
     if isinstance(cache, str):
         cache = CacheSpec.parse(cache)
-    prompt = default_prompt(seq_len) if prompt is None else prompt
-    if seq_len < 2:
-        raise ValueError(f"seq_len must be at least 2, got {seq_len}")
+    prompt = check_args(seq_len, max_windows, prompt, batch_size, prefill_chunk, mode)
     if seq_len > model.cfg.max_position_embeddings:
         raise ValueError(f"seq_len {seq_len} exceeds the model's context of {model.cfg.max_position_embeddings}")
-    if not 0 <= prompt < seq_len:
-        raise ValueError(f"prompt must be in [0, seq_len={seq_len}), got {prompt}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if prefill_chunk is not None and (mode != "streaming" or prefill_chunk < 1):
-        raise ValueError(f"prefill_chunk applies to streaming mode and must be >= 1, got {prefill_chunk} "
-                         f"in {mode} mode")
-    if max_windows is not None and max_windows < 1:
-        raise ValueError(f"max_windows must be >= 1, got {max_windows}")
     ids = torch.as_tensor(token_ids, dtype=torch.long)
-    windows = ids.numel() // seq_len
-    if windows == 0:
+    total_windows = ids.numel() // seq_len
+    if total_windows == 0:
         raise ValueError(f"text has {ids.numel()} tokens, fewer than one window of {seq_len}")
-    if max_windows is not None:
-        windows = min(windows, max_windows)
+    windows = total_windows if max_windows is None else min(total_windows, max_windows)
 
     first = max(prompt, 1)                                          # the first token scored (it has a context)
     start = time.perf_counter()
@@ -106,7 +124,8 @@ def perplexity(model: Transformer, token_ids: list[int] | torch.Tensor, seq_len:
         kv_nbytes = kv.nbytes() // n
     cfg = model.cfg
     return PerplexityResult(
-        perplexity=math.exp(nll / windows), windows=windows, seq_len=seq_len, tokens=ids.numel(),
+        perplexity=math.exp(nll / windows), windows=windows, total_windows=total_windows, seq_len=seq_len,
+        tokens=ids.numel(),
         scored_tokens=windows * (seq_len - first), prompt=prompt, cache=str(cache), mode=mode,
         kv_nbytes=kv_nbytes, fp16_kv_nbytes=fp16_kv_nbytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, seq_len),
         seconds=time.perf_counter() - start)

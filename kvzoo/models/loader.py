@@ -5,7 +5,7 @@
                             downloaded with huggingface_hub.snapshot_download if not there yet
     load_weights(dir, ...)  config.json -> ModelConfig -> Transformer built on the meta device, then
                             every tensor read lazily from safetensors (single file or sharded index),
-                            shape-checked, cast, and assigned
+                            shape- and dtype-checked, cast, and assigned
 
 The HF -> kvzoo name table below is literal: every kvzoo parameter has exactly one checkpoint key,
 every checkpoint key must be used, and any mismatch is an error naming the tensor and its file.
@@ -19,11 +19,11 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from kvzoo.config import ModelConfig
-from kvzoo.models.gguf_import import ensure_default_model, weights_root
+from kvzoo.models.gguf_import import DEFAULT_MODEL_NAME, ensure_default_model, weights_root
 from kvzoo.models.llama import Transformer, rope_inv_freq
 
 # HF checkpoint name -> kvzoo parameter name.
@@ -49,6 +49,8 @@ IGNORED_KEYS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"
 HUB_FILES = ["*.safetensors", "*.json", "*.jinja", "tokenizer.model"]
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+# what a checkpoint's tensors may hold, as safetensors headers name them (quantized or integer ones are not read)
+CHECKPOINT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -99,16 +101,47 @@ def _checkpoint_files(model_dir: Path) -> dict[str, Path]:
     """Checkpoint key -> safetensors file that holds it."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {key: model_dir / name for key, name in weight_map.items()}
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = {key: model_dir / name for key, name in weight_map.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"{index} is not a safetensors index ({type(err).__name__}: {err}); it must be JSON "
+                             'with a "weight_map" object of tensor name -> shard file') from None
+        missing = sorted({file.name for file in files.values() if not file.is_file()})
+        if missing:
+            raise FileNotFoundError(f"shard {missing[0]} named in {index} is not in {model_dir}"
+                                    + (f" (nor {len(missing) - 1} other shard(s))" if len(missing) > 1 else "")
+                                    + "; download or copy every shard the index lists")
+        return files
     single = model_dir / "model.safetensors"
     if single.is_file():
-        with safe_open(single, framework="pt") as f:
+        with open_safetensors(single) as f:
             return {key: single for key in f.keys()}
     if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt*")):
         raise ValueError(f"{model_dir} holds only pickled weights; kvzoo loads safetensors only "
                          "(convert them with transformers' save_pretrained(safe_serialization=True))")
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+
+
+def open_safetensors(file: Path):
+    """safe_open(file), a damaged file refused with what to do about it."""
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except SafetensorError as err:
+        raise ValueError(damaged(file, err)) from None
+
+
+def damaged(file: Path, err: Exception) -> str:
+    """The message for a safetensors file that cannot be read: what is wrong and how to get a good copy
+    (kvzoo never deletes a checkpoint itself)."""
+    folder = file.parent
+    if folder == weights_root() / DEFAULT_MODEL_NAME:
+        fix = f"delete the folder {folder} and run again: the embedded model is converted again from its GGUF"
+    elif folder.parent == weights_root() and "--" in folder.name:
+        fix = f"delete the folder {folder} and run again: it is downloaded again from the Hugging Face Hub"
+    else:
+        fix = "download or convert the checkpoint again"
+    return f"{file} is corrupted or truncated (safetensors: {err}); {fix}"
 
 
 def load_weights(model_dir: str | Path, device: str | torch.device = "cpu",
@@ -133,16 +166,25 @@ def load_weights(model_dir: str | Path, device: str | torch.device = "cpu",
         raise ValueError(f"checkpoint in {model_dir} has tensor(s) kvzoo does not know, e.g. "
                          f"{unused[:3]} in {files[unused[0]].name}; is config.json the right one?")
 
-    state: dict[str, torch.Tensor] = {}
-    handles: dict[Path, object] = {}
-    for hf_key, ours in tqdm(table.items(), desc="loading weights", disable=not progress, leave=False):
-        file = files[hf_key]
-        if file not in handles:
-            handles[file] = safe_open(file, framework="pt", device="cpu")
-        tensor = handles[file].get_tensor(hf_key)
-        if tensor.shape != expected[ours].shape:
-            raise ValueError(f"tensor {hf_key} in {file.name} has shape {tuple(tensor.shape)}; "
+    handles = {file: open_safetensors(file) for file in dict.fromkeys(files[key] for key in table)}
+    held = {file: set(handle.keys()) for file, handle in handles.items()}
+    for hf_key, ours in table.items():          # every shape and dtype from the headers, before any data is read
+        if hf_key not in held[files[hf_key]]:
+            raise ValueError(f"model.safetensors.index.json puts {hf_key} in {files[hf_key].name}, which does not "
+                             "hold it; the index and the shards do not belong together")
+        header = handles[files[hf_key]].get_slice(hf_key)
+        if tuple(header.get_shape()) != tuple(expected[ours].shape):
+            raise ValueError(f"tensor {hf_key} in {files[hf_key].name} has shape {tuple(header.get_shape())}; "
                              f"config.json implies {tuple(expected[ours].shape)}")
+        if header.get_dtype() not in CHECKPOINT_DTYPES:
+            raise ValueError(f"tensor {hf_key} in {files[hf_key].name} holds {header.get_dtype()} values; kvzoo "
+                             f"loads float weights: {', '.join(f'{k} ({v})' for k, v in CHECKPOINT_DTYPES.items())}")
+    state: dict[str, torch.Tensor] = {}
+    for hf_key, ours in tqdm(table.items(), desc="loading weights", unit="tensor", disable=not progress):
+        try:
+            tensor = handles[files[hf_key]].get_tensor(hf_key)
+        except SafetensorError as err:
+            raise ValueError(damaged(files[hf_key], err)) from None
         state[ours] = tensor.to(device=device, dtype=dtype)
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["embed.weight"]

@@ -83,17 +83,17 @@ def test_group_size_must_fit_the_head_dimension():
         smollm_shaped_layer_cache("kivi:group_size=24,residual=48", 128)
 
 
-def test_cli_flags_and_cache_opts_make_one_spec():
+def test_cache_and_cache_opts_make_one_spec():
     parser = argparse.ArgumentParser()
     add_model_args(parser)
-    args = parser.parse_args(["--cache", "kivi", "--bits", "4", "--group-size", "32", "--residual", "64"])
+    args = parser.parse_args(["--cache", "kivi:bits=4,group_size=32", "--cache-opts", "residual=64"])
     assert str(parse_cache_args(parser, args)) == \
         "kivi:bits=4,group_size=32,residual=64,sink=0,high_layers=0,high_bits=4,policy=reference"
     args = parser.parse_args(["--cache", "kivi-pre", "--cache-opts", "bits=3,residual=96,policy=grouped"])
     assert str(parse_cache_args(parser, args)) == \
         "kivi-pre:bits=3,group_size=32,residual=96,sink=0,high_layers=0,high_bits=4,policy=grouped"
-    args = parser.parse_args(["--cache", "fp16", "--bits", "2"])
-    with pytest.raises(SystemExit):
+    args = parser.parse_args(["--cache", "fp16", "--cache-opts", "bits=2"])
+    with pytest.raises(ValueError, match="cache 'fp16' has no option bits"):
         parse_cache_args(parser, args)
 
 

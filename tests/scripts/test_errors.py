@@ -1,6 +1,7 @@
 """Bad input gets a clear error naming the problem and what is accepted, and nothing is overwritten."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -84,10 +85,9 @@ def test_missing_and_unknown_tensors(tmp_path):
         load_weights(path)
 
 
-def test_sharded_checkpoint_loads(tmp_path):
-    path = tiny_llama(tmp_path)
+def shard(path: Path) -> dict[str, list[str]]:
+    """Split the checkpoint in `path` into two shards and an index, as sharded Hub checkpoints are saved."""
     state = load_file(path / "model.safetensors")
-    reference = load_weights(path)
     (path / "model.safetensors").unlink()
     keys = sorted(state)
     shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
@@ -95,9 +95,91 @@ def test_sharded_checkpoint_loads(tmp_path):
         save_file({k: state[k] for k in part}, path / name)
     index = {"weight_map": {k: name for name, part in shards.items() for k in part}}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return shards
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    path = tiny_llama(tmp_path)
+    reference = load_weights(path)
+    shard(path)
     sharded = load_weights(path)
     tokens = torch.arange(10)[None]
     assert torch.equal(sharded(tokens), reference(tokens))
+
+
+def test_corrupted_or_truncated_safetensors(tmp_path):
+    """Random bytes and a file cut in half, single-file and sharded: one line naming the file and what to do."""
+    path = tiny_llama(tmp_path / "single")
+    weights = path / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(torch.randint(0, 256, (4096,), dtype=torch.uint8).numpy().tobytes())
+    with pytest.raises(ValueError, match=re.escape(str(weights)) + " is corrupted or truncated .*header.*; download or "
+                                         "convert the checkpoint again"):
+        load_weights(path)
+    weights.write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(ValueError, match=f"{re.escape(str(weights))} is corrupted or truncated .*incomplete metadata"):
+        load_weights(path)
+    sharded = tiny_llama(tmp_path / "sharded")
+    second = sharded / list(shard(sharded))[1]
+    second.write_bytes(second.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=f"{re.escape(str(second))} is corrupted or truncated"):
+        load_weights(sharded)
+
+
+def test_damaged_default_model_says_delete_the_folder(tmp_path, monkeypatch):
+    """The embedded model's folder is converted again once deleted: the message says so (kvzoo deletes nothing)."""
+    monkeypatch.setenv("KVZOO_WEIGHTS", str(tmp_path))
+    path = tiny_llama(tmp_path / "smollm2-135m-instruct")
+    (path / "model.safetensors").write_bytes(b"\x00" * 10)
+    with pytest.raises(ValueError, match=f"delete the folder {re.escape(str(path))} and run again: the embedded "
+                                         "model is converted again from its GGUF"):
+        load_weights(path)
+    assert (path / "model.safetensors").exists()
+
+
+def test_bad_shard_index(tmp_path):
+    path = tiny_llama(tmp_path)
+    first, second = shard(path)
+    index = path / "model.safetensors.index.json"
+    good = json.loads(index.read_text())
+    index.write_text(json.dumps({"weight_map": dict.fromkeys(good["weight_map"], first)}))
+    with pytest.raises(ValueError, match=f"index.json puts .* in {first}, which does not hold it"):
+        load_weights(path)
+    index.write_text(json.dumps(good))
+    (path / second).unlink()
+    with pytest.raises(FileNotFoundError, match=re.escape(f"shard {second} named in {index} is not in {path}")):
+        load_weights(path)
+    index.write_text('{"weight_map": ')
+    with pytest.raises(ValueError, match=re.escape(str(index)) + " is not a safetensors index .*JSONDecodeError"):
+        load_weights(path)
+    index.write_text('{"metadata": {}}')
+    with pytest.raises(ValueError, match="is not a safetensors index \\(KeyError: 'weight_map'\\)"):
+        load_weights(path)
+
+
+def test_integer_tensor_is_refused(tmp_path):
+    path = tiny_llama(tmp_path)
+    state = load_file(path / "model.safetensors")
+    state["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"].to(torch.int8)
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"tensor model.layers.0.mlp.up_proj.weight in model.safetensors holds I8 "
+                                         r"values; kvzoo loads float weights: F32 \(float32\), F16 \(float16\), "
+                                         r"BF16 \(bfloat16\)"):
+        load_weights(path)
+
+
+def test_bad_config_json(tmp_path):
+    path = tiny_llama(tmp_path)
+    config = path / "config.json"
+    good = json.loads(config.read_text())
+    config.write_text(json.dumps(good)[:-10])
+    with pytest.raises(ValueError, match=f"{re.escape(str(config))} is not valid JSON \\(.*\\); a model folder needs"):
+        load_weights(path)
+    del good["hidden_size"]
+    config.write_text(json.dumps(good))
+    with pytest.raises(ValueError, match=re.escape(str(config)) + " lacks hidden_size; a LlamaForCausalLM config "
+                                         "needs vocab_size"):
+        load_weights(path)
 
 
 def test_bad_dtype_and_device():
@@ -188,8 +270,8 @@ def test_the_layout():
 
 
 def test_every_script_builds_its_command_line():
-    """Every entry point's and reproduction's --help builds; in those that take a model, strategy options become
-    flags (--bits, --quant-mode ...) and none may clash with the script's own."""
+    """Every entry point's and reproduction's --help builds (no option clashes with the shared ones of
+    kvzoo.cli.add_model_args); those that take one cache take it as --cache."""
     for name in entry_points() + reproductions():
         out = subprocess.run(command(name) + ["--help"], capture_output=True, text=True, timeout=60, cwd=REPO)
         assert out.returncode == 0, f"{name}: {out.stderr}"
@@ -228,9 +310,11 @@ def test_new_script_options_refuse_bad_values(script, args, message):
 
 @pytest.mark.parametrize("script, args, message", [
     ("bench_decode.py", ["--models", "gpt2"], "unknown model 'gpt2'; accepted: llama-3.1-8b, llama-2-7b, smollm2"),
-    ("bench_decode.py", ["--steps", "0"], "--contexts, --batches, --steps, --warmup and --prefill-chunk must be >= 1"),
+    ("bench_decode.py", ["--steps", "0"],
+     "--contexts, --batches, --steps, --warmup, --prefill-chunk and --repeats must be >= 1"),
     ("bench_decode.py", ["--caches", "nope"], "--caches: unknown cache 'nope'; available caches: alignedkv"),
-    ("bench_decode.py", ["--warmup", "0"], "--contexts, --batches, --steps, --warmup and --prefill-chunk must be >= 1"),
+    ("bench_decode.py", ["--warmup", "0"],
+     "--contexts, --batches, --steps, --warmup, --prefill-chunk and --repeats must be >= 1"),
     ("bench_decode.py", ["--hf", "quanto:3"], "--hf: unknown Hugging Face cache 'quanto:3'; accepted: fp16, quanto:2"),
     ("bench_decode.py", ["--caches"], "nothing to run: give --caches and/or --hf"),
     ("bench_decode.py", ["--graph-only"], "--graph-only needs --compile"),
@@ -242,3 +326,67 @@ def test_gpu_benchmarks_refuse_bad_values_before_looking_for_a_gpu(script, args,
     """The GPU benchmarks check their options first, so a bad value is named on any machine."""
     out = subprocess.run(command(script) + args, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def run_in_process(monkeypatch, capsys, script: str, *args: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of scripts/<script> run in this process, with the model and the datasets
+    unreachable: a check that lets a bad value through to loading fails the test."""
+    import runpy
+
+    import kvzoo.cli
+    import kvzoo.eval.datasets
+
+    def never(*args, **kwargs):
+        raise AssertionError("loading started before the arguments were checked")
+
+    monkeypatch.setattr(kvzoo.cli, "load_from_args", never)
+    monkeypatch.setattr(kvzoo.eval.datasets, "load_text", never)
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    try:
+        runpy.run_path(str(REPO / "scripts" / script), run_name="__main__")
+        code = 0
+    except SystemExit as done:
+        code = done.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cache_help_lists_every_strategy_without_loading_the_model():
+    out = subprocess.run(command("perplexity.py") + ["--cache", "help"], capture_output=True, text=True,
+                         timeout=60, cwd=REPO)
+    assert out.returncode == 0 and "loading weights" not in out.stderr, out.stderr
+    sections = {block.split(":")[0]: block for block in out.stdout.split("\n\n")[1:]}
+    assert list(sections) == list_caches()
+    assert sections["innerq"].startswith("innerq: KV-cache quantization grouped over the *inner* dimension")
+    assert "    bits=2 " in sections["innerq"] and "quant_mode=hybrid" in sections["innerq"]
+    assert "policy=reference" in sections["kivi"] and "window policy" in sections["kivi"]
+    assert sections["kivi-pre"].startswith("kivi-pre: KIVI*: keys quantized before RoPE")
+    assert "(no options)" in sections["fp16"]
+
+
+def test_list_caches_flag(monkeypatch, capsys):
+    for script in ("perplexity.py", "report.py"):
+        code, out, _ = run_in_process(monkeypatch, capsys, script, "--list-caches")
+        assert code == 0 and "xquant-cl: XQuant over cross-layer deltas" in out and "lam=0.001" in out
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("perplexity.py", ["--cache", "innerq:bitz=2"], "cache 'innerq' has no option bitz; accepted options: bits, "),
+    ("perplexity.py", ["--cache", "kivi", "--cache-opts", "bits=two"], "option bits='two' is not a valid int"),
+    ("needle.py", ["--cache", "zip"], "unknown cache 'zip'; available caches: alignedkv, fp16"),
+    ("perplexity.py", ["--seq-len", "0"], "--seq-len must be at least 2, got 0"),
+    ("perplexity.py", ["--max-windows", "0"], "--max-windows must be >= 1, got 0"),
+    ("perplexity.py", ["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    ("perplexity.py", ["--prompt", "-1"], "--prompt must be in [0, --seq-len=2048), got -1"),
+    ("perplexity.py", ["--seq-len", "64", "--prompt", "64"], "--prompt must be in [0, --seq-len=64), got 64"),
+    ("perplexity.py", ["--prefill-chunk", "8"], "--prefill-chunk applies to streaming mode only; --mode is simulated"),
+    ("perplexity.py", ["--mode", "streaming", "--prefill-chunk", "0"], "--prefill-chunk must be >= 1, got 0"),
+    ("needle.py", ["--lengths", "0,1024"], "--lengths must be token counts >= 1, got [0, 1024]"),
+    ("needle.py", ["--prefill-chunk", "0"], "--prefill-chunk must be >= 1, got 0"),
+    ("report.py", ["--windows", "0"], "--windows must be >= 1, got 0"),
+    ("report.py", ["--seq-len", "1"], "--seq-len must be at least 2, got 1"),
+])
+def test_bad_values_are_refused_before_loading(monkeypatch, capsys, script, args, message):
+    """One line, exit 2, no usage block, and neither the model nor the text is touched."""
+    code, _, err = run_in_process(monkeypatch, capsys, script, "--device", "cpu", *args)
+    assert code == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1, err
