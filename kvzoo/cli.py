@@ -113,7 +113,7 @@ def check_device(device: str) -> torch.device:
     return dev
 
 
-def parse_cache_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> CacheSpec:
+def parse_cache_args(args: argparse.Namespace) -> CacheSpec:
     """Merge --cache name[:opts] and --cache-opts into one checked CacheSpec (stored back into args.cache); a bad
     name, option or value raises ValueError, which run() prints as one line."""
     text = args.cache + ("," if ":" in args.cache else ":") + args.cache_opts if args.cache_opts else args.cache

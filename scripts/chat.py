@@ -117,7 +117,7 @@ def main() -> None:
                         help="on a CUDA GPU, replay decode steps from CUDA graphs (kvzoo/graphs.py): the whole step "
                              "for strategies with a static step, all but attention for the others")
     args = parser.parse_args()
-    parse_cache_args(parser, args)
+    parse_cache_args(args)
     if args.compile and check_device(args.device).type != "cuda":
         raise ValueError("--compile replays CUDA graphs and needs --device cuda; on a CPU leave it out")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:

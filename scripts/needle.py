@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--plot", default=None, help="heat map (.png, .pdf, .svg)")
     parser.add_argument("--overwrite", action="store_true", help="let --json / --plot replace existing files")
     args = parser.parse_args()
-    cache = parse_cache_args(parser, args)
+    cache = parse_cache_args(args)
     lengths, depths = numbers(args.lengths, int, "lengths"), numbers(args.depths, float, "depths")
     check_grid(lengths, depths, args.batch_size, args.prefill_chunk, FLAGS)
     check_output(args.json, args.overwrite)

@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the result to this JSON file")
     parser.add_argument("--overwrite", action="store_true", help="let --json replace an existing file")
     args = parser.parse_args()
-    parse_cache_args(parser, args)
+    parse_cache_args(args)
     check_args(args.seq_len, args.max_windows, args.prompt, args.batch_size, args.prefill_chunk, args.mode, FLAGS)
     check_output(args.json, args.overwrite)
 

@@ -71,14 +71,16 @@ class RotaryEmbedding(nn.Module):
         # On a CPU, strategies that rotate every stored key after reading it (KIVI*, XQuant) ask each layer for the
         # same positions in a decode step: the last table of each shape is reused (comparing B*T ids costs far less
         # than d-wide sines). On a GPU nothing is kept: the comparison would sync, and CUDA graphs replay the step.
+        # Only without autograd: a table made under inference_mode cannot enter a graph that records gradients.
+        memo = ids.device.type == "cpu" and not torch.is_grad_enabled()
         key = (tuple(ids.shape), dtype)
-        last = self._recent.get(key)
+        last = self._recent.get(key) if memo else None
         if last is not None and last[1] is self.inv_freq and torch.equal(last[0], ids):
             return last[2], last[3]
         angles = ids.float()[..., None] * self.inv_freq          # (B, T, d/2), fp32
         emb = torch.cat((angles, angles), dim=-1)[:, None]       # (B, 1, T, d): broadcast over heads
         cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-        if ids.device.type == "cpu" and not torch.is_grad_enabled():
+        if memo:
             if len(self._recent) > 4:
                 self._recent.clear()
             self._recent[key] = (ids.clone(), self.inv_freq, cos, sin)

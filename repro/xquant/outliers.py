@@ -120,7 +120,7 @@ def main() -> None:
                         help="also plot per-layer first-channel share and ranks (.png, .pdf, .svg)")
     parser.add_argument("--overwrite", action="store_true", help="let --json / --plot replace existing files")
     args = parser.parse_args()
-    spec = parse_cache_args(parser, args)
+    spec = parse_cache_args(args)
     ks = parse_ks(args.top_k)
     check_output(args.json, args.overwrite)
     check_output(args.plot, args.overwrite, PLOT_SUFFIXES)

@@ -87,14 +87,14 @@ def test_cache_and_cache_opts_make_one_spec():
     parser = argparse.ArgumentParser()
     add_model_args(parser)
     args = parser.parse_args(["--cache", "kivi:bits=4,group_size=32", "--cache-opts", "residual=64"])
-    assert str(parse_cache_args(parser, args)) == \
+    assert str(parse_cache_args(args)) == \
         "kivi:bits=4,group_size=32,residual=64,sink=0,high_layers=0,high_bits=4,policy=reference"
     args = parser.parse_args(["--cache", "kivi-pre", "--cache-opts", "bits=3,residual=96,policy=grouped"])
-    assert str(parse_cache_args(parser, args)) == \
+    assert str(parse_cache_args(args)) == \
         "kivi-pre:bits=3,group_size=32,residual=96,sink=0,high_layers=0,high_bits=4,policy=grouped"
     args = parser.parse_args(["--cache", "fp16", "--cache-opts", "bits=2"])
     with pytest.raises(ValueError, match="cache 'fp16' has no option bits"):
-        parse_cache_args(parser, args)
+        parse_cache_args(args)
 
 
 @torch.inference_mode()

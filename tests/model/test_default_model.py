@@ -48,15 +48,36 @@ def test_batch_of_prompts_matches_one_at_a_time(smollm):
 
 
 def test_chat_script_answers_paris():
-    """The one command-line smoke test of scripts/chat.py (every strategy generates in process:
-    tests/model/test_generate.py::test_generate_every_strategy)."""
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "chat.py"), "--cache", "fp16", "--prompt",
-                          "What is the capital of France? Answer in one sentence.", "--temperature", "0",
-                          "--max-new-tokens", "24"],
+    """The one command-line smoke test of scripts/chat.py, at its default settings (every strategy generates in
+    process: tests/model/test_generate.py::test_generate_every_strategy)."""
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "chat.py"), "--prompt",
+                          "What is the capital of France?", "--max-new-tokens", "24"],
                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr
-    assert "Paris" in out.stdout
-    assert "tok/s" in out.stderr and "cache fp16" in out.stderr and "2.000x fp16]" in out.stderr
+    assert "The capital of France is Paris." in out.stdout
+    # fp32 model: the fp16 strategy holds the model's dtype, twice an fp16 cache and once the model's own
+    assert "tok/s" in out.stderr and "cache fp16:" in out.stderr and "none quantized" in out.stderr
+    assert "2.000x an fp16 cache of these tokens, 1.000x this float32 model's own" in out.stderr
+
+
+def test_chat_commands_in_a_session(monkeypatch, capsys):
+    """/help, /cache (a bad spec refused in one line, a good one taken), an answer through it, /stats, /quit."""
+    import io
+
+    lines = ["/help", "/cache zip", "/cache kivi:residual=32", "What is the capital of France?", "/stats",
+             "/nope", "/quit", "never read"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
+    code, err = chat_in_process(monkeypatch, capsys, "--max-new-tokens", "12")
+    assert code == 0
+    assert "SmolLM2-135M-Instruct (embedded), 135M parameters" in err and "greedy, repetition penalty 1.1" in err
+    assert "/cache <spec>" in err and "error: unknown cache 'zip'" in err and "[cache kivi:" in err
+    assert err.count("cache kivi:") >= 3                       # the switch, the answer's summary, /stats
+    assert "unknown command /nope" in err
+
+
+def test_chat_compile_needs_a_gpu(monkeypatch, capsys):
+    code, err = chat_in_process(monkeypatch, capsys, "--device", "cpu", "--compile", "--prompt", "hi")
+    assert code == 2 and "--compile replays CUDA graphs and needs --device cuda" in err
 
 
 def chat_in_process(monkeypatch, capsys, *args: str) -> tuple[int, str]:
@@ -78,7 +99,7 @@ def test_chat_script_refuses_unknown_cache(monkeypatch, capsys):
 def test_chat_script_refuses_a_bad_prefill_chunk(monkeypatch, capsys):
     """One line and exit 2 (kvzoo.cli.run), no traceback: an uncaught exception would fail this test."""
     code, err = chat_in_process(monkeypatch, capsys, "--device", "cpu", "--prefill-chunk", "0", "--prompt", "hi")
-    assert code == 2 and "prefill_chunk must be >= 1, got 0" in err
+    assert code == 2 and "--prefill-chunk must be >= 1, got 0" in err
 
 
 def test_perplexity_script_writes_json(tmp_path):
