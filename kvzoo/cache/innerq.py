@@ -170,7 +170,7 @@ class InnerQCodec(Codec):
             codes = unpack_float(q.codes, self.bits, self.width, signs)             # (B, H, T, d)
         else:                       # groups (B, H, T/32, d): along its tokens
             shifts = torch.arange(GROUP, dtype=torch.int32, device=signs.device)
-            flip = ((signs.unsqueeze(-1) >> shifts) << 31).transpose(-1, -2)       # (B, H, T/32, 32, d): bit 31
+            flip = (signs.unsqueeze(-2) >> shifts[:, None]) << 31                   # (B, H, T/32, 32, d): bit 31
             codes = unpack_float(q.codes, self.bits, self.width)                    # (B, H, T, d)
             codes.view(torch.int32).unflatten(-2, (-1, GROUP)).bitwise_xor_(flip)   # an fp32's sign flipped
         zero = torch.where(q.sym, 0.0, q.slot.view(torch.float32))                 # a symmetric group's is 0

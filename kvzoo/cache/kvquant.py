@@ -75,11 +75,15 @@ def unpack(words: Tensor, bits: int, n: int) -> Tensor:
 
 
 def unpack_int(words: Tensor, bits: int, n: int) -> Tensor:
-    """unpack's codes as int32 (or int64: 3 bits), saving a conversion where they go on into arithmetic.
+    """unpack's codes as integers (int32; uint8 for 8 bits, int64 for 3), saving a conversion where they go on into
+    arithmetic.
 
-    Widths that divide 32 shift each word by every code offset at once; 3-bit blocks (32 codes in 3 words) are
-    read as two 64-bit windows, bits [0, 64) holding codes 0..20 and bits [32, 96) codes 21..31."""
+    8-bit codes are the words' little-endian bytes, read in place; other widths that divide 32 shift each word by
+    every code offset at once; 3-bit blocks (32 codes in 3 words) are read as two 64-bit windows, bits [0, 64)
+    holding codes 0..20 and bits [32, 96) codes 21..31."""
     mask = (1 << bits) - 1
+    if bits == 8:
+        return (words if words.stride(-1) == 1 else words.contiguous()).view(torch.uint8)[..., :n]
     if 32 % bits == 0:
         shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
         codes = (words.unsqueeze(-1) >> shifts) & mask                         # (..., words, 32 / bits)

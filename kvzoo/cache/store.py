@@ -364,7 +364,7 @@ class WindowedStore(nn.Module):
         (B, Hq, _, d), H = q.shape, self.lead[1]
         qf = q.float().view(B, H, Hq // H, d) * d ** -0.5                            # (B, H, rep, d)
         if keys is not None:
-            scores = qf @ torch.cat([keys, token["k"]], dim=-2).float().transpose(-1, -2)
+            scores = torch.cat([qf @ keys.float().transpose(-1, -2), qf @ token["k"].float().transpose(-1, -2)], -1)
         else:
             in_sink, n_q, r = self.counts(length, "k")
             exact = [self.sink("k")[..., :in_sink, :], self.recent("k")[..., :r, :], token["k"]]
