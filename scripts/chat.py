@@ -122,10 +122,8 @@ def main() -> None:
         raise ValueError("--compile replays CUDA graphs and needs --device cuda; on a CPU leave it out")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise ValueError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
-    given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-             "repetition_penalty": args.repetition_penalty}
-    check_sampling(args.max_new_tokens, *(v if v is not None else d for v, d in
-                                          zip(given.values(), (0.0, None, None, 1.0))))
+    check_sampling(args.max_new_tokens, temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p,
+                   repetition_penalty=1.0 if args.repetition_penalty is None else args.repetition_penalty)
 
     model, tokenizer = load_from_args(args)
     for key, value in chat_sampling(tokenizer.generation_config).items():

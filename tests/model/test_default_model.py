@@ -75,6 +75,24 @@ def test_chat_commands_in_a_session(monkeypatch, capsys):
     assert "unknown command /nope" in err
 
 
+def test_chat_samples_with_top_p_and_top_k(monkeypatch, capsys):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("What is the capital of France?\n/quit\n"))
+    code, err = chat_in_process(monkeypatch, capsys, "--temperature", "0.7", "--top-p", "0.9", "--top-k", "40",
+                                "--seed", "1", "--max-new-tokens", "8")
+    assert code == 0 and "sampled at temperature 0.7, top-p 0.9, top-k 40" in err and "tok/s" in err
+
+
+@pytest.mark.parametrize("flags, message", [(["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
+                                            (["--top-k", "0"], "top_k must be >= 1, got 0"),
+                                            (["--temperature", "-1"], "temperature must be >= 0"),
+                                            (["--repetition-penalty", "0"], "repetition_penalty must be > 0")])
+def test_chat_refuses_bad_sampling_settings(monkeypatch, capsys, flags, message):
+    code, err = chat_in_process(monkeypatch, capsys, *flags, "--prompt", "hi")
+    assert code == 2 and message in err
+
+
 def test_chat_compile_needs_a_gpu(monkeypatch, capsys):
     code, err = chat_in_process(monkeypatch, capsys, "--device", "cpu", "--compile", "--prompt", "hi")
     assert code == 2 and "--compile replays CUDA graphs and needs --device cuda" in err
