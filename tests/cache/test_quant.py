@@ -23,6 +23,16 @@ def test_pack_then_unpack_is_identity(bits, n, rows, seed):
     assert torch.equal(unpack(words, bits, n), codes)
 
 
+@pytest.mark.parametrize("bits", (1, *SUPPORTED_BITS))
+def test_unpack_reads_slices_of_the_stored_words(bits):
+    """A store unpacks slots [a, b) of its buffers and, at times, words whose last dim is not contiguous."""
+    codes = torch.randint(0, 2**bits, (2, 9, 64), generator=torch.Generator().manual_seed(bits)).to(torch.uint8)
+    words = pack(codes, bits)
+    assert torch.equal(unpack(words[:, 2:7], bits, 64), codes[:, 2:7])
+    strided = words.transpose(-1, -2).contiguous().transpose(-1, -2)         # same values, last-dim stride 9
+    assert strided.stride(-1) == 9 and torch.equal(unpack(strided, bits, 64), codes)
+
+
 def test_packing_is_exactly_b_bits_per_code():
     for bits in SUPPORTED_BITS:
         assert packed_words(64, bits) * 32 == 64 * bits

@@ -171,3 +171,5 @@ def test_store_attend_equals_attention_over_what_is_held(windows):
     held = s.read(length, torch.float32)
     want = attend(q, torch.cat([held["k"], k1], 2), torch.cat([held["v"], v1], 2), mask)
     assert torch.allclose(s.attend(q, length, {"k": k1, "v": v1}, mask), want, atol=1e-5)
+    # the history's keys given (KIVI*: dequantized and rotated by the caller) score the same
+    assert torch.allclose(s.attend(q, length, {"k": k1, "v": v1}, mask, keys=held["k"]), want, atol=1e-5)

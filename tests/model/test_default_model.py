@@ -5,6 +5,7 @@ Reference figures (../shared/data/README.md) were measured with Hugging Face tra
 same dequantized weights: 19.134 over the first 8 WikiText-2 windows of 2048 tokens.
 """
 
+import io
 import json
 import runpy
 import subprocess
@@ -62,8 +63,6 @@ def test_chat_script_answers_paris():
 
 def test_chat_commands_in_a_session(monkeypatch, capsys):
     """/help, /cache (a bad spec refused in one line, a good one taken), an answer through it, /stats, /quit."""
-    import io
-
     lines = ["/help", "/cache zip", "/cache kivi:residual=32", "What is the capital of France?", "/stats",
              "/nope", "/quit", "never read"]
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
@@ -76,8 +75,6 @@ def test_chat_commands_in_a_session(monkeypatch, capsys):
 
 
 def test_chat_samples_with_top_p_and_top_k(monkeypatch, capsys):
-    import io
-
     monkeypatch.setattr(sys, "stdin", io.StringIO("What is the capital of France?\n/quit\n"))
     code, err = chat_in_process(monkeypatch, capsys, "--temperature", "0.7", "--top-p", "0.9", "--top-k", "40",
                                 "--seed", "1", "--max-new-tokens", "8")

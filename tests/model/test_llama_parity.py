@@ -101,3 +101,18 @@ def test_half_precision_close_to_fp32(dtype, tmp_path):
     logits = torch.cat([ours(tokens[:, :8], cache)] + [ours(tokens[:, t:t + 1], cache) for t in range(8, 16)], 1)
     assert logits.dtype == dtype and cache.layers[0].k.dtype == dtype
     assert (logits.float() - hf(tokens).logits).abs().max() < 0.05
+
+
+def test_rope_apply_equals_rotate():
+    """RotaryEmbedding.apply (stored keys, three passes in place) rotates as forward's rotate does."""
+    from kvzoo.config import ModelConfig
+    from kvzoo.models.llama import RotaryEmbedding
+
+    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 2,
+                               "num_key_value_heads": 2, "intermediate_size": 128, "num_hidden_layers": 1,
+                               "vocab_size": 97})
+    rope = RotaryEmbedding(cfg)
+    x = torch.randn(2, 2, 40, 32, generator=torch.Generator().manual_seed(0))
+    ids = torch.arange(40).expand(2, 40) + torch.tensor([[0], [7]])
+    cos, sin = rope.cos_sin(ids, x.dtype)
+    assert torch.allclose(rope.apply(x, ids), rope.rotate(x, cos, sin), atol=1e-6)
