@@ -51,9 +51,9 @@ import torch
 from torch import Tensor
 
 from kvzoo.cache.base import Chunk, LayerCache, Positions, StaticStep, register
-from kvzoo.cache.kvquant import (UnifiedQTensor, check_bits, dequantize_unified, pack_sym_mask, packed_words,
-                                 quantize_unified, unpack_float, unpack_sym_mask)
-from kvzoo.cache.store import Codec, Window, WindowedStore, check_policy, code_scores, code_weigh, policy_windows
+from kvzoo.cache.kvquant import (UnifiedQTensor, check_bits, pack_sym_mask, packed_words, quantize_unified,
+                                 scale_codes_, unpack_float, unpack_sym_mask)
+from kvzoo.cache.store import Codec, Window, WindowedStore, check_policy, policy_windows
 from kvzoo.graphs import WholeStep
 
 GROUP = 32        # the unified slot holds 32 bits: an fp32 zero point or 32 sign bits
@@ -159,28 +159,20 @@ class InnerQCodec(Codec):
                               bits=self.bits, axis=self.axis, shape=shape)
 
     def read(self, n: int, dtype: torch.dtype, start: int = 0) -> Tensor:
-        return dequantize_unified(self.held(n, start), dtype)
-
-    def _algebra(self, n: int, start: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Slots [start, n) as (signed codes, scale, zero) with x̂ = codes * scale + zero: a symmetric group's
-        sign bits applied to its codes and a zero of 0, an asymmetric group's fp32 zero from its slot."""
+        """Slots [start, n) as x̂ = codes * scale + zero, computed in place over the unpacked codes (equal to
+        dequantize_unified, the quantizer's reference): a symmetric group's sign bits flipped into its codes and a
+        zero of 0, an asymmetric group's fp32 zero from its slot."""
         q = self.held(n, start)
         signs = q.slot * q.sym                                                      # an asymmetric group's: none
         if self.axis == -1:         # groups (B, H, T, d/32): a group's sign bits run along its channels, as its codes
             codes = unpack_float(q.codes, self.bits, self.width, signs)             # (B, H, T, d)
         else:                       # groups (B, H, T/32, d): along its tokens
             shifts = torch.arange(GROUP, dtype=torch.int32, device=signs.device)
-            flip = (signs.unsqueeze(-2) >> shifts[:, None]) << 31                   # (B, H, T/32, 32, d): bit 31
+            flip = (signs.unsqueeze(-2) >> shifts[:, None]).bitwise_left_shift_(31)  # (B, H, T/32, 32, d): bit 31
             codes = unpack_float(q.codes, self.bits, self.width)                    # (B, H, T, d)
             codes.view(torch.int32).unflatten(-2, (-1, GROUP)).bitwise_xor_(flip)   # an fp32's sign flipped
         zero = torch.where(q.sym, 0.0, q.slot.view(torch.float32))                 # a symmetric group's is 0
-        return codes, q.scale.float(), zero
-
-    def scores(self, q: Tensor, n: int, start: int = 0) -> Tensor:
-        return code_scores(q, *self._algebra(n, start), GROUP, self.axis == -2)
-
-    def weigh(self, p: Tensor, n: int, start: int = 0) -> Tensor:
-        return code_weigh(p, *self._algebra(n, start), GROUP, self.axis == -2)
+        return scale_codes_(codes, q.scale, zero, GROUP, self.axis).to(dtype)
 
     def mask_words(self, n: int) -> int:
         """32-bit mask words per (row, head) held for the first n quantized tokens."""

@@ -50,8 +50,8 @@ import torch
 from torch import Tensor
 
 from kvzoo.cache.base import Chunk, LayerCache, Positions, register
-from kvzoo.cache.kvquant import QTensor, dequantize, packed_words, quantize, unpack_int
-from kvzoo.cache.store import EXACT, SCALE_DTYPE, Codec, GroupCodec, Window, WindowedStore, code_scores, code_weigh
+from kvzoo.cache.kvquant import QTensor, dequantize, packed_words, quantize
+from kvzoo.cache.store import EXACT, SCALE_DTYPE, Codec, GroupCodec, Window, WindowedStore
 
 PRECISIONS = (2, 4, 8, 16)
 GRANULARITIES = ("token", "block", "tensor")
@@ -93,30 +93,17 @@ class BlockCodec(Codec):
         self.codes[:, :, first:first + n] = q.codes
         self.scale[:, :, first:first + n], self.zero[:, :, first:first + n] = q.scale[..., 0], q.zero[..., 0]
 
-    def held(self, n: int) -> QTensor:
+    def held(self, n: int, start: int = 0) -> QTensor:
+        """Blocks of slots [start, n), start and n multiples of G."""
         B, H = self.codes.shape[:2]
-        nb = n // self.G
-        return QTensor(self.codes[:, :, :nb], self.scale[:, :, :nb, None], self.zero[:, :, :nb, None], self.bits,
-                       self.G * self.width, -1, (B, H, nb, self.G * self.width))
+        blocks = slice(start // self.G, n // self.G)
+        return QTensor(self.codes[:, :, blocks], self.scale[:, :, blocks, None], self.zero[:, :, blocks, None],
+                       self.bits, self.G * self.width, -1, (B, H, (n - start) // self.G, self.G * self.width))
 
     def read(self, n: int, dtype: torch.dtype, start: int = 0) -> Tensor:
         B, H = self.codes.shape[:2]
-        rows = dequantize(self.held(n), dtype).view(B, H, n // self.G * self.G, self.width)   # (B, H, n, d)
-        return rows[:, :, start:]
-
-    def _algebra(self, n: int, start: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Slots [start, n) as fp32 codes (B, H, T, d) and each block's scale and zero, broadcast to (B, H, T/G, d)."""
-        B, H = self.codes.shape[:2]
-        blocks = slice(start // self.G, n // self.G)
-        codes = unpack_int(self.codes[:, :, blocks], self.bits, self.G * self.width).float()
-        per_block = lambda t: t[:, :, blocks, None].float().expand(-1, -1, -1, self.width)   # noqa: E731
-        return codes.view(B, H, -1, self.width), per_block(self.scale), per_block(self.zero)
-
-    def scores(self, q: Tensor, n: int, start: int = 0) -> Tensor:
-        return code_scores(q, *self._algebra(n, start), self.G, True)
-
-    def weigh(self, p: Tensor, n: int, start: int = 0) -> Tensor:
-        return code_weigh(p, *self._algebra(n, start), self.G, True)
+        blocks = self.held(n, start)
+        return dequantize(blocks, dtype).view(B, H, n - start, self.width)                     # (B, H, n - start, d)
 
     def nbytes(self, n: int) -> int:
         nb = n // self.G
@@ -159,27 +146,14 @@ class TensorCodec(Codec):
         self.codes[:, :, a:b] = q.codes
         self.scale[:, a:b], self.zero[:, a:b] = q.scale[:, 0, :, 0], q.zero[:, 0, :, 0]
 
-    def held(self, n: int) -> QTensor:
+    def held(self, n: int, start: int = 0) -> QTensor:
         B, H = self.codes.shape[:2]
-        expand = lambda t: t[:, None, :n, None].expand(B, H, n, 1)        # noqa: E731
-        return QTensor(self.codes[:, :, :n], expand(self.scale), expand(self.zero), self.bits, self.width, -1,
-                       (B, H, n, self.width))
+        expand = lambda t: t[:, None, start:n, None].expand(B, H, n - start, 1)        # noqa: E731
+        return QTensor(self.codes[:, :, start:n], expand(self.scale), expand(self.zero), self.bits, self.width, -1,
+                       (B, H, n - start, self.width))
 
     def read(self, n: int, dtype: torch.dtype, start: int = 0) -> Tensor:
-        return dequantize(self.held(n), dtype)[:, :, start:]
-
-    def _algebra(self, n: int, start: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Slots [start, n) as fp32 codes (B, H, T, d) and each token's scale and zero, (B, H, T, 1)."""
-        H = self.codes.shape[1]
-        per_token = lambda t: t[:, None, start:n, None].float().expand(-1, H, -1, -1)   # noqa: E731
-        return unpack_int(self.codes[:, :, start:n], self.bits, self.width).float(), per_token(self.scale), \
-            per_token(self.zero)
-
-    def scores(self, q: Tensor, n: int, start: int = 0) -> Tensor:
-        return code_scores(q, *self._algebra(n, start), self.width, False)
-
-    def weigh(self, p: Tensor, n: int, start: int = 0) -> Tensor:
-        return code_weigh(p, *self._algebra(n, start), self.width, False)
+        return dequantize(self.held(n, start), dtype)
 
     def nbytes(self, n: int) -> int:
         return self.codes[:, :, :n].nbytes + self.scale[:, :n].nbytes + self.zero[:, :n].nbytes

@@ -86,7 +86,7 @@ def unpack_int(words: Tensor, bits: int, n: int) -> Tensor:
         return (words if words.stride(-1) == 1 else words.contiguous()).view(torch.uint8)[..., :n]
     if 32 % bits == 0:
         shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
-        codes = (words.unsqueeze(-1) >> shifts) & mask                         # (..., words, 32 / bits)
+        codes = (words.unsqueeze(-1) >> shifts).bitwise_and_(mask)             # (..., words, 32 / bits)
         return codes.flatten(-2)[..., :n]
     assert bits == 3, f"no unpacking for {bits}-bit codes"
     w = words.unflatten(-1, (-1, 3)).to(torch.int64) & 0xFFFFFFFF               # (..., blocks, 3) unsigned
@@ -103,7 +103,7 @@ def unpack_float(words: Tensor, bits: int, n: int, signs: Tensor | None = None) 
     codes = unpack_int(words, bits, n).float()
     if signs is not None:        # each sign bit moved to bit 31 (an fp32's sign) and flipped into the code
         shifts = torch.arange(32, dtype=torch.int32, device=signs.device)
-        flip = ((signs.unsqueeze(-1) >> shifts) << 31).flatten(-2)[..., :n]
+        flip = (signs.unsqueeze(-1) >> shifts).bitwise_left_shift_(31).flatten(-2)[..., :n]
         codes.view(torch.int32).bitwise_xor_(flip)
     return codes
 
@@ -179,15 +179,23 @@ def quantize(x: Tensor, bits: int, group_size: int, axis: int = -1, symmetric: b
                    bits=bits, group_size=group_size, axis=axis, shape=tuple(x.shape))
 
 
+def scale_codes_(codes: Tensor, scale: Tensor, zero: Tensor | None, group_size: int, axis: int) -> Tensor:
+    """codes * scale + zero in place: fp32 codes (x's shape) become the values they encode, (scale, zero) per group
+    of `group_size` along `axis` (shaped like x with that axis reduced to the groups; zero None: symmetric, the
+    codes already centred). One pass over the codes and no second tensor of their size: a decode step reads its
+    quantized history through this and one matmul."""
+    g = codes.unflatten(axis, (-1, group_size))                                 # the group axis split in two
+    g.mul_(scale.float().unsqueeze(axis))
+    if zero is not None:
+        g.add_(zero.float().unsqueeze(axis))
+    return codes
+
+
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    codes = unpack_int(q.codes, q.bits, q.shape[-1]).float()                    # q.shape
-    g = _grouped(codes, q.axis, q.group_size)                                   # (..., group_size)
-    scale = q.scale.float().unsqueeze(-1)
+    codes = unpack_int(q.codes, q.bits, q.shape[-1]).float()                    # q.shape, a new fp32 tensor
     if q.symmetric:
-        x = (g - 2 ** (q.bits - 1)) * scale
-    else:
-        x = g * scale + q.zero.float().unsqueeze(-1)
-    return _ungrouped(x, q.axis).to(dtype)
+        codes.sub_(2 ** (q.bits - 1))
+    return scale_codes_(codes, q.scale, q.zero, q.group_size, q.axis).to(dtype)
 
 
 # ----------------------------------------------------------------------------------------------------

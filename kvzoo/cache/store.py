@@ -38,7 +38,7 @@ from math import prod
 import torch
 from torch import Tensor, nn
 
-from kvzoo.cache.kvquant import QTensor, dequantize, packed_words, quantize, unpack_int
+from kvzoo.cache.kvquant import QTensor, dequantize, packed_words, quantize
 
 SCALE_DTYPE = torch.float16
 EXACT = 16        # bits = 16: rows kept at the model's precision, no codes
@@ -94,42 +94,6 @@ def device_slots(start: Tensor, n: int, group: int) -> tuple[Tensor, Tensor]:
     return slots, groups
 
 
-def _blocks(w: int, group: int, device) -> Tensor:
-    """(w, w/G) one-hot: channel c belongs to group c // G."""
-    return (torch.arange(w, device=device)[:, None] // group == torch.arange(w // group, device=device)).float()
-
-
-def code_scores(q: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, group: int, per_channel: bool) -> Tensor:
-    """q·x̂_t for rows x̂ = codes * scale + zero held in groups, from the codes: Σ_c q_c (s code_tc + z) =
-    Σ_c (q_c s) code_tc + Σ_c q_c z, (s, z) the group's of slot t and channel c, so no dequantized row is formed;
-    the codes are read in their stored order by one matmul. q (*lead, rep, w); codes (*lead, T, w) fp32 integers;
-    scale, zero (*lead, T/G, w) per channel (groups of G slots) or (*lead, T, w/G) per token (groups of G
-    channels). Returns (*lead, rep, T)."""
-    if per_channel:
-        qs = q.unsqueeze(-3) * scale.unsqueeze(-2)                                   # (*lead, T/G, rep, w)
-        dots = codes.unflatten(-2, (-1, group)) @ qs.transpose(-1, -2)               # (*lead, T/G, G, rep)
-        dots = dots + (q @ zero.transpose(-1, -2)).transpose(-1, -2).unsqueeze(-2)
-        return dots.flatten(-3, -2).transpose(-1, -2)
-    blocks = _blocks(q.shape[-1], group, q.device)                                   # (w, w/G)
-    per_group = (q.unsqueeze(-2) * blocks.t()).flatten(-3, -2)                      # (*lead, rep * w/G, w)
-    dots = (per_group @ codes.transpose(-1, -2)).unflatten(-2, (q.shape[-2], -1))   # (*lead, rep, w/G, T)
-    out = (dots * scale.transpose(-1, -2).unsqueeze(-3)).sum(-2)                    # (*lead, rep, T)
-    return out + (q @ blocks) @ zero.transpose(-1, -2)
-
-
-def code_weigh(p: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, group: int, per_channel: bool) -> Tensor:
-    """Σ_t p_t x̂_t from the codes: Σ_t (p_t s) code_tc + Σ_t p_t z (shapes as code_scores; p (*lead, rep, T)).
-    Returns (*lead, rep, w)."""
-    if per_channel:
-        pg = p.unflatten(-1, (-1, group)).transpose(-2, -3)                         # (*lead, T/G, rep, G)
-        sums = pg @ codes.unflatten(-2, (-1, group))                                # (*lead, T/G, rep, w)
-        return (sums * scale.unsqueeze(-2)).sum(-3) + pg.sum(-1).transpose(-1, -2) @ zero
-    blocks = _blocks(codes.shape[-1], group, p.device)                               # (w, w/G)
-    ps = (p.unsqueeze(-2) * scale.transpose(-1, -2).unsqueeze(-3)).flatten(-3, -2)  # (*lead, rep * w/G, T)
-    sums = (ps @ codes).unflatten(-2, (p.shape[-2], -1))                            # (*lead, rep, w/G, w)
-    return (sums * blocks.t()).sum(-2) + (p @ zero) @ blocks.t()
-
-
 class Codec(nn.Module):
     """How one stream's quantized slots are held. Subclasses allocate buffers for `capacity` slots (token axis
     -2 of (*lead, capacity, width) rows) and implement the six methods below."""
@@ -158,8 +122,9 @@ class Codec(nn.Module):
         raise NotImplementedError
 
     def scores(self, q: Tensor, n: int, start: int = 0) -> Tensor:
-        """q·row for every held slot of [start, n): q (*lead, rep, width) fp32 -> (*lead, rep, n - start). A codec
-        with a scale/zero algebra computes it from the codes (GroupCodec); this default dequantizes."""
+        """q·row for every held slot of [start, n): q (*lead, rep, width) fp32 -> (*lead, rep, n - start). `read`
+        unpacks the codes into one fp32 tensor and turns it into rows in place (kvquant.scale_codes_), so the step
+        makes one pass over the codes and one matmul."""
         return q @ self.read(n, torch.float32, start).transpose(-1, -2)
 
     def weigh(self, p: Tensor, n: int, start: int = 0) -> Tensor:
@@ -245,26 +210,6 @@ class GroupCodec(Codec):
         q = self.held(n, start)
         x = q.to(dtype) if isinstance(q, Tensor) else dequantize(q, dtype)
         return x if not self.exact_first else torch.cat([self.first[..., start:n, :].to(dtype), x], dim=-1)
-
-    def _codes(self, n: int, start: int) -> Tensor:
-        """Codes of slots [start, n) as fp32 integers: (*lead, n - start, coded)."""
-        return unpack_int(self.codes[..., start:n, :], self.bits, self.coded).float()
-
-    def scores(self, q: Tensor, n: int, start: int = 0) -> Tensor:
-        if self.bits == EXACT:
-            return q @ self.rows[..., start:n, :].float().transpose(-1, -2)
-        first = q[..., :1] @ self.first[..., start:n, :].float().transpose(-1, -2) if self.exact_first else 0
-        g = self._groups(start, n)
-        return first + code_scores(q[..., int(self.exact_first):], self._codes(n, start), self.scale[..., g, :].float(),
-                                   self.zero[..., g, :].float(), self.group, self.per_channel)
-
-    def weigh(self, p: Tensor, n: int, start: int = 0) -> Tensor:
-        if self.bits == EXACT:
-            return p @ self.rows[..., start:n, :].float()
-        g = self._groups(start, n)
-        out = code_weigh(p, self._codes(n, start), self.scale[..., g, :].float(), self.zero[..., g, :].float(),
-                         self.group, self.per_channel)
-        return torch.cat([p @ self.first[..., start:n, :].float(), out], dim=-1) if self.exact_first else out
 
     def nbytes(self, n: int) -> int:
         if self.bits == EXACT:
@@ -357,8 +302,8 @@ class WindowedStore(nn.Module):
     def attend(self, q: Tensor, length: int, token: dict[str, Tensor], mask: Tensor | None = None,
                keys: Tensor | None = None) -> Tensor:
         """One decode token's attention over the slots held (streams "k" and "v", keys as attention sees them)
-        plus the token's own k, v exact, reading quantized slots from their codes (Codec.scores / weigh): no
-        dequantized copy of the history. q (B, Hq, 1, d) (Hq a multiple of H, GQA); token (B, H, 1, d) each;
+        plus the token's own k, v exact, the quantized slots read from their codes a stream at a time
+        (Codec.scores / weigh), never the whole history at the model's precision. q (B, Hq, 1, d) (Hq a multiple of H, GQA); token (B, H, 1, d) each;
         mask (B, 1, 1, length + 1) True = may attend, or None; keys (B, H, length, d): the history's keys given
         instead (keys stored before RoPE, rotated by the caller). Returns (B, Hq, 1, d) in q's dtype; fp32 inside."""
         (B, Hq, _, d), H = q.shape, self.lead[1]
