@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.runtime.errors import OutOfResources
 
 from kvzoo.cache.kvquant import QTensor, dequantize
 from kvzoo.kernels.quant_matvec import check_runnable, unpack_codes
@@ -94,11 +95,32 @@ def _check(q: QTensor, weight: Tensor) -> None:
         raise ValueError(f"weight is on {weight.device}, the codes on {q.codes.device}")
 
 
+def tile_configs(block_m: int, block_n: int, num_stages: int) -> list[tuple[int, int, int]]:
+    """(BLOCK_M, BLOCK_N, num_stages) to try, the asked tiles first, then each step smaller: fewer pipeline stages,
+    then narrower N tiles (every N tile dequantizes its rows again, so N shrinks late), then shorter M tiles."""
+    out = [(block_m, block_n, num_stages)]
+    while True:
+        m, n, stages = out[-1]
+        if stages > 1:
+            out.append((m, n, stages - 1))
+        elif n > 32:
+            out.append((m, n // 2, min(num_stages, 2)))
+        elif m > 16:
+            out.append((m // 2, n, 1))
+        else:
+            return out
+
+
+_FITTING: dict[tuple, tuple[int, int, int]] = {}     # (device, dtype, bits, layout, asked tiles) -> tiles that fit
+
+
 def dequant_matmul(q: QTensor, weight: Tensor, block_m: int = 64, block_n: int | None = None, block_k: int = 64,
                    num_warps: int = 4, num_stages: int = 3) -> Tensor:
     """dequant(q) @ weight, (..., N, r) @ (r, n_out) -> (..., N, n_out) in weight's dtype. The default tiles
     were the fastest of a sweep on an H100 (2/4-bit, r = 192 ... 4096): BLOCK_N = 256 (128 for n_out <= 192),
-    since every output tile dequantizes its rows again."""
+    since every output tile dequantizes its rows again. Tiles whose compiled kernel needs more shared memory
+    than the device has (fp32 weights: tf32x3 dots keep split copies of both tiles) step down `tile_configs`
+    until one fits, and the fitting tiles are remembered per device, dtype and layout."""
     _check(q, weight)
     check_runnable(_remat_kernel, weight.device)
     r, n_out = weight.shape
@@ -108,15 +130,22 @@ def dequant_matmul(q: QTensor, weight: Tensor, block_m: int = 64, block_n: int |
         return out
     codes, scale = q.codes.contiguous(), q.scale.contiguous()
     zero = q.zero.contiguous() if q.zero is not None else scale        # never read when symmetric
-    block_n = block_n or (256 if n_out > 192 else 128)
-    if weight.dtype == torch.float32:        # fp32 tiles: three stages of 64 x 256 overflow an H100's shared memory
-        num_stages = min(num_stages, 2)
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(n_out, block_n))
-    _remat_kernel[grid](codes, scale, zero, weight.contiguous(), out, rows, r, n_out, codes.shape[-1],
-                        GROUP=q.group_size, BITS=q.bits, PER_TOKEN=q.axis == -1, HAS_ZERO=q.zero is not None,
-                        FP32=weight.dtype == torch.float32, PRECISION="tf32x3" if weight.is_cuda else "ieee",
-                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
-    return out
+    asked = (block_m, block_n or (256 if n_out > 192 else 128), num_stages)
+    key = (str(weight.device), weight.dtype, q.bits, q.axis, q.group_size, q.zero is not None, block_k, num_warps, asked)
+    for bm, bn, stages in ([_FITTING[key]] if key in _FITTING else tile_configs(*asked)):
+        grid = (triton.cdiv(rows, bm), triton.cdiv(n_out, bn))
+        try:
+            _remat_kernel[grid](codes, scale, zero, weight.contiguous(), out, rows, r, n_out, codes.shape[-1],
+                                GROUP=q.group_size, BITS=q.bits, PER_TOKEN=q.axis == -1, HAS_ZERO=q.zero is not None,
+                                FP32=weight.dtype == torch.float32,
+                                PRECISION="tf32x3" if weight.is_cuda else "ieee",
+                                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, num_warps=num_warps, num_stages=stages)
+        except OutOfResources:
+            continue
+        _FITTING[key] = (bm, bn, stages)
+        return out
+    raise RuntimeError(f"no tile of the rematerialization kernel fits {weight.device}'s shared memory "
+                       f"(tried down from BLOCK_M, BLOCK_N, stages = {asked})")
 
 
 def dequant_matmul_ref(q: QTensor, weight: Tensor) -> Tensor:

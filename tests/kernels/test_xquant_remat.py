@@ -59,3 +59,46 @@ def test_bad_input_is_named():
         dequant_matmul(quantize(x, 2, 32), torch.randn(32, 8).to(DEVICE))
     with pytest.raises(ValueError, match="QTensor"):
         dequant_matmul(x, torch.randn(64, 8).to(DEVICE))
+
+
+def test_tiles_step_down_until_one_fits(monkeypatch):
+    """Tiles whose kernel would need more shared memory than the device has (Triton's OutOfResources at launch)
+    step down (fewer stages, then narrower tiles) until one fits; the fitting tiles are remembered."""
+    from triton.runtime.errors import OutOfResources
+
+    from kvzoo.kernels import xquant_remat
+
+    assert xquant_remat.tile_configs(64, 256, 3)[:4] == [(64, 256, 3), (64, 256, 2), (64, 256, 1), (64, 128, 2)]
+    assert xquant_remat.tile_configs(64, 256, 3)[-1] == (16, 32, 1)
+    real, tried = xquant_remat._remat_kernel, []
+
+    class SmallDevice:             # a device whose shared memory holds BLOCK_N * stages <= 128 (a stand-in rule)
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                tried.append((meta["BLOCK_M"], meta["BLOCK_N"], meta["num_stages"]))
+                if meta["BLOCK_N"] * meta["num_stages"] > 128:
+                    raise OutOfResources(meta["BLOCK_N"] * meta["num_stages"] * 1024, 128 * 1024, "shared memory")
+                return real[grid](*args, **meta)
+            return launch
+
+    monkeypatch.setattr(xquant_remat, "_remat_kernel", SmallDevice())
+    monkeypatch.setattr(xquant_remat, "check_runnable", lambda kernel, device: None)
+    monkeypatch.setattr(xquant_remat, "_FITTING", {})
+    g = torch.Generator().manual_seed(3)
+    q, w = quantize(torch.randn(40, 64, generator=g).to(DEVICE), 4, 32), torch.randn(64, 300, generator=g).to(DEVICE)
+    check(q, w, 1e-5)
+    assert tried == [(64, 256, 3), (64, 256, 2), (64, 256, 1), (64, 128, 2), (64, 128, 1)]
+    tried.clear()
+    check(q, w, 1e-5)
+    assert tried == [(64, 128, 1)]                                   # remembered: no failing launch again
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the device's shared memory limit is a GPU's (TRITON_INTERPRET=0)")
+@pytest.mark.parametrize("n_out", [1024, 4096])
+def test_fits_the_gpu_at_the_8b_shape(n_out):
+    """Llama-3.1-8B's GQA latent (r = 8 x 128) rematerialized over 32K tokens with fp32 up-projections (tf32x3
+    dots), the call that once asked an H100 for 331,776 bytes of shared memory."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(1, 32768, 1024, generator=g, device="cuda")
+    w = torch.randn(1024, n_out, generator=g, device="cuda") / 32
+    check(quantize(x, 4, 128, axis=-2), w, 1e-3)
