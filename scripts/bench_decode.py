@@ -82,6 +82,18 @@ SHAPES = {
 
 
 HF_CACHES = ("fp16", "quanto:2", "quanto:4")
+
+# --targets: the decode-speed targets, each (what, context, batch (0: the largest batch that fits), the caches it
+# names (a spec with its defaults; None: every kvzoo cache but fp16), measure ("tokens/s": at least `bound` x fp16's;
+# "ms/token": at most `bound` x fp16's), bound), checked against fp16's row of the same model, context, batch and step
+TARGETS = (
+    ("32K, largest batch: tokens/s >= 3x fp16", 32768, 0, ("innerq:bits=2", "kivi:bits=2", "squat"), "tokens/s", 3.0),
+    ("128K, batch 1: InnerQ-2 ms/token <= 0.75x fp16", 131072, 1, ("innerq:bits=2",), "ms/token", 0.75),
+    ("128K, batch 1: KIVI-2 ms/token <= 0.8x fp16", 131072, 1, ("kivi:bits=2",), "ms/token", 0.8),
+    ("32K, batch 1: ms/token <= 1.05x fp16", 32768, 1, None, "ms/token", 1.05),
+    ("32K, batch 1: XQuant(-CL) ms/token <= 2x fp16", 32768, 1, ("xquant", "xquant-cl"), "ms/token", 2.0),
+)
+NO_TARGET_BELOW = ("xquant", "xquant-cl")     # held to the 2x target, not the 1.05x one
 PROBE_TOKENS = 64   # prompt of a largest-context probe
 
 
@@ -112,6 +124,8 @@ def parse_args():
                         help="weights and activations (auto: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--out", default="results/decode/run", help="output path without suffix")
     parser.add_argument("--plot", action="store_true", help="also write OUT.png: tokens/s vs context")
+    parser.add_argument("--targets", action="store_true",
+                        help="also print the decode-speed targets (TARGETS) as measured / required, from this run's rows")
     parser.add_argument("--overwrite", action="store_true", help="replace existing OUT.json / OUT.md")
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="no GPU work: merge the rows of earlier OUT.json files into OUT.md, OUT.json (and with "
@@ -212,6 +226,7 @@ class Kvzoo:
         self.model, self.device = model, model.device
         cfg = model.cfg
         self.shape = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size)
+        self.weight_bytes = weights_read(model, model.embed.weight, model.lm_head.weight)
         self.context_limit = cfg.max_position_embeddings
 
     def fill(self, cache: str, context: int, batch: int, max_len: int, chunk: int, src: Filled | None) -> Filled:
@@ -248,6 +263,28 @@ class Kvzoo:
         return True
 
 
+def weights_read(model: torch.nn.Module, embedding: torch.Tensor, head: torch.Tensor) -> int:
+    """Bytes of weights a decode step reads: every parameter once (a tied table counts once), less an untied
+    embedding table, of which a step reads one row per token."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total if head is embedding else total - embedding.numel() * embedding.element_size()
+
+
+def copy_bandwidth(device: str) -> float:
+    """GB/s of a device-to-device copy, bytes read plus written (the bandwidth a decode step can reach)."""
+    n = (1 << 30) if device == "cuda" else (1 << 27)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(8):
+        sync()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return 2 * n / min(times[2:]) / 1e9
+
+
 def store_random(kv, tokens: int, chunk: int = 65536) -> None:
     """Store `tokens` random K/V tokens (B = 1) in every layer through the strategy's windowed store
     (kvzoo/cache/store.py: windows, quantization), or AlignedKV's own fp16 planes (`_append`), with no attention:
@@ -271,6 +308,8 @@ class HuggingFace:
 
     def __init__(self, model):
         self.model, self.device = model, model.device
+        self.weight_bytes = weights_read(model, model.get_input_embeddings().weight,
+                                         model.get_output_embeddings().weight)
         cfg = model.config
         self.shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
                       cfg.vocab_size)
@@ -384,7 +423,8 @@ def run_cell(runner, cache: str, context: int, batch: int, steps: int, chunk: in
     return {"prefill_s": None if src is not None else prefill_s, "filled": "row copies" if src is not None else "prefill",
             "decode_ms": latency * 1e3, "median_ms": statistics.median(times) * 1e3, "tokens_per_s": batch / latency,
             "step_ms": [round(t * 1e3, 3) for t in times], "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None,
-            "kv_bytes": held, "kv_ratio": held / fp16_kv_nbytes(n_layers, n_kv, d, batch * length)}
+            "kv_bytes": held, "kv_ratio": held / fp16_kv_nbytes(n_layers, n_kv, d, batch * length),
+            "weight_bytes": runner.weight_bytes, "read_GBps": (runner.weight_bytes + held) / latency / 1e9}
 
 
 def out_of_memory(error: Exception) -> bool:
@@ -559,6 +599,7 @@ def main() -> None:
     how = f"{str(dtype).removeprefix('torch.')} weights; mean of {args.steps} decode steps after {args.warmup} untimed"
     if args.repeats > 1:
         how += f"; each cell's fastest of {args.repeats} runs, round robin"
+    how += f"; a device copy moves {copy_bandwidth(args.device):.0f} GB/s (read + written)"
     keep = Rows(paths[0], gpu, how)
     for name in args.models:
         if args.caches:
@@ -604,7 +645,7 @@ def write(args, paths: list[Path], rows: list[dict], gpu: str, torch_version: st
     """The table (OUT.md, printed), the rows (OUT.json) and with --plot the throughput plot (OUT.png)."""
     lines = [f"device: {gpu}; {how}; torch {torch_version}", "",
              "| model | cache | step | context | batch | filled by | prefill (s) | decode (ms/token) | tokens/s | "
-             "vs fp16 | peak (GiB) | KV (GiB) | KV ratio |", "|" + "---|" * 13]
+             "vs fp16 | read (GB/s) | peak (GiB) | KV (GiB) | KV ratio |", "|" + "---|" * 14]
     cell = lambda r: (r["model"], r.get("step"), r["context"], r["batch"])          # noqa: E731
     fp16 = {cell(r): r["tokens_per_s"] for r in rows if r.get("cache") == "fp16" and "tokens_per_s" in r}
     for r in rows:
@@ -612,13 +653,14 @@ def write(args, paths: list[Path], rows: list[dict], gpu: str, torch_version: st
             continue
         head = f"| {r['model']} | `{r['cache']}` | {r.get('step', '')} | {r['context']} | {r['batch']}"
         if r.get("oom"):
-            lines.append(head + " | | OOM |  |  |  |  |  |  |")
+            lines.append(head + " | | OOM |  |  |  |  |  |  |  |")
             continue
         prefill_s = "" if r["prefill_s"] is None else f"{r['prefill_s']:.2f}"
         largest = " (the search's cap)" if r.get("batch_cap") == r.get("max_batch") else " (largest)"
         lines.append(head + f"{largest if 'max_batch' in r else ''} | {r['filled']} | {prefill_s} | "
                      f"{r['decode_ms']:.2f} | {r['tokens_per_s']:.1f} | "
                      f"{format(r['tokens_per_s'] / fp16[cell(r)], '.2f') + 'x' if cell(r) in fp16 else ''} | "
+                     f"{format(r['read_GBps'], '.0f') if 'read_GBps' in r else ''} | "
                      f"{'' if r['peak_gib'] is None else format(r['peak_gib'], '.1f')} | "
                      f"{r['kv_bytes'] / 2 ** 30:.2f} | {r['kv_ratio']:.3f} |")
     found = [r for r in rows if "max_context" in r]
@@ -626,12 +668,48 @@ def write(args, paths: list[Path], rows: list[dict], gpu: str, torch_version: st
         lines += ["", "| model | cache | step | largest context at batch 1 |", "|---|---|---|---|"]
         lines += [f"| {r['model']} | `{r['cache'] if r['impl'] == 'kvzoo' else 'hf:' + r['cache']}` | "
                   f"{r.get('step', 'graph' if r['impl'] == 'kvzoo' else 'eager')} | {r['max_context']} |" for r in found]
+    if args.targets:
+        lines += ["", "read (GB/s): the weights a step reads (an untied embedding table apart) plus the KV bytes held, "
+                  "over the step's time.", ""] + target_lines(rows)
     print("\n".join(lines))
     paths[1].parent.mkdir(parents=True, exist_ok=True)
     paths[0].write_text(json.dumps({"gpu": gpu, "torch": torch_version, "how": how, "rows": rows}, indent=1))
     paths[1].write_text("\n".join(lines) + "\n")
     if args.plot:
         plot(rows, f"decode throughput on {gpu}", paths[0].with_suffix(".png"))
+
+
+def target_lines(rows: list[dict]) -> list[str]:
+    """TARGETS as a table: each cache a target names (as measured in `rows`) against fp16's row of the same model,
+    context, batch (the largest-batch rows: each cache at its own largest batch) and step."""
+    def spec(text: str) -> str:
+        return str(CacheSpec.parse(text))
+
+    def key(r):
+        return r["model"], r.get("step"), r["context"], 0 if "max_batch" in r else r["batch"]
+
+    timed = [r for r in rows if "decode_ms" in r and r.get("impl", "kvzoo") == "kvzoo"]
+    fp16 = {key(r): r for r in timed if r["cache"] == "fp16"}
+    out = ["| target | model | step | cache | measured | required | met |", "|---|---|---|---|---|---|---|"]
+    for what, context, batch, caches, measure, bound in TARGETS:
+        named = None if caches is None else {spec(c) for c in caches}
+        found = False
+        for r in timed:
+            if r["context"] != context or key(r)[3] != batch or r["cache"] == "fp16" or key(r) not in fp16:
+                continue
+            name = spec(r["cache"])
+            if named is not None and name not in named or named is None and name.split(":")[0] in NO_TARGET_BELOW:
+                continue
+            base = fp16[key(r)]
+            ratio = (r["tokens_per_s"] / base["tokens_per_s"] if measure == "tokens/s"
+                     else r["decode_ms"] / base["decode_ms"])
+            met = ratio >= bound if measure == "tokens/s" else ratio <= bound
+            out.append(f"| {what} | {r['model']} | {r.get('step')} | `{r['cache']}` | {ratio:.2f}x | "
+                       f"{'>=' if measure == 'tokens/s' else '<='} {bound}x | {'yes' if met else 'NO'} |")
+            found = True
+        if not found:
+            out.append(f"| {what} | | | | not measured in this run | | |")
+    return out
 
 
 if __name__ == "__main__":

@@ -108,6 +108,11 @@ def test_decoder_picks_the_whole_step_where_it_can(model):
     assert isinstance(decoder(model, model.new_cache("fp16", 1, 8)), GraphDecoder)
     assert isinstance(decoder(model, model.new_cache("kvpareto", 1, 8)), PiecewiseDecoder)
     assert isinstance(decoder(model, model.new_cache("kivi-pre", 1, 8)), PiecewiseDecoder)
+    # XQuant's latents in the paper's windows (per channel and per token differ): its layers, and XQuant-CL's
+    # first layers, which are XQuant's, have no whole step
+    assert isinstance(decoder(model, model.new_cache("xquant", 1, 8)), PiecewiseDecoder)
+    assert isinstance(decoder(model, model.new_cache("xquant-cl", 1, 8)), PiecewiseDecoder)
+    assert isinstance(decoder(model, model.new_cache("xquant-cl:policy=grouped", 1, 8)), GraphDecoder)
     with pytest.raises(ValueError, match="needs a streaming cache"):
         decoder(model, model.new_cache("kivi", 1, 8, mode="simulated"))
 
@@ -300,3 +305,39 @@ def test_bench_decode_merges_result_files_without_a_gpu(tmp_path):
     missing = subprocess.run([sys.executable, str(script), "--merge", str(tmp_path / "nope.json")],
                              capture_output=True, text=True)
     assert missing.returncode != 0 and "nope.json not found" in missing.stderr
+
+
+def test_bench_decode_targets_compare_each_named_cache_with_fp16():
+    """--targets: each target's caches (spec with its defaults: a variant is not the paper's cache) against fp16's
+    row of the same cell, the largest-batch rows at their own batches; a target with no rows says so."""
+    bench = bench_module()
+
+    def row(cache, context, batch, ms, largest=False):
+        r = {"model": "m", "impl": "kvzoo", "cache": cache, "context": context, "batch": batch, "step": "graph",
+             "decode_ms": ms, "tokens_per_s": batch / ms * 1e3}
+        return {**r, "max_batch": batch} if largest else r
+
+    rows = [row("fp16", 32768, 1, 10.0), row("innerq:bits=2", 32768, 1, 10.4), row("kivi:bits=2", 32768, 1, 12.0),
+            row("xquant", 32768, 1, 19.0), row("innerq:bits=2,policy=grouped", 32768, 1, 9.0),
+            row("fp16", 32768, 14, 35.0, True), row("innerq:bits=2", 32768, 70, 50.0, True)]
+    lines = bench.target_lines(rows)
+    text = "\n".join(lines)
+    assert "| 32K, batch 1: ms/token <= 1.05x fp16 | m | graph | `innerq:bits=2` | 1.04x | <= 1.05x | yes |" in text
+    assert "`kivi:bits=2` | 1.20x | <= 1.05x | NO |" in text
+    assert "XQuant(-CL) ms/token <= 2x fp16 | m | graph | `xquant` | 1.90x | <= 2.0x | yes |" in text
+    assert "1.05x fp16 | m | graph | `xquant`" not in text                      # held to its own 2x target
+    assert "`innerq:bits=2` | 3.50x | >= 3.0x | yes |" in text                   # (70 / 50) / (14 / 35)
+    assert "128K, batch 1: InnerQ-2 ms/token <= 0.75x fp16 | | | | not measured in this run |" in text
+
+
+def test_bench_decode_rows_give_the_bandwidth_they_read(model):
+    """A row's read_GBps is (weights a step reads + KV bytes held) / its latency; a tied embedding counts once,
+    an untied table not at all (one row per token)."""
+    bench = bench_module()
+    runner = bench.Kvzoo(model)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    table = model.embed.weight.numel() * model.embed.weight.element_size()
+    assert runner.weight_bytes == (params if model.lm_head.weight is model.embed.weight else params - table)
+    row = bench.run_cell(runner, "fp16", 20, 1, 2, 8, warmup=1)
+    assert row["read_GBps"] == pytest.approx((runner.weight_bytes + row["kv_bytes"]) / row["decode_ms"] * 1e3 / 1e9)
+    assert bench.copy_bandwidth("cpu") > 0
