@@ -708,7 +708,7 @@ def target_lines(rows: list[dict]) -> list[str]:
                        f"{'>=' if measure == 'tokens/s' else '<='} {bound}x | {'yes' if met else 'NO'} |")
             found = True
         if not found:
-            out.append(f"| {what} | | | | not measured in this run | | |")
+            out.append(f"| {what} | | | | no row measures it | | |")
     return out
 
 

@@ -40,7 +40,7 @@ Decode on a GPU runs the fused kernel (kvzoo/kernels/innerq_attention.py) over t
 codes, and mask bits read in place. `decode_static` is the same step with the lengths in device tensors, so
 that a CUDA graph holds it (kvzoo/graphs.py). It has one graph per phase: a token joins the sink, joins the
 recent window, or fills it and a group is quantized in place by innerq_flush. Elsewhere (a CPU) decode reads the
-codes through the scale/zero algebra (WindowedStore.attend; a symmetric group's signs applied to its codes).
+codes a stream at a time (WindowedStore.attend; a symmetric group's signs flipped into its codes).
 """
 
 from __future__ import annotations
@@ -297,12 +297,12 @@ class InnerQCache(WholeStep, LayerCache):
     def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
         """One token: dequantize-and-attend in one Triton kernel over the packed codes plus the exact sink and
         recent windows; where the kernel does not apply (CPU, padding, outer layout), scores and outputs from the
-        codes' scale/zero algebra (WindowedStore.attend)."""
+        codes a stream at a time (WindowedStore.attend)."""
         if not self.length:
             return self.prefill(x, q, k, v, pos)
         if not q.is_cuda or pos.mask is not None or not self._fused_ok(q):
             q, k = self._qk(q, k, pos)
-            out = self.store.attend(q, self.length, {"k": k, "v": v}, pos.mask)   # from the codes' algebra
+            out = self.store.attend(q, self.length, {"k": k, "v": v}, pos.mask)   # from the codes
             self.length = self.store.append(self.length, {"k": k, "v": v})
             return out
         q, k = self._qk(q, k, pos)

@@ -141,7 +141,7 @@ class KIVICache(WholeStep, LayerCache):
     def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
         """One token per row. On a GPU (unpadded rows, keys stored after RoPE, 2/4 bits, groups of 32) the
         quantized history is read where it lies by the outer-layout kernels of kvzoo/kernels/quant_matvec.py;
-        elsewhere scores and outputs come from the codes' scale/zero algebra (WindowedStore.attend), KIVI*'s keys
+        elsewhere scores and outputs are read from the codes a stream at a time (WindowedStore.attend), KIVI*'s keys
         dequantized and rotated first (RoPE differs per slot)."""
         if not self.length:
             return self.prefill(x, q, k, v, pos)

@@ -215,7 +215,7 @@ class KVParetoCache(LayerCache):
         return c
 
     def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
-        """One token: attention from the codes' scale/zero algebra (WindowedStore.attend; the smoothed keys shift
+        """One token: attention read from the codes (WindowedStore.attend; the smoothed keys shift
         every score of a query by q·mean, which softmax ignores), then the token stored."""
         if not self.length:
             return self.prefill(x, q, k, v, pos)

@@ -38,6 +38,18 @@ def test_inner_layout_groups_keys_per_token_and_values_per_channel():
     assert torch.equal(outer.store.codecs["k"].read(64, torch.float32), dequantize_unified(quantize_unified(k, 2, -2, "asym")))
 
 
+@pytest.mark.parametrize("mode", ["sym", "hybrid"])
+def test_read_equals_the_unified_dequantization_with_sign_groups(mode):
+    """A codec's read (signs flipped into the codes, scaled in place) equals dequantize_unified, the quantizer's
+    reference, for symmetric groups along either axis."""
+    for spec, axis in ((f"innerq:sink=0,recent=0,quant_mode={mode},key_norm=false", -1),
+                       (f"innerq:sink=0,recent=0,quant_mode={mode},key_norm=false,outer=true", -2)):
+        cache = smollm_shaped_layer_cache(spec, 64, torch.float32)
+        k, v = torch.randn(2, 1, 3, 64, 64, generator=torch.Generator().manual_seed(6))
+        store(cache, k, v)
+        assert torch.equal(cache.store.codecs["k"].read(64, torch.float32), dequantize_unified(quantize_unified(k, 2, axis, mode)))
+
+
 def test_hybrid_picks_the_lower_error_per_group():
     x = torch.cat([torch.rand(1, 32) + 2.0, torch.randn(1, 32)], dim=0)    # an all-positive group, a centred one
     errors = {mode: (dequantize_unified(quantize_unified(x, 2, -1, mode)) - x).square().sum(-1)

@@ -79,3 +79,18 @@ def test_bad_bits_and_groups_are_refused():
         check_bits(5)
     with pytest.raises(ValueError, match="group size 24 does not divide the quantized dimension 64"):
         quantize(torch.randn(2, 64), 2, 24)
+
+
+@pytest.mark.parametrize("axis", [-1, -2, -3])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_dequantize_in_place_equals_the_grouped_formula(axis, symmetric):
+    """dequantize scales the unpacked codes in place (scale_codes_, the group axis split where it lies) and
+    gives bit for bit code * scale + zero (or (code - 2^(b-1)) * scale) computed group by group."""
+    from kvzoo.cache.kvquant import _grouped, _ungrouped, dequantize
+
+    x = torch.randn(2, 64, 32, 64, generator=torch.Generator().manual_seed(5))
+    q = quantize(x, 4, 16, axis=axis, symmetric=symmetric)
+    g = _grouped(unpack(q.codes, 4, 64).float(), axis, 16)                       # (..., 16)
+    s = q.scale.float().unsqueeze(-1)
+    want = (g - 8) * s if symmetric else g * s + q.zero.float().unsqueeze(-1)
+    assert torch.equal(dequantize(q), _ungrouped(want, axis))

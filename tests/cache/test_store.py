@@ -115,7 +115,8 @@ def test_streams_with_their_own_windows():
 
 # ---- attention from the codes (CPU decode) ----------------------------------------------------------------
 def codecs_under_test():
-    """Every codec with a scale/zero algebra, filled with 96 slots of random rows (B = 2, H = 3, width 64)."""
+    """Every codec, by layout (groups per channel or per token, InnerQ's unified groups, KV Pareto's blocks and
+    tensor ranges): B = 2, H = 3, width 64, room for 96 slots."""
     from kvzoo.cache.innerq import InnerQCodec
     from kvzoo.cache.kvpareto import BlockCodec, TensorCodec
 
@@ -133,16 +134,18 @@ def codecs_under_test():
 
 @pytest.mark.parametrize("name", sorted(codecs_under_test()))
 def test_scores_and_weighted_sums_from_codes_equal_the_dequantized_products(name):
-    """Codec.scores / weigh compute q·x̂ and Σ p x̂ from the codes (the scale/zero algebra, signs of InnerQ's
-    symmetric groups flipped in), equal to the products with the dequantized rows up to fp32 summation order
-    (sums of ~100 terms of magnitude 16), from any group boundary."""
+    """Codec.scores / weigh (codes unpacked and scaled in place, one matmul) equal the products with the rows
+    `read` gives from slot 0, sliced at any group boundary, up to fp32 summation order (sums of ~100 terms of
+    magnitude 16)."""
     codec = codecs_under_test()[name]
     g = torch.Generator().manual_seed(1)
     rows = torch.randn(2, 3, 96, codec.width, generator=g) * torch.linspace(0.1, 4, codec.width)
     rows[..., 5] += 6                                  # an outlier channel
     codec.write(0, 96, rows)
+    whole = codec.read(96, torch.float32)
     for start in (0, 32):
-        held = codec.read(96, torch.float32, start)                            # (2, 3, 96 - start, w)
+        held = whole[:, :, start:]                                               # (2, 3, 96 - start, w)
+        assert torch.equal(codec.read(96, torch.float32, start), held)
         q = torch.randn(2, 3, 4, codec.width, generator=g)
         p = torch.rand(2, 3, 4, 96 - start, generator=g)
         assert torch.allclose(codec.scores(q, 96, start), q @ held.transpose(-1, -2), atol=1e-3, rtol=1e-5)   # fp32 sums of ~100 terms
