@@ -39,6 +39,10 @@ there: every strategy decodes from its packed codes (kvzoo/cache/store.py's Wind
     python scripts/bench_decode.py --device cpu --models smollm2 --contexts 4096 --caches fp16 kivi innerq \
         --warmup 4 --steps 16 --out results/decode/cpu
 
+Each row gives the bandwidth it reached on the bytes a step reads (`read (GB/s)`: the weights, an untied embedding
+table apart, plus the KV bytes held), beside the device's measured copy bandwidth in the header. --targets adds
+the decode-speed targets (TARGETS: each named cache against fp16 in the same cell) as measured / required.
+
 --plot draws tokens/s against context: a panel per batch (the largest batches in one), a line per cache and
 step. --merge joins earlier OUT.json files into one table and plot without a GPU (a cell measured again
 keeps its later row).
