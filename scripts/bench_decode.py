@@ -68,7 +68,7 @@ from kvzoo.generate import decode_one_token, prefill
 from kvzoo.graphs import decoder
 from kvzoo.models.llama import Transformer, rope_inv_freq
 
-from timing import output_paths
+from timing import copy_bandwidth, output_paths
 
 WARMUP = 40        # untimed decode steps per cell: more than one 32-token period of every strategy's phases
 
@@ -129,7 +129,8 @@ def parse_args():
     parser.add_argument("--out", default="results/decode/run", help="output path without suffix")
     parser.add_argument("--plot", action="store_true", help="also write OUT.png: tokens/s vs context")
     parser.add_argument("--targets", action="store_true",
-                        help="also print the decode-speed targets (TARGETS) as measured / required, from this run's rows")
+                        help="also print the decode-speed targets (TARGETS) as measured / required, from this "
+                             "run's rows")
     parser.add_argument("--overwrite", action="store_true", help="replace existing OUT.json / OUT.md")
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="no GPU work: merge the rows of earlier OUT.json files into OUT.md, OUT.json (and with "
@@ -272,21 +273,6 @@ def weights_read(model: torch.nn.Module, embedding: torch.Tensor, head: torch.Te
     embedding table, of which a step reads one row per token."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     return total if head is embedding else total - embedding.numel() * embedding.element_size()
-
-
-def copy_bandwidth(device: str) -> float:
-    """GB/s of a device-to-device copy, bytes read plus written (the bandwidth a decode step can reach)."""
-    n = (1 << 30) if device == "cuda" else (1 << 27)
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(8):
-        sync()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        sync()
-        times.append(time.perf_counter() - t0)
-    return 2 * n / min(times[2:]) / 1e9
 
 
 def store_random(kv, tokens: int, chunk: int = 65536) -> None:

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from tqdm import tqdm
 
-from timing import Timer, output_paths, require_compiled_gpu
+from timing import Timer, copy_bandwidth, output_paths, require_compiled_gpu
 
 MODELS = {                      # name: (KV heads, head_dim, query heads)
     "Llama 3.2-1B": (8, 64, 32),
@@ -255,10 +255,7 @@ def main() -> None:
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "cuda": torch.version.cuda, "bits": BITS, "window": WINDOW, "runs": args.runs, "warmup": args.warmup,
             "models": {m: {"kv_heads": h, "head_dim": d, "q_heads": hq} for m, (h, d, hq) in MODELS.items()}}
-    src = torch.empty(2 ** 30, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    meta["copy_GBps"] = 2 * src.numel() / Timer(args.runs, args.warmup)(lambda: dst.copy_(src)) / 1e6
-    del src, dst
+    meta["copy_GBps"] = copy_bandwidth(DEVICE, args.runs, args.warmup)
     sanity = {model: sanity_check(*MODELS[model]) for model in tqdm(MODELS, desc="checking kernels")}
     timer, gen = Timer(args.runs, args.warmup), torch.Generator(device=DEVICE).manual_seed(0)
     rows = []

@@ -1,5 +1,5 @@
-"""What the GPU benchmarks share: a CUDA-graph timer that finds the cache cold, the checks that refuse to time
-on the wrong machine, and output paths that are never overwritten silently.
+"""What the GPU benchmarks share: a CUDA-graph timer that finds the cache cold, the device's copy bandwidth, the
+checks that refuse to time on the wrong machine, and output paths that are never overwritten silently.
 
 Not an entry point, and not part of the kvzoo package. Imported, with no edit of the module search path, as
     `from timing import ...`          by scripts/bench_kernels.py and scripts/bench_decode.py: running
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -47,6 +48,23 @@ class Timer:
             end.record()
         torch.cuda.synchronize()
         return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def copy_bandwidth(device: str = "cuda", runs: int = 20, warmup: int = 5) -> float:
+    """GB/s of a device-to-device copy, bytes read plus written: what a memory-bound kernel can reach. On a GPU
+    the median of `runs` graph replays of a 1 GiB copy (Timer); on a CPU the fastest of `runs` 128 MiB copies."""
+    n = (1 << 30) if device == "cuda" else (1 << 27)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    if device == "cuda":
+        return 2 * n / Timer(runs, warmup)(lambda: dst.copy_(src)) / 1e6
+    times = []
+    for i in range(warmup + runs):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return 2 * n / min(times) / 1e9
 
 
 def require_compiled_gpu(script: str, tests: str) -> None:

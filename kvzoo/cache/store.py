@@ -303,8 +303,8 @@ class WindowedStore(nn.Module):
                keys: Tensor | None = None) -> Tensor:
         """One decode token's attention over the slots held (streams "k" and "v", keys as attention sees them)
         plus the token's own k, v exact, the quantized slots read from their codes a stream at a time
-        (Codec.scores / weigh), never the whole history at the model's precision. q (B, Hq, 1, d) (Hq a multiple of H, GQA); token (B, H, 1, d) each;
-        mask (B, 1, 1, length + 1) True = may attend, or None; keys (B, H, length, d): the history's keys given
+        (Codec.scores / weigh), never the whole history at the model's precision. q (B, Hq, 1, d) (Hq a multiple
+        of H, GQA); token (B, H, 1, d) each; mask (B, 1, 1, length + 1) True = may attend, or None; keys (B, H, length, d): the history's keys given
         instead (keys stored before RoPE, rotated by the caller). Returns (B, Hq, 1, d) in q's dtype; fp32 inside."""
         (B, Hq, _, d), H = q.shape, self.lead[1]
         qf = q.float().view(B, H, Hq // H, d) * d ** -0.5                            # (B, H, rep, d)

@@ -131,7 +131,8 @@ def dequant_matmul(q: QTensor, weight: Tensor, block_m: int = 64, block_n: int |
     codes, scale = q.codes.contiguous(), q.scale.contiguous()
     zero = q.zero.contiguous() if q.zero is not None else scale        # never read when symmetric
     asked = (block_m, block_n or (256 if n_out > 192 else 128), num_stages)
-    key = (str(weight.device), weight.dtype, q.bits, q.axis, q.group_size, q.zero is not None, block_k, num_warps, asked)
+    key = (str(weight.device), weight.dtype, q.bits, q.axis, q.group_size, q.zero is not None, block_k, num_warps,
+           asked)
     for bm, bn, stages in ([_FITTING[key]] if key in _FITTING else tile_configs(*asked)):
         grid = (triton.cdiv(rows, bm), triton.cdiv(n_out, bn))
         try:
