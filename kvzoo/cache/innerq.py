@@ -96,7 +96,7 @@ class InnerQCodec(Codec):
 
     def __init__(self, lead: tuple[int, int], capacity: int, d: int, bits: int, axis: int, mode: str, device):
         super().__init__()
-        self.width, self.bits, self.axis, self.mode = d, bits, axis, mode
+        self.width, self.bits, self.axis, self.mode, self.capacity = d, bits, axis, mode, capacity
         self.has_mask = mode in ("hybrid", "hybrid_prefill")
         self.first_call, self.first_call_q = False, 0
         buf = lambda name, shape, dtype: self.register_buffer(  # noqa: E731
@@ -349,7 +349,7 @@ class InnerQCache(WholeStep, LayerCache):
         n_q, r, lengths = self._static_lengths(step)
         phase = self.static_phase()
         st = self.store
-        st.write_token_at(phase, r, {"k": k, "v": v})                  # k (B, H, 1, d) into window slot r
+        st.write_token_at(self.length, step, {"k": k, "v": v})      # k (B, H, 1, d) into window slot r
         out = self._attend_fused(q, None, ((st.sink("k"), st.sink("v")), (st.recent("k"), st.recent("v"))), lengths,
                                  self.norm[:, :, 0] if self.opts.key_norm else None)
         if phase == "flush":

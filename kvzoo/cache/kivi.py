@@ -35,9 +35,10 @@ per-channel key groups, p·V with per-token value groups; one launch each, GQA r
 windows and the token exact in one fp32 softmax; everywhere else decode is a one-token prefill, which
 dequantizes the whole history. With the authors' windows the kernels read the whole groups quantized in both
 streams and the rest (at most R + G keys) joins the exact rows. `decode_static` is the same step with the
-length in a device tensor, for kvzoo/graphs.py's whole-step CUDA graph (WholeStep), where keys and values share
-one window (policy=grouped): attention over every allocated slot, the dead ones and those the step's mask
-forbids (padding, sliding windows) masked, one graph per phase (the token joins the sink, joins the residual
+length in a device tensor, for kvzoo/graphs.py's whole-step CUDA graph (WholeStep), under every window policy:
+attention over every allocated slot of each stream's static layout (WindowedStore.static_rows), the dead ones and
+those the step's mask forbids (padding, sliding windows) masked, the key weights routed to the value rows by slot
+where the two streams' windows differ, one graph per phase (in each stream the token joins the sink, joins the
 window, or fills it and its oldest group is quantized at a device-held slot). Its cost grows with the buffer
 (max_len), not with the tokens stored.
 
@@ -103,7 +104,8 @@ class KIVICache(WholeStep, LayerCache):
         windows = policy_windows(o.policy, reference, o.sink, o.residual, o.group_size, {"k": o.group_size, "v": 1})
         self.window, self.value_window = windows["k"], windows["v"]
         lead = (batch_size, layer.n_kv_heads)
-        capacity = {name: w.quantized(max_len) for name, w in windows.items()}      # the most ever quantized
+        # the most ever quantized, rounded up to whole groups of G slots (the kernels read whole groups)
+        capacity = {name: -(-w.quantized(max_len) // o.group_size) * o.group_size for name, w in windows.items()}
         values = GroupCodec(lead, capacity["v"], d, o.bits, self.v_group, False, weight.dtype, weight.device)
         self.store = WindowedStore(windows, {"k": self.key_codec(lead, capacity["k"]), "v": values}, lead,
                                    weight.dtype, weight.device)
@@ -179,10 +181,14 @@ class KIVICache(WholeStep, LayerCache):
         return (not self.pre_rope and self.opts.bits in KERNEL_BITS and self.opts.group_size == GROUP
                 and self.v_group == GROUP)
 
-    def _attend_kernels(self, q: Tensor, n: int, k_win: Tensor, v_win: Tensor, mask: Tensor | None = None) -> Tensor:
-        """q (B, Hq, 1, d) after RoPE over quantized slots [0, n) (qk_outer and pv_outer, one launch each, GQA
-        rows reading their KV head's codes) and the exact rows k_win, v_win (B, H, W, d), in one fp32
-        softmax; mask (B, 1, 1, n + W) True = may attend, or None: all. Returns (B, Hq, 1, d) in q's dtype."""
+    def _attend_kernels(self, q: Tensor, n: int, k_win: Tensor, v_win: Tensor, mask: Tensor | None = None,
+                        route=None) -> Tensor:
+        """q (B, Hq, 1, d) after RoPE over quantized key slots [0, n) (qk_outer, one launch, GQA rows reading
+        their KV head's codes) and the exact rows k_win (B, H, W, d), in one fp32 softmax; mask (B, 1, 1, n + W)
+        True = may attend, or None: all. The weights p (B, H, rep, n + W) then weigh the quantized values and
+        the exact rows v_win (B, H, Wv, d) (pv_outer over value slots [0, n_v), n_v = p's length - Wv); route:
+        p over the keys' rows -> p over the values' rows, where the two streams hold their slots differently
+        (the static step with the reference windows), else the same rows. Returns (B, Hq, 1, d) in q's dtype."""
         from kvzoo.kernels.quant_matvec import pv_outer, qk_outer
 
         (B, Hq, _, d), dtype = q.shape, q.dtype
@@ -196,8 +202,12 @@ class KIVICache(WholeStep, LayerCache):
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         p = torch.softmax(scores, dim=-1)
-        out = (p[..., n:] @ v_win.float()).view(B, Hq, d)
-        out += pv_outer(p[..., :n].reshape(B, Hq, n), vc.codes[:, :, :n], vc.scale[:, :, :n], vc.zero[:, :, :n], bits)
+        if route is not None:
+            p = route(p)                                                               # (B, H, rep, n_v + Wv)
+        n_v = p.shape[-1] - v_win.shape[2]
+        out = (p[..., n_v:] @ v_win.float()).view(B, Hq, d)
+        out += pv_outer(p[..., :n_v].reshape(B, Hq, n_v), vc.codes[:, :, :n_v], vc.scale[:, :, :n_v],
+                        vc.zero[:, :, :n_v], bits)
         return out[:, :, None].to(dtype)
 
     # ---- the static step (WholeStep: CUDA graphs, kvzoo/graphs.py) -------------------------------------
@@ -206,44 +216,30 @@ class KIVICache(WholeStep, LayerCache):
         Triton interpreter), once a prompt is stored. The step's mask serves padding and sliding windows."""
         from kvzoo.kernels.quant_matvec import kernels_run_on
 
-        return (not self.simulated and self.length > 0 and self._kernel_layout() and self.store.window is not None
+        return (not self.simulated and self.length > 0 and self._kernel_layout()
                 and kernels_run_on(self.store.codecs["k"].codes.device))
 
     def static_phase(self) -> str:
-        return self.store.phase(self.length)
+        return self.store.phases(self.length)
 
     def static_scratch(self) -> tuple[Tensor, ...]:
         return self.store.scratch()
 
-    def _static_keys(self, step: StaticStep) -> tuple[Tensor, Tensor, Tensor]:
-        """The step's keys are every quantized slot, every sink row, every residual row (K = N + S + R + G):
-        (Nq, the token's window row, as WindowedStore.window_row gives them; mask (B, 1, 1, K): a key may be
-        attended where it is live (a quantized slot < Nq, a sink row <= L, a residual row up to the token's)
-        and the step's mask allows its slot). Shared by every layer of the step."""
-        S, R, G, N = self.opts.sink, self.opts.residual, self.opts.group_size, self.store.codecs["k"].codes.shape[2]
-        key = ("kivi", S, R, G, N)
-        if key not in step.derived:
-            L, device = step.slot, step.slot.device
-            n_q, row = self.store.window_row(step)
-            quant, sink, win = (torch.arange(n, device=device) for n in (N, S, R + G))
-            slots = torch.cat([S + quant, sink, S + n_q + win])                                 # (K,) key slots
-            live = torch.cat([quant < n_q, sink <= L, win <= L - S - n_q])                     # (K,)
-            mask = step.mask.index_select(-1, slots.clamp_max(self.max_len - 1)) & live          # (B, 1, 1, K)
-            step.derived[key] = (n_q, row, mask)
-        return step.derived[key]
-
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
-        """decode with fixed shapes: the token's k, v into its window row, attention over every quantized
-        slot (the kernels) and every window row, the dead ones masked; in the "flush" phase the full
-        window's oldest group is then quantized into slots [Nq, Nq + G) and the rest moves down."""
+        """decode with fixed shapes: the token's k, v into each stream's window row, attention over every
+        quantized slot (the kernels) and every window row in each stream's static layout
+        (WindowedStore.static_rows: [quantized | sink | recent], the rows not live and the slots the step's mask
+        forbids masked), the key weights routed to the value rows by slot; then each stream whose window the
+        token filled quantizes its oldest group at a device-held slot."""
         q, k = self.attn.rope(q, k, step.ids)
-        n_q, row, mask = self._static_keys(step)
-        phase, st = self.static_phase(), self.store
-        st.write_token_at(phase, row, {"k": k, "v": v})
-        out = self._attend_kernels(q, st.codecs["k"].codes.shape[2], torch.cat([st.sink("k"), st.recent("k")], dim=2),
-                                   torch.cat([st.sink("v"), st.recent("v")], dim=2), mask)
-        if phase == "flush":
-            st.flush_at(n_q)
+        st = self.store
+        st.write_token_at(self.length, step, {"k": k, "v": v})
+        slots, live = st.static_rows(step, "k")
+        mask = step.mask.index_select(-1, slots.clamp_max(self.max_len - 1)) & live          # (B, 1, 1, K)
+        out = self._attend_kernels(q, st.codecs["k"].capacity, torch.cat([st.sink("k"), st.recent("k")], dim=2),
+                                   torch.cat([st.sink("v"), st.recent("v")], dim=2), mask,
+                                   lambda p: st.route(p, step, "k", "v"))
+        st.flush_at(self.length, step)
         return out
 
 

@@ -81,7 +81,7 @@ class BlockCodec(Codec):
 
     def __init__(self, lead: tuple[int, int], capacity: int, width: int, bits: int, G: int, device):
         super().__init__()
-        self.width, self.bits, self.G = width, bits, G
+        self.width, self.bits, self.G, self.capacity = width, bits, G, capacity
         for name, shape, kind in (("codes", (capacity // G, packed_words(G * width, bits)), torch.int32),
                                   ("scale", (capacity // G,), SCALE_DTYPE), ("zero", (capacity // G,), SCALE_DTYPE)):
             self.register_buffer(name, torch.zeros((*lead, *shape), dtype=kind, device=device), persistent=False)
@@ -120,7 +120,7 @@ class TensorCodec(Codec):
     def __init__(self, lead: tuple[int, int], capacity: int, width: int, bits: int, device):
         super().__init__()
         B = lead[0]
-        self.width, self.bits, self.heads = width, bits, lead[1]
+        self.width, self.bits, self.heads, self.capacity = width, bits, lead[1], capacity
         for name, shape, kind in (("codes", (*lead, capacity, packed_words(width, bits)), torch.int32),
                                   ("scale", (B, capacity), SCALE_DTYPE), ("zero", (B, capacity), SCALE_DTYPE),
                                   ("lo", (B,), torch.float32), ("hi", (B,), torch.float32)):   # the running range

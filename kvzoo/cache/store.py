@@ -99,6 +99,7 @@ class Codec(nn.Module):
     -2 of (*lead, capacity, width) rows) and implement the six methods below."""
 
     width: int
+    capacity: int           # quantized slots the buffers hold
 
     def write(self, a: int, b: int, rows: Tensor, real: Tensor | None = None) -> None:
         """Quantize rows (*lead, b - a, width) into slots [a, b); real (B, b - a) False on padding (or None)."""
@@ -147,7 +148,7 @@ class GroupCodec(Codec):
     def __init__(self, lead: tuple[int, ...], capacity: int, width: int, bits: int, group: int, per_channel: bool,
                  dtype: torch.dtype, device, exact_first: bool = False):
         super().__init__()
-        self.width, self.bits, self.per_channel = width, bits, per_channel
+        self.width, self.bits, self.per_channel, self.capacity = width, bits, per_channel, capacity
         self.exact_first = exact_first and bits != EXACT
         self.coded = width - int(self.exact_first)                 # channels that get codes
         self.group = group
@@ -350,18 +351,28 @@ class WindowedStore(nn.Module):
         return round(prod(self.lead) * per_row)
 
     # ---- device-held lengths (the static step, kvzoo/graphs.py) -------------------------------------------
-    def phase(self, length: int) -> str:
-        """What the next token does: joins the sink, joins the recent window, or fills it so that its oldest
-        group is quantized ("flush")."""
-        w = self.shared()
+    # A static step holds each stream's rows in a fixed layout, [quantized slots (capacity N) | sink rows (S) |
+    # recent rows (R + G)], the rows not live yet masked; streams with different windows meet through
+    # `route`, which moves attention weights from one stream's layout to the other's by slot.
+    def phase(self, length: int, name: str | None = None) -> str:
+        """What the next token does in stream `name` (default: the shared window): joins the sink, joins the
+        recent window, or fills it so that its oldest group is quantized ("flush")."""
+        w = self.windows[name] if name is not None else self.shared()
         if length < w.sink:
             return "sink"
         return "flush" if w.quantized(length + 1) > w.quantized(length) else "recent"
 
-    def window_row(self, step) -> tuple[Tensor, Tensor]:
+    def phases(self, length: int) -> str:
+        """The static step's phase: the shared window's, or every stream's ("k:flush v:recent")."""
+        if self.window is not None:
+            return self.phase(length)
+        return " ".join(f"{name}:{self.phase(length, name)}" for name in self.codecs)
+
+    def window_row(self, step, name: str | None = None) -> tuple[Tensor, Tensor]:
         """From the device-held length L = step.slot: (Nq (1,), the token's row in its window: sink row L while
-        L < S, else recent row L - S - Nq). Computed once per step, shared by every layer."""
-        w = self.shared()
+        L < S, else recent row L - S - Nq) of stream `name` (default: the shared window). Computed once per
+        step and window, shared by every layer."""
+        w = self.windows[name] if name is not None else self.shared()
         S, R, G = w.sink, w.recent, w.group
         key = ("window", S, R, G)
         if key not in step.derived:
@@ -370,24 +381,54 @@ class WindowedStore(nn.Module):
             step.derived[key] = (n_q, torch.where(L < S, L.clamp_max(max(S - 1, 0)), L - S - n_q))
         return step.derived[key]
 
-    def write_token_at(self, phase: str, row: Tensor, rows: dict[str, Tensor]) -> None:
-        """The token's rows (*lead, 1, width) into its window row (a device tensor (1,))."""
+    def static_rows(self, step, name: str) -> tuple[Tensor, Tensor]:
+        """(slots (K,), live (K,)) of stream `name`'s static layout, K = N + S + R + G: the slot each row holds
+        and whether it holds one yet (a quantized slot < Nq, a sink row <= L, a recent row up to the token's)."""
+        w, n = self.windows[name], self.codecs[name].capacity
+        key = ("rows", w, n)
+        if key not in step.derived:
+            L, device = step.slot, step.slot.device
+            n_q, _ = self.window_row(step, name)
+            quant, sink, recent = (torch.arange(k, device=device) for k in (n, w.sink, w.recent + w.group))
+            slots = torch.cat([w.sink + quant, sink, w.sink + n_q + recent])
+            live = torch.cat([quant < n_q, sink <= L, recent <= L - w.sink - n_q])
+            step.derived[key] = (slots, live)
+        return step.derived[key]
+
+    def route(self, p: Tensor, step, src: str, dst: str) -> Tensor:
+        """Weights p (..., K_src) over stream src's static rows as weights over stream dst's (..., K_dst): each
+        slot's weight moves to the row that holds that slot in dst (rows not live in src must weigh 0; rows not
+        live in dst get 0)."""
+        if self.windows[src] == self.windows[dst] and self.codecs[src].capacity == self.codecs[dst].capacity:
+            return p
+        s_src, _ = self.static_rows(step, src)
+        s_dst, live = self.static_rows(step, dst)
+        n_slots = max(s.numel() for s in (s_src, s_dst))          # every row's slot is below N + S + R + G
+        by_slot = p.new_zeros(*p.shape[:-1], n_slots).scatter_add_(-1, s_src.expand(p.shape), p)
+        return by_slot.index_select(-1, s_dst) * live
+
+    def write_token_at(self, length: int, step, rows: dict[str, Tensor]) -> None:
+        """The token's rows (*lead, 1, width) into each stream's window row (a device tensor (1,)); `length`
+        tokens stored before it (host-side, for the phase)."""
         for name, x in rows.items():
-            buf = self.sink(name) if phase == "sink" else self.recent(name)
+            _, row = self.window_row(step, name)
+            buf = self.sink(name) if self.phase(length, name) == "sink" else self.recent(name)
             buf.index_copy_(buf.dim() - 2, row, x)
 
-    def flush_at(self, n_q: Tensor) -> None:
-        """The full recent window's oldest group into quantized slots [Nq, Nq + G), Nq a device tensor (1,)."""
+    def flush_at(self, length: int, step) -> None:
+        """Each stream whose recent window the token filled: its oldest group into quantized slots [Nq, Nq + G)
+        at the device-held Nq, the rest of the window moved down."""
         for name, codec in self.codecs.items():
-            codec.write_at(n_q, self.recent(name)[..., :self.shared().group, :])
-        self.shift()
+            if self.phase(length, name) == "flush":
+                n_q, _ = self.window_row(step, name)
+                codec.write_at(n_q, self.recent(name)[..., :self.windows[name].group, :])
+                self.shift((name,))
 
-    def shift(self) -> None:
-        """Move the recent window down by one group (after its oldest group was quantized)."""
-        G, R = self.shared().group, self.shared().recent
-        for name in self.codecs:
-            buf = self.recent(name)
-            buf[..., :R, :] = buf[..., G:G + R, :].clone()
+    def shift(self, names: tuple[str, ...] | None = None) -> None:
+        """Move the recent windows (of `names`, default all) down by one group (after its oldest was quantized)."""
+        for name in names or tuple(self.codecs):
+            w, buf = self.windows[name], self.recent(name)
+            buf[..., :w.recent, :] = buf[..., w.group:w.group + w.recent, :].clone()
 
     def scratch(self) -> tuple[Tensor, ...]:
         """Buffers a static step changes so that running it twice would differ (the window shift)."""

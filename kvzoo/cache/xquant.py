@@ -311,11 +311,10 @@ class XQuantCache(WholeStep, LayerCache):
         slot and window row rematerialized (the dead ones masked) and the token's exact k, v; in the
         "flush" phase the window's oldest group is then quantized into slots [Nq, Nq + G)."""
         n_q, r, ids, mask = self._static_keys(step)
-        self.store.write_token_at("recent", r, self._rows(x))              # rows (B, 1, width) into window row r
+        self.store.write_token_at(self.length, step, self._rows(x))        # rows (B, 1, width) into window row r
         w = self.store.window
         hist_k, hist_v = self._kv(w.quantized(self.max_len), w.recent + w.group)              # (B, H, K - 1, hd)
         keys = self.attn.rope.apply(torch.cat([hist_k, k], dim=2), ids)
         out = attend(self.attn.rope.apply(q, step.ids), keys, torch.cat([hist_v, v], dim=2), mask)
-        if self.static_phase() == "flush":
-            self.store.flush_at(n_q)
+        self.store.flush_at(self.length, step)
         return out

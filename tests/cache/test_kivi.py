@@ -190,14 +190,12 @@ def test_kernel_decode_is_not_taken_where_it_does_not_fit(gqa_model):
     plain = Positions.make(50, 1, torch.zeros(1, dtype=torch.long), has_pad=False)
     for spec, fits in [("kivi", True), ("kivi-pre", False), ("kivi:bits=3", False),
                        ("kivi:group_size=64,residual=64", False)]:
-        layer = gqa_model.new_cache(spec, 1, 64).layers[0]
-        layer.length = 50
-        assert layer._kernel_layout() is fits, spec
-        assert not layer.can_decode_static(padded=True), spec       # the reference windows differ per stream
-        layer = gqa_model.new_cache(spec + (",policy=grouped" if ":" in spec else ":policy=grouped"), 1, 64).layers[0]
-        layer.length = 50
-        assert layer.can_decode_static(padded=True) is (fits and kernels_on_cpu()), spec
-        assert not layer._kernels_serve(torch.zeros(1, 4, 1, 32), plain)            # CPU tensors: never
+        for policy in ("reference", "grouped"):
+            layer = gqa_model.new_cache(spec + ("," if ":" in spec else ":") + f"policy={policy}", 1, 64).layers[0]
+            layer.length = 50
+            assert layer._kernel_layout() is fits, spec
+            assert layer.can_decode_static(padded=True) is (fits and kernels_on_cpu()), spec
+            assert not layer._kernels_serve(torch.zeros(1, 4, 1, 32), plain)            # CPU tensors: never
     layer = gqa_model.new_cache("kivi", 1, 64).layers[0]
     layer.length = 50
     assert not layer._kernels_serve(torch.zeros(1, 4, 1, 32), Positions.make(50, 1, torch.tensor([2])))
@@ -212,12 +210,12 @@ def kernels_on_cpu() -> bool:
 
 
 # ---- the whole-step static decode (kvzoo/graphs.py; eager on CPU, the kernels under the interpreter) ----
-@pytest.mark.parametrize("cache", [spec + ",policy=grouped" for spec in KERNEL_DECODE])
+@pytest.mark.parametrize("cache", KERNEL_DECODE + [KERNEL_DECODE[0] + ",policy=grouped"])
 def test_whole_step_equals_eager(gqa_model, cache):
-    """With one window for keys and values (policy=grouped), decoder() picks the whole-step graph, and its steps
-    equal the eager torch decode: 40 after a 2-token prompt (tokens joining the sink window) and 40 after a
-    40-token one (groups leaving the residual window quantized at a device-held slot inside the step, the window
-    moving down)."""
+    """decoder() picks the whole-step graph, and its steps equal the eager torch decode: 40 after a 2-token prompt
+    (tokens joining the sink window) and 40 after a 40-token one (groups leaving the residual window quantized at a
+    device-held slot inside the step, the window moving down). With the authors' windows keys leave theirs R at a
+    time and values one at a time: the step's weights go from the keys' rows to the values' by slot."""
     from tests.graphs.test_graphs import decode_both, whole_step_equals_eager
 
     if not kernels_on_cpu():
@@ -243,6 +241,6 @@ def test_whole_step_with_padding_and_sliding_window(gqa_model, tmp_path):
     windowed = load_weights(tiny_mistral(tmp_path, head_dim=32))
     for m in (gqa_model, windowed):
         for cache in ("kivi:bits=2,group_size=32,residual=0,sink=2,policy=grouped",
-                      "squat:bits=4,group_size=32,residual=0,policy=grouped"):
+                      "kivi:bits=2,group_size=32,residual=32,sink=2", "squat:bits=4,group_size=32,residual=0"):
             eager, static = decode_both(m, prompts, pad, steps=40, cache=cache, make=GraphDecoder)
             torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)

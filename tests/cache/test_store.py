@@ -62,11 +62,8 @@ def test_device_slot_writes_equal_host_writes():
     dev.append(0, {"k": k[:, :, :27], "v": v[:, :, :27]})
     for t in range(27, 60):                                         # one token at a time, as decode does
         step = type("Step", (), {"slot": torch.tensor([length]), "derived": {}})()
-        n_q, row = dev.window_row(step)
-        phase = dev.phase(length)
-        dev.write_token_at(phase, row, {"k": k[:, :, t:t + 1], "v": v[:, :, t:t + 1]})
-        if phase == "flush":
-            dev.flush_at(n_q)
+        dev.write_token_at(length, step, {"k": k[:, :, t:t + 1], "v": v[:, :, t:t + 1]})
+        dev.flush_at(length, step)
         length = host.append(length, {"k": k[:, :, t:t + 1], "v": v[:, :, t:t + 1]})
     assert torch.equal(host.read(length, torch.float32)["k"], dev.read(length, torch.float32)["k"])
     assert torch.equal(host.read(length, torch.float32)["v"], dev.read(length, torch.float32)["v"])
