@@ -53,12 +53,13 @@ bits = 16 turns quantization off: every row is kept at the model's precision (16
 run, fp32 in an fp32 one), which rematerializes the fp16 cache's attention up to fp32 rounding.
 
 Static step (`decode_static`, for kvzoo/graphs.py's whole-step CUDA graph): the same decode with fixed
-shapes and the length L in a device tensor. The token's rows go into window row L - Nq by an index write;
-attention runs over every allocated slot (all Nmax quantized slots and all R + G window rows,
+shapes and the length L in a device tensor. The token's rows go into each stream's window row L - Nq by an
+index write; attention runs over every allocated slot (all Nmax quantized slots and all R + G window rows,
 rematerialized, through dequant_matmul on a GPU) plus the token's exact k, v, a key masked where it is not
-live yet (slot >= Nq, window row >= L - Nq) or the step's mask forbids its slot (padding, sliding window).
-The host's counters only pick the phase: "flush" when the token fills the window, whose oldest group is
-then quantized into slots [Nq, Nq + G) at the device-held Nq and the rest moved down; "step" otherwise.
+live yet (slot >= Nq, window row >= L - Nq) or the step's mask forbids its slot (padding, sliding window);
+where X U_k and X U_v have different windows (the paper's), the key weights move to the value rows by slot.
+The host's counters only pick the phase: "flush" when the token fills a stream's window, whose oldest group is
+then quantized into slots [Nq, Nq + G) at the device-held Nq and the rest moved down; "recent" otherwise.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvzoo.cache.base import Chunk, LayerCache, Positions, StaticStep, attend, register
+from kvzoo.cache.base import Chunk, LayerCache, Positions, StaticStep, register
 from kvzoo.cache.kvquant import SUPPORTED_BITS, QTensor, dequantize
 from kvzoo.cache.store import EXACT, GroupCodec, Window, WindowedStore, check_policy, policy_windows, token_group
 from kvzoo.graphs import WholeStep
@@ -221,14 +222,17 @@ class XQuantCache(WholeStep, LayerCache):
             return ("k", self.up_k), ("v", self.up_v)
         return ("x", self.attn.k_proj.weight.t()), ("x", self.attn.v_proj.weight.t())
 
-    def _kv(self, n: int | None = None, in_window: int | None = None, length: int = 0) -> tuple[Tensor, Tensor]:
-        """K and V (before RoPE) of quantized slots [0, n) then the first `in_window` window rows (by default
-        those of `length` stored tokens, each stream's own): (B, n_kv, n + in_window, hd) each, model dtype."""
+    def _kv(self, length: int = 0, allocated: bool = False) -> tuple[Tensor, Tensor]:
+        """K and V (before RoPE) of the quantized slots then the window rows of `length` stored tokens, each
+        stream's own, or (allocated) of every allocated row in the stream's static layout
+        (WindowedStore.static_rows: all `capacity` quantized slots, all R + G window rows): (B, n_kv, N, hd) each,
+        model dtype."""
         out = []
         for name, up in self._sources():
             codec, window = self.store.codecs[name], self.store.recent(name)
             _, n_q, r = self.store.counts(length, name)
-            n_q, r = n_q if n is None else n, r if in_window is None else in_window
+            if allocated:
+                n_q, r = codec.capacity, window.shape[1]
             flat = torch.cat([rematerialize(codec.held(n_q), codec.held_first(n_q), up),
                               rematerialize(window[:, :r], None, up)], dim=1)   # (B, N, n_kv*hd)
             out.append(heads(flat, self.attn.n_kv_heads, window.dtype))
@@ -277,44 +281,46 @@ class XQuantCache(WholeStep, LayerCache):
         """Every streaming cache: the step attends over every allocated slot with a mask built from the
         step's (B, 1, 1, max_len) mask, so left padding and sliding windows are served as in decode. The
         simulated mode has no decode step."""
-        return not self.simulated and self.store.window is not None
+        return not self.simulated
 
     def static_phase(self) -> str:
-        """Whether the next token fills the window, so that its oldest group is quantized (one graph each)."""
-        return self.store.phase(self.length)
+        """Which streams the next token fills, so that their oldest group is quantized (one graph each)."""
+        return self.store.phases(self.length)
 
     def static_scratch(self) -> tuple[Tensor, ...]:
         return self.store.scratch()
 
-    def _static_keys(self, step: StaticStep) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The step's keys are every quantized slot, every window row, then the new token (K = capacity +
-        W + 1, W = R + G). From the device-held length L = step.slot: (quantized tokens Nq (1,), the new
-        token's window row r = L - Nq (1,), RoPE positions of the keys (B, K), mask (B, 1, 1, K): a key
-        may be attended where it is live (a quantized slot < Nq, a window row < r, the new token) and
-        the step's mask allows its slot). Shared by every layer of the step."""
-        R, G = self.store.window.recent, self.store.window.group
-        capacity = self.store.window.quantized(self.max_len)
-        key = ("xquant", R, G, capacity)
+    def _static_keys(self, step: StaticStep, name: str) -> tuple[Tensor, Tensor]:
+        """The step's keys are the K stream's allocated rows (WindowedStore.static_rows), then the new token exact.
+        From the device-held length L = step.slot: (RoPE positions of the keys (B, K + 1), mask (B, 1, 1, K + 1):
+        a key may be attended where its row is live, is not the token's own row (the token's exact k comes last)
+        and the step's mask allows its slot). Shared by every layer of the step."""
+        key = ("xquant", name, self.store.windows[name], self.store.codecs[name].capacity)
         if key not in step.derived:
-            L, device = step.slot, step.slot.device
-            n_q, r = self.store.window_row(step)
-            quant, win = torch.arange(capacity, device=device), torch.arange(R + G, device=device)
-            slots = torch.cat([quant, n_q + win, L])                                             # (K,) key slots
-            live = torch.cat([quant < n_q, win < r, torch.ones_like(L, dtype=torch.bool)])       # (K,)
-            mask = step.mask.index_select(-1, slots.clamp_max(self.max_len - 1)) & live          # (B, 1, 1, K)
-            ids = (slots[None, :] + (step.ids - L)).clamp_min(0)           # (B, K): slot - pad, as in decode
-            step.derived[key] = (n_q, r, ids, mask)
+            L = step.slot
+            slots, live = self.store.static_rows(step, name)
+            slots, live = torch.cat([slots, L]), torch.cat([live & (slots != L), torch.ones_like(L, dtype=torch.bool)])
+            mask = step.mask.index_select(-1, slots.clamp_max(self.max_len - 1)) & live          # (B, 1, 1, K + 1)
+            ids = (slots[None, :] + (step.ids - L)).clamp_min(0)           # (B, K + 1): slot - pad, as in decode
+            step.derived[key] = (ids, mask)
         return step.derived[key]
 
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
-        """decode with fixed shapes: the token's rows into window row r, attention over every quantized
-        slot and window row rematerialized (the dead ones masked) and the token's exact k, v; in the
-        "flush" phase the window's oldest group is then quantized into slots [Nq, Nq + G)."""
-        n_q, r, ids, mask = self._static_keys(step)
-        self.store.write_token_at(self.length, step, self._rows(x))        # rows (B, 1, width) into window row r
-        w = self.store.window
-        hist_k, hist_v = self._kv(w.quantized(self.max_len), w.recent + w.group)              # (B, H, K - 1, hd)
-        keys = self.attn.rope.apply(torch.cat([hist_k, k], dim=2), ids)
-        out = attend(self.attn.rope.apply(q, step.ids), keys, torch.cat([hist_v, v], dim=2), mask)
-        self.store.flush_at(self.length, step)
-        return out
+        """decode with fixed shapes: the token's rows into each stream's window row, attention over every
+        allocated row rematerialized (the dead ones masked) and the token's exact k, v, the key weights routed to
+        the value rows by slot (WindowedStore.route) where X U_k and X U_v hold their slots differently; then each
+        stream the token filled quantizes its window's oldest group into slots [Nq, Nq + G)."""
+        st = self.store
+        st.write_token_at(self.length, step, self._rows(x))               # rows (B, 1, width) into window row r
+        (k_name, _), (v_name, _) = self._sources()
+        ids, mask = self._static_keys(step, k_name)
+        hist_k, hist_v = self._kv(allocated=True)                         # (B, H, K, hd), (B, H, Kv, hd)
+        (B, Hq, _, d), H = q.shape, hist_k.shape[1]
+        keys = self.attn.rope.apply(torch.cat([hist_k, k], dim=2), ids)                   # (B, H, K + 1, hd)
+        q = self.attn.rope.apply(q, step.ids).float().view(B, H, Hq // H, d) * d ** -0.5
+        scores = (q @ keys.float().transpose(-1, -2)).masked_fill(~mask, float("-inf"))    # (B, H, rep, K + 1)
+        p = scores.softmax(dim=-1)
+        p = torch.cat([st.route(p[..., :-1], step, k_name, v_name), p[..., -1:]], dim=-1)   # (B, H, rep, Kv + 1)
+        out = p @ torch.cat([hist_v, v], dim=2).float()                                    # (B, H, rep, hd)
+        st.flush_at(self.length, step)
+        return out.view(B, Hq, 1, d).to(v.dtype)

@@ -219,11 +219,6 @@ class XQuantCLCache(WholeStep, LayerCache):
                                 self.attn.v_proj.weight.t())
 
     # ---- the static step (CUDA graphs, kvzoo/graphs.py) ----------------------------------------------
-    def can_decode_static(self, padded: bool) -> bool:
-        """The plain XQuant layers' step needs one window for both latents (XQuantCache.can_decode_static): the
-        paper's windows (policy=reference) hold X U_k per channel and X U_v per token, so they decode piecewise."""
-        return super().can_decode_static(padded) and (self.role != "xquant" or self.plain.store.window is not None)
-
     def static_phase(self) -> str:
         return self.plain.static_phase() if self.role == "xquant" else "step"
 
