@@ -39,8 +39,11 @@ Paper settings (the defaults): b = 2, G = 32, w_sink = 32, w_recent = 96, hybrid
 Decode on a GPU runs the fused kernel (kvzoo/kernels/innerq_attention.py) over these buffers as stored: packed
 codes, and mask bits read in place. `decode_static` is the same step with the lengths in device tensors, so
 that a CUDA graph holds it (kvzoo/graphs.py). It has one graph per phase: a token joins the sink, joins the
-recent window, or fills it and a group is quantized in place by innerq_flush. Elsewhere (a CPU) decode reads the
-codes a stream at a time (WindowedStore.attend; a symmetric group's signs flipped into its codes).
+recent window, or fills it and a group is quantized in place (one window for both: innerq_flush, one kernel; the
+paper's windows: a key a token at a time and values 32 at a time, InnerQCodec.write_at). With the paper's windows
+up to 31 keys are quantized while their values are still exact; the kernel reads them dequantized beside their
+values' rows (_aligned_keys). Elsewhere (a CPU) decode reads the codes a stream at a time (WindowedStore.attend; a
+symmetric group's signs flipped into its codes).
 """
 
 from __future__ import annotations
@@ -162,7 +165,9 @@ class InnerQCodec(Codec):
         """Slots [start, n) as x̂ = codes * scale + zero, computed in place over the unpacked codes (equal to
         dequantize_unified, the quantizer's reference): a symmetric group's sign bits flipped into its codes and a
         zero of 0, an asymmetric group's fp32 zero from its slot."""
-        q = self.held(n, start)
+        return self._values(self.held(n, start), dtype)
+
+    def _values(self, q: UnifiedQTensor, dtype: torch.dtype) -> Tensor:
         signs = q.slot * q.sym                                                      # an asymmetric group's: none
         if self.axis == -1:         # groups (B, H, T, d/32): a group's sign bits run along its channels, as its codes
             codes = unpack_float(q.codes, self.bits, self.width, signs)             # (B, H, T, d)
@@ -173,6 +178,57 @@ class InnerQCodec(Codec):
             codes.view(torch.int32).unflatten(-2, (-1, GROUP)).bitwise_xor_(flip)   # an fp32's sign flipped
         zero = torch.where(q.sym, 0.0, q.slot.view(torch.float32))                 # a symmetric group's is 0
         return scale_codes_(codes, q.scale, zero, GROUP, self.axis).to(dtype)
+
+    # ---- device-held slots (the static step) ----------------------------------------------------------
+    def _static_mode(self) -> str:
+        """The mode of a group quantized after the prompt: hybrid_prefill's later groups are symmetric."""
+        return "sym" if self.mode == "hybrid_prefill" else self.mode
+
+    def write_at(self, start: Tensor, rows: Tensor) -> None:
+        """Quantize rows (B, H, n, d) into slots [start, start + n), start a device tensor (1,): index writes, no
+        host sync. Groups along tokens (axis -2) take whole groups of 32 at a multiple of 32; a per-token group's
+        mask bit is set in its word (bit t % 32 of word t // 32) one token at a time."""
+        n, mode = rows.shape[2], self._static_mode()
+        if self.axis == -2 and n != GROUP:
+            raise ValueError(f"groups along tokens are written {GROUP} tokens at a time, got {n}")
+        q = quantize_unified(rows, self.bits, self.axis, mode)
+        slots = start + torch.arange(n, device=start.device)
+        self.codes.index_copy_(2, slots, q.codes)
+        if self.axis == -1:
+            self.scale.index_copy_(2, slots, q.scale)
+            self.slot.index_copy_(2, slots, q.slot)
+        else:
+            self.scale.index_copy_(2, start // GROUP, q.scale)
+            self.slot.index_copy_(2, start // GROUP, q.slot)
+        if mode != "hybrid":                     # asym and sym groups carry no mask bit
+            return
+        if self.axis == -2:
+            self.mask.index_copy_(2, start // GROUP, pack_sym_mask(q.sym, -2))
+            return
+        for i in range(n):                       # (B, H, d/32, 1): the word holding token t's bit, per group
+            t = slots[i:i + 1]
+            word, bit = self.mask.index_select(3, t // 32), (t % 32).to(torch.int32)
+            sym = q.sym[:, :, i:i + 1].transpose(-1, -2).to(torch.int32)
+            word = (word & ~torch.bitwise_left_shift(1, bit)) | torch.bitwise_left_shift(sym, bit)
+            self.mask.index_copy_(3, t // 32, word)
+
+    def read_at(self, start: Tensor, n: int, dtype: torch.dtype) -> Tensor:
+        """Slots [start, start + n) of per-token groups (axis -1) dequantized, start a device tensor (1,); slots
+        past the buffers read the last one (the caller leaves them out): (B, H, n, d)."""
+        assert self.axis == -1, "read_at serves groups along the head dimension"
+        slots = (start + torch.arange(n, device=start.device)).clamp_max(self.capacity - 1)
+        codes, scale, slot = (t.index_select(2, slots) for t in (self.codes, self.scale, self.slot))
+        B, H = codes.shape[:2]
+        if self.mode == "asym":
+            sym = torch.zeros(B, H, n, self.width // GROUP, dtype=torch.bool, device=codes.device)
+        elif self.has_mask:           # bit t % 32 of word [g, t // 32]; tokens from mask_upto on carry none: symmetric
+            words = self.mask.index_select(3, slots // 32)                           # (B, H, d/32, n)
+            bits = (words >> (slots % 32).to(torch.int32)) & 1
+            sym = bits.transpose(-1, -2).bool() | (slots >= self.mask_upto())[:, None]
+        else:
+            sym = torch.ones(B, H, n, self.width // GROUP, dtype=torch.bool, device=codes.device)
+        return self._values(UnifiedQTensor(codes=codes, scale=scale, slot=slot, sym=sym, bits=self.bits, axis=-1,
+                                           shape=(B, H, n, self.width)), dtype)
 
     def mask_words(self, n: int) -> int:
         """32-bit mask words per (row, head) held for the first n quantized tokens."""
@@ -210,8 +266,11 @@ class InnerQCache(WholeStep, LayerCache):
                                  o.sink, o.recent, GROUP, spans)
         self.window, self.value_window = windows["k"], windows["v"]
         lead = (batch_size, layer.n_kv_heads)
-        codecs = {name: InnerQCodec(lead, windows[name].quantized(max_len), d, o.bits, axis, o.quant_mode,
-                                    weight.device) for name, axis in axes.items()}
+        # room for the most ever quantized in either stream, in whole groups of 32 slots (the kernel reads whole
+        # groups, the same slots of both)
+        capacity = -(-max(w.quantized(max_len) for w in windows.values()) // GROUP) * GROUP
+        codecs = {name: InnerQCodec(lead, capacity, d, o.bits, axis, o.quant_mode, weight.device)
+                  for name, axis in axes.items()}
         self.store = WindowedStore(windows, codecs, lead, weight.dtype, weight.device)
         self.register_buffer("norm", torch.zeros(*lead, 1, d, dtype=weight.dtype, device=weight.device),
                              persistent=False)
@@ -318,41 +377,67 @@ class InnerQCache(WholeStep, LayerCache):
 
     # ---- the static step (WholeStep: CUDA graphs, kvzoo/graphs.py) -------------------------------------
     def can_decode_static(self, padded: bool) -> bool:
-        """Whole-step graphs need the kernel (no mask: unpadded rows), a prompt already stored and one window
-        for keys and values (policy=grouped)."""
-        return not padded and self.length > 0 and self.store.window is not None and self._fused_ok(self.norm)
+        """Whole-step graphs need the kernel (no mask: unpadded rows) and a prompt already stored; keys and values
+        in one window, or in the paper's (the same sink and recent window, keys quantized a token at a time and
+        values 32 at a time)."""
+        w, wv = self.store.windows["k"], self.store.windows["v"]
+        paper = (w.sink, w.recent, w.group, wv.group) == (wv.sink, wv.recent, 1, GROUP)
+        return not padded and self.length > 0 and (w == wv or paper) and self._fused_ok(self.norm)
 
     def static_phase(self) -> str:
-        return self.store.phase(self.length)
+        return self.store.phases(self.length)
 
     def static_scratch(self) -> tuple[Tensor, ...]:
         return self.store.scratch()
 
-    def _static_lengths(self, step: StaticStep) -> tuple[Tensor, Tensor, Tensor]:
-        """From the device-held length L: (quantized tokens n_q (1,), window slot r of the new token (1,), as
-        WindowedStore.window_row gives them; live lengths (3,) int32 [n_q, sink tokens, recent tokens] for the kernel),
-        shared by every layer."""
+    def _static_lengths(self, step: StaticStep) -> tuple[Tensor, Tensor]:
+        """From the device-held length L: (the values' quantized tokens n_q (1,), as WindowedStore.window_row gives
+        them; live lengths (3,) int32 [n_q, sink tokens, recent tokens] for the kernel), shared by every layer.
+        The kernel reads slots [S, S + n_q) from both streams' codes and every later slot from the value window's
+        rows, beside which the keys are aligned (_aligned_keys)."""
         key = ("innerq", self.opts.sink, self.opts.recent)
         if key not in step.derived:
             S, L = self.opts.sink, step.slot
-            n_q, r = self.store.window_row(step)
+            n_q, r = self.store.window_row(step, "v")
             in_sink = L < S
             lengths = torch.cat([torch.where(in_sink, 0, n_q), torch.where(in_sink, L + 1, S),
                                  torch.where(in_sink, 0, r + 1)]).to(torch.int32)
-            step.derived[key] = (n_q, r, lengths)
+            step.derived[key] = (n_q, lengths)
         return step.derived[key]
 
+    def _aligned_keys(self, step: StaticStep, n_q: Tensor) -> Tensor:
+        """The keys of the value window's rows (B, H, R + 32, d): row j holds slot S + n_q + j, whose key is
+        quantized (read from the codes) for j < Nq_k - n_q (< 32 keys that left their window before their values
+        left theirs), else exact in the key window. With one window for both, the key window itself."""
+        st = self.store
+        if st.window is not None:
+            return st.recent("k")
+        n_k, _ = st.window_row(step, "k")
+        delta = n_k - n_q                                                        # (1,) in [0, 32)
+        rows = torch.arange(st.recent("v").shape[2], device=n_q.device)
+        recent = st.recent("k").index_select(2, (rows - delta).clamp(0, st.recent("k").shape[2] - 1))
+        codec = st.codecs["k"]
+        if not codec.capacity:                    # nothing is ever quantized: every key is in its window
+            return recent
+        quantized = codec.read_at(n_q, GROUP, recent.dtype).index_select(2, rows.clamp_max(GROUP - 1))
+        return torch.where((rows < delta)[:, None], quantized, recent)
+
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
+        """decode with fixed shapes: the token's k, v into their windows' rows, then the fused kernel over every
+        quantized slot (`lengths` says which are live), the sink and the value window's rows with their keys; then
+        each stream the token filled quantizes its window's oldest group at a device-held slot."""
         q, k = self.attn.rope(q, k, step.ids)
         if self.opts.key_norm:
             k = k / self.norm                            # the kernel multiplies q by the norm
-        n_q, r, lengths = self._static_lengths(step)
-        phase = self.static_phase()
+        n_q, lengths = self._static_lengths(step)
         st = self.store
-        st.write_token_at(self.length, step, {"k": k, "v": v})      # k (B, H, 1, d) into window slot r
-        out = self._attend_fused(q, None, ((st.sink("k"), st.sink("v")), (st.recent("k"), st.recent("v"))), lengths,
-                                 self.norm[:, :, 0] if self.opts.key_norm else None)
-        if phase == "flush":
+        st.write_token_at(self.length, step, {"k": k, "v": v})      # k, v (B, H, 1, d) into their window rows
+        out = self._attend_fused(q, None, ((st.sink("k"), st.sink("v")), (self._aligned_keys(step, n_q),
+                                                                          st.recent("v"))),
+                                 lengths, self.norm[:, :, 0] if self.opts.key_norm else None)
+        if st.window is None:
+            st.flush_at(self.length, step)               # keys a token at a time, values 32 at a time
+        elif st.phase(self.length) == "flush":
             self._flush_static(n_q)
         return out
 

@@ -126,6 +126,40 @@ def test_key_mask_bits_written_a_token_at_a_time_equal_one_write():
     assert torch.equal(a.read(100, torch.float32, start=37), a.read(100, torch.float32)[:, :, 37:])
 
 
+@pytest.mark.parametrize("mode", ["asym", "sym", "hybrid", "hybrid_prefill"])
+def test_device_slot_writes_and_reads_equal_the_host_ones(mode):
+    """The static step's write_at (keys a token at a time, values 32 at a time, at device-held slots) stores what
+    the host's write stores, mask bits included, and read_at (keys at a device-held slot) reads what read does."""
+    k, v = torch.randn(2, 1, 3, 96, 64, generator=torch.Generator().manual_seed(9))
+    spec = f"innerq:sink=0,recent=0,key_norm=false,quant_mode={mode}"
+    host, dev = (smollm_shaped_layer_cache(spec, 128, torch.float32) for _ in range(2))
+    for cache in (host, dev):                    # the prompt: hybrid_prefill's groups with mask bits
+        for codec in cache.store.codecs.values():
+            codec.first_call = True
+        cache.store.codecs["k"].write(0, 32, k[:, :, :32])
+        cache.store.codecs["v"].write(0, 32, v[:, :, :32])
+        for codec in cache.store.codecs.values():
+            codec.first_call = False
+    host.store.codecs["k"].write(32, 96, k[:, :, 32:])
+    host.store.codecs["v"].write(32, 96, v[:, :, 32:])
+    for t in range(32, 96):
+        dev.store.codecs["k"].write_at(torch.tensor([t]), k[:, :, t:t + 1])
+    for t in (32, 64):
+        dev.store.codecs["v"].write_at(torch.tensor([t]), v[:, :, t:t + 32])
+    for name in "kv":                # hybrid_prefill's later groups are symmetric whatever bits their words hold
+        a, b = host.store.codecs[name], dev.store.codecs[name]
+        for buf in ("codes", "scale", "slot") + (("mask",) if mode == "hybrid" else ()):
+            assert torch.equal(getattr(a, buf), getattr(b, buf)), (name, buf)
+        assert torch.equal(a.read(96, torch.float32), b.read(96, torch.float32))
+    keys = host.store.codecs["k"]
+    for start in (0, 37, 90):
+        got = keys.read_at(torch.tensor([start]), 6, torch.float32)
+        want = keys.read(min(start + 6, 96), torch.float32, start)
+        assert torch.equal(got[:, :, :want.shape[2]], want)
+    with pytest.raises(ValueError, match="written 32 tokens at a time, got 8"):
+        dev.store.codecs["v"].write_at(torch.tensor([0]), v[:, :, :8])
+
+
 @pytest.mark.parametrize("text, message", [
     ("innerq:group_size=64", "innerq group_size must be 32"),
     ("innerq:quant_mode=fancy", "unknown innerq quant_mode 'fancy'; accepted: asym, sym, hybrid, hybrid_prefill"),

@@ -69,10 +69,10 @@ def test_piecewise_step_equals_eager(model, cache):
     torch.testing.assert_close(piecewise, eager, rtol=1e-5, atol=1e-5)
 
 
-# the whole step needs one window for keys and values: policy=grouped (the reference windows differ per stream)
-INNERQ_STATIC = [spec + ",policy=grouped" for spec in (
-    "innerq:bits=2,sink=4,recent=0", "innerq:bits=4,sink=4,recent=0,quant_mode=hybrid_prefill",
-    "innerq:bits=2,sink=0,recent=32,quant_mode=asym,key_norm=false", "innerq:bits=2,sink=4,recent=0,quant_mode=sym")]
+# the paper's windows (keys quantized a token at a time, values 32 at a time: the default) and one window for both
+INNERQ_STATIC = ["innerq:bits=2,sink=4,recent=0", "innerq:bits=4,sink=4,recent=0,quant_mode=hybrid_prefill",
+                 "innerq:bits=2,sink=0,recent=32,quant_mode=asym,key_norm=false", "innerq:bits=2,sink=4,quant_mode=sym",
+                 "innerq:bits=2,sink=4,recent=0,policy=grouped", "innerq:bits=4,sink=4,recent=0,policy=grouped"]
 
 
 def needs_kernels_on_cpu() -> None:
@@ -124,7 +124,10 @@ def test_decoder_picks_innerqs_whole_step_where_its_kernel_serves(model):
     assert isinstance(decoder(model, model.new_cache("innerq:outer=true,policy=grouped", 1, 8)), PiecewiseDecoder)
     kv = model.new_cache("innerq", 2, 8)                   # the paper's windows: keys and values differ
     prefill(model, torch.tensor([[0, 5, 6], [4, 5, 6]]), kv, None)
-    assert isinstance(decoder(model, kv), PiecewiseDecoder)
+    assert isinstance(decoder(model, kv), GraphDecoder)
+    kv = model.new_cache("innerq:policy=none", 2, 8)       # no sink, no window: keys a token at a time
+    prefill(model, torch.tensor([[0, 5, 6], [4, 5, 6]]), kv, None)
+    assert isinstance(decoder(model, kv), GraphDecoder)
 
 
 def test_generate_compile_gives_the_same_tokens(model):
@@ -159,7 +162,7 @@ def test_cuda_graph_equals_eager(model):
         torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
     short = prompts[:, :2]
     for cache in INNERQ_STATIC + ["kivi:bits=2,group_size=32,residual=32,policy=grouped",
-                                  "squat:bits=2,group_size=32,residual=32,policy=grouped"]:
+                                  "kivi:bits=2,group_size=32,residual=32", "squat:bits=2,group_size=32,residual=32"]:
         # one graph per phase, against the eager decode through the same kernels
         eager, graphed = decode_both(m, short, None, steps=40, device="cuda", cache=cache)
         torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
