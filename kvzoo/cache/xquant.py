@@ -135,16 +135,23 @@ def rope_stored_keys(attn, k: Tensor, pos: Positions) -> Tensor:
 def decode_attention(attn, q: Tensor, hist_k: Tensor, k: Tensor, v: Tensor, pos: Positions, weigh,
                      up_v: Tensor) -> Tensor:
     """One decode token's attention when K and V are linear in cached rows (X, or its latents). Keys are
-    rematerialized (hist_k (B, H, L, hd) before RoPE, which differs per slot); values are not: a query head's output
-    Σ_t p_t V_t = (Σ_t p_t row_t) · up_v is the probability-weighted sum of the cached rows, weigh(p) (B, Hq, L) ->
-    (B, Hq, width), times the head's slice of the up-projection up_v (width, n_kv*hd). The token's own k, v
-    (B, H, 1, hd) are exact. Returns (B, Hq, 1, hd) in v's dtype."""
-    (B, Hq, _, d), H = q.shape, hist_k.shape[1]
+    rematerialized (hist_k (B, H, L, hd) before RoPE, which differs per slot); values are not (latent_attention).
+    The token's own k, v (B, H, 1, hd) are exact. Returns (B, Hq, 1, hd) in v's dtype."""
     keys = rope_stored_keys(attn, torch.cat([hist_k, k], dim=2), pos)                # (B, H, L + 1, hd)
-    q = attn.rope.apply(q, pos.ids).float().view(B, H, Hq // H, d)
-    scores = q @ keys.float().transpose(-1, -2) * d ** -0.5                          # (B, H, rep, L + 1)
-    if pos.mask is not None:
-        scores = scores.masked_fill(~pos.mask, float("-inf"))
+    return latent_attention(attn.rope.apply(q, pos.ids), keys, v, pos.mask, weigh, up_v)
+
+
+def latent_attention(q: Tensor, keys: Tensor, v: Tensor, mask: Tensor | None, weigh, up_v: Tensor) -> Tensor:
+    """q (B, Hq, 1, hd) and keys (B, H, K + 1, hd) after RoPE, the token's own key last; mask (B, 1, 1, K + 1) or
+    None. A query head's output over the cached rows Σ_t p_t V_t = (Σ_t p_t row_t) · up_v is the
+    probability-weighted sum of the rows, weigh(p) (B, Hq, K) -> (B, Hq, width), times the head's slice of the
+    up-projection up_v (width, n_kv*hd); the token's value v (B, H, 1, hd) is exact. Returns (B, Hq, 1, hd) in v's
+    dtype."""
+    (B, Hq, _, d), H = q.shape, keys.shape[1]
+    q = q.float().view(B, H, Hq // H, d)
+    scores = q @ keys.float().transpose(-1, -2) * d ** -0.5                          # (B, H, rep, K + 1)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     p = scores.softmax(dim=-1).view(B, Hq, -1)
     up = up_v.float().view(-1, H, d).transpose(0, 1)                                  # (H, width, hd)
     out = weigh(p[..., :-1]).view(B, H, Hq // H, -1) @ up                            # (B, H, rep, hd)
@@ -222,25 +229,17 @@ class XQuantCache(WholeStep, LayerCache):
             return ("k", self.up_k), ("v", self.up_v)
         return ("x", self.attn.k_proj.weight.t()), ("x", self.attn.v_proj.weight.t())
 
-    def _kv(self, length: int = 0, allocated: bool = False) -> tuple[Tensor, Tensor]:
-        """K and V (before RoPE) of the quantized slots then the window rows of `length` stored tokens, each
-        stream's own, or (allocated) of every allocated row in the stream's static layout
-        (WindowedStore.static_rows: all `capacity` quantized slots, all R + G window rows): (B, n_kv, N, hd) each,
-        model dtype."""
+    def _held_kv(self, length: int) -> tuple[Tensor, Tensor]:
+        """K and V (before RoPE) of every stored slot as held, of `length` stored tokens (the quantized slots then the
+        window rows, each stream's own): (B, n_kv, length, hd) each, model dtype."""
         out = []
         for name, up in self._sources():
             codec, window = self.store.codecs[name], self.store.recent(name)
             _, n_q, r = self.store.counts(length, name)
-            if allocated:
-                n_q, r = codec.capacity, window.shape[1]
             flat = torch.cat([rematerialize(codec.held(n_q), codec.held_first(n_q), up),
                               rematerialize(window[:, :r], None, up)], dim=1)   # (B, N, n_kv*hd)
             out.append(heads(flat, self.attn.n_kv_heads, window.dtype))
         return out[0], out[1]
-
-    def _held_kv(self, length: int) -> tuple[Tensor, Tensor]:
-        """K and V (before RoPE) of every stored slot as held: (B, n_kv, length, hd) each."""
-        return self._kv(length=length)
 
     def nbytes(self) -> int:
         return self.store.nbytes(self.length)
@@ -307,20 +306,25 @@ class XQuantCache(WholeStep, LayerCache):
 
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
         """decode with fixed shapes: the token's rows into each stream's window row, attention over every
-        allocated row rematerialized (the dead ones masked) and the token's exact k, v, the key weights routed to
-        the value rows by slot (WindowedStore.route) where X U_k and X U_v hold their slots differently; then each
-        stream the token filled quantizes its window's oldest group into slots [Nq, Nq + G)."""
+        allocated key row rematerialized (the dead ones masked) and the token's exact k, v, the values weighed
+        from their rows (latent_attention), the key weights routed to the value rows by slot (WindowedStore.route)
+        where X U_k and X U_v hold their slots differently; then each stream the token filled quantizes its
+        window's oldest group into slots [Nq, Nq + G)."""
         st = self.store
         st.write_token_at(self.length, step, self._rows(x))               # rows (B, 1, width) into window row r
-        (k_name, _), (v_name, _) = self._sources()
+        (k_name, up_k), (v_name, up_v) = self._sources()
         ids, mask = self._static_keys(step, k_name)
-        hist_k, hist_v = self._kv(allocated=True)                         # (B, H, K, hd), (B, H, Kv, hd)
-        (B, Hq, _, d), H = q.shape, hist_k.shape[1]
-        keys = self.attn.rope.apply(torch.cat([hist_k, k], dim=2), ids)                   # (B, H, K + 1, hd)
-        q = self.attn.rope.apply(q, step.ids).float().view(B, H, Hq // H, d) * d ** -0.5
-        scores = (q @ keys.float().transpose(-1, -2)).masked_fill(~mask, float("-inf"))    # (B, H, rep, K + 1)
-        p = scores.softmax(dim=-1)
-        p = torch.cat([st.route(p[..., :-1], step, k_name, v_name), p[..., -1:]], dim=-1)   # (B, H, rep, Kv + 1)
-        out = p @ torch.cat([hist_v, v], dim=2).float()                                    # (B, H, rep, hd)
+        codec, window = st.codecs[k_name], st.recent(k_name)
+        flat = torch.cat([rematerialize(codec.held(codec.capacity), codec.held_first(codec.capacity), up_k),
+                          rematerialize(window, None, up_k)], dim=1)                       # (B, K, n_kv*hd)
+        keys = self.attn.rope.apply(torch.cat([heads(flat, self.attn.n_kv_heads, k.dtype), k], dim=2), ids)
+        codec, window = st.codecs[v_name], st.recent(v_name)
+        n = codec.capacity
+
+        def weigh(p: Tensor) -> Tensor:                                  # p (B, Hq, K) over the key rows
+            p = st.route(p, step, k_name, v_name)                        # (B, Hq, Kv) over the value rows
+            return codec.weigh(p[..., :n], n) + p[..., n:] @ window.float()
+
+        out = latent_attention(self.attn.rope.apply(q, step.ids), keys, v, mask, weigh, up_v)
         st.flush_at(self.length, step)
-        return out.view(B, Hq, 1, d).to(v.dtype)
+        return out
