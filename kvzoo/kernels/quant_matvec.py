@@ -27,16 +27,17 @@ and turned into exact fp32 by OR-ing 0x4B000000 (2^23 + code) and subtracting 2^
 conversion). Inner-grouped products reduce each group of 32 first and apply its scale (and zero, through
 the sum of the other operand over the group) once per group, which is what makes the inner layout cheap:
     q·Kᵀ inner   a program scores BLOCK_N tokens of one head: codes (BLOCK_N, d/32, b, 32/b), q (d/32, b, 32/b)
-    q·Kᵀ outer   a program scores BLOCK_N tokens: codes (BLOCK_N/32, 32, W, 32/b); q*scale is formed once
-                 per 32 tokens, and every token still needs its own sum over all d channels
+    q·Kᵀ outer   a program scores BLOCK_N tokens of one KV head for all its query rows: the tile of keys is
+                 dequantized once (BLOCK_N, d) and multiplied by the rows (padded to 16) in one tl.dot
     p·V inner    split-K over token groups: a program loops over GROUPS groups of 32 tokens at a time,
                  codes (GROUPS, 32, W, 32/b), and applies scale/zero per (group, channel) after the sum
                  over the group's 32 tokens
-    p·V outer    split-K over tokens: codes (BLOCK_N, d/32, b, 32/b); every token's weight is multiplied
-                 into its d/32 scales before the sum over tokens
+    p·V outer    split-K over tokens, a program per (KV head, split) for all its query rows: each tile of
+                 values dequantized once (BLOCK_N, d), weighted by the rows' p (padded to 16) in one tl.dot
 The split-K partials (B*H, splits, d) are summed by torch when there is more than one split. The outer
-kernels also take GQA queries, q or p (B, Hq, ·) with Hq = rep * H: a program per query row, reading the codes
-of its KV head (row // rep), so KIVI's decode launches each kernel once per layer.
+kernels also take GQA queries, q or p (B, Hq, ·) with Hq = rep * H (query head h*rep + j reads KV head h), all
+rep rows of a KV head in one program, so KIVI's decode reads each code once and launches each kernel once per
+layer. Their tile products run in fp32 (input_precision="ieee"), as the torch path computes.
 
 Every launcher checks bits, shapes, dtypes and devices and raises ValueError; each has a pure-torch
 `*_ref` built on kvzoo.cache.kvquant's dequantizers. CPU tensors need TRITON_INTERPRET=1 (set before triton
@@ -181,36 +182,38 @@ def _qk_inner_kernel(q_ptr, codes_ptr, scale_ptr, slot_ptr, sym_ptr, out_ptr, N,
 
 
 @triton.jit
-def _qk_outer_kernel(q_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, N,
-                     s_q, s_codes, s_scale, s_zero, s_out,
-                     D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr, REP: tl.constexpr):
+def _outer_rows(codes_ptr, n, live, D: tl.constexpr, BITS: tl.constexpr):
+    """Codes of tokens n (BLOCK_N,) as exact fp32 (BLOCK_N, D), channel j at column j; dead tokens read 0."""
     CPW: tl.constexpr = 32 // BITS
     W: tl.constexpr = D * BITS // 32
-    row = tl.program_id(0).to(tl.int64)                    # a query row; REP consecutive ones share a KV head
-    kv = row // REP
-    q_ptr += row * s_q
-    codes_ptr += kv * s_codes
-    scale_ptr += kv * s_scale
-    zero_ptr += kv * s_zero
-    out_ptr += row * s_out
-    t = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)                             # token groups
-    live = t < N // 32
-    i = tl.arange(0, 32)
     w = tl.arange(0, W)
     c = tl.arange(0, CPW)
-    channel = w[:, None] * CPW + c[None, :]                                          # (W, CPW)
-    q = tl.load(q_ptr + channel).to(tl.float32)
-    per_group = t[:, None, None] * D + channel[None, :, :]
-    scale = tl.load(scale_ptr + per_group, mask=live[:, None, None], other=0).to(tl.float32)
-    zero = tl.load(zero_ptr + per_group, mask=live[:, None, None], other=0).to(tl.float32)
-    q_scaled = q[None, :, :] * scale                                                 # (GROUPS, W, CPW)
-    q_zero = tl.sum(tl.sum(q[None, :, :] * zero, 2), 1)                              # (GROUPS,)
-    n = t[:, None] * 32 + i[None, :]                                                 # (GROUPS, 32)
-    words = tl.load(codes_ptr + n[:, :, None] * W + w[None, None, :],
-                    mask=live[:, None, None], other=0)                               # (GROUPS, 32, W)
-    x = unpack_codes(words[:, :, :, None], (c * BITS)[None, None, None, :], BITS)   # (GROUPS, 32, W, CPW)
-    scores = tl.sum(tl.sum(x * q_scaled[:, None, :, :], 3), 2) + q_zero[:, None]
-    tl.store(out_ptr + n, scores, mask=live[:, None])
+    words = tl.load(codes_ptr + n[:, None] * W + w[None, :], mask=live[:, None], other=0)      # (BLOCK_N, W)
+    x = unpack_codes(words[:, :, None], (c * BITS)[None, None, :], BITS)                        # (BLOCK_N, W, CPW)
+    return tl.reshape(x, (n.shape[0], D))
+
+
+@triton.jit
+def _qk_outer_kernel(q_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, N,
+                     s_q, s_codes, s_scale, s_zero, s_out,
+                     D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, REP: tl.constexpr,
+                     ROWS: tl.constexpr):
+    head = tl.program_id(0).to(tl.int64)                   # b * H + h: its REP query rows are head*REP + j
+    codes_ptr += head * s_codes
+    scale_ptr += head * s_scale
+    zero_ptr += head * s_zero
+    r = tl.arange(0, ROWS)                                 # query rows, padded to a tile (ROWS >= 16)
+    ch = tl.arange(0, D)
+    rows = head * REP + r
+    q = tl.load(q_ptr + rows[:, None] * s_q + ch[None, :], mask=(r < REP)[:, None], other=0).to(tl.float32)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = n < N
+    per_group = (n // 32)[:, None] * D + ch[None, :]                                 # a channel of 32 tokens
+    scale = tl.load(scale_ptr + per_group, mask=live[:, None], other=0).to(tl.float32)
+    zero = tl.load(zero_ptr + per_group, mask=live[:, None], other=0).to(tl.float32)
+    k = _outer_rows(codes_ptr, n, live, D, BITS) * scale + zero                      # (BLOCK_N, D)
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee")                          # (ROWS, BLOCK_N)
+    tl.store(out_ptr + rows[:, None] * s_out + n[None, :], scores, mask=(r < REP)[:, None] & live[None, :])
 
 
 def _check_codes(codes: Tensor, bits: int, name: str) -> tuple[int, int, int, int]:
@@ -259,10 +262,10 @@ def _query_heads(x: Tensor, name: str, B: int, H: int, last: int) -> int:
 
 
 def qk_outer(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, bits: int,
-             groups: int = 2, num_warps: int = 4) -> Tensor:
+             block_n: int = 64, num_warps: int = 4) -> Tensor:
     """scores (B, Hq, N) fp32 = q (B, Hq, d) · dequant(K)ᵀ for KIVI's per-channel key groups; Hq = rep * H
-    query heads, query head h*rep + j against KV head h (the rep programs of a KV head read the same codes,
-    launched together, so mostly from L2)."""
+    query heads, query head h*rep + j against KV head h. A program takes BLOCK_N tokens of one KV head for all
+    its query rows: the codes are read and dequantized once, then one tile product (rows padded to 16)."""
     B, H, N, d = _check_codes(k_codes, bits, "k_codes")
     dev = k_codes.device
     check_runnable(_qk_outer_kernel, dev)
@@ -273,10 +276,16 @@ def qk_outer(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, bits: 
     (codes, s_codes), (scale, s_scale), (zero, s_zero) = map(head_rows, (k_codes, k_scale, k_zero))
     out = torch.empty(B, Hq, N, dtype=torch.float32, device=dev)
     if B * H * N:
-        _qk_outer_kernel[(B * Hq, triton.cdiv(N // GROUP, groups))](
+        _qk_outer_kernel[(B * H, triton.cdiv(N, block_n))](
             q, codes, scale, zero, out, N, d, s_codes, s_scale, s_zero, N,
-            D=d, BITS=bits, GROUPS=groups, REP=Hq // H, num_warps=num_warps, enable_fp_fusion=True)
+            D=d, BITS=bits, BLOCK_N=block_n, REP=Hq // H, ROWS=query_tile(Hq // H), num_warps=num_warps,
+            enable_fp_fusion=True)
     return out
+
+
+def query_tile(rep: int) -> int:
+    """Rows of a tile product holding rep query rows: a power of two, at least 16 (the smallest tl.dot)."""
+    return max(16, triton.next_power_of_2(rep))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -327,39 +336,30 @@ def _pv_inner_kernel(p_ptr, codes_ptr, scale_ptr, slot_ptr, sym_ptr, out_ptr, N_
 @triton.jit
 def _pv_outer_kernel(p_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, N, PER_SPLIT,
                      s_p, s_codes, s_scale, s_zero,
-                     D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, REP: tl.constexpr):
-    CPW: tl.constexpr = 32 // BITS
-    NG: tl.constexpr = D // 32
-    W: tl.constexpr = D * BITS // 32
-    row = tl.program_id(0).to(tl.int64)                    # a query row; REP consecutive ones share a KV head
-    kv = row // REP
-    p_ptr += row * s_p
-    codes_ptr += kv * s_codes
-    scale_ptr += kv * s_scale
-    zero_ptr += kv * s_zero
+                     D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, REP: tl.constexpr,
+                     ROWS: tl.constexpr):
+    head = tl.program_id(0).to(tl.int64)                   # b * H + h: its REP query rows are head*REP + j
     split = tl.program_id(1)
-    g = tl.arange(0, NG)
-    wi = tl.arange(0, BITS)
-    c = tl.arange(0, CPW)
+    codes_ptr += head * s_codes
+    scale_ptr += head * s_scale
+    zero_ptr += head * s_zero
+    r = tl.arange(0, ROWS)
+    ch = tl.arange(0, D)
+    rows = head * REP + r
     start = split * PER_SPLIT
     stop = tl.minimum(start + PER_SPLIT, N)
-    acc = tl.zeros((NG, BITS, CPW), dtype=tl.float32)
-    zero_acc = tl.zeros((NG,), dtype=tl.float32)
+    acc = tl.zeros((ROWS, D), dtype=tl.float32)
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         live = n < stop
-        p = tl.load(p_ptr + n, mask=live, other=0).to(tl.float32)
-        words = tl.load(codes_ptr + n[:, None, None] * W + g[None, :, None] * BITS + wi[None, None, :],
-                        mask=live[:, None, None], other=0)                           # (BLOCK_N, NG, BITS)
-        x = unpack_codes(words[:, :, :, None], (c * BITS)[None, None, None, :], BITS)   # (BLOCK_N, NG, BITS, CPW)
-        group = n[:, None] * NG + g[None, :]
-        scale = tl.load(scale_ptr + group, mask=live[:, None], other=0).to(tl.float32)
-        zero = tl.load(zero_ptr + group, mask=live[:, None], other=0).to(tl.float32)
-        acc += tl.sum(x * (p[:, None] * scale)[:, :, None, None], 0)
-        zero_acc += tl.sum(p[:, None] * zero, 0)
-    out = acc + zero_acc[:, None, None]
-    tl.store(out_ptr + (row * tl.num_programs(1) + split) * D + g[:, None, None] * 32 + wi[None, :, None] * CPW
-             + c[None, None, :], out)
+        p = tl.load(p_ptr + rows[:, None] * s_p + n[None, :], mask=(r < REP)[:, None] & live[None, :],
+                    other=0).to(tl.float32)                                          # (ROWS, BLOCK_N)
+        per_group = n[:, None] * (D // 32) + (ch // 32)[None, :]                     # 32 channels of a token
+        scale = tl.load(scale_ptr + per_group, mask=live[:, None], other=0).to(tl.float32)
+        zero = tl.load(zero_ptr + per_group, mask=live[:, None], other=0).to(tl.float32)
+        v = _outer_rows(codes_ptr, n, live, D, BITS) * scale + zero                  # (BLOCK_N, D)
+        acc += tl.dot(p, v, input_precision="ieee")
+    tl.store(out_ptr + (rows[:, None] * tl.num_programs(1) + split) * D + ch[None, :], acc, mask=(r < REP)[:, None])
 
 
 def _finish_splits(partial: Tensor, B: int, H: int) -> Tensor:
@@ -404,11 +404,12 @@ def pv_outer(p: Tensor, v_codes: Tensor, v_scale: Tensor, v_zero: Tensor, bits: 
     if B * H == 0 or N == 0:
         return torch.zeros(B, Hq, d, dtype=torch.float32, device=dev)
     (codes, s_codes), (scale, s_scale), (zero, s_zero) = map(head_rows, (v_codes, v_scale, v_zero))
-    splits, per_split = split_groups(N // GROUP, B * Hq, dev, num_splits)
+    splits, per_split = split_groups(N // GROUP, B * H, dev, num_splits)
     partial = torch.empty(B * Hq, splits, d, dtype=torch.float32, device=dev)
-    _pv_outer_kernel[(B * Hq, splits)](
+    _pv_outer_kernel[(B * H, splits)](
         p, codes, scale, zero, partial, N, per_split * GROUP, N, s_codes, s_scale, s_zero,
-        D=d, BITS=bits, BLOCK_N=block_n, REP=Hq // H, num_warps=num_warps, enable_fp_fusion=True)
+        D=d, BITS=bits, BLOCK_N=block_n, REP=Hq // H, ROWS=query_tile(Hq // H), num_warps=num_warps,
+        enable_fp_fusion=True)
     return _finish_splits(partial, B, Hq)
 
 
