@@ -66,12 +66,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvzoo.cache.base import CacheSpec, Chunk, LayerCache, Positions, StaticStep, register
+from kvzoo.cache.base import CacheSpec, Chunk, LayerCache, Positions, StaticStep, attend, register
 from kvzoo.cache.kvquant import QTensor
 from kvzoo.cache.store import GroupCodec, Window, WindowedStore, check_policy, token_group
 from kvzoo.cache.xquant import (XQuantCache, XQuantOptions, check_latent_bits, check_window, decode_attention,
-                                dequantize_latent, heads, latent_attention, rematerialize, rope_stored_keys,
-                                svd_factors)
+                                dequantize_latent, heads, rematerialize, rope_stored_keys, svd_factors)
 from kvzoo.graphs import WholeStep
 
 
@@ -234,22 +233,16 @@ class XQuantCLCache(WholeStep, LayerCache):
 
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
         """decode with fixed shapes: the token's base row or delta written at step.slot, the accumulator
-        rebuilt over every slot (B, max_len, hidden), keys rematerialized from all of it and the values weighed
-        from it (latent_attention, as decode does), the token's own k, v exact, the slots not yet written masked
-        by step.mask."""
+        rebuilt over every slot (B, max_len, hidden) and K, V rematerialized from all of it, the token's
+        own slot replaced by its exact k, v, the slots not yet written masked by step.mask."""
         self._check_base()
         if self.role == "xquant":
             return self.plain.decode_static(x, q, k, v, step)
-        acc = self._advance(x, step.slot)                                      # (B, max_len, hidden)
-        dtype, L = self.attn.k_proj.weight.dtype, step.slot
-        hist_k = heads(self.attn.k_proj(acc.to(dtype)), self.attn.n_kv_heads, dtype)     # (B, H, max_len, hd)
-        slots = torch.cat([torch.arange(self.max_len, device=q.device), L])             # the token's own last
-        ids = (slots[None, :] + (step.ids - L)).clamp_min(0)                   # (B, max_len + 1): slot - pad
-        keys = self.attn.rope.apply(torch.cat([hist_k, k], dim=2), ids)
-        mine = torch.ones_like(step.mask[..., :1])
-        mask = torch.cat([step.mask & (slots[:-1] != L), mine], dim=-1)        # (B, 1, 1, max_len + 1)
-        return latent_attention(self.attn.rope.apply(q, step.ids), keys, v, mask, lambda p: p @ acc.float(),
-                                self.attn.v_proj.weight.t())
+        keys, values = self._kv(self._advance(x, step.slot))                   # (B, H, max_len, hd) each
+        keys, values = keys.index_copy(2, step.slot, k), values.index_copy(2, step.slot, v)
+        slots = torch.arange(self.max_len, device=q.device)
+        ids = (slots[None, :] + (step.ids - step.slot)).clamp_min(0)           # (B, max_len): slot - pad
+        return attend(self.attn.rope.apply(q, step.ids), self.attn.rope.apply(keys, ids), values, step.mask)
 
     # ---- bytes -------------------------------------------------------------------------------------
     def nbytes(self) -> int:

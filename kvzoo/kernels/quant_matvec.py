@@ -56,6 +56,7 @@ from kvzoo.cache.kvquant import QTensor, UnifiedQTensor, dequantize, dequantize_
 
 GROUP = 32
 KERNEL_BITS = (2, 4)
+PRECISION: tl.constexpr = tl.constexpr("tf32x3")   # the outer kernels' tile products: fp32 to within rounding
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -196,7 +197,7 @@ def _outer_rows(codes_ptr, n, live, D: tl.constexpr, BITS: tl.constexpr):
 @triton.jit
 def _qk_outer_kernel(q_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, N,
                      s_q, s_codes, s_scale, s_zero, s_out,
-                     D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, REP: tl.constexpr,
+                     D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr, REP: tl.constexpr,
                      ROWS: tl.constexpr):
     head = tl.program_id(0).to(tl.int64)                   # b * H + h: its REP query rows are head*REP + j
     codes_ptr += head * s_codes
@@ -206,14 +207,13 @@ def _qk_outer_kernel(q_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, N,
     ch = tl.arange(0, D)
     rows = head * REP + r
     q = tl.load(q_ptr + rows[:, None] * s_q + ch[None, :], mask=(r < REP)[:, None], other=0).to(tl.float32)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    live = n < N
-    per_group = (n // 32)[:, None] * D + ch[None, :]                                 # a channel of 32 tokens
-    scale = tl.load(scale_ptr + per_group, mask=live[:, None], other=0).to(tl.float32)
-    zero = tl.load(zero_ptr + per_group, mask=live[:, None], other=0).to(tl.float32)
-    k = _outer_rows(codes_ptr, n, live, D, BITS) * scale + zero                      # (BLOCK_N, D)
-    scores = tl.dot(q, tl.trans(k), input_precision="ieee")                          # (ROWS, BLOCK_N)
-    tl.store(out_ptr + rows[:, None] * s_out + n[None, :], scores, mask=(r < REP)[:, None] & live[None, :])
+    for t in range(tl.program_id(1) * GROUPS, tl.minimum((tl.program_id(1) + 1) * GROUPS, N // 32)):
+        n = t * 32 + tl.arange(0, 32)                      # a group: 32 tokens sharing each channel's scale
+        scale = tl.load(scale_ptr + t * D + ch).to(tl.float32)
+        zero = tl.load(zero_ptr + t * D + ch).to(tl.float32)
+        k = _outer_rows(codes_ptr, n, n < N, D, BITS) * scale[None, :] + zero[None, :]   # (32, D)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)                      # (ROWS, 32)
+        tl.store(out_ptr + rows[:, None] * s_out + n[None, :], scores, mask=(r < REP)[:, None])
 
 
 def _check_codes(codes: Tensor, bits: int, name: str) -> tuple[int, int, int, int]:
@@ -262,10 +262,11 @@ def _query_heads(x: Tensor, name: str, B: int, H: int, last: int) -> int:
 
 
 def qk_outer(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, bits: int,
-             block_n: int = 64, num_warps: int = 4) -> Tensor:
+             groups: int = 4, num_warps: int = 4) -> Tensor:
     """scores (B, Hq, N) fp32 = q (B, Hq, d) · dequant(K)ᵀ for KIVI's per-channel key groups; Hq = rep * H
     query heads, query head h*rep + j against KV head h. A program takes BLOCK_N tokens of one KV head for all
-    its query rows: the codes are read and dequantized once, then one tile product (rows padded to 16)."""
+    its query rows (`groups` groups of 32 tokens, one at a time): each group's codes are read and dequantized once,
+    then one tile product (rows padded to 16)."""
     B, H, N, d = _check_codes(k_codes, bits, "k_codes")
     dev = k_codes.device
     check_runnable(_qk_outer_kernel, dev)
@@ -276,9 +277,9 @@ def qk_outer(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, bits: 
     (codes, s_codes), (scale, s_scale), (zero, s_zero) = map(head_rows, (k_codes, k_scale, k_zero))
     out = torch.empty(B, Hq, N, dtype=torch.float32, device=dev)
     if B * H * N:
-        _qk_outer_kernel[(B * H, triton.cdiv(N, block_n))](
+        _qk_outer_kernel[(B * H, triton.cdiv(N // GROUP, groups))](
             q, codes, scale, zero, out, N, d, s_codes, s_scale, s_zero, N,
-            D=d, BITS=bits, BLOCK_N=block_n, REP=Hq // H, ROWS=query_tile(Hq // H), num_warps=num_warps,
+            D=d, BITS=bits, GROUPS=groups, REP=Hq // H, ROWS=query_tile(Hq // H), num_warps=num_warps,
             enable_fp_fusion=True)
     return out
 
@@ -354,11 +355,12 @@ def _pv_outer_kernel(p_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, N, PER_SPLI
         live = n < stop
         p = tl.load(p_ptr + rows[:, None] * s_p + n[None, :], mask=(r < REP)[:, None] & live[None, :],
                     other=0).to(tl.float32)                                          # (ROWS, BLOCK_N)
-        per_group = n[:, None] * (D // 32) + (ch // 32)[None, :]                     # 32 channels of a token
+        per_group = n[:, None] * (D // 32) + tl.arange(0, D // 32)[None, :]          # 32 channels of a token
         scale = tl.load(scale_ptr + per_group, mask=live[:, None], other=0).to(tl.float32)
         zero = tl.load(zero_ptr + per_group, mask=live[:, None], other=0).to(tl.float32)
-        v = _outer_rows(codes_ptr, n, live, D, BITS) * scale + zero                  # (BLOCK_N, D)
-        acc += tl.dot(p, v, input_precision="ieee")
+        x = tl.reshape(_outer_rows(codes_ptr, n, live, D, BITS), (BLOCK_N, D // 32, 32))
+        v = tl.reshape(x * scale[:, :, None] + zero[:, :, None], (BLOCK_N, D))          # (BLOCK_N, D)
+        acc += tl.dot(p, v, input_precision=PRECISION)
     tl.store(out_ptr + (rows[:, None] * tl.num_programs(1) + split) * D + ch[None, :], acc, mask=(r < REP)[:, None])
 
 
@@ -391,7 +393,7 @@ def pv_inner(p: Tensor, v_codes: Tensor, v_scale: Tensor, v_slot: Tensor, v_sym:
 
 
 def pv_outer(p: Tensor, v_codes: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int,
-             block_n: int = 64, num_splits: int | None = None, num_warps: int = 4) -> Tensor:
+             block_n: int = 32, num_splits: int | None = None, num_warps: int = 4) -> Tensor:
     """out (B, Hq, d) fp32 = p (B, Hq, N) · dequant(V) for KIVI's per-token value groups (32 channels);
     Hq = rep * H query heads as in qk_outer."""
     B, H, N, d = _check_codes(v_codes, bits, "v_codes")
