@@ -2,6 +2,7 @@
 
     wikitext2   WikiText-2 raw test split, rows joined with "\\n\\n" (the GPTQ protocol), one text
     c4          a 2,000-document C4 sample (JSON lines); documents joined with "\\n\\n"
+    gsm8k-test, gsm8k-train   GSM8K's splits, one {"question", "answer"} object a line (lm-eval tasks only)
 
 The folder is ../shared/data beside the repository, or $KVZOO_DATA; a path can also be given per call.
 """
@@ -12,7 +13,8 @@ import json
 import os
 from pathlib import Path
 
-DATASETS = {"wikitext2": "wikitext2-test.txt", "c4": "c4-validation-2k.jsonl"}
+DATASETS = {"wikitext2": "wikitext2-test.txt", "c4": "c4-validation-2k.jsonl", "gsm8k-test": "gsm8k-test.jsonl",
+            "gsm8k-train": "gsm8k-train.jsonl"}
 
 
 def data_dir() -> Path:

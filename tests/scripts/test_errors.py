@@ -260,7 +260,7 @@ def test_the_layout():
     """Entry points in scripts/, every paper's reproduction in repro/<paper>/; no script edits the module search
     path (they import the installed kvzoo, repro modules their siblings as repro.<paper>....)."""
     assert set(entry_points()) == {"chat.py", "perplexity.py", "report.py", "needle.py", "bench_decode.py",
-                                   "bench_kernels.py"}
+                                   "bench_kernels.py", "harness.py"}
     papers = {name.split(".")[1] for name in reproductions()}
     assert papers == {"alignedkv", "squat", "xquant", "kvpareto"}
     for paper in papers:
@@ -277,8 +277,11 @@ def test_every_script_builds_its_command_line():
         assert out.returncode == 0, f"{name}: {out.stderr}"
         if not name.endswith(".py"):
             assert f"usage: python -m {name}" in out.stdout, name
-        # benchmarks and OWN_QUANTIZERS build their own caches (or none)
-        if not (name.startswith("bench_") or name.endswith(".bench") or name in OWN_QUANTIZERS):
+        # benchmarks and OWN_QUANTIZERS build their own caches (or none); harness.py is lm-eval's command line,
+        # the cache one of its --model_args
+        if name == "harness.py":
+            assert "usage: lm-eval" in out.stdout
+        elif not (name.startswith("bench_") or name.endswith(".bench") or name in OWN_QUANTIZERS):
             assert "--cache" in out.stdout, name
 
 

@@ -1,0 +1,193 @@
+"""kvzoo as an lm-evaluation-harness model (kvzoo/eval/harness.py) and its offline tasks (kvzoo/eval/tasks), on
+the embedded SmolLM2: every request type against a direct computation, batched against unbatched, the harness
+end to end with `limit` small, and the errors a user meets."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("lm_eval", reason="scripts/install.sh installs lm_eval (the eval extra); CI runs these tests")
+from lm_eval import simple_evaluate  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+from kvzoo.eval.harness import KvzooLM  # noqa: E402
+from kvzoo.eval.perplexity import perplexity  # noqa: E402
+from kvzoo.eval.tasks import task_dir  # noqa: E402
+from kvzoo.eval.tasks.data import gsm8k, wikitext_articles  # noqa: E402
+
+QUANTIZED = "kivi:bits=2,group_size=32,residual=32"       # contexts of 40+ tokens leave its windows quantized
+PAIRS = [("The capital of France is", " Paris"), ("The capital of France is", " London"),
+         ("Question: what is two plus two? Answer:", " four"), ("", "Hello world"),
+         ("One two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+          "seventeen eighteen nineteen twenty, and again: one two three four five six seven eight nine ten eleven "
+          "twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen", " twenty twenty-one")]
+
+
+def requests(kind: str, args: list[tuple]) -> list[Instance]:
+    return [Instance(kind, {}, a, i) for i, a in enumerate(args)]
+
+
+@pytest.fixture(scope="module")
+def loaded(default_model):
+    return default_model
+
+
+def lm(loaded, cache="fp16", **kw) -> KvzooLM:
+    return KvzooLM(pretrained=loaded, cache=cache, **kw)
+
+
+def test_loglikelihood_equals_a_direct_forward(loaded):
+    """fp16: each continuation's log-probability and greediness from one forward over context + continuation."""
+    model, tok = loaded
+    harness = lm(loaded)
+    got = harness.loglikelihood(requests("loglikelihood", PAIRS), disable_tqdm=True)
+    for (context, continuation), (logprob, greedy) in zip(PAIRS, got):
+        ctx, cont = harness._encode_pair(context, continuation)
+        logits = model(torch.tensor([ctx + cont]))[0, len(ctx) - 1:-1].float()
+        lp = F.log_softmax(logits, -1)[torch.arange(len(cont)), cont]
+        assert logprob == pytest.approx(lp.sum().item(), abs=1e-4)
+        assert greedy == bool((logits.argmax(-1) == torch.tensor(cont)).all())
+    assert got[0][0] > got[1][0]                          # Paris over London
+
+
+@pytest.mark.parametrize("cache", ["fp16", QUANTIZED, "innerq:sink=4,recent=32"])
+def test_batched_equals_unbatched(loaded, cache):
+    """Left-padded contexts and right-padded continuations side by side give each row what it gives alone."""
+    alone = lm(loaded, cache, batch_size=1).loglikelihood(requests("loglikelihood", PAIRS), disable_tqdm=True)
+    batched = lm(loaded, cache, batch_size=4).loglikelihood(requests("loglikelihood", PAIRS), disable_tqdm=True)
+    for (a, ga), (b, gb) in zip(alone, batched):
+        assert b == pytest.approx(a, abs=1e-3) and ga == gb
+
+
+def test_a_quantized_cache_changes_the_scores_and_reports_its_bytes(loaded):
+    fp16 = lm(loaded).loglikelihood(requests("loglikelihood", PAIRS[4:]), disable_tqdm=True)
+    harness = lm(loaded, QUANTIZED)
+    quantized = harness.loglikelihood(requests("loglikelihood", PAIRS[4:]), disable_tqdm=True)
+    assert quantized[0][0] != pytest.approx(fp16[0][0], abs=1e-6)
+    report = harness.kv_report["loglikelihood"]
+    assert report.rows == 1 and 0 < report.nbytes and report.fp16_nbytes > 0
+
+
+def test_cache_options_follow_the_spec_as_their_own_model_args(loaded):
+    """`cache=innerq:bits=2,sink=4,recent=32` arrives from lm-eval split at its commas."""
+    harness = KvzooLM.create_from_arg_string("cache=innerq:bits=2,sink=4,recent=32", {"pretrained": loaded})
+    assert (harness.spec.name, harness.spec.options.bits, harness.spec.options.sink) == ("innerq", 2, 4)
+    with pytest.raises(ValueError, match="unknown cache 'nope'; available caches: "):
+        lm(loaded, "nope")
+    with pytest.raises(ValueError, match="bogus"):
+        lm(loaded, "kivi", bogus=1)
+    with pytest.raises(ValueError, match="batch_size=auto is not supported"):
+        lm(loaded, batch_size="auto")
+
+
+@pytest.mark.parametrize("cache", ["fp16", QUANTIZED])
+def test_rolling_loglikelihood_equals_perplexity_on_one_window(loaded, cache):
+    """A text of L - 1 tokens after BOS is one rolling window: its log-likelihood through the harness (simulated
+    mode, the BOS its exact prompt) is what scripts/perplexity.py scores on the window [BOS] + text with
+    prompt=1 (perplexity's windows are disjoint and leave each window's first `prompt` tokens unscored; lm-eval's
+    predict every token, a later window from the token before it: they agree window for window only so)."""
+    model, tok = loaded
+    text = " ".join(["the quick brown fox jumps over the lazy dog"] * 8)
+    ids = [tok.bos_id] + tok.encode(text, bos=False)
+    harness = lm(loaded, cache, max_length=len(ids))
+    total = harness.loglikelihood_rolling(requests("loglikelihood_rolling", [(text,)]), disable_tqdm=True)[0]
+    ppl = perplexity(model, ids, seq_len=len(ids), cache=cache, prompt=1, progress=False).perplexity
+    assert -total / (len(ids) - 1) == pytest.approx(math.log(ppl), abs=1e-4)
+
+
+def test_rolling_windows_cover_every_token(loaded):
+    """fp16 over several windows of max_length: the sum over windows of each token's log-probability."""
+    model, tok = loaded
+    text = " ".join(f"line {i} of the text" for i in range(30))
+    ids = tok.encode(text, bos=False)
+    L = 48
+    total = lm(loaded, max_length=L).loglikelihood_rolling(requests("loglikelihood_rolling", [(text,)]),
+                                                            disable_tqdm=True)[0]
+    want, inputs = 0.0, [tok.bos_id] + ids
+    for a in range(0, len(ids), L):                     # window: predict ids[a:a+L] from the token before each
+        start = max(0, a + min(L, len(ids) - a) - L)    # lm-eval's windows keep a full max_length of context
+        window = inputs[start:a + min(L, len(ids) - a)]
+        logits = model(torch.tensor([window]))[0].float()
+        n = min(L, len(ids) - a)
+        target = torch.tensor(ids[a:a + n])
+        want += F.log_softmax(logits[-n:], -1)[torch.arange(n), target].sum().item()
+    assert total == pytest.approx(want, abs=1e-3)
+
+
+def test_generate_until_stops_and_batches(loaded):
+    args = [("Q: What is the capital of France?\nA:", {"until": ["\n"], "max_gen_toks": 24}),
+            ("Q: What is the capital of Italy?\nA:", {"until": ["\n"], "max_gen_toks": 24}),
+            ("Count: one, two, three,", {"until": ["five"], "max_gen_toks": 12})]
+    alone = lm(loaded, batch_size=1).generate_until(requests("generate_until", args), disable_tqdm=True)
+    batched = lm(loaded, QUANTIZED, batch_size=3).generate_until(requests("generate_until", args), disable_tqdm=True)
+    assert "Paris" in alone[0] and "\n" not in alone[0]
+    assert "five" not in alone[2]
+    fp16_batched = lm(loaded, batch_size=3).generate_until(requests("generate_until", args), disable_tqdm=True)
+    assert fp16_batched == alone
+    assert len(batched) == 3
+
+
+def test_chat_template_is_the_models(loaded):
+    harness = lm(loaded)
+    text = harness.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert "Hi" in text and harness.chat_template(True) == loaded[1].chat_template
+
+
+# ---- the harness end to end ---------------------------------------------------------------------------
+def mc_task(folder: Path) -> Path:
+    """A multiple-choice task from local data: GSM8K questions, the right final answer among three numbers."""
+    rows = []
+    for r in gsm8k()["test"].select(range(4)):
+        answer = int(r["answer"].split("####")[-1].replace(",", ""))
+        rows.append({"question": r["question"], "choices": [str(answer), str(answer + 7), str(answer * 3 + 1)],
+                     "label": 0})
+    (folder / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "kvzoo_test_mc.yaml").write_text(
+        "task: kvzoo_test_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {folder / 'mc.jsonl'}\noutput_type: multiple_choice\ntest_split: test\n"
+        "doc_to_text: \"Question: {{question}}\\nAnswer:\"\ndoc_to_choice: choices\ndoc_to_target: label\n"
+        "metric_list:\n  - metric: acc\n")
+    return folder
+
+
+@pytest.mark.slow
+def test_harness_runs_the_offline_tasks_end_to_end(loaded, tmp_path):
+    """simple_evaluate with the kvzoo model: a local multiple-choice task, kvzoo_wikitext (rolling) and
+    kvzoo_gsm8k_cot (8-shot generation), a document or two each."""
+    manager = TaskManager(include_path=[str(task_dir()), str(mc_task(tmp_path))])
+    harness = lm(loaded, QUANTIZED, max_length=256, batch_size=2)
+    out = simple_evaluate(model=harness, tasks=["kvzoo_test_mc", "kvzoo_wikitext"], limit=2, task_manager=manager)
+    assert 0 <= out["results"]["kvzoo_test_mc"]["acc,none"] <= 1
+    assert 1 < out["results"]["kvzoo_wikitext"]["word_perplexity,none"] < 1e4
+    out = simple_evaluate(model=harness, tasks=["kvzoo_gsm8k_cot"], limit=1, task_manager=manager,
+                          gen_kwargs="max_gen_toks=8")
+    assert "exact_match,strict-match" in out["results"]["kvzoo_gsm8k_cot"]
+    assert set(harness.kv_report) == {"loglikelihood", "loglikelihood_rolling", "generate_until"}
+
+
+def test_offline_data(tmp_path):
+    data = gsm8k()
+    assert (len(data["test"]), len(data["train"])) == (1319, 7473)
+    articles = wikitext_articles(" = A = \n\n x\n = = B = = \n y\n = C = \n z\n")
+    assert [a.split("\n")[0] for a in articles] == [" = A = ", " = C = "]
+    with pytest.raises(FileNotFoundError, match="gsm8k-train data not found at .*set KVZOO_DATA"):
+        gsm8k(data_dir=str(tmp_path))
+
+
+def test_script_without_lm_eval_says_how_to_install():
+    """scripts/harness.py where lm_eval cannot be imported: one line naming the install command."""
+    code = ("import sys, runpy; sys.modules['lm_eval'] = None; sys.argv = ['harness.py', '--tasks', 'x'];"
+            "runpy.run_path('scripts/harness.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).parents[2])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        'error: kvzoo.eval.harness needs EleutherAI\'s lm-evaluation-harness: pip install "lm_eval>=0.4.5" '
+        '(or bash scripts/install.sh)']
