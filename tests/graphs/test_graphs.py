@@ -71,8 +71,8 @@ def test_piecewise_step_equals_eager(model, cache):
 
 # the paper's windows (keys quantized a token at a time, values 32 at a time: the default) and one window for both
 INNERQ_STATIC = ["innerq:bits=2,sink=4,recent=0", "innerq:bits=4,sink=4,recent=0,quant_mode=hybrid_prefill",
-                 "innerq:bits=2,sink=0,recent=32,quant_mode=asym,key_norm=false", "innerq:bits=2,sink=4,quant_mode=sym",
-                 "innerq:bits=2,sink=4,recent=0,policy=grouped", "innerq:bits=4,sink=4,recent=0,policy=grouped"]
+                 "innerq:bits=2,sink=0,recent=32,quant_mode=asym,key_norm=false",
+                 "innerq:bits=2,sink=4,recent=0,quant_mode=sym,policy=grouped"]
 
 
 def needs_kernels_on_cpu() -> None:
