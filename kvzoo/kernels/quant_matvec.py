@@ -27,8 +27,8 @@ and turned into exact fp32 by OR-ing 0x4B000000 (2^23 + code) and subtracting 2^
 conversion). Inner-grouped products reduce each group of 32 first and apply its scale (and zero, through
 the sum of the other operand over the group) once per group, which is what makes the inner layout cheap:
     q·Kᵀ inner   a program scores BLOCK_N tokens of one head: codes (BLOCK_N, d/32, b, 32/b), q (d/32, b, 32/b)
-    q·Kᵀ outer   a program scores BLOCK_N tokens of one KV head for all its query rows: the tile of keys is
-                 dequantized once (BLOCK_N, d) and multiplied by the rows (padded to 16) in one tl.dot
+    q·Kᵀ outer   a program scores GROUPS groups of 32 tokens of one KV head for all its query rows, a group at a
+                 time: its keys dequantized once (32, d), multiplied by the rows (padded to 16) in one tl.dot
     p·V inner    split-K over token groups: a program loops over GROUPS groups of 32 tokens at a time,
                  codes (GROUPS, 32, W, 32/b), and applies scale/zero per (group, channel) after the sum
                  over the group's 32 tokens
@@ -37,7 +37,7 @@ the sum of the other operand over the group) once per group, which is what makes
 The split-K partials (B*H, splits, d) are summed by torch when there is more than one split. The outer
 kernels also take GQA queries, q or p (B, Hq, ·) with Hq = rep * H (query head h*rep + j reads KV head h), all
 rep rows of a KV head in one program, so KIVI's decode reads each code once and launches each kernel once per
-layer. Their tile products run in fp32 (input_precision="ieee"), as the torch path computes.
+layer. Their tile products run on tensor cores as three tf32 products (tf32x3): fp32 to within rounding.
 
 Every launcher checks bits, shapes, dtypes and devices and raises ValueError; each has a pure-torch
 `*_ref` built on kvzoo.cache.kvquant's dequantizers. CPU tensors need TRITON_INTERPRET=1 (set before triton
