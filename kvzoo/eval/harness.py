@@ -55,7 +55,7 @@ except ImportError as err:
     raise ImportError("kvzoo.eval.harness needs EleutherAI's lm-evaluation-harness: "
                       "pip install \"lm_eval>=0.4.5\" (or bash scripts/install.sh)") from err
 
-log = logging.getLogger("kvzoo.eval.harness")
+log = logging.getLogger("lm_eval.models.kvzoo")     # under lm-eval's logger: shown where its own lines are
 MODEL_ARGS = ("pretrained", "cache", "device", "dtype", "batch_size", "max_length", "prefill_chunk")
 
 
