@@ -447,8 +447,8 @@ class InnerQCache(WholeStep, LayerCache):
         down by G."""
         from kvzoo.kernels.quantize_pack import innerq_flush
 
-        mode = "sym" if self.opts.quant_mode == "hybrid_prefill" else self.opts.quant_mode
         st, k, v = self.store, self.store.codecs["k"], self.store.codecs["v"]
+        mode = k._static_mode()
         innerq_flush(st.recent("k"), st.recent("v"), n_q, k.codes, k.scale, k.slot, k.mask, v.codes, v.scale, v.slot,
                      v.mask, self.opts.bits, mode, write_mask=mode == "hybrid")
         st.shift()

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from kvzoo.cache.base import CacheSpec, fp16_kv_nbytes
-from kvzoo.generate import generate
+from kvzoo.generate import generate, prefill
 
 try:
     from lm_eval.api.model import LM
@@ -56,7 +56,6 @@ except ImportError as err:
                       "pip install \"lm_eval>=0.4.5\" (or bash scripts/install.sh)") from err
 
 log = logging.getLogger("lm_eval.models.kvzoo")     # under lm-eval's logger: shown where its own lines are
-MODEL_ARGS = ("pretrained", "cache", "device", "dtype", "batch_size", "max_length", "prefill_chunk")
 
 
 @dataclass
@@ -109,6 +108,8 @@ class KvzooLM(LM):
             self.model, self.tokenizer = load_model(pretrained, device=check_device(device), dtype=str(dtype))
             self.name = str(pretrained) if pretrained is not None else "SmolLM2-135M-Instruct"
         context = self.model.cfg.max_position_embeddings
+        if max_length is not None and int(max_length) < 2:
+            raise ValueError(f"max_length must be >= 2 (a token of context and one to score), got {max_length}")
         self.max_length = min(int(max_length), context) if max_length is not None else context
         self.prefix = self.tokenizer.bos_id if self.tokenizer.bos_id is not None else self.tokenizer.eos_ids[0]
         self.kv_report: dict[str, KVReport] = {}
@@ -173,9 +174,7 @@ class KvzooLM(LM):
         pad = torch.tensor(left, device=device) if any(left) else None
         kv = self.model.new_cache(self.spec, batch_size=len(pairs), max_len=W + C)
         if W:
-            step = self.prefill_chunk or W
-            for s in range(0, W, step):
-                self.model(head[:, s:s + step], kv, pad=pad, last_only=True)
+            prefill(self.model, head, kv, pad, self.prefill_chunk)
         logprobs = F.log_softmax(self.model(chunk, kv, pad=pad).float(), dim=-1)   # (B, C, vocab)
         self._report("loglikelihood", kv, len(pairs))
         results = []

@@ -85,6 +85,19 @@ def test_cache_options_follow_the_spec_as_their_own_model_args(loaded):
         lm(loaded, "kivi", bogus=1)
     with pytest.raises(ValueError, match="batch_size=auto is not supported"):
         lm(loaded, batch_size="auto")
+    with pytest.raises(ValueError, match="prefill_chunk must be >= 1, got 0"):
+        lm(loaded, prefill_chunk=0)
+    with pytest.raises(ValueError, match="max_length must be >= 2 .*got 1"):
+        lm(loaded, max_length=1)
+
+
+def test_chunked_prefill_scores_as_one_prefill(loaded):
+    """prefill_chunk stores the contexts a few tokens at a time: fp16 scores do not change."""
+    whole = lm(loaded, batch_size=2).loglikelihood(requests("loglikelihood", PAIRS), disable_tqdm=True)
+    chunked = lm(loaded, batch_size=2, prefill_chunk=8).loglikelihood(requests("loglikelihood", PAIRS),
+                                                                       disable_tqdm=True)
+    for (a, ga), (b, gb) in zip(whole, chunked):
+        assert b == pytest.approx(a, abs=1e-4) and ga == gb
 
 
 @pytest.mark.parametrize("cache", ["fp16", QUANTIZED])
