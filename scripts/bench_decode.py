@@ -43,6 +43,9 @@ Each row gives the bandwidth it reached on the bytes a step reads (`read (GB/s)`
 table apart, plus the KV bytes held), beside the device's measured copy bandwidth in the header. --targets adds
 the decode-speed targets (TARGETS: each named cache against fp16 in the same cell) as measured / required.
 
+--profile N runs N more steps of each cell under torch.profiler and prints (and keeps in OUT.json) the GPU time
+per step of each kernel (on the CPU: each op's own time), the largest first: where a step's time goes, graph replays included.
+
 --plot draws tokens/s against context: a panel per batch (the largest batches in one), a line per cache and
 step. --merge joins earlier OUT.json files into one table and plot without a GPU (a cell measured again
 keeps its later row).
@@ -128,6 +131,8 @@ def parse_args():
                         help="weights and activations (auto: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--out", default="results/decode/run", help="output path without suffix")
     parser.add_argument("--plot", action="store_true", help="also write OUT.png: tokens/s vs context")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after timing a cell, profile N more steps (torch.profiler): GPU time per kernel")
     parser.add_argument("--targets", action="store_true",
                         help="also print the decode-speed targets (TARGETS) as measured / required, from this "
                              "run's rows")
@@ -387,13 +392,13 @@ def free_memory() -> None:
 
 @torch.inference_mode()
 def run_cell(runner, cache: str, context: int, batch: int, steps: int, chunk: int, graphed: bool = False,
-             src: Filled | None = None, warmup: int = WARMUP, size: int | None = None) -> dict:
+             src: Filled | None = None, warmup: int = WARMUP, size: int | None = None, profile: int = 0) -> dict:
     """Fill a cache (prefill, or copies of src's row), run `warmup` untimed decode steps, time `steps`; the
     cache is sized for `size` tokens (default: max_len(context, steps))."""
     free_memory()
     sync()
     t0 = time.perf_counter()
-    filled = runner.fill(cache, context, batch, size or max_len(context, steps, warmup), chunk, src)
+    filled = runner.fill(cache, context, batch, size or max_len(context, steps + profile, warmup), chunk, src)
     sync()
     prefill_s = time.perf_counter() - t0
     step = runner.stepper(filled, graphed)
@@ -408,13 +413,49 @@ def run_cell(runner, cache: str, context: int, batch: int, steps: int, chunk: in
         sync()
         times.append(time.perf_counter() - t0)
     latency = statistics.mean(times)       # a mean: the steps that quantize a group count
+    kernels = profile_steps(step, token, profile) if profile else None
     held, length = runner.stored(filled)
     n_layers, n_kv, d, _ = runner.shape
     return {"prefill_s": None if src is not None else prefill_s, "filled": "row copies" if src is not None else "prefill",
             "decode_ms": latency * 1e3, "median_ms": statistics.median(times) * 1e3, "tokens_per_s": batch / latency,
             "step_ms": [round(t * 1e3, 3) for t in times], "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None,
             "kv_bytes": held, "kv_ratio": held / fp16_kv_nbytes(n_layers, n_kv, d, batch * length),
-            "weight_bytes": runner.weight_bytes, "read_GBps": (runner.weight_bytes + held) / latency / 1e9}
+            "weight_bytes": runner.weight_bytes, "read_GBps": (runner.weight_bytes + held) / latency / 1e9,
+            **({"kernels": kernels} if kernels else {})}
+
+
+def profile_steps(step, token: torch.Tensor, n: int, top: int = 12) -> list[dict]:
+    """Time per step of each kernel (torch.profiler over n decode steps; on the CPU, each op's own time), the
+    largest first; the rest summed into one entry. Kernels inside a replayed CUDA graph are seen too."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = token.is_cuda
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            token = step(token).argmax(-1)
+        sync()
+    spent: dict[str, list] = {}
+    if cuda:
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                entry = spent.setdefault(e.name if len(e.name) <= 80 else e.name[:77] + "...", [0.0, 0])
+                entry[0] += e.device_time / 1e3 / n                               # ms per step
+                entry[1] += 1
+    else:
+        for e in prof.key_averages():
+            spent[e.key] = [e.self_cpu_time_total / 1e3 / n, e.count]
+    rows = sorted(({"kernel": k, "ms_per_step": round(t, 4), "calls_per_step": c / n}
+                   for k, (t, c) in spent.items()), key=lambda r: -r["ms_per_step"])
+    rest = rows[top:]
+    if rest:
+        rows = rows[:top] + [{"kernel": f"({len(rest)} other kernels)",
+                              "ms_per_step": round(sum(r["ms_per_step"] for r in rest), 4),
+                              "calls_per_step": sum(r["calls_per_step"] for r in rest)}]
+    total = sum(r["ms_per_step"] for r in rows)
+    tqdm.write(f"  {'GPU' if cuda else 'CPU'} time per step {total:.2f} ms in {sum(r['calls_per_step'] for r in rows):.0f} kernels:")
+    for r in rows:
+        tqdm.write(f"    {r['ms_per_step']:8.3f} ms  {r['calls_per_step']:6.0f} x  {r['kernel']}")
+    return rows
 
 
 def out_of_memory(error: Exception) -> bool:
@@ -508,13 +549,13 @@ def cell_row(runner, args, label, cache, context, batch, graphed, src=None) -> d
            "step": "graph" if graphed else "eager"}
     try:
         row.update(run_cell(runner, cache, context, batch, args.steps, args.prefill_chunk, graphed, src,
-                            warmup=args.warmup))
+                            warmup=args.warmup, profile=args.profile))
     except RuntimeError as error:
         if not out_of_memory(error):
             raise
         row["oom"] = True
     free_memory()
-    tqdm.write(json.dumps({k: v for k, v in row.items() if k != "step_ms"}))
+    tqdm.write(json.dumps({k: v for k, v in row.items() if k not in ("step_ms", "kernels")}))
     return row
 
 

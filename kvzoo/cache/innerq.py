@@ -61,6 +61,7 @@ from kvzoo.graphs import WholeStep
 
 GROUP = 32        # the unified slot holds 32 bits: an fp32 zero point or 32 sign bits
 MODES = ("asym", "sym", "hybrid", "hybrid_prefill")
+FUSED_KEY_STEP = True   # the static step's per-token key work in one kernel; False: the torch path, its reference
 
 
 @dataclass(frozen=True)
@@ -405,38 +406,50 @@ class InnerQCache(WholeStep, LayerCache):
             step.derived[key] = (n_q, lengths)
         return step.derived[key]
 
-    def _aligned_keys(self, step: StaticStep, n_q: Tensor) -> Tensor:
-        """The keys of the value window's rows (B, H, R + 32, d): row j holds slot S + n_q + j, whose key is
-        quantized (read from the codes) for j < Nq_k - n_q (< 32 keys that left their window before their values
-        left theirs), else exact in the key window. With one window for both, the key window itself."""
+    def _key_step(self, step: StaticStep, n_q: Tensor) -> Tensor:
+        """The keys of the value window's rows (B, H, R + 32, d), row j holding slot S + n_q + j's key: quantized
+        (read from the codes) for j < Nq_k - n_q (< 32 keys that left their window before their values left
+        theirs), else exact in the key window. Then the key window's oldest token, if the token filled it, is
+        quantized at its device-held slot and the window moves down by one. With one window for both streams:
+        the key window itself. One kernel (kvzoo/kernels/quantize_pack.py) where FUSED_KEY_STEP, else the torch
+        path, its reference."""
         st = self.store
         if st.window is not None:
             return st.recent("k")
         n_k, _ = st.window_row(step, "k")
+        codec, flush = st.codecs["k"], st.phase(self.length, "k") == "flush"
+        if FUSED_KEY_STEP:
+            from kvzoo.kernels.quantize_pack import innerq_key_step
+            read = "asym" if codec.mode == "asym" else "mask" if codec.has_mask else "sym"
+            return innerq_key_step(st.recent("k"), n_k, n_q, codec.codes, codec.scale, codec.slot,
+                                   codec.mask if codec.has_mask else None, st.recent("v").shape[2], codec.bits,
+                                   codec._static_mode(), read, codec.mask_upto(), flush)
         delta = n_k - n_q                                                        # (1,) in [0, 32)
         rows = torch.arange(st.recent("v").shape[2], device=n_q.device)
-        recent = st.recent("k").index_select(2, (rows - delta).clamp(0, st.recent("k").shape[2] - 1))
-        codec = st.codecs["k"]
-        if not codec.capacity:                    # nothing is ever quantized: every key is in its window
-            return recent
-        quantized = codec.read_at(n_q, GROUP, recent.dtype).index_select(2, rows.clamp_max(GROUP - 1))
-        return torch.where((rows < delta)[:, None], quantized, recent)
+        keys = st.recent("k").index_select(2, (rows - delta).clamp(0, st.recent("k").shape[2] - 1))
+        if codec.capacity:                       # else nothing is ever quantized: every key is in its window
+            quantized = codec.read_at(n_q, GROUP, keys.dtype).index_select(2, rows.clamp_max(GROUP - 1))
+            keys = torch.where((rows < delta)[:, None], quantized, keys)
+        if flush:
+            st.flush_at(self.length, step, ("k",))
+        return keys
 
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
-        """decode with fixed shapes: the token's k, v into their windows' rows, then the fused kernel over every
-        quantized slot (`lengths` says which are live), the sink and the value window's rows with their keys; then
-        each stream the token filled quantizes its window's oldest group at a device-held slot."""
+        """decode with fixed shapes: the token's k, v into their windows' rows and the keys aligned with the value
+        window (_key_step, which quantizes the key leaving its window), then the fused kernel over every
+        quantized slot (`lengths` says which are live), the sink and the value window's rows with their keys;
+        then a value window the token filled quantizes its oldest group at a device-held slot."""
         q, k = self.attn.rope(q, k, step.ids)
         if self.opts.key_norm:
             k = k / self.norm                            # the kernel multiplies q by the norm
         n_q, lengths = self._static_lengths(step)
         st = self.store
         st.write_token_at(self.length, step, {"k": k, "v": v})      # k, v (B, H, 1, d) into their window rows
-        out = self._attend_fused(q, None, ((st.sink("k"), st.sink("v")), (self._aligned_keys(step, n_q),
-                                                                          st.recent("v"))),
+        keys = self._key_step(step, n_q)
+        out = self._attend_fused(q, None, ((st.sink("k"), st.sink("v")), (keys, st.recent("v"))),
                                  lengths, self.norm[:, :, 0] if self.opts.key_norm else None)
         if st.window is None:
-            st.flush_at(self.length, step)               # keys a token at a time, values 32 at a time
+            st.flush_at(self.length, step, ("v",))      # values 32 at a time
         elif st.phase(self.length) == "flush":
             self._flush_static(n_q)
         return out

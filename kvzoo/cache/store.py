@@ -415,11 +415,11 @@ class WindowedStore(nn.Module):
             buf = self.sink(name) if self.phase(length, name) == "sink" else self.recent(name)
             buf.index_copy_(buf.dim() - 2, row, x)
 
-    def flush_at(self, length: int, step) -> None:
-        """Each stream whose recent window the token filled: its oldest group into quantized slots [Nq, Nq + G)
-        at the device-held Nq, the rest of the window moved down."""
+    def flush_at(self, length: int, step, names: tuple[str, ...] | None = None) -> None:
+        """Each stream (of `names`, default all) whose recent window the token filled: its oldest group into
+        quantized slots [Nq, Nq + G) at the device-held Nq, the rest of the window moved down."""
         for name, codec in self.codecs.items():
-            if self.phase(length, name) == "flush":
+            if (names is None or name in names) and self.phase(length, name) == "flush":
                 n_q, _ = self.window_row(step, name)
                 codec.write_at(n_q, self.recent(name)[..., :self.windows[name].group, :])
                 self.shift((name,))

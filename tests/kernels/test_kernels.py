@@ -312,6 +312,43 @@ def test_flush_kernel_writes_what_the_cache_writes(bits, mode, dtype):
             assert torch.equal(got, want), f"{kv}_{name}"
 
 
+@pytest.mark.parametrize("bits,mode,dtype", [(2, "hybrid", torch.float32), (4, "asym", torch.float16),
+                                             (2, "sym", torch.float32), (2, "hybrid_prefill", torch.bfloat16)],
+                         ids=name)
+def test_key_step_kernel_equals_the_torch_path(monkeypatch, bits, mode, dtype):
+    """innerq_key_step (the static step's per-token key work at the paper's windows) against the torch path it
+    replaces (InnerQCache._key_step with FUSED_KEY_STEP off): the aligned keys, the key codes, scales, slots and
+    mask bits, and the moved key window, bit for bit, over 72 steps (keys leaving a token at a time, values 32
+    at a time, so every lag of keys behind values from 0 to 31 occurs)."""
+    import kvzoo.cache.innerq as innerq
+    from kvzoo.cache.base import StaticStep
+    from tests.cache.test_kivi import smollm_shaped_layer_cache, store
+
+    spec = f"innerq:bits={bits},sink=4,recent=32,quant_mode={mode},key_norm=false"     # the paper's windows
+    ours, ref = (smollm_shaped_layer_cache(spec, 112, dtype).to(DEVICE) for _ in range(2))
+    torch.manual_seed(bits)
+    k, v = (torch.randn(2, 1, 3, 112, 64, device=DEVICE) * 2 + 0.5).to(dtype)
+    for cache in (ours, ref):                        # a prompt of 40 tokens: 4 keys quantized, no value yet
+        cache.store.codecs["k"].first_call = cache.store.codecs["v"].first_call = True
+        store(cache, k[:, :, :40], v[:, :, :40])
+        cache.store.codecs["k"].first_call = cache.store.codecs["v"].first_call = False
+    for t in range(40, 112):
+        for cache, fused in ((ours, True), (ref, False)):
+            monkeypatch.setattr(innerq, "FUSED_KEY_STEP", fused)
+            step = StaticStep.make(torch.tensor([t], device=DEVICE), torch.zeros(1, dtype=torch.long, device=DEVICE),
+                                   112)
+            st = cache.store
+            st.write_token_at(t, step, {"k": k[:, :, t:t + 1], "v": v[:, :, t:t + 1]})
+            cache.keys = cache._key_step(step, st.window_row(step, "v")[0])
+            st.flush_at(t, step, ("v",))
+            cache.length += 1
+        assert torch.equal(ours.keys, ref.keys), f"aligned keys, step {t}"
+        assert torch.equal(ours.store.recent("k"), ref.store.recent("k")), f"key window, step {t}"
+        for buf in ("codes", "scale", "slot", "mask"):
+            got, want = (getattr(c.store.codecs["k"], buf) for c in (ours, ref))
+            assert torch.equal(got, want), f"key {buf}, step {t}"
+
+
 def test_flush_kernel_refuses_views():
     from kvzoo.kernels.quantize_pack import innerq_flush
     from tests.cache.test_kivi import smollm_shaped_layer_cache
