@@ -263,8 +263,8 @@ def _key_step_kernel(win_ptr, out_ptr, nk_ptr, nq_ptr, kc_ptr, ks_ptr, kz_ptr, k
         wi = tl.arange(0, BITS)
         cw = tl.arange(0, CPW)
         bit = wi[:, None] * CPW + cw[None, :]                                        # index in a group of 32
-        x = tl.load(win_ptr + g[None, :, None, None] * 32 + bit[None, None, :, :])  # (1, NG, BITS, CPW): row 0
-        codes, scale, slot, sym = _quantize_groups(x.to(tl.float32), bit, MODE, TOP)
+        oldest = tl.load(win_ptr + g[None, :, None, None] * 32 + bit[None, None, :, :])  # (1, NG, BITS, CPW): row 0
+        codes, scale, slot, sym = _quantize_groups(oldest.to(tl.float32), bit, MODE, TOP)
         words = tl.sum(codes.to(tl.int32) << (cw * BITS)[None, None, None, :], 3)  # (1, NG, BITS)
         tl.store(kc_ptr + n_k * W + g[None, :, None] * BITS + wi[None, None, :], words)
         tl.store(ks_ptr + n_k * NG + g[None, :], scale.to(tl.float16))
@@ -277,9 +277,9 @@ def _key_step_kernel(win_ptr, out_ptr, nk_ptr, nq_ptr, kc_ptr, ks_ptr, kz_ptr, k
         for c in range(0, KW - 1, 32):
             row = c + j
             moved = row < KW - 1
-            x = tl.load(win_ptr + (row + 1)[:, None] * D + d[None, :], mask=moved[:, None], other=0)
+            below = tl.load(win_ptr + (row + 1)[:, None] * D + d[None, :], mask=moved[:, None], other=0)
             tl.debug_barrier()
-            tl.store(win_ptr + row[:, None] * D + d[None, :], x, mask=moved[:, None])
+            tl.store(win_ptr + row[:, None] * D + d[None, :], below, mask=moved[:, None])
             tl.debug_barrier()
 
 
