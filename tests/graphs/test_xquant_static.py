@@ -132,12 +132,19 @@ def test_write_at_takes_whole_per_channel_groups():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 @pytest.mark.parametrize("spec, arch", [CASES[0], CASES[1], (STATIC[3][0], "gqa"), (STATIC[5][0], "gqa"),
                                         (STATIC[5][0], "mha")])
-def test_cuda_graph_equals_eager(request, spec, arch):
-    """One graph per phase, captured and replayed, against the eager decode (the kernel in both)."""
+def test_cuda_graph_equals_its_step(request, monkeypatch, spec, arch):
+    """One graph per phase, captured and replayed, against the same static step run uncaptured on the GPU: the
+    same kernels, so the same logits. (Against the eager decode the static step agrees to rounding, and at 2
+    bits a rounding difference can flip a code, a step of one quantization level in the later logits, as it
+    does on the H100 for the XQuant-CL MHA case: the CPU tests above hold that comparison.)"""
+    import kvzoo.graphs as graphs
+
     model = request.getfixturevalue(arch).to("cuda")
     try:
-        eager, graphed, phases = decode_both(model, spec, torch.tensor([0, 2]), device="cuda")
-        torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+        _, graphed, phases = decode_both(model, spec, torch.tensor([0, 2]), device="cuda")
+        monkeypatch.setattr(graphs._Captured, "__call__", lambda self, cuda: self.fn())     # uncaptured
+        _, stepped, _ = decode_both(model, spec, torch.tensor([0, 2]), device="cuda")
+        torch.testing.assert_close(graphed, stepped, rtol=1e-6, atol=1e-6)
         assert any("flush" in stream for phase in phases for stream in phase)
     finally:
         model.to("cpu")
