@@ -17,6 +17,9 @@ model_args (comma-separated, as lm-eval parses them):
     dtype          float32 (the default), bfloat16 or float16
     max_length     tokens per window of loglikelihood_rolling and the most a context keeps (its end); default
                    the model's context
+    prompt         the first tokens of each rolling window read exact, the cache's statistics taken from them
+                   (key norms, smoothing means, subspaces), as a streaming run takes them from its prompt; their
+                   predictions are scored too; default min(256, max_length // 8), scripts/perplexity.py's
     prefill_chunk  store contexts that many tokens at a time (chunked prefill)
 and lm-eval's own flags: --device (lm-eval's default cuda:0 runs on the CPU where there is no GPU, as its own
 models do) and --batch_size N (requests scored side by side,
@@ -28,8 +31,8 @@ How each request reads the cache (the strategy's own storage, `mode="streaming"`
         exactly: the log-probability of its tokens, and whether each is the greedy choice.
     loglikelihood_rolling(text)  lm-eval's rolling windows (max_length predictions each, the first predicted
         from the BOS/EOS prefix, a later one from the token before it), each scored in one teacher-forced
-        forward in simulated mode: every token predicted as decoding it through the cache would, the window's
-        first token its exact prompt.
+        forward in simulated mode: every token predicted as decoding it through the cache would after the
+        window's first `prompt` tokens, its exact prompt.
     generate_until(context, gen_kwargs)  kvzoo.generate: greedy unless do_sample (temperature, top_p, top_k as
         given), stopped by `until` or max_gen_toks.
 Each call logs the KV bytes the cache held against an fp16 cache of the same tokens (`kv_report`).
@@ -45,6 +48,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from kvzoo.cache.base import CacheSpec, fp16_kv_nbytes
+from kvzoo.eval.perplexity import default_prompt
 from kvzoo.generate import generate, prefill
 
 try:
@@ -80,7 +84,8 @@ class KvzooLM(LM):
 
     def __init__(self, pretrained: str | tuple | None = None, cache: str = "fp16", device: str | None = None,
                  dtype: str = "float32", batch_size: int | str | None = 1, max_length: int | None = None,
-                 prefill_chunk: int | None = None, max_batch_size: int | None = None, **cache_options):
+                 prefill_chunk: int | None = None, prompt: int | None = None, max_batch_size: int | None = None,
+                 **cache_options):
         super().__init__()
         from kvzoo import load_model
         from kvzoo.cli import check_device
@@ -111,6 +116,9 @@ class KvzooLM(LM):
         if max_length is not None and int(max_length) < 2:
             raise ValueError(f"max_length must be >= 2 (a token of context and one to score), got {max_length}")
         self.max_length = min(int(max_length), context) if max_length is not None else context
+        if prompt is not None and int(prompt) < 1:
+            raise ValueError(f"prompt must be >= 1 (tokens of each rolling window read exact), got {prompt}")
+        self.prompt = int(prompt) if prompt is not None else max(1, default_prompt(self.max_length))
         self.prefix = self.tokenizer.bos_id if self.tokenizer.bos_id is not None else self.tokenizer.eos_ids[0]
         self.kv_report: dict[str, KVReport] = {}
 
@@ -197,10 +205,11 @@ class KvzooLM(LM):
     @torch.inference_mode()
     def _score_window(self, context: list[int], continuation: list[int]) -> float:
         """Log-probability of a rolling window's continuation, teacher-forced in simulated mode (every token
-        predicted as decoding it through the cache would), the context its exact prompt."""
+        predicted as decoding it through the cache would), its first `prompt` tokens (the context at least) its
+        exact prompt."""
         tokens = torch.tensor([context + continuation[:-1]], device=self.model.device)
-        kv = self.model.new_cache(self.spec, batch_size=1, max_len=tokens.shape[1], mode="simulated",
-                                  prompt=len(context))
+        prompt = min(max(self.prompt, len(context)), tokens.shape[1])
+        kv = self.model.new_cache(self.spec, batch_size=1, max_len=tokens.shape[1], mode="simulated", prompt=prompt)
         logits = self.model(tokens, kv)[0, len(context) - 1:].float()                   # (len(cont), vocab)
         target = torch.tensor(continuation, device=self.model.device)
         self._report("loglikelihood_rolling", kv, 1)

@@ -109,10 +109,31 @@ def test_rolling_loglikelihood_equals_perplexity_on_one_window(loaded, cache):
     model, tok = loaded
     text = " ".join(["the quick brown fox jumps over the lazy dog"] * 8)
     ids = [tok.bos_id] + tok.encode(text, bos=False)
-    harness = lm(loaded, cache, max_length=len(ids))
+    harness = lm(loaded, cache, max_length=len(ids), prompt=1)
     total = harness.loglikelihood_rolling(requests("loglikelihood_rolling", [(text,)]), disable_tqdm=True)[0]
     ppl = perplexity(model, ids, seq_len=len(ids), cache=cache, prompt=1, progress=False).perplexity
     assert -total / (len(ids) - 1) == pytest.approx(math.log(ppl), abs=1e-4)
+
+
+@pytest.mark.parametrize("cache", [QUANTIZED, "innerq:bits=2,sink=0,recent=32"])
+def test_rolling_prompt_is_read_exact_and_gives_the_statistics(loaded, cache):
+    """prompt=P: a window's first P tokens are its exact prompt (InnerQ's key norm taken from them). The window's
+    log-likelihood is then the exact one of its first P - 1 predictions plus what scripts/perplexity.py scores
+    with prompt=P (the predictions after the prompt), and a longer prompt changes it."""
+    model, tok = loaded
+    text = " ".join(["the quick brown fox jumps over the lazy dog"] * 8)
+    ids = [tok.bos_id] + tok.encode(text, bos=False)
+    P = 24
+    rolling = requests("loglikelihood_rolling", [(text,)])
+    total = lm(loaded, cache, max_length=len(ids), prompt=P).loglikelihood_rolling(rolling, disable_tqdm=True)[0]
+    logits = model(torch.tensor([ids[:P]]))[0].float()
+    exact = F.log_softmax(logits[:P - 1], -1)[torch.arange(P - 1), torch.tensor(ids[1:P])].sum().item()
+    ppl = perplexity(model, ids, seq_len=len(ids), cache=cache, prompt=P, progress=False).perplexity
+    assert total == pytest.approx(exact - (len(ids) - P) * math.log(ppl), abs=1e-3)
+    longer = lm(loaded, cache, max_length=len(ids), prompt=2 * P).loglikelihood_rolling(rolling, disable_tqdm=True)[0]
+    assert longer != pytest.approx(total, abs=1e-3)
+    with pytest.raises(ValueError, match="prompt must be >= 1"):
+        lm(loaded, cache, prompt=0)
 
 
 def test_rolling_windows_cover_every_token(loaded):
