@@ -44,7 +44,8 @@ table apart, plus the KV bytes held), beside the device's measured copy bandwidt
 the decode-speed targets (TARGETS: each named cache against fp16 in the same cell) as measured / required.
 
 --profile N runs N more steps of each cell under torch.profiler and prints (and keeps in OUT.json) the GPU time
-per step of each kernel (on the CPU: each op's own time), the largest first: where a step's time goes, graph replays included.
+per step of each kernel (on the CPU: each op's own time), the largest first: where a step's time goes, graph
+replays included.
 
 --plot draws tokens/s against context: a panel per batch (the largest batches in one), a line per cache and
 step. --merge joins earlier OUT.json files into one table and plot without a GPU (a cell measured again

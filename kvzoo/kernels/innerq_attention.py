@@ -25,8 +25,8 @@ Two kernels:
      tl.dot. fp16 and bf16 models on a GPU take a fast path: code words are unpacked two at a time into
      half2 registers with inline PTX (prmt, lop3 into the mantissa of 1024.0, sub.f16x2), then code * scale +
      zero (the fp32 zero point) is computed in fp32 and rounded to fp16 once, as the torch path's
-     dequantize_unified does, and the dots run in fp16 (a bf16 query is converted); a value's sign bit is
-     XOR-ed into its fp16 code, a key's applied in fp32. The generic
+     dequantize_unified does, and the dots run in fp16 (a bf16 query is converted); a symmetric group's sign
+     bits are XOR-ed into its fp16 codes (keys and values alike). The generic
      path (fp32, the interpreter) keeps one group per step for fp32 or sym groups at d >= 128
      (_split_kernel_g1: scale and zero of the values after the dot). Symmetric flags are read from the cache's
      packed mask bits. It writes (m, l, acc) per split; with device lengths, a split past the live tokens
@@ -228,19 +228,19 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
         # keys: (BLOCK_N tokens, W, CPW) codes, one scale/slot per (token, group of 32 channels)
         kw = tl.load(kc_ptr + n[:, None] * W + w[None, :], mask=live[:, None], other=0)
         per_word = n[:, None] * NG + (w // BITS)[None, :]                            # (BLOCK_N, W)
-        if FAST:   # codes unpacked as half2 in PTX; scale, zero and sign applied in fp32, rounded once
+        if FAST:   # codes unpacked as half2 in PTX, signs XOR-ed in; scale and zero applied in fp32, rounded once
             o = tl.inline_asm_elementwise(ASM, CON, [kw], dtype=(tl.float16,) * CPW, is_pure=True, pack=2)
-            x = tl.reshape(_join_codes(o, BITS), (BLOCK_N, NG, 32), can_reorder=False).to(tl.float32)
+            x = tl.reshape(_join_codes(o, BITS), (BLOCK_N, NG, 32), can_reorder=False)   # fp16 codes
             per_group = n[:, None] * NG + kg[None, :]                                   # (BLOCK_N, NG)
             scale = tl.load(ks_ptr + per_group, mask=live[:, None], other=0).to(tl.float32)[:, :, None]
             slot = tl.load(kz_ptr + per_group, mask=live[:, None], other=0)
             zero = slot.to(tl.float32, bitcast=True)[:, :, None]
-            if HAS_SYM:   # a symmetric group: no zero, and bit i of the slot is channel i's sign
-                sym = _key_sym(km_ptr, s_kmg, n, kg * BITS, live, MASK_UPTO, BITS)[:, :, None]
-                negative = ((slot[:, :, None] >> i[None, None, :]) & 1) != 0
-                x = tl.where(sym & negative, -x, x)
-                zero = tl.where(sym, 0.0, zero)
-            k = tl.reshape(x * scale + zero, (BLOCK_N, D), can_reorder=False).to(q.dtype)
+            if HAS_SYM:   # a symmetric group: no zero, and bit i of its slot, channel i's sign, XOR-ed into the code
+                sym = _key_sym(km_ptr, s_kmg, n, kg * BITS, live, MASK_UPTO, BITS)
+                flip = ((tl.where(sym, slot, 0)[:, :, None] >> i[None, None, :]) << 15).to(tl.int16)   # bit 15
+                x = (x.to(tl.int16, bitcast=True) ^ flip).to(tl.float16, bitcast=True)
+                zero = tl.where(sym[:, :, None], 0.0, zero)
+            k = tl.reshape(x.to(tl.float32) * scale + zero, (BLOCK_N, D), can_reorder=False).to(q.dtype)
         else:
             x = unpack_codes(kw[:, :, None], shifts, BITS)
             scale = tl.load(ks_ptr + per_word, mask=live[:, None], other=0).to(tl.float32)[:, :, None]

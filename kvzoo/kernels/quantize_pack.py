@@ -257,7 +257,8 @@ def _key_step_kernel(win_ptr, out_ptr, nk_ptr, nq_ptr, kc_ptr, ks_ptr, kz_ptr, k
             code = tl.where(sym & negative, -code, code)
             zero = tl.where(sym, 0.0, bits.to(tl.float32, bitcast=True))
             x = tl.where(coded[:, None], code * scale + zero, x)
-        tl.store(out_ptr + row[:, None] * D + d[None, :], _round_to(x, out_ptr.dtype.element_ty), mask=(row < VW)[:, None])
+        tl.store(out_ptr + row[:, None] * D + d[None, :], _round_to(x, out_ptr.dtype.element_ty),
+                 mask=(row < VW)[:, None])
     if FLUSH:
         g = tl.arange(0, NG)
         wi = tl.arange(0, BITS)
