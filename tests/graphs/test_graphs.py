@@ -239,6 +239,16 @@ def test_bench_decode_cells_run_on_cpu(model, tmp_path):
     assert hf.fits_context("fp16", 300)
 
 
+def test_bench_decode_profiles_a_cell(model):
+    """--profile N: N more steps under torch.profiler (on the CPU each op's own time), the costliest kernels first,
+    the rest summed in one entry; the cache has room for them."""
+    bench = bench_module()
+    row = bench.run_cell(bench.Kvzoo(model), "fp16", 20, 1, 2, 8, warmup=1, profile=3)
+    times = [k["ms_per_step"] for k in row["kernels"]]
+    assert len(times) > 2 and all(t >= 0 for t in times)
+    assert times[:-1] == sorted(times[:-1], reverse=True) and row["kernels"][-1]["kernel"].endswith("other kernels)")
+
+
 def test_bench_decode_writes_each_row_as_it_is_measured(model, tmp_path):
     """cells() hands every row to the Rows sink, which rewrites OUT.json (marked partial) after each one."""
     import json
