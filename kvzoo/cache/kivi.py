@@ -194,9 +194,9 @@ class KIVICache(WholeStep, LayerCache):
         (B, Hq, _, d), dtype = q.shape, q.dtype
         H, G, bits = k_win.shape[1], self.opts.group_size, self.opts.bits
         kc, vc = self.store.codecs["k"], self.store.codecs["v"]
-        rep = Hq // H
+        rep, half = Hq // H, dtype in (torch.float16, torch.bfloat16)   # half: fp16 tile products, as flash attention
         q = q[:, :, 0].float() * d ** -0.5                          # (B, Hq, d): query head h*rep + j
-        quant = qk_outer(q, kc.codes[:, :, :n], kc.scale[:, :, :n // G], kc.zero[:, :, :n // G], bits)
+        quant = qk_outer(q, kc.codes[:, :, :n], kc.scale[:, :, :n // G], kc.zero[:, :, :n // G], bits, half=half)
         window = q.view(B, H, rep, d) @ k_win.float().transpose(-1, -2)                # (B, H, rep, W)
         scores = torch.cat([quant.view(B, H, rep, n), window], dim=-1)                # (B, H, rep, n + W)
         if mask is not None:
@@ -207,7 +207,7 @@ class KIVICache(WholeStep, LayerCache):
         n_v = p.shape[-1] - v_win.shape[2]
         out = (p[..., n_v:] @ v_win.float()).view(B, Hq, d)
         out += pv_outer(p[..., :n_v].reshape(B, Hq, n_v), vc.codes[:, :, :n_v], vc.scale[:, :, :n_v],
-                        vc.zero[:, :, :n_v], bits)
+                        vc.zero[:, :, :n_v], bits, half=half)
         return out[:, :, None].to(dtype)
 
     # ---- the static step (WholeStep: CUDA graphs, kvzoo/graphs.py) -------------------------------------

@@ -43,6 +43,7 @@ from kvzoo.cache.kvquant import QTensor, dequantize, packed_words, quantize
 SCALE_DTYPE = torch.float16
 EXACT = 16        # bits = 16: rows kept at the model's precision, no codes
 POLICIES = ("reference", "grouped", "none")
+FUSED_TOKEN_WRITE = True   # GroupCodec.write_at of one token in one kernel; False: the torch path, its reference
 
 
 @dataclass(frozen=True)
@@ -192,9 +193,23 @@ class GroupCodec(Codec):
         n = rows.shape[-2]
         if self.per_channel and n % self.group:
             raise ValueError(f"a per-channel codec writes whole groups of {self.group} rows, got {n}")
+        if n == 1 and self._token_kernel(rows):          # a static step's one token: one kernel
+            from kvzoo.kernels.quantize_pack import group_token_write
+            group_token_write(rows, start, self.codes, self.scale, self.zero, self.bits, self.group)
+            return
         slots, groups = device_slots(start, n, self.group)
         for buf, values, grouped in self._encode(rows):
             buf.index_copy_(buf.dim() - 2, groups if grouped else slots, values)
+
+    def _token_kernel(self, rows: Tensor) -> bool:
+        """Whether group_token_write serves a one-token write: per-token groups of 2/4/8-bit codes filling whole
+        words, this class's own quantizer, a device the kernels run on, and FUSED_TOKEN_WRITE."""
+        from kvzoo.kernels.quant_matvec import kernels_run_on
+
+        g = self.group
+        return (FUSED_TOKEN_WRITE and not self.per_channel and not self.exact_first and self.bits in (2, 4, 8)
+                and not g & (g - 1) and g % (32 // self.bits) == 0 and type(self).quantize is GroupCodec.quantize
+                and kernels_run_on(rows.device))
 
     def held_first(self, n: int) -> Tensor | None:
         """Channel 0 of slots [0, n) at full precision (exact_first), else None."""

@@ -183,6 +183,12 @@ def _qk_inner_kernel(q_ptr, codes_ptr, scale_ptr, slot_ptr, sym_ptr, out_ptr, N,
 
 
 @triton.jit
+def _half(x):
+    """fp32 x rounded to fp16 for a tensor-core dot (fp32 accumulation), clamped to fp16's range."""
+    return tl.clamp(x, -65504.0, 65504.0).to(tl.float16)
+
+
+@triton.jit
 def _outer_rows(codes_ptr, n, live, D: tl.constexpr, BITS: tl.constexpr):
     """Codes of tokens n (BLOCK_N,) as exact fp32 (BLOCK_N, D), channel j at column j; dead tokens read 0."""
     CPW: tl.constexpr = 32 // BITS
@@ -198,7 +204,7 @@ def _outer_rows(codes_ptr, n, live, D: tl.constexpr, BITS: tl.constexpr):
 def _qk_outer_kernel(q_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, N,
                      s_q, s_codes, s_scale, s_zero, s_out,
                      D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr, REP: tl.constexpr,
-                     ROWS: tl.constexpr):
+                     ROWS: tl.constexpr, HALF: tl.constexpr):
     head = tl.program_id(0).to(tl.int64)                   # b * H + h: its REP query rows are head*REP + j
     codes_ptr += head * s_codes
     scale_ptr += head * s_scale
@@ -212,7 +218,10 @@ def _qk_outer_kernel(q_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, N,
         scale = tl.load(scale_ptr + t * D + ch).to(tl.float32)
         zero = tl.load(zero_ptr + t * D + ch).to(tl.float32)
         k = _outer_rows(codes_ptr, n, n < N, D, BITS) * scale[None, :] + zero[None, :]   # (32, D)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)                      # (ROWS, 32)
+        if HALF:
+            scores = tl.dot(_half(q), tl.trans(_half(k)))                                  # (ROWS, 32)
+        else:
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         tl.store(out_ptr + rows[:, None] * s_out + n[None, :], scores, mask=(r < REP)[:, None])
 
 
@@ -262,11 +271,12 @@ def _query_heads(x: Tensor, name: str, B: int, H: int, last: int) -> int:
 
 
 def qk_outer(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, bits: int,
-             groups: int = 4, num_warps: int = 4) -> Tensor:
+             groups: int = 4, num_warps: int = 4, half: bool = False) -> Tensor:
     """scores (B, Hq, N) fp32 = q (B, Hq, d) · dequant(K)ᵀ for KIVI's per-channel key groups; Hq = rep * H
     query heads, query head h*rep + j against KV head h. A program takes BLOCK_N tokens of one KV head for all
     its query rows (`groups` groups of 32 tokens, one at a time): each group's codes are read and dequantized once,
-    then one tile product (rows padded to 16)."""
+    then one tile product (rows padded to 16): tf32x3, or with `half` (an fp16/bf16 model's) q and the
+    dequantized keys rounded to fp16, as flash attention's dots take them."""
     B, H, N, d = _check_codes(k_codes, bits, "k_codes")
     dev = k_codes.device
     check_runnable(_qk_outer_kernel, dev)
@@ -279,7 +289,7 @@ def qk_outer(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, bits: 
     if B * H * N:
         _qk_outer_kernel[(B * H, triton.cdiv(N // GROUP, groups))](
             q, codes, scale, zero, out, N, d, s_codes, s_scale, s_zero, N,
-            D=d, BITS=bits, GROUPS=groups, REP=Hq // H, ROWS=query_tile(Hq // H), num_warps=num_warps,
+            D=d, BITS=bits, GROUPS=groups, REP=Hq // H, ROWS=query_tile(Hq // H), HALF=half, num_warps=num_warps,
             enable_fp_fusion=True)
     return out
 
@@ -338,7 +348,7 @@ def _pv_inner_kernel(p_ptr, codes_ptr, scale_ptr, slot_ptr, sym_ptr, out_ptr, N_
 def _pv_outer_kernel(p_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, N, PER_SPLIT,
                      s_p, s_codes, s_scale, s_zero,
                      D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, REP: tl.constexpr,
-                     ROWS: tl.constexpr):
+                     ROWS: tl.constexpr, HALF: tl.constexpr):
     head = tl.program_id(0).to(tl.int64)                   # b * H + h: its REP query rows are head*REP + j
     split = tl.program_id(1)
     codes_ptr += head * s_codes
@@ -360,7 +370,10 @@ def _pv_outer_kernel(p_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, N, PER_SPLI
         zero = tl.load(zero_ptr + per_group, mask=live[:, None], other=0).to(tl.float32)
         x = tl.reshape(_outer_rows(codes_ptr, n, live, D, BITS), (BLOCK_N, D // 32, 32))
         v = tl.reshape(x * scale[:, :, None] + zero[:, :, None], (BLOCK_N, D))          # (BLOCK_N, D)
-        acc += tl.dot(p, v, input_precision=PRECISION)
+        if HALF:
+            acc += tl.dot(p.to(tl.float16), _half(v))
+        else:
+            acc += tl.dot(p, v, input_precision=PRECISION)
     tl.store(out_ptr + (rows[:, None] * tl.num_programs(1) + split) * D + ch[None, :], acc, mask=(r < REP)[:, None])
 
 
@@ -393,9 +406,9 @@ def pv_inner(p: Tensor, v_codes: Tensor, v_scale: Tensor, v_slot: Tensor, v_sym:
 
 
 def pv_outer(p: Tensor, v_codes: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int,
-             block_n: int = 32, num_splits: int | None = None, num_warps: int = 4) -> Tensor:
+             block_n: int = 32, num_splits: int | None = None, num_warps: int = 4, half: bool = False) -> Tensor:
     """out (B, Hq, d) fp32 = p (B, Hq, N) · dequant(V) for KIVI's per-token value groups (32 channels);
-    Hq = rep * H query heads as in qk_outer."""
+    Hq = rep * H query heads as in qk_outer (`half`: p and the dequantized values rounded to fp16 for the dots)."""
     B, H, N, d = _check_codes(v_codes, bits, "v_codes")
     dev = v_codes.device
     check_runnable(_pv_outer_kernel, dev)
@@ -410,7 +423,7 @@ def pv_outer(p: Tensor, v_codes: Tensor, v_scale: Tensor, v_zero: Tensor, bits: 
     partial = torch.empty(B * Hq, splits, d, dtype=torch.float32, device=dev)
     _pv_outer_kernel[(B * H, splits)](
         p, codes, scale, zero, partial, N, per_split * GROUP, N, s_codes, s_scale, s_zero,
-        D=d, BITS=bits, BLOCK_N=block_n, REP=Hq // H, ROWS=query_tile(Hq // H), num_warps=num_warps,
+        D=d, BITS=bits, BLOCK_N=block_n, REP=Hq // H, ROWS=query_tile(Hq // H), HALF=half, num_warps=num_warps,
         enable_fp_fusion=True)
     return _finish_splits(partial, B, Hq)
 

@@ -31,6 +31,10 @@ at a time, values 32 at a time), one program per (row, KV head) in place of some
 the keys of the value window's rows, aligned slot for slot (the first `n_k - n_q` dequantized from the codes,
 the rest the key window's exact rows), then the key window's oldest token quantized at slot n_k and the window
 moved down by one.
+
+group_token_write is kvzoo.cache.kvquant.quantize's asymmetric per-token groups (G channels of one token share
+an fp16 scale and zero: KIVI's and SQuat's values, XQuant's X U_v) for the one token a static step quantizes,
+written at a device-held slot: one kernel in place of some forty torch ops (quantize, pack, index copies).
 """
 
 from __future__ import annotations
@@ -319,6 +323,58 @@ def innerq_key_step(win: Tensor, n_k: Tensor, n_q: Tensor, codes: Tensor, scale:
                                READ=READS.index(read), CODES=capacity > 0, FLUSH=flush,
                                MASK=flush and mode == "hybrid", num_warps=4, enable_fp_fusion=False)
     return out
+
+
+@triton.jit
+def _token_group_kernel(x_ptr, slot_ptr, codes_ptr, scale_ptr, zero_ptr, s_x, s_codes, s_groups,
+                        NG: tl.constexpr, NG_P: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+                        TOP: tl.constexpr):
+    """One (batch row, head) per program: its token's NG groups of G channels, as (group, word, code in word)."""
+    CPW: tl.constexpr = 32 // BITS
+    WG: tl.constexpr = G // CPW                                                      # words per group
+    lead = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    g = tl.arange(0, NG_P)
+    wi = tl.arange(0, WG)
+    c = tl.arange(0, CPW)
+    live = (g < NG)[:, None, None]
+    x = tl.load(x_ptr + lead * s_x + g[:, None, None] * G + wi[None, :, None] * CPW + c[None, None, :], mask=live,
+                other=0).to(tl.float32)                                              # (NG_P, WG, CPW)
+    lo = tl.min(tl.min(tl.where(live, x, float("inf")), 2), 1)
+    hi = tl.max(tl.max(tl.where(live, x, float("-inf")), 2), 1)
+    zero = lo.to(tl.float16).to(tl.float32)
+    scale = tl.math.div_rn(hi - zero, TOP).to(tl.float16).to(tl.float32)
+    safe = tl.where(scale > 0, scale, 1.0)
+    codes = _round_clamp(tl.math.div_rn(x - zero[:, None, None], safe[:, None, None]), TOP)
+    words = tl.sum(codes.to(tl.int32) << (c * BITS)[None, None, :], 2)              # (NG_P, WG)
+    tl.store(codes_ptr + lead * s_codes + slot * (NG * WG) + g[:, None] * WG + wi[None, :], words,
+             mask=(g < NG)[:, None])
+    at = lead * s_groups + slot * NG + g
+    tl.store(scale_ptr + at, scale.to(tl.float16), mask=g < NG)
+    tl.store(zero_ptr + at, zero.to(tl.float16), mask=g < NG)
+
+
+def group_token_write(row: Tensor, slot: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, bits: int,
+                      group: int) -> None:
+    """One token's row (*lead, 1, width) quantized as kvzoo.cache.kvquant.quantize(row, bits, group) (asymmetric,
+    groups of `group` channels, fp16 scale and zero) into a GroupCodec's buffers codes (*lead, capacity, words),
+    scale and zero (*lead, capacity, width / group) at slot `slot`, an int64 device tensor (1,). bits 2, 4 or 8,
+    `group` a power of two that holds whole code words."""
+    if bits not in (2, 4, 8):
+        raise ValueError(f"group_token_write packs 2-, 4- or 8-bit codes, got {bits}")
+    width = row.shape[-1]
+    if group & (group - 1) or group % (32 // bits) or width % group:
+        raise ValueError(f"group {group} must be a power of two of whole {bits}-bit code words dividing {width}")
+    check_runnable(_token_group_kernel, row.device)
+    for name, t in (("codes", codes), ("scale", scale), ("zero", zero)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous: the write fills the cache's own buffers, not views")
+    x = row.reshape(-1, width)                                                       # (prod(lead), width)
+    ng = width // group
+    _token_group_kernel[(x.shape[0],)](x, slot, codes, scale, zero, x.stride(0), codes.shape[-2] * codes.shape[-1],
+                                       scale.shape[-2] * scale.shape[-1], NG=ng, NG_P=triton.next_power_of_2(ng),
+                                       G=group, BITS=bits, TOP=float(2 ** bits - 1), num_warps=1,
+                                       enable_fp_fusion=False)
 
 
 def quantize_inner(x: Tensor, bits: int, mode: str = "hybrid", block_t: int | None = None,

@@ -107,6 +107,21 @@ def test_outer_matvec_serves_gqa_query_rows(bits, rep):
         qk_outer(q[:, :5], *kq, bits)
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+def test_outer_matvec_half_dots_are_the_reference_within_fp16_rounding(bits):
+    """half=True (an fp16/bf16 model's step): q, p and the dequantized tiles rounded to fp16 for the tensor-core
+    dots, fp32 accumulation: the reference within fp16 rounding, GQA rows included."""
+    torch.manual_seed(bits)
+    B, H, rep, n, d = 1, 2, 4, 96, 128
+    k, v = torch.randn(2, B, H, n, d, device=DEVICE)
+    ko, vo = quantize(k, bits, 32, axis=-2), quantize(v, bits, 32, axis=-1)
+    q = torch.randn(B, H * rep, d, device=DEVICE)
+    p = torch.softmax(torch.randn(B, H * rep, n, device=DEVICE), -1)
+    kq, vq = (ko.codes, ko.scale, ko.zero), (vo.codes, vo.scale, vo.zero)
+    assert_close(qk_outer(q, *kq, bits, half=True), qk_outer_ref(q, *kq, bits), torch.float16)
+    assert_close(pv_outer(p, *vq, bits, half=True), pv_outer_ref(p, *vq, bits), torch.float16)
+
+
 def test_matvec_reads_cache_slices_without_copies_going_wrong():
     """Cache buffers are allocated for max_len tokens and sliced along the token dim: strided rows."""
     k = torch.randn(2, 3, 128, 64, device=DEVICE)
@@ -347,6 +362,27 @@ def test_key_step_kernel_equals_the_torch_path(monkeypatch, bits, mode, dtype):
         for buf in ("codes", "scale", "slot", "mask"):
             got, want = (getattr(c.store.codecs["k"], buf) for c in (ours, ref))
             assert torch.equal(got, want), f"key {buf}, step {t}"
+
+
+@pytest.mark.parametrize("bits,group,dtype", [(2, 32, torch.float32), (4, 16, torch.bfloat16), (8, 128, torch.float16),
+                                              (2, 64, torch.bfloat16)], ids=name)
+def test_token_write_kernel_equals_the_torch_path(monkeypatch, bits, group, dtype):
+    """GroupCodec.write_at of one token (a static step's value, KIVI's layout) through group_token_write equals
+    its torch path (kvzoo.cache.kvquant.quantize, pack, index copies) bit for bit, a constant group included."""
+    import kvzoo.cache.store as store
+    from kvzoo.cache.store import GroupCodec
+
+    torch.manual_seed(bits)
+    ours, ref = (GroupCodec((2, 3), 8, 256, bits, group, False, dtype, DEVICE) for _ in range(2))
+    assert ours._token_kernel(torch.zeros(1, device=DEVICE))
+    for slot in (0, 5, 7):
+        row = (torch.randn(2, 3, 1, 256, device=DEVICE) * 3 + 0.7).to(dtype)
+        row[0, 1, 0, :group] = 1.25                                              # scale 0: every code 0
+        for codec, fused in ((ours, True), (ref, False)):
+            monkeypatch.setattr(store, "FUSED_TOKEN_WRITE", fused)
+            codec.write_at(torch.tensor([slot], device=DEVICE), row)
+    for buf in ("codes", "scale", "zero"):
+        assert torch.equal(getattr(ours, buf), getattr(ref, buf)), buf
 
 
 def test_flush_kernel_refuses_views():
