@@ -6,6 +6,7 @@ against the fp16 product a w16 model runs (cuBLAS through torch) and the dequant
 Layers (out_features N, in_features K, group G):
     SmolLM2-135M   q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536 (G = 64, the embedded model)
     Llama-2-7B     q/k/v/o 4096x4096, gate/up 11008x4096, down 4096x11008 (G = 128)
+    Llama-3.1-8B   q/o 4096x4096, k/v 1024x4096, gate/up 14336x4096, down 4096x14336 (G = 128)
 Rows M = 1 (decode), 16, 256 and 4096 (prefill chunks). Each cell is the median of --runs CUDA-graph replays
 with the L2 flushed first (scripts.timing.Timer): a decode step finds a layer's weights cold. The kernel
 runs at its default tiles (kvzoo.kernels.w4a16.default_tiles) and at the best of a small sweep (`candidates`;
@@ -29,6 +30,8 @@ from scripts.timing import Timer, output_paths, require_compiled_gpu
 LAYERS = {            # model: (group, [(name, N, K)])
     "SmolLM2-135M": (64, [("q/o", 576, 576), ("k/v", 192, 576), ("gate/up", 1536, 576), ("down", 576, 1536)]),
     "Llama-2-7B": (128, [("q/k/v/o", 4096, 4096), ("gate/up", 11008, 4096), ("down", 4096, 11008)]),
+    "Llama-3.1-8B": (128, [("q/o", 4096, 4096), ("k/v", 1024, 4096), ("gate/up", 14336, 4096),
+                           ("down", 4096, 14336)]),
 }
 
 
@@ -47,6 +50,7 @@ def parse_args():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/kvpareto/bench_w4a16", help="output path without suffix")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256, 4096], help="rows M of x")
+    parser.add_argument("--models", nargs="+", default=list(LAYERS), choices=list(LAYERS), help="layer sets")
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--overwrite", action="store_true", help="replace existing OUT.json / OUT.md")
@@ -70,7 +74,7 @@ def main() -> None:
     paths = output_paths(args.out, args.overwrite)
     timer = Timer(args.runs, args.warmup)
     copy_gbs = copy_bandwidth(timer)
-    cells = [(model, group, name, N, K, M) for model, (group, layers) in LAYERS.items()
+    cells = [(model, group, name, N, K, M) for model, (group, layers) in LAYERS.items() if model in args.models
              for name, N, K in layers for M in args.rows]
     rows = []
     for model, group, name, N, K, M in tqdm(cells, desc="layers x rows"):
