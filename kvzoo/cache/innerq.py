@@ -40,9 +40,10 @@ Decode on a GPU runs the fused kernel (kvzoo/kernels/innerq_attention.py) over t
 codes, and mask bits read in place. `decode_static` is the same step with the lengths in device tensors, so
 that a CUDA graph holds it (kvzoo/graphs.py). It has one graph per phase: a token joins the sink, joins the
 recent window, or fills it and a group is quantized in place (one window for both: innerq_flush, one kernel; the
-paper's windows: a key a token at a time and values 32 at a time, InnerQCodec.write_at). With the paper's windows
-up to 31 keys are quantized while their values are still exact; the kernel reads them dequantized beside their
-values' rows (_aligned_keys). Elsewhere (a CPU) decode reads the codes a stream at a time (WindowedStore.attend; a
+paper's windows: values 32 at a time through InnerQCodec.write_at, keys a token at a time). With the paper's
+windows up to 31 keys are quantized while their values are still exact; the kernel reads them dequantized beside
+their values' rows. Those aligned keys, the key quantized and the key window's move are one kernel per step
+(_key_step: innerq_key_step, or its torch reference with FUSED_KEY_STEP off). Elsewhere (a CPU) decode reads the codes a stream at a time (WindowedStore.attend; a
 symmetric group's signs flipped into its codes).
 """
 
