@@ -256,7 +256,7 @@ def test_bench_decode_writes_each_row_as_it_is_measured(model, tmp_path):
 
     bench = bench_module()
     args = SimpleNamespace(contexts=[12], batches=[1, 2], steps=2, warmup=1, repeats=1, prefill_chunk=8,
-                           find_max_batch=False, find_max_context=False)
+                           find_max_batch=False, find_max_context=False, profile=0)
     seen = []
     sink = bench.Rows(tmp_path / "out.json", "cpu", "test")
 
