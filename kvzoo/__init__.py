@@ -22,10 +22,12 @@ __all__ = ["CacheSpec", "Generation", "ModelConfig", "generate", "list_caches", 
 
 
 def load_model(model: str | Path | None = None, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype = "float32", progress: bool = False):
-    """(Transformer, Tokenizer) for a local HF folder, a hub id, or None for the embedded default."""
+               dtype: str | torch.dtype = "float32", progress: bool = False, shard=None):
+    """(Transformer, Tokenizer) for a local HF folder, a hub id, or None for the embedded default; `shard` (a
+    kvzoo.models.tp.Shard) loads one rank's slices for tensor parallelism."""
     from kvzoo.models.loader import load_weights, resolve_model_dir
     from kvzoo.tokenizer import Tokenizer
 
     folder = resolve_model_dir(model)
-    return load_weights(folder, device=device, dtype=dtype, progress=progress), Tokenizer.from_pretrained(folder)
+    return (load_weights(folder, device=device, dtype=dtype, progress=progress, shard=shard),
+            Tokenizer.from_pretrained(folder))

@@ -167,7 +167,7 @@ class PiecewiseDecoder:
         self.before, self.after = [], []
         self.embed = _Captured(lambda: self.hidden[0].copy_(model.embed(self.token)), pool)
         for i, block in enumerate(model.layers):
-            self.attn_out.append(torch.zeros(B, cfg.n_heads, 1, cfg.head_dim, dtype=model.dtype, device=device))
+            self.attn_out.append(torch.zeros(B, block.attn.n_heads, 1, cfg.head_dim, dtype=model.dtype, device=device))
             self.before.append(_Captured(self._before_fn(block, i), pool))
             self.hidden.append(torch.zeros_like(self.hidden[0]))
             self.after.append(_Captured(self._after_fn(block, i), pool))

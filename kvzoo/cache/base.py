@@ -347,7 +347,7 @@ class ModelCache(nn.Module):
     MODES = ("streaming", "simulated")
 
     def __init__(self, spec: CacheSpec, layers: list["Attention"], batch_size: int, max_len: int,
-                 mode: str = "streaming", prompt: int = 0):
+                 mode: str = "streaming", prompt: int = 0, sharded: bool = False):
         super().__init__()
         if mode not in self.MODES:
             raise ValueError(f"unknown evaluation mode {mode!r}; accepted: {', '.join(self.MODES)}")
@@ -364,10 +364,14 @@ class ModelCache(nn.Module):
             layer.simulated, layer.prompt = mode == "simulated", prompt
         self.layers = nn.ModuleList(built)
         self.mode = mode
+        self.sharded = sharded    # each layer holds this rank's KV heads (kvzoo/models/tp.py)
         self.length = 0
 
     def nbytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.layers)
+        """Bytes held, summed over the ranks of a sharded model (every rank must call it then)."""
+        from kvzoo.models.tp import all_sum
+        held = sum(layer.nbytes() for layer in self.layers)
+        return all_sum(held) if self.sharded else held
 
     def reset(self) -> None:
         for layer in self.layers:

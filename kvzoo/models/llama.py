@@ -173,7 +173,8 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.cfg = cfg
+        self.cfg = cfg                      # the whole model's, also when sharded
+        self.shard = None                   # this rank's kvzoo.models.tp.Shard under tensor parallelism
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rope = RotaryEmbedding(cfg)    # one table of frequencies, shared by every layer
         self.layers = nn.ModuleList(Block(cfg, self.rope, i) for i in range(cfg.n_layers))
@@ -201,7 +202,8 @@ class Transformer(nn.Module):
         if max_len > self.cfg.max_position_embeddings:
             raise ValueError(f"{max_len} tokens exceed the model's context of "
                              f"{self.cfg.max_position_embeddings} (max_position_embeddings)")
-        return ModelCache(spec, [block.attn for block in self.layers], batch_size, max_len, mode, prompt)
+        return ModelCache(spec, [block.attn for block in self.layers], batch_size, max_len, mode, prompt,
+                          sharded=self.shard is not None)
 
     def forward(self, tokens: Tensor, cache: ModelCache | None = None, pad: Tensor | None = None,
                 last_only: bool = False) -> Tensor:

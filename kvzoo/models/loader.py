@@ -25,6 +25,7 @@ from tqdm import tqdm
 from kvzoo.config import ModelConfig
 from kvzoo.models.gguf_import import DEFAULT_MODEL_NAME, ensure_default_model, weights_root
 from kvzoo.models.llama import Transformer, rope_inv_freq
+from kvzoo.models.tp import Shard, rank_slice, shard_modules
 
 # HF checkpoint name -> kvzoo parameter name.
 GLOBAL_NAMES = {
@@ -145,14 +146,18 @@ def damaged(file: Path, err: Exception) -> str:
 
 
 def load_weights(model_dir: str | Path, device: str | torch.device = "cpu",
-                 dtype: str | torch.dtype = torch.float32, progress: bool = False) -> Transformer:
-    """Build the model from model_dir/config.json and fill it from its safetensors."""
+                 dtype: str | torch.dtype = torch.float32, progress: bool = False,
+                 shard: Shard | None = None) -> Transformer:
+    """Build the model from model_dir/config.json and fill it from its safetensors. With `shard` (tensor
+    parallelism, kvzoo/models/tp.py) the model holds this rank's slices, and only those bytes are read."""
     model_dir = Path(model_dir)
     dtype = parse_dtype(dtype)
     cfg = ModelConfig.from_hf(model_dir)
     with torch.device("meta"):
         model = Transformer(cfg)
-    expected = model.state_dict()
+    expected = model.state_dict()                       # whole shapes, as the checkpoint holds them
+    if shard is not None:
+        shard_modules(model, shard)
     files = _checkpoint_files(model_dir)
     table = hf_name_table(cfg)
 
@@ -181,8 +186,10 @@ def load_weights(model_dir: str | Path, device: str | torch.device = "cpu",
                              f"loads float weights: {', '.join(f'{k} ({v})' for k, v in CHECKPOINT_DTYPES.items())}")
     state: dict[str, torch.Tensor] = {}
     for hf_key, ours in tqdm(table.items(), desc="loading weights", unit="tensor", disable=not progress):
+        part = rank_slice(ours, shard, tuple(expected[ours].shape))
         try:
-            tensor = handles[files[hf_key]].get_tensor(hf_key)
+            handle = handles[files[hf_key]]
+            tensor = handle.get_tensor(hf_key) if part is None else handle.get_slice(hf_key)[part]
         except SafetensorError as err:
             raise ValueError(damaged(files[hf_key], err)) from None
         state[ours] = tensor.to(device=device, dtype=dtype)

@@ -1,0 +1,113 @@
+"""Tensor parallelism (kvzoo/models/tp.py) on the CPU: two gloo ranks under torchrun against one process.
+
+Every strategy's sharded run (each rank holding its KV heads) gives the single process's logits within fp32
+rounding and its greedy tokens, eagerly and through kvzoo.graphs.decoder, streaming and simulated, with the KV
+bytes summed over ranks. The strategies whose state spans heads shard it their own way (tp.py's docstring):
+their lossless settings still equal one process, and their lossy ones stay as close to fp16 as one process is.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvzoo.models import tp
+from kvzoo.models.loader import load_weights
+from tests.cache.test_cache_contract import LOSSLESS, LOSSY
+from tests.tiny import tiny_llama
+from tests.tp_worker import run_all
+
+REPO = Path(__file__).resolve().parents[2]
+WORLD = 2
+# lossy settings whose quantized state is taken per rank, not per head: XQuant's GQA latents (an SVD of the
+# rank's W_k, W_v rows), XQuant-CL's GQA deltas and first plain layer, KV Pareto's per-tensor range
+SHARD_LOCAL = {"xquant", "xquant-outlier", "xquant-cl", "xquant-cl-plain-first", "kvpareto-tensor", "kvpareto-k16"}
+# caches of the layer input X, which every rank holds whole: the bytes summed over ranks are WORLD times one
+# process's (xquant-cl's base layer, and XQuant itself on an MHA model)
+REPLICATED_X = {"xquant-cl", "xquant-cl-plain-first"}
+SPECS = sorted(set(LOSSY.values()) | set(LOSSLESS.values()))
+MHA_SPECS = [LOSSY["xquant"], LOSSY["xquant-cl"], "fp16"]
+
+
+def sharded(checkpoint: Path, out: Path, specs: list[str]) -> dict:
+    """run_all in WORLD gloo processes launched by torchrun, as a user launches chat or perplexity."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+           str(REPO / "tests" / "tp_worker.py"), str(checkpoint), str(out), *specs]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def gqa(tmp_path_factory):
+    """(single-process results, sharded results) for every spec of the contract tests, GQA 4/2 heads."""
+    checkpoint = tiny_llama(tmp_path_factory.mktemp("tp-gqa"), head_dim=32, hidden_size=64)
+    return run_all(load_weights(checkpoint), SPECS), sharded(checkpoint, checkpoint / "out.pt", SPECS)
+
+
+@pytest.fixture(scope="module")
+def mha(tmp_path_factory):
+    """The same on an MHA model (4/4 heads), where XQuant caches X itself."""
+    checkpoint = tiny_llama(tmp_path_factory.mktemp("tp-mha"), head_dim=32, hidden_size=64, num_key_value_heads=4)
+    return run_all(load_weights(checkpoint), MHA_SPECS), sharded(checkpoint, checkpoint / "out.pt", MHA_SPECS)
+
+
+def assert_same(one: dict, many: dict, nbytes_factor: int = 1) -> None:
+    for how in ("eager", "decoder"):
+        assert (one[how][0] - many[how][0]).abs().max() < 1e-5, how
+        assert torch.equal(one[how][1], many[how][1]), how
+        assert many[f"{how}_nbytes"] == nbytes_factor * one[f"{how}_nbytes"], how
+    assert (one["simulated"] - many["simulated"]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("name", sorted(set(LOSSY) - SHARD_LOCAL))
+def test_sharded_lossy_equals_one_process(gqa, name):
+    one, many = gqa
+    assert_same(one[LOSSY[name]], many[LOSSY[name]])
+
+
+@pytest.mark.parametrize("name", sorted(LOSSLESS))
+def test_sharded_lossless_equals_one_process(gqa, name):
+    one, many = gqa
+    assert_same(one[LOSSLESS[name]], many[LOSSLESS[name]], WORLD if name == "xquant-cl" else 1)
+
+
+@pytest.mark.parametrize("name", sorted(SHARD_LOCAL))
+def test_shard_local_state_is_as_close_to_fp16_as_one_process(gqa, name):
+    one, many = gqa
+    spec = LOSSY[name]
+    # teacher-forced (simulated) logits: greedy decodes that part ways would compare different texts
+    def error(results):
+        return (results[spec]["simulated"] - results["fp16"]["simulated"]).abs().mean().item()
+    assert error(many) < 3 * error(one) + 1e-3
+    factor = WORLD if name in REPLICATED_X else 1
+    # every rank keeps its own outlier channel exact (xquant-outlier): a little more than one process
+    assert many[spec]["eager_nbytes"] <= factor * one[spec]["eager_nbytes"] * 1.1
+
+
+@pytest.mark.parametrize("spec", MHA_SPECS)
+def test_sharded_mha_xquant_replicates_x_and_equals_one_process(mha, spec):
+    one, many = mha
+    assert_same(one[spec], many[spec], 1 if spec == "fp16" else WORLD)
+
+
+def test_kv_heads_must_divide_among_ranks(tmp_path):
+    checkpoint = tiny_llama(tmp_path, head_dim=32, hidden_size=64)      # 2 KV heads
+    with pytest.raises(ValueError, match="2 KV heads .* divides 2"):
+        load_weights(checkpoint, shard=tp.Shard(0, 3))
+
+
+def test_a_rank_reads_only_its_slices(tmp_path):
+    checkpoint = tiny_llama(tmp_path, head_dim=32, hidden_size=64)
+    whole = load_weights(checkpoint)
+    for rank in range(WORLD):
+        part = load_weights(checkpoint, shard=tp.Shard(rank, WORLD))
+        attn, full = part.layers[1].attn, whole.layers[1].attn
+        assert (attn.n_heads, attn.n_kv_heads) == (2, 1)
+        rows = slice(rank * 32, (rank + 1) * 32)                           # one KV head of 32 channels
+        assert torch.equal(attn.k_proj.weight, full.k_proj.weight[rows])
+        assert torch.equal(attn.o_proj.weight, full.o_proj.weight[:, rank * 64:(rank + 1) * 64])
+        assert torch.equal(part.layers[0].mlp.down_proj.weight, whole.layers[0].mlp.down_proj.weight[:, rank * 48:(rank + 1) * 48])
+        assert torch.equal(part.lm_head.weight, whole.lm_head.weight)
