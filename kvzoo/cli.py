@@ -123,16 +123,31 @@ def parse_cache_args(args: argparse.Namespace) -> CacheSpec:
 
 def load_from_args(args: argparse.Namespace):
     """(model, tokenizer) for parsed add_model_args arguments; with --mha the model is expanded from GQA to
-    the equivalent multi-head attention (kvzoo/models/mha.py) right after loading."""
+    the equivalent multi-head attention (kvzoo/models/mha.py) right after loading. Launched by torchrun with
+    several processes, each loads its tensor-parallel slices (kvzoo/models/tp.py) onto its own GPU, and only
+    rank 0 prints."""
     from kvzoo import load_model
+    from kvzoo.models import tp
     from kvzoo.models.mha import expand_to_mha
 
     device = check_device(args.device)
+    shard = tp.init(device)
+    if shard is not None:
+        if device.type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        if shard.rank:
+            quiet()
     dtype = args.dtype if args.dtype != "auto" else ("float32" if device.type == "cpu" else "bfloat16")
-    model, tokenizer = load_model(args.model, device=device, dtype=dtype, progress=True)
+    model, tokenizer = load_model(args.model, device=device, dtype=dtype, progress=True, shard=shard)
     if getattr(args, "mha", False):
         expand_to_mha(model)
     return model, tokenizer
+
+
+def quiet() -> None:
+    """Send this process's output nowhere: a tensor-parallel rank other than 0 computes what rank 0 prints."""
+    devnull = open(os.devnull, "w")
+    sys.stdout = sys.stderr = devnull
 
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")

@@ -8,6 +8,7 @@ weights, no download) and the embedded model; the largest batch and the largest 
 Models (kvzoo.models.llama.Transformer on the GPU, weights drawn N(0, 0.02); with --hf the same shape as a
 transformers LlamaForCausalLM, also random):
     llama-3.1-8b   32 layers, 32 query / 8 KV heads of 128, MLP 14336, vocab 128256, llama3 RoPE
+    llama-3.1-70b  80 layers, 64 query / 8 KV heads of 128, MLP 28672, vocab 128256, llama3 RoPE
     llama-2-7b     32 layers, 32 heads of 128 (MHA), MLP 11008, vocab 32000
 Both have their context limit raised to 2^24 tokens (Llama-2's is 4096, Llama-3.1's 131072), so that the shapes
 can be timed at long context and GPU memory alone bounds the largest context: the numbers are about the shapes.
@@ -32,6 +33,12 @@ strategy with a whole-step graph (with --compile) decodes so at once: its memory
 the buffers are. The others (KV Pareto, KIVI*: their eager decode dequantizes the whole history) first
 have the rest of the context stored as random K/V through each layer's own store path (quantization, no
 attention), as HF's caches are given that many random K/V tokens through update().
+
+Tensor parallel (kvzoo/models/tp.py): launched by torchrun, each rank builds its slices of the shape on its own GPU
+and every cell runs on all of them; rank 0 writes the rows (model `NAME tpN`), KV bytes summed over ranks:
+
+    torchrun --nproc-per-node 2 scripts/bench_decode.py --models llama-3.1-70b --contexts 32768 \
+        --caches fp16 innerq:bits=2 kivi:bits=2 --compile --graph-only --find-max-batch --out results/decode/tp2
 
 --device cpu times the same cells on the CPU (fp32 unless --dtype says otherwise, eager steps only), the way chat runs
 there: every strategy decodes from its packed codes (kvzoo/cache/store.py's WindowedStore.attend):
@@ -67,9 +74,11 @@ import torch
 from tqdm import tqdm
 
 from kvzoo.cache.base import CacheSpec, fp16_kv_nbytes
+from kvzoo.cli import quiet
 from kvzoo.config import ModelConfig
 from kvzoo.generate import decode_one_token, prefill
 from kvzoo.graphs import decoder
+from kvzoo.models import tp
 from kvzoo.models.llama import Transformer, rope_inv_freq
 
 from timing import copy_bandwidth, output_paths
@@ -84,6 +93,11 @@ SHAPES = {
                          max_position_embeddings=LONGEST,
                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "llama-3.1-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, rope_theta=500000.0,
+                          max_position_embeddings=LONGEST,
+                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
     "llama-2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=LONGEST),
 }
@@ -194,14 +208,18 @@ def randomize(model: torch.nn.Module) -> None:
             p.normal_(0.0, 0.02)
 
 
-def build(name: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> Transformer:
-    """A kvzoo model: random weights for a config-only shape, the real ones for smollm2."""
+def build(name: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+          shard: tp.Shard | None = None) -> Transformer:
+    """A kvzoo model: random weights for a config-only shape, the real ones for smollm2; with `shard`, this
+    tensor-parallel rank's slices only."""
     if name == "smollm2":
         from kvzoo import load_model
-        return load_model(None, device=device, dtype=dtype)[0]
+        return load_model(None, device=device, dtype=dtype, shard=shard)[0]
     cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], **SHAPES[name]})
     with torch.device("meta"):
         model = Transformer(cfg)
+    if shard is not None:
+        tp.shard_modules(model, shard)
     model = model.to_empty(device=device).to(dtype)
     randomize(model)
     model.rope.inv_freq = rope_inv_freq(cfg).to(device)              # fp32, as the loader sets it (to_empty blanked it)
@@ -237,7 +255,8 @@ class Kvzoo:
         self.model, self.device = model, model.device
         cfg = model.cfg
         self.shape = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size)
-        self.weight_bytes = weights_read(model, model.embed.weight, model.lm_head.weight)
+        self.weight_bytes = tp.all_sum(weights_read(model, model.embed.weight, model.lm_head.weight)) if model.shard \
+            else weights_read(model, model.embed.weight, model.lm_head.weight)
         self.context_limit = cfg.max_position_embeddings
 
     def fill(self, cache: str, context: int, batch: int, max_len: int, chunk: int, src: Filled | None) -> Filled:
@@ -465,17 +484,18 @@ def out_of_memory(error: Exception) -> bool:
 
 
 def fits(probe) -> bool:
-    """Whether probe() runs within GPU memory."""
+    """Whether probe() runs within GPU memory (under tensor parallelism: on every rank)."""
     try:
         with torch.inference_mode():
             probe()
-        return True
+        ok = True
     except RuntimeError as error:      # OutOfMemoryError is one
         if not out_of_memory(error):
             raise
-        return False
+        ok = False
     finally:                                 # the failed probe's tensors are gone with its frames
         free_memory()
+    return tp.all_sum(int(not ok)) == 0
 
 
 def largest(fits_at, lo: int, limit: int, step: int = 1) -> int:
@@ -613,6 +633,12 @@ def merged_rows(runs: list[dict]) -> list[dict]:
 def main() -> None:
     args = parse_args()
     paths = output_paths(args.out, args.overwrite)             # refuses before any work
+    shard = tp.init(args.device)
+    if shard is not None:
+        if args.hf:
+            raise SystemExit("--hf runs Hugging Face's model in one process; leave it out under torchrun")
+        if shard.rank:
+            quiet()
     if args.merge:
         runs = [json.loads(Path(f).read_text()) for f in args.merge]
         write(args, paths, merged_rows(runs), runs[0]["gpu"], runs[0]["torch"],
@@ -628,16 +654,19 @@ def main() -> None:
     dtype = {"auto": torch.bfloat16 if args.device == "cuda" else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({cpu_name()}, {torch.get_num_threads()} threads)"
+    if shard is not None:
+        gpu = f"{shard.world} x {gpu}, tensor parallel (KV bytes and read GB/s summed over ranks, peak memory per rank)"
     how = f"{str(dtype).removeprefix('torch.')} weights; mean of {args.steps} decode steps after {args.warmup} untimed"
     if args.repeats > 1:
         how += f"; each cell's fastest of {args.repeats} runs, round robin"
     how += f"; a device copy moves {copy_bandwidth(args.device):.0f} GB/s (read + written)"
     keep = Rows(paths[0], gpu, how)
     for name in args.models:
+        label = name if shard is None else f"{name} tp{shard.world}"
         if args.caches:
-            runner = Kvzoo(build(name, args.device, dtype))
+            runner = Kvzoo(build(name, args.device, dtype, shard))
             modes = ([True] if args.graph_only else [False, True]) if args.compile else [False]
-            cells(runner, args, name, args.caches, modes, keep)
+            cells(runner, args, label, args.caches, modes, keep)
             del runner
             free_memory()
         if args.hf:
@@ -668,6 +697,8 @@ class Rows:
 
     def __call__(self, row: dict) -> None:
         self.rows.append(row)
+        if tp.rank():
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps({"gpu": self.gpu, "torch": torch.__version__, "how": self.how,
                                          "partial": True, "rows": self.rows}, indent=1))
@@ -703,6 +734,8 @@ def write(args, paths: list[Path], rows: list[dict], gpu: str, torch_version: st
     if args.targets:
         lines += ["", "read (GB/s): the weights a step reads (an untied embedding table apart) plus the KV bytes held, "
                   "over the step's time.", ""] + target_lines(rows)
+    if tp.rank():
+        return
     print("\n".join(lines))
     paths[1].parent.mkdir(parents=True, exist_ok=True)
     paths[0].write_text(json.dumps({"gpu": gpu, "torch": torch_version, "how": how, "rows": rows}, indent=1))

@@ -3,6 +3,7 @@
     python scripts/chat.py                                    # interactive, with history (cache fp16)
     python scripts/chat.py --cache innerq                     # the same through InnerQ's 2-bit cache
     python scripts/chat.py --prompt "Hello!"                  # one answer, then exit
+    torchrun --nproc-per-node 2 scripts/chat.py --model DIR   # one model over 2 GPUs (tensor parallel)
 
 Sampling follows the model's generation_config.json where it samples; otherwise (the embedded SmolLM2) answers
 are greedy, with a repetition penalty of 1.1 on the answer's own tokens so that a small model does not loop.
@@ -20,6 +21,7 @@ import sys
 from kvzoo.cache.base import CacheSpec
 from kvzoo.cli import add_model_args, check_device, human_bytes, load_from_args, parse_cache_args, run
 from kvzoo.generate import chat_sampling, check_sampling, generate
+from kvzoo.models import tp
 
 COMMANDS = {"/quit": "leave (also /exit, Ctrl-D)", "/reset": "forget the conversation",
             "/cache <spec>": "switch the KV-cache strategy, e.g. /cache innerq:bits=2 (--cache help lists them)",
@@ -80,12 +82,24 @@ def answer(model, tokenizer, messages: list[dict], args, stream: bool):
     return out
 
 
+def read_message() -> str | None:
+    """The user's next line, None at the end of input; under tensor parallelism rank 0 reads it for every rank."""
+    line = None
+    if tp.rank() == 0:
+        try:
+            line = input("\nyou> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            line = None
+    return tp.broadcast(line)
+
+
 def banner(model, args) -> str:
     seen, params = set(), 0
-    for p in model.parameters():              # tied embeddings counted once
+    world = model.shard.world if model.shard is not None else 1
+    for key, p in model.named_parameters():    # tied embeddings counted once; a sharded matrix over every rank
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
-            params += p.numel()
+            params += p.numel() * (world if key.split(".")[-2] in tp.SPLIT_DIM else 1)
     name = args.model or "SmolLM2-135M-Instruct (embedded)"
     how = ("greedy" if args.temperature == 0 else
            f"sampled at temperature {args.temperature}" + (f", top-p {args.top_p}" if args.top_p else "")
@@ -94,7 +108,8 @@ def banner(model, args) -> str:
         how += f", repetition penalty {args.repetition_penalty}"
     size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
     small = " A model this small answers short factual questions best." if params < 1e9 else ""
-    return (f"kvzoo chat: {name}, {size} parameters, {str(model.dtype).removeprefix('torch.')} on {model.device}; "
+    where = f"{model.device}" if world == 1 else f"{world} ranks (tensor parallel)"
+    return (f"kvzoo chat: {name}, {size} parameters, {str(model.dtype).removeprefix('torch.')} on {where}; "
             f"cache {args.cache}; {how}.{small}\n/help lists commands; /quit or Ctrl-D leaves.")
 
 
@@ -137,9 +152,8 @@ def main() -> None:
     print(banner(model, args), file=sys.stderr)
     messages, last = list(system), None
     while True:
-        try:
-            user = input("\nyou> ").strip()
-        except (EOFError, KeyboardInterrupt):
+        user = read_message()
+        if user is None:
             print(file=sys.stderr)
             return
         if not user:

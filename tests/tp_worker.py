@@ -1,9 +1,9 @@
 """What the tensor-parallel tests run, in one process or in each rank under torchrun:
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py CHECKPOINT OUT SPEC [SPEC ...]
+    python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py DEVICE CHECKPOINT OUT SPEC [SPEC ...]
 
 Each rank loads its slices of CHECKPOINT (kvzoo/models/tp.py) and runs, for every cache spec, a streaming prefill
-and greedy decode (eager, then through kvzoo.graphs.decoder) and a simulated forward; rank 0 saves the logits,
+and greedy decode (eager, then through kvzoo.graphs.decoder) and a simulated forward, on DEVICE (cpu: gloo; cuda: NCCL, one GPU per rank, CUDA graphs); rank 0 saves the logits,
 tokens and KV bytes (summed over ranks) to OUT, which the test compares with `run_all` in a single process."""
 
 import sys
@@ -26,6 +26,7 @@ PROMPT, NEW, SIMULATED = 12, 10, 28
 def run_one(model, spec: str) -> dict:
     """Logits and greedy tokens of one cache spec: streaming eager, streaming through the decoder, simulated."""
     ids = torch.randint(0, model.cfg.vocab_size, (2, SIMULATED), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(model.device)
     out = {}
     for how in ("eager", "decoder"):
         cache = model.new_cache(spec, 2, PROMPT + NEW)
@@ -35,9 +36,9 @@ def run_one(model, spec: str) -> dict:
         for _ in range(NEW - 1):
             tokens.append(logits[-1].argmax(-1))
             logits.append(step(tokens[-1]).clone() if step else model(tokens[-1][:, None], cache)[:, -1])
-        out[how] = (torch.stack(logits, 1), torch.stack(tokens, 1))
+        out[how] = (torch.stack(logits, 1).cpu(), torch.stack(tokens, 1).cpu())
         out[f"{how}_nbytes"] = cache.nbytes()
-    out["simulated"] = model(ids, model.new_cache(spec, 2, SIMULATED, mode="simulated", prompt=4))
+    out["simulated"] = model(ids, model.new_cache(spec, 2, SIMULATED, mode="simulated", prompt=4)).cpu()
     return out
 
 
@@ -46,10 +47,12 @@ def run_all(model, specs: list[str]) -> dict:
 
 
 def main() -> None:
-    checkpoint, out, *specs = sys.argv[1:]
+    device, checkpoint, out, *specs = sys.argv[1:]
     torch.manual_seed(0)
-    shard = tp.init("cpu")
-    results = run_all(load_weights(checkpoint, shard=shard), specs)
+    shard = tp.init(device)
+    if device == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    results = run_all(load_weights(checkpoint, device=device, shard=shard), specs)
     if shard is None or shard.rank == 0:
         torch.save(results, out)
 

@@ -36,6 +36,7 @@ def expand_to_mha(model: Transformer) -> Transformer:
     n_heads not a multiple of n_kv_heads, k_proj/v_proj that are not plain nn.Linear (weight-quantized
     W4Linear: expand first, then quantize), or an attention module whose head counts disagree with the config."""
     cfg = model.cfg
+    world = model.shard.world if model.shard is not None else 1      # a tensor-parallel rank holds 1/world
     if cfg.n_kv_heads == cfg.n_heads:
         return model
     if cfg.n_heads % cfg.n_kv_heads:
@@ -44,7 +45,7 @@ def expand_to_mha(model: Transformer) -> Transformer:
     n_rep = cfg.n_heads // cfg.n_kv_heads
     attns = [block.attn for block in model.layers]
     for i, attn in enumerate(attns):
-        if (attn.n_heads, attn.n_kv_heads, attn.head_dim) != (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim):
+        if (attn.n_heads * world, attn.n_kv_heads * world, attn.head_dim) != (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim):
             raise ValueError(f"cannot expand to MHA: layer {i}'s attention has {attn.n_heads} query heads and "
                              f"{attn.n_kv_heads} KV heads of {attn.head_dim}, the config "
                              f"{cfg.n_heads} and {cfg.n_kv_heads} of {cfg.head_dim}")
@@ -53,19 +54,19 @@ def expand_to_mha(model: Transformer) -> Transformer:
             if type(lin) is not nn.Linear:
                 raise ValueError(f"cannot expand to MHA: layer {i}'s {name} is a {type(lin).__name__}, not a plain "
                                  "nn.Linear (expand before quantizing the weights)")
-            if lin.out_features != cfg.n_kv_heads * cfg.head_dim:
+            if lin.out_features != attn.n_kv_heads * cfg.head_dim:
                 raise ValueError(f"cannot expand to MHA: layer {i}'s {name} has {lin.out_features} outputs, "
-                                 f"expected n_kv_heads * head_dim = {cfg.n_kv_heads * cfg.head_dim}")
+                                 f"expected n_kv_heads * head_dim = {attn.n_kv_heads * cfg.head_dim}")
 
     for attn in attns:
         for name in ("k_proj", "v_proj"):
             lin = getattr(attn, name)
-            lin.weight = nn.Parameter(repeat_kv_rows(lin.weight, cfg.n_kv_heads, n_rep),
+            lin.weight = nn.Parameter(repeat_kv_rows(lin.weight, attn.n_kv_heads, n_rep),
                                       requires_grad=lin.weight.requires_grad)
             if lin.bias is not None:
-                lin.bias = nn.Parameter(repeat_kv_rows(lin.bias, cfg.n_kv_heads, n_rep),
+                lin.bias = nn.Parameter(repeat_kv_rows(lin.bias, attn.n_kv_heads, n_rep),
                                         requires_grad=lin.bias.requires_grad)
-            lin.out_features = cfg.n_heads * cfg.head_dim
-        attn.n_kv_heads = cfg.n_heads
+            lin.out_features = attn.n_heads * cfg.head_dim
+        attn.n_kv_heads = attn.n_heads
     model.cfg = dataclasses.replace(cfg, n_kv_heads=cfg.n_heads)
     return model

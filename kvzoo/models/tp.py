@@ -28,6 +28,7 @@ environment.
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 
@@ -57,7 +58,8 @@ class Shard:
 
 def init(device: str | torch.device = "cpu") -> Shard | None:
     """Join the process group torchrun set up (WORLD_SIZE > 1 in the environment): NCCL on CUDA, gloo on a CPU.
-    Returns None in a plain single process. On CUDA each rank takes GPU LOCAL_RANK."""
+    Returns None in a plain single process. On CUDA each rank takes GPU LOCAL_RANK. The ranks then share rank 0's
+    random seed, so that sampled tokens (drawn from the same logits on every rank) agree."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return None
@@ -66,7 +68,21 @@ def init(device: str | torch.device = "cpu") -> Shard | None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
+        atexit.register(dist.destroy_process_group)
+    seed = [torch.seed() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(seed, src=0)
+    torch.manual_seed(seed[0])
     return Shard(dist.get_rank(), dist.get_world_size())
+
+
+def broadcast(value):
+    """Rank 0's `value` (any picklable object: a line the user typed, a prompt) on every rank; the value itself in
+    a single process."""
+    if current() is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def current() -> Shard | None:
@@ -74,6 +90,12 @@ def current() -> Shard | None:
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     return Shard(dist.get_rank(), dist.get_world_size())
+
+
+def rank() -> int:
+    """This process's rank (0 when it runs alone): rank 0 reads input and prints."""
+    shard = current()
+    return 0 if shard is None else shard.rank
 
 
 def check(cfg: ModelConfig, world: int) -> None:

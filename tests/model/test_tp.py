@@ -31,10 +31,10 @@ SPECS = sorted(set(LOSSY.values()) | set(LOSSLESS.values()))
 MHA_SPECS = [LOSSY["xquant"], LOSSY["xquant-cl"], "fp16"]
 
 
-def sharded(checkpoint: Path, out: Path, specs: list[str]) -> dict:
-    """run_all in WORLD gloo processes launched by torchrun, as a user launches chat or perplexity."""
+def sharded(checkpoint: Path, out: Path, specs: list[str], device: str = "cpu") -> dict:
+    """run_all in WORLD processes launched by torchrun (gloo on cpu, NCCL on cuda), as a user launches chat."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
-           str(REPO / "tests" / "tp_worker.py"), str(checkpoint), str(out), *specs]
+           str(REPO / "tests" / "tp_worker.py"), device, str(checkpoint), str(out), *specs]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert done.returncode == 0, done.stderr[-4000:]
     return torch.load(out)
@@ -111,3 +111,17 @@ def test_a_rank_reads_only_its_slices(tmp_path):
         assert torch.equal(attn.o_proj.weight, full.o_proj.weight[:, rank * 64:(rank + 1) * 64])
         assert torch.equal(part.layers[0].mlp.down_proj.weight, whole.layers[0].mlp.down_proj.weight[:, rank * 48:(rank + 1) * 48])
         assert torch.equal(part.lm_head.weight, whole.lm_head.weight)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA GPUs")
+def test_sharded_on_gpus_with_cuda_graphs_equals_one_gpu(tmp_path):
+    """NCCL ranks, compiled kernels, the decoder's CUDA graphs (all-reduce inside): one GPU's logits and tokens."""
+    checkpoint = tiny_llama(tmp_path, head_dim=32, hidden_size=64)
+    specs = [LOSSY[name] for name in ("fp16", "innerq", "kivi", "squat", "int8", "alignedkv")]
+    one = run_all(load_weights(checkpoint, device="cuda"), specs)
+    many = sharded(checkpoint, tmp_path / "out.pt", specs, "cuda")
+    for spec in specs:
+        for how in ("eager", "decoder"):
+            assert (one[spec][how][0] - many[spec][how][0]).abs().max() < 1e-3, (spec, how)
+            assert torch.equal(one[spec][how][1], many[spec][how][1]), (spec, how)
+            assert many[spec][f"{how}_nbytes"] == one[spec][f"{how}_nbytes"]
