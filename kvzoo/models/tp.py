@@ -68,7 +68,8 @@ def init(device: str | torch.device = "cpu") -> Shard | None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
-        atexit.register(dist.destroy_process_group)
+        if not cuda:    # NCCL is left to the process's exit: destroying it while CUDA graphs hold its work hangs
+            atexit.register(dist.destroy_process_group)
     seed = [torch.seed() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(seed, src=0)
     torch.manual_seed(seed[0])

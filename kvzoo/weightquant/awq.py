@@ -175,6 +175,8 @@ def quantize_weights(model: nn.Module, tokenizer, method: str, group_size: int |
     group_size None: group_for(model)."""
     if method not in METHODS:
         raise ValueError(f"unknown weight quantization {method!r}; accepted: {', '.join(METHODS)}")
+    if method != "w16" and getattr(model, "shard", None) is not None:
+        raise ValueError(f"{method} weights serve one process; a tensor-parallel model (torchrun) keeps w16 weights")
     group_size = group_size or group_for(model)
     if method == "w4-rtn":
         quantize_rtn(model, group_size)

@@ -15,7 +15,9 @@ import torch
 
 from kvzoo.models import tp
 from kvzoo.models.loader import load_weights
-from tests.cache.test_cache_contract import LOSSLESS, LOSSY
+from kvzoo.models.mha import expand_to_mha
+from kvzoo.weightquant.awq import quantize_weights
+from tests.cache.test_cache_contract import CAUSAL, LOSSLESS, LOSSY
 from tests.tiny import tiny_llama
 from tests.tp_worker import run_all
 
@@ -115,13 +117,57 @@ def test_a_rank_reads_only_its_slices(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA GPUs")
 def test_sharded_on_gpus_with_cuda_graphs_equals_one_gpu(tmp_path):
-    """NCCL ranks, compiled kernels, the decoder's CUDA graphs (all-reduce inside): one GPU's logits and tokens."""
+    """NCCL ranks, compiled kernels, the decoder's CUDA graphs (all-reduce inside; InnerQ's windows record a graph
+    per phase): one GPU's logits and tokens."""
     checkpoint = tiny_llama(tmp_path, head_dim=32, hidden_size=64)
-    specs = [LOSSY[name] for name in ("fp16", "innerq", "kivi", "squat", "int8", "alignedkv")]
+    specs = [LOSSY[name] for name in ("fp16", "innerq", "kivi", "kivi+sink", "squat", "int8", "alignedkv", "kvpareto",
+                                      "kivi-pre")] + [CAUSAL["innerq-default"], LOSSLESS["xquant-cl"]]
     one = run_all(load_weights(checkpoint, device="cuda"), specs)
     many = sharded(checkpoint, tmp_path / "out.pt", specs, "cuda")
     for spec in specs:
         for how in ("eager", "decoder"):
             assert (one[spec][how][0] - many[spec][how][0]).abs().max() < 1e-3, (spec, how)
             assert torch.equal(one[spec][how][1], many[spec][how][1]), (spec, how)
-            assert many[spec][f"{how}_nbytes"] == one[spec][f"{how}_nbytes"]
+            factor = WORLD if spec == LOSSLESS["xquant-cl"] else 1
+            assert many[spec][f"{how}_nbytes"] == factor * one[spec][f"{how}_nbytes"]
+
+
+def test_mha_expansion_of_a_shard_is_the_shard_of_the_expansion(tmp_path):
+    checkpoint = tiny_llama(tmp_path, head_dim=32, hidden_size=64)
+    whole = expand_to_mha(load_weights(checkpoint))
+    for rank in range(WORLD):
+        part = expand_to_mha(load_weights(checkpoint, shard=tp.Shard(rank, WORLD)))
+        attn = part.layers[0].attn
+        assert (attn.n_heads, attn.n_kv_heads, part.cfg.n_kv_heads) == (2, 2, 4)
+        rows = slice(rank * 64, (rank + 1) * 64)                           # two expanded KV heads of 32
+        assert torch.equal(attn.v_proj.weight, whole.layers[0].attn.v_proj.weight[rows])
+
+
+def test_weight_quantization_refuses_a_sharded_model(tmp_path):
+    part = load_weights(tiny_llama(tmp_path, head_dim=32, hidden_size=64), shard=tp.Shard(0, WORLD))
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        quantize_weights(part, None, "w4-rtn")
+
+
+def torchrun(world: int, script: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(world), str(REPO / "scripts" / script), *args], input=stdin,
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+
+
+def test_chat_under_torchrun_answers_as_one_process():
+    """The embedded SmolLM2 (3 KV heads) over 3 ranks: rank 0 reads the conversation and prints; the answer and the
+    cache's bytes are one process's."""
+    session = torchrun(3, "chat.py", "--cache", "innerq", "--max-new-tokens", "16",
+                       stdin="What is the capital of France?\n/quit\n")
+    assert session.returncode == 0, session.stderr[-3000:]
+    assert "135M parameters, float32 on 3 ranks (tensor parallel)" in session.stderr
+    assert session.stdout.count("The capital of France is Paris.") == 1
+    assert "cache innerq:" in session.stderr and "2.0 MiB = 2.023x an fp16 cache" in session.stderr
+
+
+def test_torchrun_with_ranks_that_do_not_divide_the_kv_heads_is_refused():
+    out = torchrun(2, "perplexity.py", "--max-windows", "1", "--seq-len", "64")
+    assert out.returncode != 0
+    assert "error: tensor parallelism over 2 ranks needs the KV heads to divide evenly: this model has 3 KV " \
+           "heads" in out.stderr
