@@ -30,7 +30,8 @@ Stored per layer (B rows, H = n_kv_heads, d = head_dim, b = bits, Nq quantized t
     k_codes int32 (B, H, Nq, d*b/32)   k_scale fp16 + k_slot int32 (B, H, Nq, d/32)   per-token groups
     v_codes int32 (B, H, Nq, d*b/32)   v_scale fp16 + v_slot int32 (B, H, Nq/32, d)   per-channel groups
     k_mask int32 (B, H, d/32, ⌈Nq/32⌉) v_mask int32 (B, H, Nq/32, d/32)              hybrid modes only
-    sink and recent windows (B, H, ·, d) at the model's precision; norm (B, H, 1, d) with key_norm
+    sink and recent windows (B, H, ·, d) at the model's precision; norm (B, H, 1, d) with key_norm (per KV head, so a
+    tensor-parallel rank, kvzoo/models/tp.py, takes its own heads' from the prompt)
 Bytes per quantized token, per layer and KV head: d*b/4 (codes) + 2 * 6d/32 (fp16 scale + 32-bit slot per
 group, K and V) + d/128 (mask bits, hybrid). d = 64, b = 2: 32 + 24 + 0.5 = 56.5 bytes against 256 in fp16.
 

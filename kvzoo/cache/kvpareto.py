@@ -40,6 +40,9 @@ G = 32: 2 * (32 + 8) = 80 bytes against 256 for fp16 (0.31).
 
 Paper settings: per-token group-wise with G = 32 for ~3B models (64 for 7-8B), K-smoothing on, k8v8 /
 k8v4 / k4v4 ... chosen by the Pareto search.
+
+Tensor parallelism (kvzoo/models/tp.py): k_mean and the token and block groups are per KV head, so each rank has
+its own heads'; the tensor granularity's range spans the rank's heads only.
 """
 
 from __future__ import annotations

@@ -41,6 +41,9 @@ for d = 64, g = 32: 4 KiB per KV head and layer, 0.8% of an fp16 cache of 2048 t
 Paper settings (Appendix D.2): 2-bit, G = 32, R = 32, r = 5, λ = 0.001, g = 64 at head_dim 128, i.e.
 two iterations. `block=0` (the default) means g = head_dim / 2, which is the paper's g = 64 on its
 models and keeps its two iterations on SmolLM2 (head_dim 64), where g = 64 would make SQuat plain KIVI.
+
+Tensor parallelism (kvzoo/models/tp.py): the query subspace and the update matrices are per KV head (from the
+query heads that read it), so a rank builds exactly its own heads'.
 """
 
 from __future__ import annotations

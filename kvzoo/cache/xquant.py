@@ -60,6 +60,10 @@ live yet (slot >= Nq, window row >= L - Nq) or the step's mask forbids its slot 
 where X U_k and X U_v have different windows (the paper's), the key weights move to the value rows by slot.
 The host's counters only pick the phase: "flush" when the token fills a stream's window, whose oldest group is
 then quantized into slots [Nq, Nq + G) at the device-held Nq and the rest moved down; "recent" otherwise.
+
+Tensor parallelism (kvzoo/models/tp.py): an MHA model's X is the whole layer input on every rank, so each rank
+holds the same X codes (N times the bytes) and rematerializes its own heads; the GQA latents are the SVD of the
+rank's own W_k, W_v rows, as wide in total as one process's latents, in a different basis.
 """
 
 from __future__ import annotations

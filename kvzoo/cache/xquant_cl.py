@@ -57,6 +57,9 @@ device-held slot (index writes; no window, so one phase), rebuild X̂ over all m
 hidden) and rematerialize K and V from all of it, the token's own slot replaced by its exact k, v and the
 slots not yet written (which hold zeros or stale rows, finite either way) masked by the step's mask.
 The layers before the base are plain XQuant and take its static step, with its window's phases.
+
+Tensor parallelism (kvzoo/models/tp.py): the base layer's X and the accumulator are the whole hidden width on
+every rank (replicated); a GQA delta's basis U_kv is the SVD of the rank's own [W_k | W_v] rows.
 """
 
 from __future__ import annotations

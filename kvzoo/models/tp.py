@@ -19,6 +19,7 @@ norms, KV Pareto's smoothing means, SQuat's query subspace, KIVI's groups). Stat
 - XQuant's GQA latents and XQuant-CL's delta basis are SVDs of the rank's own W_k, W_v rows: the latents of all
   ranks together are as wide as one process's, but the basis differs, so quantized codes differ from one
   process's (a lossless setting, bits=16, gives the same logits).
+- KV Pareto's tensor granularity (one range per token over all heads) takes its range over the rank's heads.
 
 `ModelCache.nbytes()` of a sharded model is the sum over ranks. `model.cfg` stays the whole model's config;
 the attention and MLP modules carry the rank's sizes. Each rank reads only its slices of the safetensors
