@@ -164,7 +164,12 @@ def check_output(path: str | None, overwrite: bool, suffixes: tuple[str, ...] | 
 
 
 def write_json(path: str | Path, payload: dict, overwrite: bool = False) -> None:
-    """Write results, refusing to replace an existing file unless asked to."""
+    """Write results, refusing to replace an existing file unless asked to; under tensor parallelism rank 0
+    writes them."""
+    from kvzoo.models import tp
+
+    if tp.rank():
+        return
     path = Path(path)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; choose another --json path or pass --overwrite")

@@ -6,6 +6,7 @@ bytes summed over ranks. The strategies whose state spans heads shard it their o
 their lossless settings still equal one process, and their lossy ones stay as close to fp16 as one process is.
 """
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -171,3 +172,14 @@ def test_torchrun_with_ranks_that_do_not_divide_the_kv_heads_is_refused():
     assert out.returncode != 0
     assert "error: tensor parallelism over 2 ranks needs the KV heads to divide evenly: this model has 3 KV " \
            "heads" in out.stderr
+
+
+def test_perplexity_under_torchrun_is_one_process_and_rank_0_writes_the_json(tmp_path):
+    args = ["--max-windows", "1", "--seq-len", "128", "--cache", "kivi:bits=2,residual=32"]
+    sharded_run = torchrun(3, "perplexity.py", *args, "--json", str(tmp_path / "ppl.json"))
+    assert sharded_run.returncode == 0, sharded_run.stderr[-3000:]
+    one = subprocess.run([sys.executable, str(REPO / "scripts" / "perplexity.py"), *args], capture_output=True,
+                         text=True, timeout=600, cwd=REPO)
+    line = [x for x in one.stdout.splitlines() if x.startswith("perplexity")]
+    assert line and line[0] in sharded_run.stdout
+    assert json.loads((tmp_path / "ppl.json").read_text())["kv_nbytes"] > 0
