@@ -50,6 +50,9 @@ Each row gives the bandwidth it reached on the bytes a step reads (`read (GB/s)`
 table apart, plus the KV bytes held), beside the device's measured copy bandwidth in the header. --targets adds
 the decode-speed targets (TARGETS: each named cache against fp16 in the same cell) as measured / required.
 
+--weights w4-rtn replaces every block's linear layers by 4-bit RTN codes (kvzoo/weightquant/awq.py's W4Linear, the
+W4A16 kernel on a GPU) before the cells run: KV Pareto's 4-bit weights beside a compressed cache.
+
 --profile N runs N more steps of each cell under torch.profiler and prints (and keeps in OUT.json) the GPU time
 per step of each kernel (on the CPU: each op's own time), the largest first: where a step's time goes, graph
 replays included.
@@ -80,6 +83,7 @@ from kvzoo.generate import decode_one_token, prefill
 from kvzoo.graphs import decoder
 from kvzoo.models import tp
 from kvzoo.models.llama import Transformer, rope_inv_freq
+from kvzoo.weightquant.awq import W4Linear, group_for, quantize_rtn
 
 from timing import copy_bandwidth, output_paths
 
@@ -144,6 +148,9 @@ def parse_args():
                         help="where to time (default: cuda when there is a GPU)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and activations (auto: bfloat16 on cuda, float32 on cpu)")
+    parser.add_argument("--weights", default="model", choices=["model", "w4-rtn"],
+                        help="model: the weights at --dtype; w4-rtn: every block's linear layers as 4-bit RTN codes "
+                             "(kvzoo/weightquant, KV Pareto's W4A16 path; rows labelled `NAME w4`)")
     parser.add_argument("--out", default="results/decode/run", help="output path without suffix")
     parser.add_argument("--plot", action="store_true", help="also write OUT.png: tokens/s vs context")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
@@ -294,9 +301,10 @@ class Kvzoo:
 
 
 def weights_read(model: torch.nn.Module, embedding: torch.Tensor, head: torch.Tensor) -> int:
-    """Bytes of weights a decode step reads: every parameter once (a tied table counts once), less an untied
-    embedding table, of which a step reads one row per token."""
+    """Bytes of weights a decode step reads: every parameter once (a tied table counts once) and every 4-bit
+    layer's codes, scales and zeros, less an untied embedding table, of which a step reads one row per token."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total += sum(m.w4.nbytes() for m in model.modules() if isinstance(m, W4Linear))
     return total if head is embedding else total - embedding.numel() * embedding.element_size()
 
 
@@ -635,8 +643,8 @@ def main() -> None:
     paths = output_paths(args.out, args.overwrite)             # refuses before any work
     shard = tp.init(args.device)
     if shard is not None:
-        if args.hf:
-            raise SystemExit("--hf runs Hugging Face's model in one process; leave it out under torchrun")
+        if args.hf or args.weights != "model":
+            raise SystemExit("--hf and --weights w4-rtn run in one process; leave them out under torchrun")
         if shard.rank:
             quiet()
     if args.merge:
@@ -662,9 +670,13 @@ def main() -> None:
     how += f"; a device copy moves {copy_bandwidth(args.device):.0f} GB/s (read + written)"
     keep = Rows(paths[0], gpu, how)
     for name in args.models:
-        label = name if shard is None else f"{name} tp{shard.world}"
+        label = name + ("" if shard is None else f" tp{shard.world}") + (" w4" if args.weights == "w4-rtn" else "")
         if args.caches:
-            runner = Kvzoo(build(name, args.device, dtype, shard))
+            model = build(name, args.device, dtype, shard)
+            if args.weights == "w4-rtn":
+                quantize_rtn(model, group_for(model))
+            runner = Kvzoo(model)
+            del model
             modes = ([True] if args.graph_only else [False, True]) if args.compile else [False]
             cells(runner, args, label, args.caches, modes, keep)
             del runner

@@ -352,3 +352,19 @@ def test_bench_decode_rows_give_the_bandwidth_they_read(model):
     row = bench.run_cell(runner, "fp16", 20, 1, 2, 8, warmup=1)
     assert row["read_GBps"] == pytest.approx((runner.weight_bytes + row["kv_bytes"]) / row["decode_ms"] * 1e3 / 1e9)
     assert bench.copy_bandwidth("cpu", runs=2, warmup=1) > 0
+
+
+def test_bench_decode_times_4bit_weights_and_counts_their_bytes(model):
+    """--weights w4-rtn: the blocks' linear layers as W4Linear; a step reads their codes, scales and zeros."""
+    import copy
+
+    from kvzoo.weightquant.awq import group_for, quantize_rtn
+
+    bench = bench_module()
+    w4 = quantize_rtn(copy.deepcopy(model), group_for(model))
+    full, quantized = bench.Kvzoo(model).weight_bytes, bench.Kvzoo(w4).weight_bytes
+    blocks = sum(p.nbytes for block in model.layers for p in block.parameters()
+                 if p.dim() == 2)                                                 # fp32 linear weights
+    assert full - quantized == blocks - sum(m.w4.nbytes() for m in w4.modules() if hasattr(m, "w4"))
+    row = bench.run_cell(bench.Kvzoo(w4), "innerq:bits=2,sink=4,recent=0", 20, 1, 2, 8, warmup=1)
+    assert row["decode_ms"] > 0 and row["weight_bytes"] == quantized
