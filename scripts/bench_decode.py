@@ -67,6 +67,7 @@ what it measured, which --merge reads.
 
 import argparse
 import gc
+import inspect
 import json
 import statistics
 import time
@@ -337,6 +338,8 @@ class HuggingFace:
         self.shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
                       cfg.vocab_size)
         self.context_limit = cfg.max_position_embeddings
+        # the cache argument's name: `cache` in recent transformers, `past_key_values` (now deprecated) before
+        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def new_cache(self, cache: str):
         from transformers import DynamicCache, QuantizedCache
@@ -346,7 +349,7 @@ class HuggingFace:
         return QuantizedCache(backend="quanto", config=self.model.config, nbits=int(cache.split(":")[1]))
 
     def forward(self, ids: torch.Tensor, cache) -> torch.Tensor:
-        return self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        return self.model(input_ids=ids, **{self.cache_arg: cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
 
     def fill(self, cache: str, context: int, batch: int, max_len: int, chunk: int, src: Filled | None) -> Filled:
         kv = self.new_cache(cache)
