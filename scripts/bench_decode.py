@@ -263,8 +263,7 @@ class Kvzoo:
         self.model, self.device = model, model.device
         cfg = model.cfg
         self.shape = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size)
-        self.weight_bytes = tp.all_sum(weights_read(model, model.embed.weight, model.lm_head.weight)) if model.shard \
-            else weights_read(model, model.embed.weight, model.lm_head.weight)
+        self.weight_bytes = tp.all_sum(weights_read(model, model.embed.weight, model.lm_head.weight))   # all ranks
         self.context_limit = cfg.max_position_embeddings
 
     def fill(self, cache: str, context: int, batch: int, max_len: int, chunk: int, src: Filled | None) -> Filled:

@@ -183,3 +183,10 @@ def test_perplexity_under_torchrun_is_one_process_and_rank_0_writes_the_json(tmp
     line = [x for x in one.stdout.splitlines() if x.startswith("perplexity")]
     assert line and line[0] in sharded_run.stdout
     assert json.loads((tmp_path / "ppl.json").read_text())["kv_nbytes"] > 0
+
+
+def test_bench_decode_under_torchrun_refuses_what_runs_in_one_process():
+    out = torchrun(3, "bench_decode.py", "--device", "cpu", "--models", "smollm2", "--weights", "w4-rtn",
+                   "--out", "/nonexistent/never-written")
+    assert out.returncode != 0
+    assert "--hf and --weights w4-rtn run in one process; leave them out under torchrun" in out.stderr

@@ -323,6 +323,7 @@ def test_new_script_options_refuse_bad_values(script, args, message):
     ("bench_decode.py", ["--graph-only"], "--graph-only needs --compile"),
     ("bench_decode.py", ["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
     ("bench_decode.py", ["--max-context", "100"], "--max-context must be >= 1024"),
+    ("bench_decode.py", ["--weights", "w3"], "argument --weights: invalid choice: 'w3'"),
     ("repro.kvpareto.bench", ["--rows", "0"], "--rows and --runs must be >= 1"),
 ])
 def test_gpu_benchmarks_refuse_bad_values_before_looking_for_a_gpu(script, args, message):
