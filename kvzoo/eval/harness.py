@@ -35,7 +35,10 @@ How each request reads the cache (the strategy's own storage, `mode="streaming"`
         window's first `prompt` tokens, its exact prompt.
     generate_until(context, gen_kwargs)  kvzoo.generate: greedy unless do_sample (temperature, top_p, top_k as
         given), stopped by `until` or max_gen_toks.
-Each call logs the KV bytes the cache held against an fp16 cache of the same tokens (`kv_report`).
+Each call logs the KV bytes the cache held against an fp16 cache of the same tokens (`kv_report`). Each result
+goes to lm-eval's response cache as soon as its batch is done, so a run given `--use_cache PATH` and stopped part
+way picks up where it stopped when run again (one PATH per model and cache spec: lm-eval keys the responses by
+request alone; the KV line then covers the requests run this time).
 """
 
 from __future__ import annotations
@@ -148,14 +151,14 @@ class KvzooLM(LM):
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         pairs = [self._encode_pair(*r.args) for r in requests]
-        out = self._score_pairs(pairs, disable_tqdm)
+        out = self._score_pairs(pairs, [r.args for r in requests], disable_tqdm)
         self._log("loglikelihood")
         return out
 
-    def _score_pairs(self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool = False
+    def _score_pairs(self, pairs: list[tuple[list[int], list[int]]], args: list[tuple], disable_tqdm: bool = False
                      ) -> list[tuple[float, bool]]:
         """(log-probability, greedy) of each continuation after its context, batch_size pairs at a time,
-        longest first (the batch's padding then stays small)."""
+        longest first (the batch's padding then stays small); each result is cached under its request's args."""
         order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
         out: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
         for a in tqdm(range(0, len(order), self.batch_size), desc=f"loglikelihood ({self.spec})",
@@ -163,6 +166,7 @@ class KvzooLM(LM):
             rows = order[a:a + self.batch_size]
             for i, result in zip(rows, self._score_batch([pairs[i] for i in rows])):
                 out[i] = result
+                self.cache_hook.add_partial("loglikelihood", args[i], result)
         return out
 
     @torch.inference_mode()
@@ -199,6 +203,7 @@ class KvzooLM(LM):
             windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
                 self.tokenizer.encode(r.args[0], bos=False), self.prefix, self.max_length, 1)]
             results.append(sum(self._score_window(ctx, cont) for ctx, cont in windows))
+            self.cache_hook.add_partial("loglikelihood_rolling", r.args, results[-1])
         self._log("loglikelihood_rolling")
         return results
 
@@ -242,6 +247,7 @@ class KvzooLM(LM):
                 report.add(gen.cache_nbytes, gen.fp16_nbytes, len(batch))
                 for i, text in zip(batch, gen.texts):
                     out[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
                 bar.update(len(batch))
         bar.close()
         self._log("generate_until")

@@ -168,6 +168,39 @@ def test_generate_until_stops_and_batches(loaded):
     assert len(batched) == 3
 
 
+def test_a_stopped_run_resumes_from_lm_evals_response_cache(loaded, tmp_path, monkeypatch):
+    """Every result reaches lm-eval's response cache (--use_cache) when its batch is done: a run stopped after
+    its first batch keeps that batch, and the run again computes only the rest."""
+    from lm_eval.api.model import CachingLM
+
+    import kvzoo.eval.harness as harness_module
+
+    args = [("Q: What is the capital of France?\nA:", {"until": ["\n"], "max_gen_toks": 8}),
+            ("Q: What is the capital of Italy?\nA:", {"until": ["\n"], "max_gen_toks": 8}),
+            ("Count: one, two, three,", {"until": ["five"], "max_gen_toks": 8})]
+    want = lm(loaded, batch_size=2).generate_until(requests("generate_until", args), disable_tqdm=True)
+    db = str(tmp_path / "responses.db")
+    real, calls = harness_module.generate, []
+
+    def stopping(*a, **kw):                     # the second batch is stopped (the user's ^C)
+        calls.append(len(a[2]))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(harness_module, "generate", stopping)
+    with pytest.raises(KeyboardInterrupt):
+        CachingLM(lm(loaded, batch_size=2), db).generate_until(requests("generate_until", args))
+    calls.clear()
+    assert CachingLM(lm(loaded, batch_size=2), db).generate_until(requests("generate_until", args)) == want
+    assert calls == [1]                          # only the request the stopped run had not finished
+
+    pairs = requests("loglikelihood", PAIRS[:2])
+    scores = CachingLM(lm(loaded), db).loglikelihood(pairs)
+    monkeypatch.setattr(KvzooLM, "_score_batch", lambda *a: pytest.fail("scored again"))
+    assert CachingLM(lm(loaded), db).loglikelihood(pairs) == scores
+
+
 def test_chat_template_is_the_models(loaded):
     harness = lm(loaded)
     text = harness.apply_chat_template([{"role": "user", "content": "Hi"}])
