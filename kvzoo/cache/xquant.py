@@ -34,8 +34,11 @@ Stored per layer (B rows, Nmax = quantized slots for max_len, W = R + G window s
     GQA  k:  codes int32 (B, Nmax, c*b/32),      scale/zero fp16 (B, Nmax/G, c),      window (B, W, r)
              [first (B, Nmax, 1) at the model's dtype with outlier_channel; then c = r - 1, else c = r]
          v:  codes int32 (B, Nmax, r*b/32),      scale/zero fp16 (B, Nmax, r/Gt),     window (B, W, r)
-    plus the SVD factors (GQA: U_k|U_v (hidden, 2r), Σ_k B_kᵀ and Σ_v B_vᵀ (r, n_kv*hd), fp32), which are
-    weights, not per-token storage, and are not counted in nbytes().
+    plus the SVD factors (GQA: U_k|U_v (hidden, 2r) fp32, Σ_k B_kᵀ and Σ_v B_vᵀ (r, n_kv*hd) at the model's
+    dtype, `up_dtype=float32` keeps them fp32), which are weights, not per-token storage, and are not counted in
+    nbytes(). The up-projections rematerialize K and V from every cached row at every step, as W_k and W_v do for
+    an MHA model's X: at the model's dtype that product runs on the tensor cores (bf16 on an H200: 0.29 ms against
+    3.8 ms in fp32 per 32K rows of the 8B latent); fp32 models hold them in fp32 either way.
     (packed words are rounded up to whole packing blocks: 16 codes at 2 bits, 32 at 3, 8 at 4, 4 at 8)
 
 Bytes per quantized token and layer, e = bytes(model dtype):
@@ -48,9 +51,12 @@ paper's 0.27); b = 3: 0.206; b = 2: 110 B, 0.143. At L = 2048 and R = 0 every to
 Paper settings (the defaults): b = 4 (the abstract's "<0.1 perplexity degradation" setting; Table 1
 also reports 3 and 2), G = 128 for every quantizer (§4), R = 0 (a window of < G tokens), asymmetric
 uniform quantization, fp16 scales and zeros, no outlier channel (Table B.1 turns it on). Table 4 keeps
-the first 3 layers at 4 bits for every method: `high_layers=3` (`high_bits=4`).
+the first 3 layers at 4 bits for every method: `high_layers=3` (`high_bits=4`). The paper decomposes W_k and
+W_v offline and does not say at what precision it keeps the factors; here the up-projections are held as the
+model holds its weights (`up_dtype=model`).
 bits = 16 turns quantization off: every row is kept at the model's precision (16-bit in an fp16/bf16
-run, fp32 in an fp32 one), which rematerializes the fp16 cache's attention up to fp32 rounding.
+run, fp32 in an fp32 one), which rematerializes the fp16 cache's attention up to the rounding of the
+up-projections (fp32 in an fp32 model or with up_dtype=float32).
 
 Static step (`decode_static`, for kvzoo/graphs.py's whole-step CUDA graph): the same decode with fixed
 shapes and the length L in a device tensor. The token's rows go into each stream's window row L - Nq by an
@@ -77,6 +83,8 @@ from kvzoo.cache.base import Chunk, LayerCache, Positions, StaticStep, register
 from kvzoo.cache.kvquant import SUPPORTED_BITS, QTensor, dequantize
 from kvzoo.cache.store import EXACT, GroupCodec, Window, WindowedStore, check_policy, policy_windows, token_group
 from kvzoo.graphs import WholeStep
+
+UP_DTYPES = ("model", "float32")
 
 
 def check_latent_bits(bits: int, option: str = "bits") -> None:
@@ -172,9 +180,12 @@ class XQuantOptions:
     high_layers: int = 0             # the first high_layers layers use high_bits (Table 4: 3 layers at 4 bits)
     high_bits: int = 4
     policy: str = "reference"        # window policy (kvzoo/cache/store.py): reference | grouped | none
+    up_dtype: str = "model"          # GQA: the up-projections Σ Bᵀ held at the model's dtype | float32
 
     def __post_init__(self):
         check_policy(self.policy)
+        if self.up_dtype not in UP_DTYPES:
+            raise ValueError(f"unknown up_dtype {self.up_dtype!r}; accepted: {', '.join(UP_DTYPES)}")
         check_latent_bits(self.bits)
         check_latent_bits(self.high_bits, "high_bits")
         if self.high_layers < 0:
@@ -210,6 +221,8 @@ class XQuantCache(WholeStep, LayerCache):
         if self.gqa:
             down_k, up_k = svd_factors(layer.k_proj.weight)       # U_k (hidden, r), Σ_k B_kᵀ (r, n_kv*hd)
             down_v, up_v = svd_factors(layer.v_proj.weight)
+            if o.up_dtype == "model":                             # weights, as the model holds its W_k, W_v
+                up_k, up_v = up_k.to(weight.dtype), up_v.to(weight.dtype)
             self.register_buffer("down", torch.cat([down_k, down_v], dim=1), persistent=False)   # (hidden, 2r)
             self.register_buffer("up_k", up_k, persistent=False)
             self.register_buffer("up_v", up_v, persistent=False)

@@ -43,7 +43,8 @@ def layer_inputs(model):
 
 def test_paper_defaults():
     assert str(CacheSpec.parse("xquant")) == \
-        "xquant:bits=4,group_size=128,residual=0,outlier_channel=False,high_layers=0,high_bits=4,policy=reference"
+        "xquant:bits=4,group_size=128,residual=0,outlier_channel=False,high_layers=0,high_bits=4,policy=reference," \
+        "up_dtype=model"
     assert str(CacheSpec.parse("xquant-cl")) == \
         "xquant-cl:bits=3,high_bits=4,high_layers=3,base_layer=2,group_size=128,residual=0,policy=reference"
     assert token_group(192, 128) == 96 and token_group(4096, 128) == 128 and token_group(576, 128) == 96
@@ -301,6 +302,22 @@ def test_bf16_model_keeps_rows_in_bf16(tmp_path):
     assert cache.layers[0].plain.store.recent("k").dtype == torch.bfloat16
 
 
+@torch.no_grad()
+def test_up_projections_at_the_models_dtype_or_fp32(tmp_path):
+    """up_dtype=model (the default) holds Σ Bᵀ as the model holds W_k, W_v; float32 keeps the SVD's fp32. In a bf16
+    model the two give the same logits within bf16 rounding; an fp32 model holds fp32 either way."""
+    model = load_weights(tiny_llama(tmp_path, num_hidden_layers=3), dtype="bfloat16")
+    x = tokens()
+    logits = {}
+    for up in ("model", "float32"):
+        out, cache = stream(model, f"xquant:bits=4,group_size=16,up_dtype={up}", x, prefill=20)
+        assert {layer.up_k.dtype for layer in cache.layers} == {torch.bfloat16 if up == "model" else torch.float32}
+        logits[up] = out.float()
+    assert (logits["model"] - logits["float32"]).abs().max() < 0.05 * logits["float32"].abs().max()
+    fp32 = load_weights(tiny_llama(tmp_path / "fp32", num_hidden_layers=1))
+    assert fp32.new_cache("xquant", 1, 16).layers[0].up_k.dtype == torch.float32
+
+
 # ---- bad input ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("text, message", [
     ("xquant:bits=5", r"unsupported bits=5; accepted: 2, 3, 4, 8, or 16 \(no quantization"),
@@ -310,6 +327,7 @@ def test_bf16_model_keeps_rows_in_bf16(tmp_path):
     ("xquant:window=4", "cache 'xquant' has no option window; accepted options: bits, group_size, residual, "
                         "outlier_channel, high_layers, high_bits"),
     ("xquant:high_bits=7", "unsupported high_bits=7"),
+    ("xquant:up_dtype=half", "unknown up_dtype 'half'; accepted: model, float32"),
     ("kivi:high_bits=7", "unsupported bit width 7"),
     ("kivi-pre:high_layers=-1", "high_layers must be >= 0, got -1"),
     ("xquant-cl:high_bits=1", "unsupported high_bits=1; accepted: 2, 3, 4, 8, or 16"),
