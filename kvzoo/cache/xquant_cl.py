@@ -39,7 +39,8 @@ paper's residual window exists for per-channel groups (§4), which only the laye
 
 Stored per layer i >= base_layer (B rows, N = max_len slots, w = hidden (base, MHA deltas) or r_kv):
     codes int32 (B, N, w*b/32), scale/zero fp16 (B, N, w/Gt)     (bits = 16: rows (B, N, w) at the model's dtype)
-    GQA deltas: U_kv (hidden, r_kv) fp32, a weight factor not counted in nbytes()
+    GQA deltas: U_kv (hidden, r_kv) and U_kvᵀ at the model's dtype (up_dtype=float32: fp32), weight factors
+    not counted in nbytes(); the accumulator itself is fp32 either way
 Bytes per token and layer: w*b/8 + 4*w/Gt; layers before the base: xquant.py's formula.
 SmolLM2-135M (hidden 576, r_kv = 384, 30 layers; fp16 K+V: 30 * 768 = 23,040 B/token), defaults, L = 2048:
     layers 0-1 XQuant 4-bit 2 * 206 + base 576*4/8 + 4*576/96 = 312 + 27 deltas * (384*3/8 + 4*384/128 = 156)
@@ -47,7 +48,9 @@ SmolLM2-135M (hidden 576, r_kv = 384, 30 layers; fp16 K+V: 30 * 768 = 23,040 B/t
 
 Paper settings (the defaults): bits = 3 (the abstract's "10x with 0.01 perplexity degradation"; Table 4
 also reports 4 and 2), high_bits = 4 for the first high_layers = 3 layers, base_layer = 2 (the third
-layer), G = 128 (§4), residual R = 0 for the layers before the base, asymmetric uniform quantization.
+layer), G = 128 (§4), residual R = 0 for the layers before the base, asymmetric uniform quantization. The
+factors are held as the model holds its weights (`up_dtype=model`, as in xquant.py): U_kvᵀ up-projects every
+stored delta at every step, which on a GPU runs on the tensor cores at the model's dtype.
 bits = high_bits = 16 turn quantization off (rows at the model's precision): the fp16 attention up to
 fp32 rounding.
 
@@ -72,8 +75,9 @@ from torch import Tensor
 from kvzoo.cache.base import CacheSpec, Chunk, LayerCache, Positions, StaticStep, attend, register
 from kvzoo.cache.kvquant import QTensor
 from kvzoo.cache.store import GroupCodec, Window, WindowedStore, check_policy, token_group
-from kvzoo.cache.xquant import (XQuantCache, XQuantOptions, check_latent_bits, check_window, decode_attention,
-                                dequantize_latent, heads, rematerialize, rope_stored_keys, svd_factors)
+from kvzoo.cache.xquant import (UP_DTYPES, XQuantCache, XQuantOptions, check_latent_bits, check_window,
+                                decode_attention, dequantize_latent, heads, rematerialize, rope_stored_keys,
+                                svd_factors)
 from kvzoo.graphs import WholeStep
 
 
@@ -86,9 +90,12 @@ class XQuantCLOptions:
     group_size: int = 128
     residual: int = 0       # the window of the plain-XQuant layers before the base
     policy: str = "reference"   # window policy of the plain-XQuant layers (base and deltas: every token quantized)
+    up_dtype: str = "model"     # GQA: U_kv (and the plain layers' Σ Bᵀ) at the model's dtype | float32
 
     def __post_init__(self):
         check_policy(self.policy)
+        if self.up_dtype not in UP_DTYPES:
+            raise ValueError(f"unknown up_dtype {self.up_dtype!r}; accepted: {', '.join(UP_DTYPES)}")
         check_latent_bits(self.bits)
         check_latent_bits(self.high_bits, "high_bits")
         check_window(self.group_size, self.residual)
@@ -119,7 +126,8 @@ class XQuantCLCache(WholeStep, LayerCache):
         self.role = "xquant" if i < o.base_layer else "base" if i == o.base_layer else "delta"
         self._acc: Tensor | None = None                          # X̂_i of this pass, for the next layer
         if self.role == "xquant":
-            plain = XQuantOptions(bits=self.bits, group_size=o.group_size, residual=o.residual, policy=o.policy)
+            plain = XQuantOptions(bits=self.bits, group_size=o.group_size, residual=o.residual, policy=o.policy,
+                                  up_dtype=o.up_dtype)
             self.plain = XQuantCache(CacheSpec("xquant", plain), layer, None, batch_size, max_len)
             self.window, self.value_window = self.plain.window, self.plain.value_window
             return
@@ -128,7 +136,9 @@ class XQuantCLCache(WholeStep, LayerCache):
         self.gqa = self.role == "delta" and layer.n_kv_heads < layer.n_heads
         if self.gqa:
             kv = torch.cat([layer.k_proj.weight, layer.v_proj.weight], dim=0)      # [W_k | W_v]ᵀ (2 n_kv hd, hidden)
-            self.register_buffer("down", svd_factors(kv)[0], persistent=False)     # U_kv (hidden, r_kv)
+            down = svd_factors(kv)[0].to(weight.dtype if o.up_dtype == "model" else torch.float32)
+            self.register_buffer("down", down, persistent=False)                   # U_kv (hidden, r_kv)
+            self.register_buffer("up", down.T.contiguous(), persistent=False)      # U_kvᵀ (r_kv, hidden)
             width = self.down.shape[1]
         # every token quantized per token as it is stored: no window
         self.window = Window(0, 0, 1)
@@ -169,9 +179,9 @@ class XQuantCLCache(WholeStep, LayerCache):
             mine = acc_prev[:, a:] if slot is None else acc_prev.index_select(1, slot)   # X̂_{i-1} (B, T, hidden)
             delta = x.float() - mine                                        # X_i - X̂_{i-1} (B, T, hidden)
             if self.gqa:
-                delta = delta @ self.down                                   # its latent (B, T, r_kv)
+                delta = delta.to(self.down.dtype) @ self.down               # its latent (B, T, r_kv)
             write(delta)
-            acc = accumulate(acc_prev, codec.held(b), self.down.T if self.gqa else None)
+            acc = accumulate(acc_prev, codec.held(b), self.up if self.gqa else None)
         if slot is None:
             self.length = b
         self._acc = acc if self.attn.layer_idx + 1 < len(self.chain) else None

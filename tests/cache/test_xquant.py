@@ -46,7 +46,8 @@ def test_paper_defaults():
         "xquant:bits=4,group_size=128,residual=0,outlier_channel=False,high_layers=0,high_bits=4,policy=reference," \
         "up_dtype=model"
     assert str(CacheSpec.parse("xquant-cl")) == \
-        "xquant-cl:bits=3,high_bits=4,high_layers=3,base_layer=2,group_size=128,residual=0,policy=reference"
+        "xquant-cl:bits=3,high_bits=4,high_layers=3,base_layer=2,group_size=128,residual=0,policy=reference," \
+        "up_dtype=model"
     assert token_group(192, 128) == 96 and token_group(4096, 128) == 128 and token_group(576, 128) == 96
 
 
@@ -316,6 +317,14 @@ def test_up_projections_at_the_models_dtype_or_fp32(tmp_path):
     assert (logits["model"] - logits["float32"]).abs().max() < 0.05 * logits["float32"].abs().max()
     fp32 = load_weights(tiny_llama(tmp_path / "fp32", num_hidden_layers=1))
     assert fp32.new_cache("xquant", 1, 16).layers[0].up_k.dtype == torch.float32
+    for up in ("model", "float32"):                  # XQuant-CL: U_kv of its GQA deltas, and its plain layers
+        out, cache = stream(model, f"xquant-cl:bits=3,base_layer=1,high_layers=1,group_size=16,up_dtype={up}", x,
+                            prefill=20)
+        want = torch.bfloat16 if up == "model" else torch.float32
+        assert cache.layers[0].plain.up_k.dtype == want
+        assert cache.layers[2].down.dtype == cache.layers[2].up.dtype == want          # layer 2: a GQA delta
+        logits[f"cl-{up}"] = out.float()
+    assert (logits["cl-model"] - logits["cl-float32"]).abs().max() < 0.05 * logits["cl-float32"].abs().max()
 
 
 # ---- bad input ----------------------------------------------------------------------------------------
@@ -328,6 +337,7 @@ def test_up_projections_at_the_models_dtype_or_fp32(tmp_path):
                         "outlier_channel, high_layers, high_bits"),
     ("xquant:high_bits=7", "unsupported high_bits=7"),
     ("xquant:up_dtype=half", "unknown up_dtype 'half'; accepted: model, float32"),
+    ("xquant-cl:up_dtype=fp8", "unknown up_dtype 'fp8'; accepted: model, float32"),
     ("kivi:high_bits=7", "unsupported bit width 7"),
     ("kivi-pre:high_layers=-1", "high_layers must be >= 0, got -1"),
     ("xquant-cl:high_bits=1", "unsupported high_bits=1; accepted: 2, 3, 4, 8, or 16"),
