@@ -37,8 +37,8 @@ Stored per layer (B rows, Nmax = quantized slots for max_len, W = R + G window s
     plus the SVD factors (GQA: U_k|U_v (hidden, 2r) fp32, Σ_k B_kᵀ and Σ_v B_vᵀ (r, n_kv*hd) at the model's
     dtype, `up_dtype=float32` keeps them fp32), which are weights, not per-token storage, and are not counted in
     nbytes(). The up-projections rematerialize K and V from every cached row at every step, as W_k and W_v do for
-    an MHA model's X: at the model's dtype that product runs on the tensor cores (bf16 on an H200: 0.29 ms against
-    3.8 ms in fp32 per 32K rows of the 8B latent); fp32 models hold them in fp32 either way.
+    an MHA model's X: at the model's dtype that product runs on the GPU's tensor cores (docs/xquant.md); fp32
+    models hold them in fp32 either way.
     (packed words are rounded up to whole packing blocks: 16 codes at 2 bits, 32 at 3, 8 at 4, 4 at 8)
 
 Bytes per quantized token and layer, e = bytes(model dtype):
@@ -85,6 +85,11 @@ from kvzoo.cache.store import EXACT, GroupCodec, Window, WindowedStore, check_po
 from kvzoo.graphs import WholeStep
 
 UP_DTYPES = ("model", "float32")
+
+
+def check_up_dtype(up_dtype: str) -> None:
+    if up_dtype not in UP_DTYPES:
+        raise ValueError(f"unknown up_dtype {up_dtype!r}; accepted: {', '.join(UP_DTYPES)}")
 
 
 def check_latent_bits(bits: int, option: str = "bits") -> None:
@@ -184,8 +189,7 @@ class XQuantOptions:
 
     def __post_init__(self):
         check_policy(self.policy)
-        if self.up_dtype not in UP_DTYPES:
-            raise ValueError(f"unknown up_dtype {self.up_dtype!r}; accepted: {', '.join(UP_DTYPES)}")
+        check_up_dtype(self.up_dtype)
         check_latent_bits(self.bits)
         check_latent_bits(self.high_bits, "high_bits")
         if self.high_layers < 0:

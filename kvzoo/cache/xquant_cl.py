@@ -75,7 +75,7 @@ from torch import Tensor
 from kvzoo.cache.base import CacheSpec, Chunk, LayerCache, Positions, StaticStep, attend, register
 from kvzoo.cache.kvquant import QTensor
 from kvzoo.cache.store import GroupCodec, Window, WindowedStore, check_policy, token_group
-from kvzoo.cache.xquant import (UP_DTYPES, XQuantCache, XQuantOptions, check_latent_bits, check_window,
+from kvzoo.cache.xquant import (XQuantCache, XQuantOptions, check_latent_bits, check_up_dtype, check_window,
                                 decode_attention, dequantize_latent, heads, rematerialize, rope_stored_keys,
                                 svd_factors)
 from kvzoo.graphs import WholeStep
@@ -94,8 +94,7 @@ class XQuantCLOptions:
 
     def __post_init__(self):
         check_policy(self.policy)
-        if self.up_dtype not in UP_DTYPES:
-            raise ValueError(f"unknown up_dtype {self.up_dtype!r}; accepted: {', '.join(UP_DTYPES)}")
+        check_up_dtype(self.up_dtype)
         check_latent_bits(self.bits)
         check_latent_bits(self.high_bits, "high_bits")
         check_window(self.group_size, self.residual)

@@ -312,7 +312,8 @@ def test_new_script_options_refuse_bad_values(script, args, message):
 
 
 @pytest.mark.parametrize("script, args, message", [
-    ("bench_decode.py", ["--models", "gpt2"], "unknown model 'gpt2'; accepted: llama-3.1-8b, llama-3.1-70b, llama-2-7b, smollm2"),
+    ("bench_decode.py", ["--models", "gpt2"],
+     "unknown model 'gpt2'; accepted: llama-3.1-8b, llama-3.1-70b, llama-2-7b, smollm2"),
     ("bench_decode.py", ["--steps", "0"],
      "--contexts, --batches, --steps, --warmup, --prefill-chunk and --repeats must be >= 1"),
     ("bench_decode.py", ["--caches", "nope"], "--caches: unknown cache 'nope'; available caches: alignedkv"),
