@@ -97,11 +97,12 @@ class GraphDecoder:
         self.token = torch.zeros(B, 1, dtype=torch.long, device=device)        # (B, 1) static input
         self.slot = torch.zeros(1, dtype=torch.long, device=device)            # (1,) static input
         self.pad = (pad if pad is not None else torch.zeros(B, dtype=torch.long, device=device)).clone()
+        self.padded = padded
         self.scratch = tuple(t for layer in cache.layers for t in layer.static_scratch())
         self.steps: dict[tuple[str, ...], _Captured] = {}
 
     def _step(self) -> Tensor:
-        step = StaticStep.make(self.slot, self.pad, self.cache.max_len, self.model.cfg.sliding_window)
+        step = StaticStep.make(self.slot, self.pad, self.cache.max_len, self.model.cfg.sliding_window, self.padded)
         return self.model.decode_static(self.token, self.cache, step)
 
     @torch.inference_mode()

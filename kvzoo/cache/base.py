@@ -99,17 +99,21 @@ class StaticStep:
     slot: Tensor          # (1,) long: the slot this token writes (tokens stored before it)
     ids: Tensor           # (B, 1) RoPE position of the token
     mask: Tensor          # (B, 1, 1, max_len) True = may attend
+    masked: bool = True   # whether mask may forbid a stored slot (padding, a sliding window), else it is causal
     derived: dict = field(default_factory=dict)   # tensors computed from these once per step, shared by layers
 
     @classmethod
-    def make(cls, slot: Tensor, pad: Tensor, max_len: int, sliding_window: int | None = None) -> "StaticStep":
-        """From device tensors only (no host sync): slot (1,), pad (B,) left padding of each row."""
+    def make(cls, slot: Tensor, pad: Tensor, max_len: int, sliding_window: int | None = None,
+             padded: bool = True) -> "StaticStep":
+        """From device tensors only (no host sync): slot (1,), pad (B,) left padding of each row; padded=False
+        promises pad is all zeros."""
         k_slot = torch.arange(max_len, device=slot.device)                      # (S,)
         allowed = (k_slot[None, :] <= slot) & (k_slot[None, :] >= pad[:, None])  # (B, S)
-        if sliding_window is not None:
+        window_binds = sliding_window is not None and sliding_window < max_len
+        if window_binds:
             allowed &= k_slot[None, :] > slot - sliding_window
         ids = (slot - pad).clamp_min(0)[:, None]                                 # (B, 1)
-        return cls(slot, ids, allowed[:, None, None, :])
+        return cls(slot, ids, allowed[:, None, None, :], padded or window_binds)
 
 
 def full_mask(pos: Positions, n_keys: int, device) -> Tensor:

@@ -226,21 +226,48 @@ class KIVICache(WholeStep, LayerCache):
         return self.store.scratch()
 
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
-        """decode with fixed shapes: the token's k, v into each stream's window row, attention over every
-        quantized slot (the kernels) and every window row in each stream's static layout
-        (WindowedStore.static_rows: [quantized | sink | recent], the rows not live and the slots the step's mask
-        forbids masked), the key weights routed to the value rows by slot; then each stream whose window the
-        token filled quantizes its oldest group at a device-held slot."""
+        """decode with fixed shapes: the token's k, v into each stream's window row; attention in one fused kernel
+        over the stored slots where the step's mask is causal, else over every quantized slot (the kernels) and
+        every window row in each stream's static layout (WindowedStore.static_rows: [quantized | sink | recent],
+        the rows not live and the slots the mask forbids masked), the key weights routed to the value rows by slot;
+        then each stream whose window the token filled quantizes its oldest group at a device-held slot."""
         q, k = self.attn.rope(q, k, step.ids)
         st = self.store
         st.write_token_at(self.length, step, {"k": k, "v": v})
-        slots, live = st.static_rows(step, "k")
-        mask = step.mask.index_select(-1, slots.clamp_max(self.max_len - 1)) & live          # (B, 1, 1, K)
-        out = self._attend_kernels(q, st.codecs["k"].capacity, torch.cat([st.sink("k"), st.recent("k")], dim=2),
-                                   torch.cat([st.sink("v"), st.recent("v")], dim=2), mask,
-                                   lambda p: st.route(p, step, "k", "v"))
+        if step.masked:
+            slots, live = st.static_rows(step, "k")
+            mask = step.mask.index_select(-1, slots.clamp_max(self.max_len - 1)) & live          # (B, 1, 1, K)
+            out = self._attend_kernels(q, st.codecs["k"].capacity, torch.cat([st.sink("k"), st.recent("k")], dim=2),
+                                       torch.cat([st.sink("v"), st.recent("v")], dim=2), mask,
+                                       lambda p: st.route(p, step, "k", "v"))
+        else:
+            out = self._attend_fused(q, step)
         st.flush_at(self.length, step)
         return out
+
+    def _attend_fused(self, q: Tensor, step: StaticStep) -> Tensor:
+        """q (B, Hq, 1, d) after RoPE over every stored slot and the token, in one fused kernel
+        (kvzoo/kernels/outer_attention.py): each slot's key and value from its codes or its stream's window."""
+        from kvzoo.kernels.outer_attention import outer_decode_attention
+
+        st, kc, vc = self.store, self.store.codecs["k"], self.store.codecs["v"]
+        out = outer_decode_attention(q[:, :, 0], kc.codes, kc.scale, kc.zero, vc.codes, vc.scale, vc.zero,
+                                     self.opts.bits, st.recent("k"), st.recent("v"), self._static_lengths(step),
+                                     k_sink=st.sink("k"), v_sink=st.sink("v"))
+        return out[:, :, None]                                                  # (B, Hq, 1, d)
+
+    def _static_lengths(self, step: StaticStep) -> Tensor:
+        """From the device-held length L: int32 (4,) [keys quantized, values quantized, slots after the sink
+        (the token's included), slots in the sink], as the fused kernel takes them; shared by every layer."""
+        st = self.store
+        key = ("outer", st.windows["k"], st.windows["v"])
+        if key not in step.derived:
+            S, L = self.opts.sink, step.slot
+            (n_k, _), (n_v, _) = st.window_row(step, "k"), st.window_row(step, "v")
+            in_sink = L < S
+            step.derived[key] = torch.cat([n_k, n_v, torch.where(in_sink, 0, L + 1 - S),
+                                           torch.where(in_sink, L + 1, S)]).to(torch.int32)
+        return step.derived[key]
 
 
 @register("kivi-pre")

@@ -1,0 +1,301 @@
+"""Fused decode attention over the outer-grouped layout (KIVI, SQuat): one new query token per sequence against
+the quantized history, the exact sink and the recent windows, flash-decoding style, all query rows of a KV head in
+one program.
+
+    out (B, Hq, d) = softmax(q · [K_sink ; K_tail]ᵀ * sm_scale) · [V_sink ; V_tail]
+
+The tail is every slot after the sink, u = 0, 1, ... n_tail - 1 (the token being decoded last). Keys and values
+leave their recent windows at their own pace (KIVI's authors' windows: keys R at a time, values one at a time), so
+each stream has its own count of quantized slots, n_k and n_v: slot u's key is quantized when u < n_k, else row
+u - n_k of the key window; its value is quantized when u < n_v, else row u - n_v of the value window.
+
+Inputs (H KV heads, Hq = rep * H query heads, GQA: query head h*rep + j reads KV head h; b = bits in {2, 4};
+W = d*b/32 code words per token; N_k, N_v the buffers' slots, multiples of 32):
+    q          (B, Hq, d)               fp16 / bf16 / fp32, after RoPE
+    k_codes    int32 (B, H, N_k, W)     k_scale, k_zero fp16 (B, H, N_k/32, d)   per-channel groups of 32 tokens
+    v_codes    int32 (B, H, N_v, W)     v_scale, v_zero fp16 (B, H, N_v, d/32)   per-token groups of 32 channels
+    k_recent, v_recent (B, H, ., d)     the windows' rows, in q's dtype
+    k_sink, v_sink     (B, H, ., d)     the sink's rows (may hold none)
+    lengths    int32 (4,) on the device: [n_k, n_v, n_tail, n_sink] (CUDA graphs read them at replay)
+A group decodes to code * scale + zero (kvzoo.cache.kvquant's asymmetric quantizer). Every slot counted by
+`lengths` is attended: there is no mask (unpadded rows, no sliding window).
+
+Bytes read per token per layer and KV head: the codes, d*b/4, and the scales and zeros, 4*d/32 per token for the
+keys' groups and 4*d/32 for the values': 48 bytes at d = 64, b = 2 (fp16: 256).
+
+Two kernels:
+  1. split: grid (B*H, splits). A program owns a run of 32-token groups of one KV head, the slots quantized in both
+     streams (u < min(n_k, n_v)), and serves its rep query rows (padded to REP_P >= 16 for the tensor cores). A
+     step takes GS groups (32*GS tokens): key codes unpacked and scaled per (group, channel), one tl.dot for the
+     scores (REP_P, 32*GS), an online softmax in base 2 (running max m, sum l, output acc), value codes scaled per
+     (token, group of 32 channels), one tl.dot for the output. On a GPU with an fp16/bf16 model the codes are
+     unpacked into half2 registers by the inline PTX of innerq_attention.py, scale and zero applied in fp32 and the
+     result rounded to fp16 once; the dots take fp16 (a bf16 query is converted), as flash attention's do. fp32
+     models (and the interpreter) use fp32 codes and exact fp32 dots. It writes (m, l, acc) per split.
+  2. combine: grid (B*H,). Merges the splits, then the sink, then the tail's remaining slots 32 at a time, each
+     slot's key and value read from its codes or its window by the rule above, divides by l and writes (B, Hq, d)
+     in q's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kvzoo.kernels.innerq_attention import (_ASM, BLOCK_W, LOG2E, _attend_window, _dot_dtype, _join_codes,
+                                            _plan_splits)
+from kvzoo.kernels.quant_matvec import (GROUP, _outer_rows, check_bits, check_head_dim, check_runnable, check_tensor,
+                                        dequant_outer, head_rows)
+
+GROUPS_PER_STEP = 4          # groups of 32 tokens per step of the split kernel (128 tokens)
+PROGRAMS_PER_SM = 2          # split-K sizing: programs per SM of the device
+FAST_PATH = True             # fp16/bf16 models on a GPU: codes unpacked as half2 in inline PTX
+
+
+@triton.jit
+def _codes(c_ptr, n, live, D: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
+           CON: tl.constexpr):
+    """Codes of tokens n (BLOCK,) as exact values (BLOCK, D) in channel order: fp16 (FAST, inline PTX) or fp32."""
+    if FAST:
+        W: tl.constexpr = D * BITS // 32
+        words = tl.load(c_ptr + n[:, None] * W + tl.arange(0, W)[None, :], mask=live[:, None], other=0)
+        o = tl.inline_asm_elementwise(ASM, CON, [words], dtype=(tl.float16,) * (32 // BITS), is_pure=True, pack=2)
+        return _join_codes(o, BITS)
+    return _outer_rows(c_ptr, n, live, D, BITS)
+
+
+@triton.jit
+def _values(codes, vs_ptr, vz_ptr, n, live, D: tl.constexpr):
+    """Value codes (BLOCK, D) of tokens n (BLOCK,) dequantized: (BLOCK, D) fp32, each token's channels in groups
+    of 32 sharing a scale and zero; dead tokens 0."""
+    BLOCK: tl.constexpr = n.shape[0]
+    x = tl.reshape(codes, (BLOCK, D // 32, 32), can_reorder=False)
+    per_group = n[:, None] * (D // 32) + tl.arange(0, D // 32)[None, :]                  # (BLOCK, D/32)
+    scale = tl.load(vs_ptr + per_group, mask=live[:, None], other=0).to(tl.float32)
+    zero = tl.load(vz_ptr + per_group, mask=live[:, None], other=0).to(tl.float32)
+    return tl.reshape(x.to(tl.float32) * scale[:, :, None] + zero[:, :, None], (BLOCK, D), can_reorder=False)
+
+
+@triton.jit
+def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, l_ptr, acc_ptr, len_ptr,
+                  PER_SPLIT, qk_scale, s_kc, s_ks, s_kz, s_vc, s_vs, s_vz,
+                  D: tl.constexpr, BITS: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, GS: tl.constexpr,
+                  FAST: tl.constexpr, ASM: tl.constexpr, CON: tl.constexpr):
+    BLOCK_N: tl.constexpr = GS * 32
+    kv = tl.program_id(0)                        # b * H + h
+    head = kv.to(tl.int64)
+    kc_ptr += head * s_kc
+    ks_ptr += head * s_ks
+    kz_ptr += head * s_kz
+    vc_ptr += head * s_vc
+    vs_ptr += head * s_vs
+    vz_ptr += head * s_vz
+    split = tl.program_id(1)
+    r = tl.arange(0, REP_P)
+    live_r = r < REP
+    d = tl.arange(0, D)
+    g = tl.arange(0, GS)
+    q = _dot_dtype(tl.load(q_ptr + (kv * REP + r[:, None]) * D + d[None, :], mask=live_r[:, None], other=0))
+    m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((REP_P,), dtype=tl.float32)
+    acc = tl.zeros((REP_P, D), dtype=tl.float32)
+    n_both = tl.minimum(tl.load(len_ptr), tl.load(len_ptr + 1))          # slots quantized in both streams
+    start = split * PER_SPLIT
+    stop = tl.minimum(start + PER_SPLIT, (n_both + 31) // 32)              # every step's first token is live
+    for t in range(start, stop, GS):
+        n = t * 32 + tl.arange(0, BLOCK_N)
+        live = n < n_both
+        # keys: one scale and zero per (group of 32 tokens, channel)
+        per_ch = (t + g)[:, None] * D + d[None, :]                                     # (GS, D)
+        live_g = (t + g < stop)[:, None]
+        scale = tl.load(ks_ptr + per_ch, mask=live_g, other=0).to(tl.float32)
+        zero = tl.load(kz_ptr + per_ch, mask=live_g, other=0).to(tl.float32)
+        x = tl.reshape(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON), (GS, 32, D), can_reorder=False)
+        k = tl.reshape(x.to(tl.float32) * scale[:, None, :] + zero[:, None, :], (BLOCK_N, D), can_reorder=False)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale     # (REP_P, BLOCK_N), base 2
+        s = tl.where(live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.math.exp2(m - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        m = m_new
+        v = _values(_codes(vc_ptr, n, live, D, BITS, FAST, ASM, CON), vs_ptr, vz_ptr, n, live, D).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
+    rows = (kv * REP + r) * tl.num_programs(1) + split
+    tl.store(m_ptr + rows, m, mask=live_r)
+    tl.store(l_ptr + rows, l, mask=live_r)
+    tl.store(acc_ptr + rows[:, None] * D + d[None, :], acc, mask=live_r[:, None])
+
+
+@triton.jit
+def _combine_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_ptr, vw_ptr,
+                    m_ptr, l_ptr, acc_ptr, out_ptr, len_ptr, SPLITS, qk_scale,
+                    s_kc, s_ks, s_kz, s_vc, s_vs, s_vz, s_kr, s_vr, s_kw, s_vw,
+                    D: tl.constexpr, BITS: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    kv = tl.program_id(0)
+    head = kv.to(tl.int64)
+    r = tl.arange(0, REP_P)
+    live_r = r < REP
+    d = tl.arange(0, D)
+    heads = kv * REP + r
+    m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((REP_P,), dtype=tl.float32)
+    acc = tl.zeros((REP_P, D), dtype=tl.float32)
+    for split in range(SPLITS):
+        rows = heads * SPLITS + split
+        m_s = tl.load(m_ptr + rows, mask=live_r, other=0.0)         # padded rows stay finite
+        m_new = tl.maximum(m, m_s)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)        # splits past the live tokens hold nothing
+        alpha = tl.math.exp2(m - m_ref)
+        beta = tl.math.exp2(m_s - m_ref)
+        l = l * alpha + tl.load(l_ptr + rows, mask=live_r, other=0.0) * beta
+        acc = acc * alpha[:, None] + tl.load(acc_ptr + rows[:, None] * D + d[None, :], mask=live_r[:, None],
+                                             other=0.0) * beta[:, None]
+        m = m_new
+    q = _dot_dtype(tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=live_r[:, None], other=0))
+    n_k = tl.load(len_ptr)
+    n_v = tl.load(len_ptr + 1)
+    n_tail = tl.load(len_ptr + 2)
+    m, l, acc = _attend_window(q, kw_ptr + head * s_kw, vw_ptr + head * s_vw, tl.load(len_ptr + 3), m, l, acc,
+                               qk_scale, D, BLOCK)                                      # the sink
+    kc_ptr += head * s_kc
+    ks_ptr += head * s_ks
+    kz_ptr += head * s_kz
+    vc_ptr += head * s_vc
+    vs_ptr += head * s_vs
+    vz_ptr += head * s_vz
+    kr_ptr += head * s_kr
+    vr_ptr += head * s_vr
+    for u0 in range(tl.minimum(n_k, n_v), n_tail, BLOCK):          # the tail past the split kernel's slots
+        u = u0 + tl.arange(0, BLOCK)
+        live = u < n_tail
+        coded = live & (u < n_k)                                   # key from its codes, else from the key window
+        per_ch = (u // 32)[:, None] * D + d[None, :]
+        k = _outer_rows(kc_ptr, u, coded, D, BITS) * tl.load(ks_ptr + per_ch, mask=coded[:, None], other=0) \
+            .to(tl.float32) + tl.load(kz_ptr + per_ch, mask=coded[:, None], other=0).to(tl.float32)
+        exact = tl.load(kr_ptr + (u - n_k)[:, None] * D + d[None, :], mask=(live & ~coded)[:, None], other=0)
+        k = tl.where(coded[:, None], k, exact.to(tl.float32))
+        s = tl.dot(q, tl.trans(_dot_dtype(k.to(q.dtype))), input_precision="ieee") * qk_scale
+        s = tl.where(live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.math.exp2(m - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        m = m_new
+        coded = live & (u < n_v)                                   # value from its codes, else the value window
+        v = _values(_outer_rows(vc_ptr, u, coded, D, BITS), vs_ptr, vz_ptr, u, coded, D)
+        exact = tl.load(vr_ptr + (u - n_v)[:, None] * D + d[None, :], mask=(live & ~coded)[:, None], other=0)
+        v = _dot_dtype(tl.where(coded[:, None], v, exact.to(tl.float32)).to(q.dtype))
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    out = acc / tl.where(live_r, l, 1.0)[:, None]                 # padded rows: l = 0
+    tl.store(out_ptr + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live_r[:, None])
+
+
+def _check_rows(t: Tensor | None, name: str, B: int, H: int, d: int, q: Tensor) -> int:
+    """Rows held by a window buffer (B, H, rows, d) in q's dtype; None holds none."""
+    if t is None:
+        return 0
+    if not isinstance(t, Tensor) or t.dim() != 4:
+        raise ValueError(f"{name} must be a tensor (B, H, rows, d)")
+    check_tensor(t, name, (B, H, t.shape[2], d), (q.dtype,), q.device)
+    return t.shape[2]
+
+
+def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor,
+                           v_scale: Tensor, v_zero: Tensor, bits: int, k_recent: Tensor, v_recent: Tensor,
+                           lengths: Tensor | tuple[int, int, int, int], *, k_sink: Tensor | None = None,
+                           v_sink: Tensor | None = None, sm_scale: float | None = None,
+                           num_splits: int | None = None, num_warps: int = 4) -> Tensor:
+    """Decode attention (B, Hq, d) in q's dtype of one query token per sequence over an outer-layout cache (module
+    docstring). lengths: [n_k, n_v, n_tail, n_sink], an int32 device tensor (4,) (CUDA graphs) or four ints, with
+    n_k <= N_k, n_v <= N_v, the tail's window slots within the windows' rows and n_sink within the sink's.
+    sm_scale defaults to 1/sqrt(d); num_splits (split-K over the slots quantized in both streams) to enough
+    programs to fill the device."""
+    check_bits(bits)
+    if not isinstance(q, Tensor) or q.dim() != 3:
+        raise ValueError("q must be a tensor (B, Hq, d)")
+    B, Hq, d = q.shape
+    dev = q.device
+    check_runnable(_split_kernel, dev)
+    check_head_dim(d)
+    check_tensor(q, "q", (B, Hq, d), (torch.float16, torch.bfloat16, torch.float32), dev)
+    for name, t in (("k_codes", k_codes), ("v_codes", v_codes)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a tensor (B, H, N, d*bits/32)")
+    H, N_k, N_v = k_codes.shape[1], k_codes.shape[2], v_codes.shape[2]
+    if H == 0 or Hq % H:
+        raise ValueError(f"{Hq} query heads are not a multiple of {H} KV heads")
+    if N_k % GROUP or N_v % GROUP:
+        raise ValueError(f"the code buffers hold {N_k} and {N_v} slots; they come in whole groups of {GROUP}")
+    words = d * bits // 32
+    for name, t, shape, dtype in (("k_codes", k_codes, (B, H, N_k, words), torch.int32),
+                                  ("k_scale", k_scale, (B, H, N_k // GROUP, d), torch.float16),
+                                  ("k_zero", k_zero, (B, H, N_k // GROUP, d), torch.float16),
+                                  ("v_codes", v_codes, (B, H, N_v, words), torch.int32),
+                                  ("v_scale", v_scale, (B, H, N_v, d // GROUP), torch.float16),
+                                  ("v_zero", v_zero, (B, H, N_v, d // GROUP), torch.float16)):
+        check_tensor(t, name, shape, (dtype,), dev)
+    _check_rows(k_recent, "k_recent", B, H, d, q)
+    _check_rows(v_recent, "v_recent", B, H, d, q)
+    if (k_sink is None) != (v_sink is None):
+        raise ValueError("give both k_sink and v_sink, or neither")
+    _check_rows(k_sink, "k_sink", B, H, d, q)
+    _check_rows(v_sink, "v_sink", B, H, d, q)
+    if not isinstance(lengths, Tensor):
+        if len(lengths) != 4 or lengths[0] > N_k or lengths[1] > N_v:
+            raise ValueError(f"lengths must be [n_k <= {N_k}, n_v <= {N_v}, n_tail, n_sink], got {lengths}")
+        lengths = torch.tensor(lengths, dtype=torch.int32, device=dev)
+    check_tensor(lengths, "lengths", (4,), (torch.int32,), dev)
+    rep = Hq // H
+    rep_p = max(16, triton.next_power_of_2(rep))
+    qk_scale = (1 / math.sqrt(d) if sm_scale is None else sm_scale) * LOG2E
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if B == 0:
+        return out
+    fast = FAST_PATH and q.dtype in (torch.float16, torch.bfloat16) and dev.type == "cuda" \
+        and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    n_groups = min(N_k, N_v) // GROUP
+    splits, per_split, gs = _plan_splits(n_groups, B * H, dev, num_splits, GROUPS_PER_STEP, PROGRAMS_PER_SM) \
+        if n_groups else (0, 0, 1)
+    m = torch.empty(B * Hq, max(splits, 1), dtype=torch.float32, device=dev)
+    l = torch.empty_like(m)
+    acc = torch.empty(B * Hq, max(splits, 1), d, dtype=torch.float32, device=dev)
+    codes = [head_rows(t) for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)]
+    ptrs, strides = [t for t, _ in codes], [s for _, s in codes]
+    if splits:
+        _split_kernel[(B * H, splits)](q, *ptrs, m, l, acc, lengths, per_split, qk_scale, *strides, D=d, BITS=bits,
+                                       REP=rep, REP_P=rep_p, GS=gs, FAST=fast, ASM=_ASM[bits][0], CON=_ASM[bits][1],
+                                       num_warps=num_warps, enable_fp_fusion=True)
+    # an empty buffer may have no storage: pass q, never read, rather than a null pointer
+    windows = [head_rows(t) if t is not None and t.numel() else (q, 0) for t in (k_recent, v_recent, k_sink, v_sink)]
+    _combine_kernel[(B * H,)](q, *ptrs, *(t for t, _ in windows), m, l, acc, out, lengths, splits, qk_scale,
+                              *strides, *(s for _, s in windows), D=d, BITS=bits, REP=rep, REP_P=rep_p,
+                              BLOCK=BLOCK_W, num_warps=num_warps, enable_fp_fusion=True)
+    return out
+
+
+def outer_decode_attention_ref(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor,
+                               v_scale: Tensor, v_zero: Tensor, bits: int, k_recent: Tensor, v_recent: Tensor,
+                               lengths: Tensor | tuple[int, int, int, int], *, k_sink: Tensor | None = None,
+                               v_sink: Tensor | None = None, sm_scale: float | None = None) -> Tensor:
+    """Torch attention over the sink and the tail, each slot's key and value dequantized or read from its window
+    (module docstring), fp32 softmax."""
+    B, Hq, d = q.shape
+    H = k_codes.shape[1]
+    n_k, n_v, n_tail, n_sink = lengths.tolist() if isinstance(lengths, Tensor) else lengths
+    k_q = dequant_outer(k_codes[:, :, :n_k], k_scale[:, :, :n_k // GROUP], k_zero[:, :, :n_k // GROUP], bits, -2)
+    v_q = dequant_outer(v_codes[:, :, :n_v], v_scale[:, :, :n_v], v_zero[:, :, :n_v], bits, -1)
+    sink = [] if k_sink is None else [(k_sink[:, :, :n_sink].float(), v_sink[:, :, :n_sink].float())]
+    keys = torch.cat([s[0] for s in sink] + [k_q, k_recent[:, :, :n_tail - n_k].float()], dim=2)
+    values = torch.cat([s[1] for s in sink] + [v_q, v_recent[:, :, :n_tail - n_v].float()], dim=2)
+    scale = 1 / math.sqrt(d) if sm_scale is None else sm_scale
+    qh = q.view(B, H, Hq // H, d).float()
+    weights = torch.softmax(torch.einsum("bhrd,bhnd->bhrn", qh, keys) * scale, dim=-1)
+    return torch.einsum("bhrn,bhnd->bhrd", weights, values).reshape(B, Hq, d).to(q.dtype)

@@ -1,0 +1,111 @@
+"""The fused outer-layout decode attention (kvzoo/kernels/outer_attention.py) against its pure-torch reference,
+under the Triton interpreter (`TRITON_INTERPRET=0` on a GPU machine runs the compiled kernels instead)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import itertools  # noqa: E402
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kvzoo.cache.kvquant import quantize  # noqa: E402
+from kvzoo.kernels.outer_attention import outer_decode_attention, outer_decode_attention_ref  # noqa: E402
+from kvzoo.kernels.quant_matvec import dequant_outer  # noqa: E402
+
+DEVICE = "cpu" if os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on", "yes") else "cuda"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}   # relative to the largest reference magnitude
+
+
+def name(value) -> str:
+    return str(value).replace("torch.", "").replace(" ", "")
+
+
+def cache(B, H, N_k, N_v, d, bits, dtype, rows=40, sink=4, seed=0):
+    """Codes of random keys (per-channel groups) and values (per-token groups), window and sink rows."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(B, H, N_k, d, generator=g), torch.randn(B, H, N_v, d, generator=g)
+    kq = quantize(k.to(DEVICE), bits, 32, axis=-2, scale_dtype=torch.float16)
+    vq = quantize(v.to(DEVICE), bits, 32, axis=-1, scale_dtype=torch.float16)
+    k_rec, v_rec, k_sink, v_sink = (torch.randn(B, H, n, d, generator=g).to(DEVICE, dtype)
+                                    for n in (rows, rows, sink, sink))
+    return (kq.codes, kq.scale, kq.zero, vq.codes, vq.scale, vq.zero), (k_rec, v_rec), (k_sink, v_sink)
+
+
+def assert_close(got, want, dtype):
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= TOL[dtype] * max(1.0, want.float().abs().max().item()), err
+
+
+# lengths [n_k, n_v, n_tail, n_sink]: KIVI's authors' windows (keys quantized past values), one window for both,
+# values quantized past keys (policy none), nothing quantized, only the sink, no sink
+LENGTHS = [(128, 90, 130, 4), (96, 96, 120, 2), (64, 95, 96, 0), (0, 0, 30, 4), (0, 0, 0, 3), (32, 5, 40, 0)]
+CASES = [(bits, d, dtype, rep, lengths) for (bits, d, dtype), (rep, lengths) in zip(
+    itertools.product((2, 4), (64, 128), (torch.float32, torch.float16, torch.bfloat16)),
+    itertools.cycle(itertools.product((1, 3, 4), LENGTHS)))]
+
+
+@pytest.mark.parametrize("bits,d,dtype,rep,lengths", CASES, ids=name)
+def test_fused_outer_attention_matches_reference(bits, d, dtype, rep, lengths):
+    B, H = 2, 2
+    codes, (k_rec, v_rec), (k_sink, v_sink) = cache(B, H, 128, 96, d, bits, dtype, seed=bits + d + rep)
+    q = torch.randn(B, H * rep, d, generator=torch.Generator().manual_seed(rep)).to(DEVICE, dtype)
+    for lens in (lengths, torch.tensor(lengths, dtype=torch.int32, device=DEVICE)):
+        args = (q, *codes, bits, k_rec, v_rec, lens)
+        got = outer_decode_attention(*args, k_sink=k_sink, v_sink=v_sink, num_splits=2)
+        assert got.dtype == dtype and got.shape == (B, H * rep, d)
+        assert_close(got, outer_decode_attention_ref(*args, k_sink=k_sink, v_sink=v_sink), dtype)
+
+
+def test_reference_is_attention_over_the_slots_in_order():
+    """Slot u of the tail reads its key from the codes while u < n_k, else key-window row u - n_k (values the same
+    with n_v): the reference equals softmax attention over those rows, built one slot at a time."""
+    bits, d, (n_k, n_v, n_tail, n_sink) = 2, 64, (64, 40, 70, 3)
+    codes, (k_rec, v_rec), (k_sink, v_sink) = cache(1, 1, 64, 64, d, bits, torch.float32)
+    k_all = dequant_outer(codes[0], codes[1], codes[2], bits, -2)[0, 0]
+    v_all = dequant_outer(codes[3], codes[4], codes[5], bits, -1)[0, 0]
+    keys = [k_sink[0, 0, i] for i in range(n_sink)] + \
+        [k_all[u] if u < n_k else k_rec[0, 0, u - n_k] for u in range(n_tail)]
+    values = [v_sink[0, 0, i] for i in range(n_sink)] + \
+        [v_all[u] if u < n_v else v_rec[0, 0, u - n_v] for u in range(n_tail)]
+    q = torch.randn(1, 2, d, device=DEVICE)
+    p = torch.softmax(q[0] @ torch.stack(keys).T / math.sqrt(d), -1)
+    want = (p @ torch.stack(values))[None]
+    got = outer_decode_attention_ref(q, *codes, bits, k_rec, v_rec, (n_k, n_v, n_tail, n_sink), k_sink=k_sink,
+                                     v_sink=v_sink)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_close(outer_decode_attention(q, *codes, bits, k_rec, v_rec, (n_k, n_v, n_tail, n_sink), k_sink=k_sink,
+                                        v_sink=v_sink), want, torch.float32)
+
+
+def test_peaked_softmax_and_many_splits():
+    """A large softmax scale: one key dominates, so the online max and the merge of splits (some past the live
+    slots) must be right."""
+    codes, (k_rec, v_rec), _ = cache(1, 2, 256, 256, 64, 2, torch.float32, seed=3)
+    q = torch.randn(1, 8, 64, device=DEVICE)
+    args = (q, *codes, 2, k_rec, v_rec, (224, 192, 230, 0))
+    for splits in (1, 3, 8):
+        assert_close(outer_decode_attention(*args, sm_scale=4.0, num_splits=splits),
+                     outer_decode_attention_ref(*args, sm_scale=4.0), torch.float32)
+
+
+def test_bad_inputs_name_the_problem():
+    codes, (k_rec, v_rec), (k_sink, v_sink) = cache(1, 2, 64, 64, 64, 2, torch.float32)
+    q = torch.randn(1, 4, 64, device=DEVICE)
+    lens = (32, 32, 40, 0)
+    with pytest.raises(ValueError, match="bits"):
+        outer_decode_attention(q, *codes, 3, k_rec, v_rec, lens)
+    with pytest.raises(ValueError, match="query heads"):
+        outer_decode_attention(q[:, :3], *codes, 2, k_rec, v_rec, lens)
+    with pytest.raises(ValueError, match="k_scale has shape"):
+        outer_decode_attention(q, codes[0], codes[1][:, :, :1], *codes[2:], 2, k_rec, v_rec, lens)
+    with pytest.raises(ValueError, match="v_recent has dtype"):
+        outer_decode_attention(q, *codes, 2, k_rec, v_rec.half(), lens)
+    with pytest.raises(ValueError, match="both k_sink and v_sink"):
+        outer_decode_attention(q, *codes, 2, k_rec, v_rec, lens, k_sink=k_sink)
+    with pytest.raises(ValueError, match="lengths must be"):
+        outer_decode_attention(q, *codes, 2, k_rec, v_rec, (96, 32, 100, 0))
