@@ -10,8 +10,8 @@ query heads), Llama 2-13B (40 heads of 128, MHA). For each N:
     (InnerQ layout, asymmetric groups) vs the 2-bit outer-grouped kernel (KIVI layout)
   quantize: InnerQ's 2-bit key quantizer, symmetric vs hybrid, on N fp16 keys per KV head
   attention: one decode query per query head; fp16 F.scaled_dot_product_attention (GQA) over N tokens vs the
-    fused 2-bit kernel over N - 128 quantized tokens plus a 128-token exact window (sink 32 + recent 96), and
-    the read floor: a kernel that only streams the fused kernel's input bytes (one contiguous buffer of the
+    fused 2-bit kernels (InnerQ's inner layout and KIVI's outer one) over N - 128 quantized tokens plus a
+    128-token exact window (sink 32 + recent 96), and for each the read floor: a kernel that only streams the fused kernel's input bytes (one contiguous buffer of the
     same size, 16-byte loads, XOR-reduced), the fastest any kernel over that cache could be on this GPU
 Each latency is the median of --runs CUDA-graph replays (CUDA events) after --warmup replays, with L2 flushed
 before each one (a decode step finds a layer's cache cold). Bandwidth is the bytes each method must read
@@ -60,6 +60,11 @@ TABLES = [
      "Decode attention with hybrid groups (InnerQ's default: random symmetric flags read from packed mask bits)"),
     ("attention", "fp16 SDPA", "read floor", "speedup",
      "Decode attention bound: fp16 SDPA vs a kernel that only reads the fused kernel's input bytes"),
+    ("attention", "fp16 SDPA", "fused 2-bit outer", "speedup",
+     f"Decode attention, KIVI's layout: fp16 SDPA vs the fused outer-grouped kernel over N - {WINDOW} quantized "
+     f"+ {WINDOW} exact tokens"),
+    ("attention", "fp16 SDPA", "read floor outer", "speedup",
+     "Decode attention bound, KIVI's layout: fp16 SDPA vs a kernel that only reads the outer kernel's input bytes"),
 ]
 COMPARISONS = {   # row label, formatter of t_baseline / t_compared
     "reduction": ("latency reduction", lambda r: f"{100 * (1 - 1 / r):.1f}%"),
@@ -133,7 +138,7 @@ def synthetic_outer(H: int, N: int, d: int, gen: torch.Generator):
 def sanity_check(H: int, d: int, Hq: int) -> dict:
     """Max relative error of each kernel against its torch reference at N = 1024 (real quantized data)."""
     from kvzoo.cache.kvquant import pack_sym_mask, quantize, quantize_unified
-    from kvzoo.kernels import innerq_attention as att, quant_matvec as mv, quantize_pack as qp
+    from kvzoo.kernels import innerq_attention as att, outer_attention as oa, quant_matvec as mv, quantize_pack as qp
 
     torch.manual_seed(0)
     N = 1024
@@ -158,6 +163,8 @@ def sanity_check(H: int, d: int, Hq: int) -> dict:
         "pv outer": rel(mv.pv_outer(p, *vout, BITS), mv.pv_outer_ref(p, *vout, BITS)),
         "attention": rel(att.innerq_decode_attention(qa, *kat, *vat, *win, BITS),
                          att.innerq_decode_attention_ref(qa, *kat, *vat, *win, BITS)),
+        "attention outer": rel(oa.outer_decode_attention(qa, *kout, *vout, BITS, *win, (N - 32, N - 64, N + 40, 0)),
+                               oa.outer_decode_attention_ref(qa, *kout, *vout, BITS, *win, (N - 32, N - 64, N + 40, 0))),
     }
     bad = {name: err for name, err in errors.items() if err > 2e-3}
     for mode in ("sym", "hybrid"):
@@ -172,7 +179,7 @@ def sanity_check(H: int, d: int, Hq: int) -> dict:
 
 
 def measure(model: str, N: int, timer: Timer, gen: torch.Generator) -> list[dict]:
-    from kvzoo.kernels import innerq_attention as att, quant_matvec as mv, quantize_pack as qp
+    from kvzoo.kernels import innerq_attention as att, outer_attention as oa, quant_matvec as mv, quantize_pack as qp
 
     H, d, Hq = MODELS[model]
     rows = []
@@ -218,6 +225,13 @@ def measure(model: str, N: int, timer: Timer, gen: torch.Generator) -> list[dict
            lambda: att.innerq_decode_attention(qa.view(1, Hq, d), *hybrid, k_win, v_win, BITS),
            nbytes(qa, *hybrid, k_win, v_win))
     record("attention", "read floor", read_floor(fused_bytes), fused_bytes)
+    outer = (okc, oks, okz, ovc, ovs, ovz)
+    lengths = torch.tensor([n_q, n_q, N, 0], dtype=torch.int32, device=DEVICE)
+    outer_bytes = nbytes(qa, okc[:, :, :n_q], oks[:, :, :n_q // 32], okz[:, :, :n_q // 32], ovc[:, :, :n_q],
+                         ovs[:, :, :n_q], ovz[:, :, :n_q], k_win, v_win)
+    record("attention", "fused 2-bit outer",
+           lambda: oa.outer_decode_attention(qa.view(1, Hq, d), *outer, BITS, k_win, v_win, lengths), outer_bytes)
+    record("attention", "read floor outer", read_floor(outer_bytes), outer_bytes)
     return rows
 
 
