@@ -24,17 +24,17 @@ Bytes read per token per layer and KV head: the codes, d*b/4, and the scales and
 keys' groups and 4*d/32 for the values': 48 bytes at d = 64, b = 2 (fp16: 256).
 
 Two kernels:
-  1. split: grid (B*H, splits). A program owns a run of 32-token groups of one KV head, the slots quantized in both
-     streams (u < min(n_k, n_v)), and serves its rep query rows (padded to REP_P >= 16 for the tensor cores). A
+  1. split: grid (B*H, splits + 1). A program owns a run of 32-token groups of one KV head, the slots quantized in
+     both streams (u < min(n_k, n_v)), and serves its rep query rows (padded to REP_P >= 16 for the tensor cores). A
      step takes GS groups (32*GS tokens): key codes unpacked and scaled per (group, channel), one tl.dot for the
      scores (REP_P, 32*GS), an online softmax in base 2 (running max m, sum l, output acc), value codes scaled per
      (token, group of 32 channels), one tl.dot for the output. On a GPU with an fp16/bf16 model the codes are
      unpacked into half2 registers by the inline PTX of innerq_attention.py, scale and zero applied in fp32 and the
      result rounded to fp16 once; the dots take fp16 (a bf16 query is converted), as flash attention's do. fp32
-     models (and the interpreter) use fp32 codes and exact fp32 dots. It writes (m, l, acc) per split.
-  2. combine: grid (B*H,). Merges the splits, then the sink, then the tail's remaining slots 32 at a time, each
-     slot's key and value read from its codes or its window by the rule above, divides by l and writes (B, Hq, d)
-     in q's dtype.
+     models (and the interpreter) use fp32 codes and exact fp32 dots. The last program of each KV head takes the
+     sink, then the tail's slots past the quantized ones 32 at a time, each slot's key and value read from its
+     codes or its window by the rule above. Every program writes its (m, l, acc).
+  2. combine: grid (B*H,). Merges the partials, divides by l and writes (B, Hq, d) in q's dtype.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ from kvzoo.kernels.quant_matvec import (GROUP, _outer_rows, check_bits, check_he
 
 GROUPS_PER_STEP = 4          # groups of 32 tokens per step of the split kernel (128 tokens)
 PROGRAMS_PER_SM = 2          # split-K sizing: programs per SM of the device
+SPLIT_WARPS = None           # warps of the split kernel; None: num_warps
+SPLIT_STAGES = 2             # software-pipelining depth of the split kernel's token loop
 FAST_PATH = True             # fp16/bf16 models on a GPU: codes unpacked as half2 in inline PTX
 
 
@@ -61,12 +63,15 @@ FAST_PATH = True             # fp16/bf16 models on a GPU: codes unpacked as half
 def _codes(c_ptr, n, live, D: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
            CON: tl.constexpr):
     """Codes of tokens n (BLOCK,) as exact values (BLOCK, D) in channel order: fp16 (FAST, inline PTX) or fp32."""
+    CPW: tl.constexpr = 32 // BITS
+    W: tl.constexpr = D * BITS // 32
     if FAST:
-        W: tl.constexpr = D * BITS // 32
         words = tl.load(c_ptr + n[:, None] * W + tl.arange(0, W)[None, :], mask=live[:, None], other=0)
-        o = tl.inline_asm_elementwise(ASM, CON, [words], dtype=(tl.float16,) * (32 // BITS), is_pure=True, pack=2)
-        return _join_codes(o, BITS)
-    return _outer_rows(c_ptr, n, live, D, BITS)
+        o = tl.inline_asm_elementwise(ASM, CON, [words], dtype=(tl.float16,) * CPW, is_pure=True, pack=2)
+        x = _join_codes(o, BITS)
+    else:
+        x = _outer_rows(c_ptr, n, live, D, BITS)
+    return x
 
 
 @triton.jit
@@ -82,11 +87,75 @@ def _values(codes, vs_ptr, vz_ptr, n, live, D: tl.constexpr):
 
 
 @triton.jit
-def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, l_ptr, acc_ptr, len_ptr,
-                  PER_SPLIT, qk_scale, s_kc, s_ks, s_kz, s_vc, s_vs, s_vz,
-                  D: tl.constexpr, BITS: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, GS: tl.constexpr,
-                  FAST: tl.constexpr, ASM: tl.constexpr, CON: tl.constexpr):
+def _online(q, k, v, live, m, l, acc, qk_scale):
+    """One step of the online softmax in base 2: keys k (BLOCK, D) and values v (BLOCK, D) in the dots' dtype,
+    dead tokens masked out of the scores."""
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale                   # (REP_P, BLOCK)
+    s = tl.where(live[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.math.exp2(m - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+
+
+@triton.jit
+def _quantized(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, len_ptr, start, PER_SPLIT, m, l, acc, qk_scale,
+               D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
+               CON: tl.constexpr):
+    """The online softmax over the groups [start, start + PER_SPLIT) of the slots quantized in both streams."""
     BLOCK_N: tl.constexpr = GS * 32
+    d = tl.arange(0, D)
+    g = tl.arange(0, GS)
+    n_both = tl.minimum(tl.load(len_ptr), tl.load(len_ptr + 1))
+    stop = tl.minimum(start + PER_SPLIT, (n_both + 31) // 32)              # every step's first token is live
+    for t in range(start, stop, GS):
+        n = t * 32 + tl.arange(0, BLOCK_N)
+        live = n < n_both
+        # keys: one scale and zero per (group of 32 tokens, channel)
+        per_ch = (t + g)[:, None] * D + d[None, :]                                     # (GS, D)
+        live_g = (t + g < stop)[:, None]
+        scale = tl.load(ks_ptr + per_ch, mask=live_g, other=0).to(tl.float32)
+        zero = tl.load(kz_ptr + per_ch, mask=live_g, other=0).to(tl.float32)
+        x = tl.reshape(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON), (GS, 32, D), can_reorder=False)
+        k = tl.reshape(x.to(tl.float32) * scale[:, None, :] + zero[:, None, :], (BLOCK_N, D), can_reorder=False)
+        v = _values(_codes(vc_ptr, n, live, D, BITS, FAST, ASM, CON), vs_ptr, vz_ptr, n, live, D)
+        m, l, acc = _online(q, k.to(q.dtype), v.to(q.dtype), live, m, l, acc, qk_scale)
+    return m, l, acc
+
+
+@triton.jit
+def _tail(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_ptr, vw_ptr, len_ptr, m, l, acc,
+          qk_scale, D: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """The online softmax over the sink, then over the tail's slots past those quantized in both streams, BLOCK
+    at a time, each slot's key and value from its codes or its window (module docstring)."""
+    d = tl.arange(0, D)
+    n_k = tl.load(len_ptr)
+    n_v = tl.load(len_ptr + 1)
+    n_tail = tl.load(len_ptr + 2)
+    m, l, acc = _attend_window(q, kw_ptr, vw_ptr, tl.load(len_ptr + 3), m, l, acc, qk_scale, D, BLOCK)
+    for u0 in range(tl.minimum(n_k, n_v), n_tail, BLOCK):
+        u = u0 + tl.arange(0, BLOCK)
+        live = u < n_tail
+        coded = live & (u < n_k)                                   # key from its codes, else from the key window
+        per_ch = (u // 32)[:, None] * D + d[None, :]
+        k = _outer_rows(kc_ptr, u, coded, D, BITS) * tl.load(ks_ptr + per_ch, mask=coded[:, None], other=0) \
+            .to(tl.float32) + tl.load(kz_ptr + per_ch, mask=coded[:, None], other=0).to(tl.float32)
+        exact = tl.load(kr_ptr + (u - n_k)[:, None] * D + d[None, :], mask=(live & ~coded)[:, None], other=0)
+        k = _dot_dtype(tl.where(coded[:, None], k, exact.to(tl.float32)).to(q.dtype))
+        coded = live & (u < n_v)                                   # value from its codes, else the value window
+        v = _values(_outer_rows(vc_ptr, u, coded, D, BITS), vs_ptr, vz_ptr, u, coded, D)
+        exact = tl.load(vr_ptr + (u - n_v)[:, None] * D + d[None, :], mask=(live & ~coded)[:, None], other=0)
+        v = _dot_dtype(tl.where(coded[:, None], v, exact.to(tl.float32)).to(q.dtype))
+        m, l, acc = _online(q, k, v, live, m, l, acc, qk_scale)
+    return m, l, acc
+
+
+@triton.jit
+def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_ptr, vw_ptr,
+                  m_ptr, l_ptr, acc_ptr, len_ptr, PER_SPLIT, qk_scale,
+                  s_kc, s_ks, s_kz, s_vc, s_vs, s_vz, s_kr, s_vr, s_kw, s_vw,
+                  D: tl.constexpr, BITS: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, GS: tl.constexpr,
+                  BLOCK: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr, CON: tl.constexpr):
     kv = tl.program_id(0)                        # b * H + h
     head = kv.to(tl.int64)
     kc_ptr += head * s_kc
@@ -99,33 +168,17 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, 
     r = tl.arange(0, REP_P)
     live_r = r < REP
     d = tl.arange(0, D)
-    g = tl.arange(0, GS)
     q = _dot_dtype(tl.load(q_ptr + (kv * REP + r[:, None]) * D + d[None, :], mask=live_r[:, None], other=0))
     m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((REP_P,), dtype=tl.float32)
     acc = tl.zeros((REP_P, D), dtype=tl.float32)
-    n_both = tl.minimum(tl.load(len_ptr), tl.load(len_ptr + 1))          # slots quantized in both streams
-    start = split * PER_SPLIT
-    stop = tl.minimum(start + PER_SPLIT, (n_both + 31) // 32)              # every step's first token is live
-    for t in range(start, stop, GS):
-        n = t * 32 + tl.arange(0, BLOCK_N)
-        live = n < n_both
-        # keys: one scale and zero per (group of 32 tokens, channel)
-        per_ch = (t + g)[:, None] * D + d[None, :]                                     # (GS, D)
-        live_g = (t + g < stop)[:, None]
-        scale = tl.load(ks_ptr + per_ch, mask=live_g, other=0).to(tl.float32)
-        zero = tl.load(kz_ptr + per_ch, mask=live_g, other=0).to(tl.float32)
-        x = tl.reshape(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON), (GS, 32, D), can_reorder=False)
-        k = tl.reshape(x.to(tl.float32) * scale[:, None, :] + zero[:, None, :], (BLOCK_N, D), can_reorder=False)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale     # (REP_P, BLOCK_N), base 2
-        s = tl.where(live[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.math.exp2(m - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        m = m_new
-        v = _values(_codes(vc_ptr, n, live, D, BITS, FAST, ASM, CON), vs_ptr, vz_ptr, n, live, D).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
+    if split == tl.num_programs(1) - 1:          # the last program: the sink and the tail
+        m, l, acc = _tail(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr + head * s_kr,
+                          vr_ptr + head * s_vr, kw_ptr + head * s_kw, vw_ptr + head * s_vw, len_ptr, m, l, acc,
+                          qk_scale, D, BITS, BLOCK)
+    else:
+        m, l, acc = _quantized(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, len_ptr, split * PER_SPLIT,
+                               PER_SPLIT, m, l, acc, qk_scale, D, BITS, GS, FAST, ASM, CON)
     rows = (kv * REP + r) * tl.num_programs(1) + split
     tl.store(m_ptr + rows, m, mask=live_r)
     tl.store(l_ptr + rows, l, mask=live_r)
@@ -133,13 +186,9 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, 
 
 
 @triton.jit
-def _combine_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_ptr, vw_ptr,
-                    m_ptr, l_ptr, acc_ptr, out_ptr, len_ptr, SPLITS, qk_scale,
-                    s_kc, s_ks, s_kz, s_vc, s_vs, s_vz, s_kr, s_vr, s_kw, s_vw,
-                    D: tl.constexpr, BITS: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
-                    BLOCK: tl.constexpr):
+def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, D: tl.constexpr, REP: tl.constexpr,
+                    REP_P: tl.constexpr):
     kv = tl.program_id(0)
-    head = kv.to(tl.int64)
     r = tl.arange(0, REP_P)
     live_r = r < REP
     d = tl.arange(0, D)
@@ -158,41 +207,6 @@ def _combine_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_pt
         acc = acc * alpha[:, None] + tl.load(acc_ptr + rows[:, None] * D + d[None, :], mask=live_r[:, None],
                                              other=0.0) * beta[:, None]
         m = m_new
-    q = _dot_dtype(tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=live_r[:, None], other=0))
-    n_k = tl.load(len_ptr)
-    n_v = tl.load(len_ptr + 1)
-    n_tail = tl.load(len_ptr + 2)
-    m, l, acc = _attend_window(q, kw_ptr + head * s_kw, vw_ptr + head * s_vw, tl.load(len_ptr + 3), m, l, acc,
-                               qk_scale, D, BLOCK)                                      # the sink
-    kc_ptr += head * s_kc
-    ks_ptr += head * s_ks
-    kz_ptr += head * s_kz
-    vc_ptr += head * s_vc
-    vs_ptr += head * s_vs
-    vz_ptr += head * s_vz
-    kr_ptr += head * s_kr
-    vr_ptr += head * s_vr
-    for u0 in range(tl.minimum(n_k, n_v), n_tail, BLOCK):          # the tail past the split kernel's slots
-        u = u0 + tl.arange(0, BLOCK)
-        live = u < n_tail
-        coded = live & (u < n_k)                                   # key from its codes, else from the key window
-        per_ch = (u // 32)[:, None] * D + d[None, :]
-        k = _outer_rows(kc_ptr, u, coded, D, BITS) * tl.load(ks_ptr + per_ch, mask=coded[:, None], other=0) \
-            .to(tl.float32) + tl.load(kz_ptr + per_ch, mask=coded[:, None], other=0).to(tl.float32)
-        exact = tl.load(kr_ptr + (u - n_k)[:, None] * D + d[None, :], mask=(live & ~coded)[:, None], other=0)
-        k = tl.where(coded[:, None], k, exact.to(tl.float32))
-        s = tl.dot(q, tl.trans(_dot_dtype(k.to(q.dtype))), input_precision="ieee") * qk_scale
-        s = tl.where(live[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.math.exp2(m - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        m = m_new
-        coded = live & (u < n_v)                                   # value from its codes, else the value window
-        v = _values(_outer_rows(vc_ptr, u, coded, D, BITS), vs_ptr, vz_ptr, u, coded, D)
-        exact = tl.load(vr_ptr + (u - n_v)[:, None] * D + d[None, :], mask=(live & ~coded)[:, None], other=0)
-        v = _dot_dtype(tl.where(coded[:, None], v, exact.to(tl.float32)).to(q.dtype))
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     out = acc / tl.where(live_r, l, 1.0)[:, None]                 # padded rows: l = 0
     tl.store(out_ptr + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live_r[:, None])
 
@@ -264,20 +278,19 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     n_groups = min(N_k, N_v) // GROUP
     splits, per_split, gs = _plan_splits(n_groups, B * H, dev, num_splits, GROUPS_PER_STEP, PROGRAMS_PER_SM) \
         if n_groups else (0, 0, 1)
-    m = torch.empty(B * Hq, max(splits, 1), dtype=torch.float32, device=dev)
+    # one partial per split over the quantized slots, and the last for the sink and the tail
+    m = torch.empty(B * Hq, splits + 1, dtype=torch.float32, device=dev)
     l = torch.empty_like(m)
-    acc = torch.empty(B * Hq, max(splits, 1), d, dtype=torch.float32, device=dev)
-    codes = [head_rows(t) for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)]
-    ptrs, strides = [t for t, _ in codes], [s for _, s in codes]
-    if splits:
-        _split_kernel[(B * H, splits)](q, *ptrs, m, l, acc, lengths, per_split, qk_scale, *strides, D=d, BITS=bits,
-                                       REP=rep, REP_P=rep_p, GS=gs, FAST=fast, ASM=_ASM[bits][0], CON=_ASM[bits][1],
-                                       num_warps=num_warps, enable_fp_fusion=True)
+    acc = torch.empty(B * Hq, splits + 1, d, dtype=torch.float32, device=dev)
     # an empty buffer may have no storage: pass q, never read, rather than a null pointer
-    windows = [head_rows(t) if t is not None and t.numel() else (q, 0) for t in (k_recent, v_recent, k_sink, v_sink)]
-    _combine_kernel[(B * H,)](q, *ptrs, *(t for t, _ in windows), m, l, acc, out, lengths, splits, qk_scale,
-                              *strides, *(s for _, s in windows), D=d, BITS=bits, REP=rep, REP_P=rep_p,
-                              BLOCK=BLOCK_W, num_warps=num_warps, enable_fp_fusion=True)
+    buffers = [head_rows(t) if t is not None and t.numel() else (q, 0)
+               for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_recent, v_recent, k_sink, v_sink)]
+    _split_kernel[(B * H, splits + 1)](q, *(t for t, _ in buffers), m, l, acc, lengths, per_split, qk_scale,
+                                       *(s for _, s in buffers), D=d, BITS=bits, REP=rep, REP_P=rep_p, GS=gs,
+                                       BLOCK=BLOCK_W, FAST=fast, ASM=_ASM[bits][0], CON=_ASM[bits][1],
+                                       num_warps=SPLIT_WARPS or num_warps, num_stages=SPLIT_STAGES,
+                                       enable_fp_fusion=True)
+    _combine_kernel[(B * H,)](m, l, acc, out, splits + 1, D=d, REP=rep, REP_P=rep_p, num_warps=num_warps)
     return out
 
 
