@@ -29,8 +29,8 @@ Two kernels:
      step takes GS groups (32*GS tokens): key codes unpacked and scaled per (group, channel), one tl.dot for the
      scores (REP_P, 32*GS), an online softmax in base 2 (running max m, sum l, output acc), value codes scaled per
      (token, group of 32 channels), one tl.dot for the output. On a GPU with an fp16/bf16 model the codes are
-     unpacked into half2 registers by the inline PTX of innerq_attention.py, scale and zero applied in fp32 and the
-     result rounded to fp16 once; the dots take fp16 (a bf16 query is converted), as flash attention's do. fp32
+     unpacked into half2 registers by the inline PTX of innerq_attention.py and scale and zero (fp16, as stored)
+     applied in fp16 by one fused multiply-add, rounded once; the dots take fp16 (a bf16 query is converted), as flash attention's do. fp32
      models (and the interpreter) use fp32 codes and exact fp32 dots. The last program of each KV head takes the
      sink, then the tail's slots past the quantized ones 32 at a time, each slot's key and value read from its
      codes or its window by the rule above. Every program writes its (m, l, acc).
@@ -55,7 +55,7 @@ from kvzoo.kernels.quant_matvec import (GROUP, _outer_rows, check_bits, check_he
 GROUPS_PER_STEP = 4          # groups of 32 tokens per step of the split kernel (128 tokens)
 PROGRAMS_PER_SM = 2          # split-K sizing: programs per SM of the device
 SPLIT_WARPS = None           # warps of the split kernel; None: num_warps
-SPLIT_STAGES = 2             # software-pipelining depth of the split kernel's token loop
+SPLIT_STAGES = 3             # software-pipelining depth of the split kernel's token loop
 FAST_PATH = True             # fp16/bf16 models on a GPU: codes unpacked as half2 in inline PTX
 
 
@@ -81,9 +81,9 @@ def _values(codes, vs_ptr, vz_ptr, n, live, D: tl.constexpr):
     BLOCK: tl.constexpr = n.shape[0]
     x = tl.reshape(codes, (BLOCK, D // 32, 32), can_reorder=False)
     per_group = n[:, None] * (D // 32) + tl.arange(0, D // 32)[None, :]                  # (BLOCK, D/32)
-    scale = tl.load(vs_ptr + per_group, mask=live[:, None], other=0).to(tl.float32)
-    zero = tl.load(vz_ptr + per_group, mask=live[:, None], other=0).to(tl.float32)
-    return tl.reshape(x.to(tl.float32) * scale[:, :, None] + zero[:, :, None], (BLOCK, D), can_reorder=False)
+    scale = tl.load(vs_ptr + per_group, mask=live[:, None], other=0).to(x.dtype)
+    zero = tl.load(vz_ptr + per_group, mask=live[:, None], other=0).to(x.dtype)
+    return tl.reshape(x * scale[:, :, None] + zero[:, :, None], (BLOCK, D), can_reorder=False)
 
 
 @triton.jit
@@ -114,10 +114,10 @@ def _quantized(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, len_ptr, start
         # keys: one scale and zero per (group of 32 tokens, channel)
         per_ch = (t + g)[:, None] * D + d[None, :]                                     # (GS, D)
         live_g = (t + g < stop)[:, None]
-        scale = tl.load(ks_ptr + per_ch, mask=live_g, other=0).to(tl.float32)
-        zero = tl.load(kz_ptr + per_ch, mask=live_g, other=0).to(tl.float32)
         x = tl.reshape(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON), (GS, 32, D), can_reorder=False)
-        k = tl.reshape(x.to(tl.float32) * scale[:, None, :] + zero[:, None, :], (BLOCK_N, D), can_reorder=False)
+        scale = tl.load(ks_ptr + per_ch, mask=live_g, other=0).to(x.dtype)
+        zero = tl.load(kz_ptr + per_ch, mask=live_g, other=0).to(x.dtype)
+        k = tl.reshape(x * scale[:, None, :] + zero[:, None, :], (BLOCK_N, D), can_reorder=False)
         v = _values(_codes(vc_ptr, n, live, D, BITS, FAST, ASM, CON), vs_ptr, vz_ptr, n, live, D)
         m, l, acc = _online(q, k.to(q.dtype), v.to(q.dtype), live, m, l, acc, qk_scale)
     return m, l, acc
@@ -282,8 +282,9 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     m = torch.empty(B * Hq, splits + 1, dtype=torch.float32, device=dev)
     l = torch.empty_like(m)
     acc = torch.empty(B * Hq, splits + 1, d, dtype=torch.float32, device=dev)
-    # an empty buffer may have no storage: pass q, never read, rather than a null pointer
-    buffers = [head_rows(t) if t is not None and t.numel() else (q, 0)
+    # an empty buffer may have no storage: pass one element of its dtype, never read, rather than a null pointer
+    buffers = [head_rows(t) if t is not None and t.numel() else
+               (torch.zeros(1, dtype=q.dtype if t is None else t.dtype, device=dev), 0)
                for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_recent, v_recent, k_sink, v_sink)]
     _split_kernel[(B * H, splits + 1)](q, *(t for t, _ in buffers), m, l, acc, lengths, per_split, qk_scale,
                                        *(s for _, s in buffers), D=d, BITS=bits, REP=rep, REP_P=rep_p, GS=gs,

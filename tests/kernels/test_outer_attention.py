@@ -82,6 +82,15 @@ def test_reference_is_attention_over_the_slots_in_order():
                                         v_sink=v_sink), want, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=name)
+def test_nothing_quantized_yet_and_no_sink(dtype):
+    """Code buffers of no slots (a cache too short to quantize anything) and no sink: only the windows."""
+    codes, (k_rec, v_rec), _ = cache(1, 2, 0, 0, 64, 2, dtype)
+    q = torch.randn(1, 6, 64, device=DEVICE).to(dtype)
+    args = (q, *codes, 2, k_rec, v_rec, (0, 0, 33, 0))
+    assert_close(outer_decode_attention(*args), outer_decode_attention_ref(*args), dtype)
+
+
 def test_peaked_softmax_and_many_splits():
     """A large softmax scale: one key dominates, so the online max and the merge of splits (some past the live
     slots) must be right."""
