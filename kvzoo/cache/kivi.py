@@ -35,10 +35,12 @@ per-channel key groups, p·V with per-token value groups; one launch each, GQA r
 windows and the token exact in one fp32 softmax; everywhere else decode is a one-token prefill, which
 dequantizes the whole history. With the authors' windows the kernels read the whole groups quantized in both
 streams and the rest (at most R + G keys) joins the exact rows. `decode_static` is the same step with the
-length in a device tensor, for kvzoo/graphs.py's whole-step CUDA graph (WholeStep), under every window policy:
-attention over every allocated slot of each stream's static layout (WindowedStore.static_rows), the dead ones and
-those the step's mask forbids (padding, sliding windows) masked, the key weights routed to the value rows by slot
-where the two streams' windows differ, one graph per phase (in each stream the token joins the sink, joins the
+length in a device tensor, for kvzoo/graphs.py's whole-step CUDA graph (WholeStep), under every window policy.
+Where the step's mask is causal (unpadded rows, no sliding window) one fused flash-decoding kernel per layer
+(kvzoo/kernels/outer_attention.py) attends every stored slot, each slot's key and value read from its codes or
+its stream's window; otherwise attention runs over every allocated slot of each stream's static layout
+(WindowedStore.static_rows), the dead ones and those the mask forbids masked, the key weights routed to the value
+rows by slot where the two streams' windows differ. One graph per phase (in each stream the token joins the sink, joins the
 window, or fills it and its oldest group is quantized at a device-held slot). Its cost grows with the buffer
 (max_len), not with the tokens stored.
 
