@@ -29,7 +29,7 @@ Bytes per token, per layer and KV head: quantized d*b/4 (K and V codes, d a mult
 For b=2, G=32, d=64: 48 vs 256 bytes, and at L=2048, R=128 (grouped): (1920*48 + 128*256) / (2048*256) = 0.2383 of
 the fp16 cache.
 
-Decode on a GPU (unpadded rows, KIVI and SQuat, not KIVI*, whose keys need RoPE after dequantization) reads
+Eager decode on a GPU (unpadded rows, KIVI and SQuat, not KIVI*, whose keys need RoPE after dequantization) reads
 the quantized history in place through the outer-layout kernels of kvzoo/kernels/quant_matvec.py (q·Kᵀ with
 per-channel key groups, p·V with per-token value groups; one launch each, GQA rows reading their KV head), with the
 windows and the token exact in one fp32 softmax; everywhere else decode is a one-token prefill, which
@@ -38,7 +38,8 @@ streams and the rest (at most R + G keys) joins the exact rows. `decode_static` 
 length in a device tensor, for kvzoo/graphs.py's whole-step CUDA graph (WholeStep), under every window policy.
 Where the step's mask is causal (unpadded rows, no sliding window) one fused flash-decoding kernel per layer
 (kvzoo/kernels/outer_attention.py) attends every stored slot, each slot's key and value read from its codes or
-its stream's window; otherwise attention runs over every allocated slot of each stream's static layout
+its stream's window (KIVI*: the kernel rotates the quantized keys to their positions, the step the sink's and the
+key window's; KIVI* has a static step only there); otherwise attention runs over every allocated slot of each stream's static layout
 (WindowedStore.static_rows), the dead ones and those the mask forbids masked, the key weights routed to the value
 rows by slot where the two streams' windows differ. One graph per phase (in each stream the token joins the sink, joins the
 window, or fills it and its oldest group is quantized at a device-held slot). Its cost grows with the buffer
@@ -215,11 +216,18 @@ class KIVICache(WholeStep, LayerCache):
     # ---- the static step (WholeStep: CUDA graphs, kvzoo/graphs.py) -------------------------------------
     def can_decode_static(self, padded: bool) -> bool:
         """Streaming caches in a layout the kernels take, on a device they run on (CUDA, or any under the
-        Triton interpreter), once a prompt is stored. The step's mask serves padding and sliding windows."""
-        from kvzoo.kernels.quant_matvec import kernels_run_on
+        Triton interpreter), once a prompt is stored. The step's mask serves padding and sliding windows; KIVI*'s
+        keys, rotated inside the fused kernel only, need a causal mask (unpadded rows, no binding sliding
+        window)."""
+        from kvzoo.kernels.quant_matvec import GROUP, KERNEL_BITS, kernels_run_on
 
-        return (not self.simulated and self.length > 0 and self._kernel_layout()
-                and kernels_run_on(self.store.codecs["k"].codes.device))
+        if self.simulated or not self.length or not kernels_run_on(self.store.codecs["k"].codes.device):
+            return False
+        if self.pre_rope:
+            window = getattr(self.attn, "sliding_window", None)
+            return (self.opts.bits in KERNEL_BITS and self.opts.group_size == GROUP and self.v_group == GROUP
+                    and not padded and (window is None or window >= self.max_len))
+        return self._kernel_layout()
 
     def static_phase(self) -> str:
         return self.store.phases(self.length)
@@ -233,10 +241,11 @@ class KIVICache(WholeStep, LayerCache):
         every window row in each stream's static layout (WindowedStore.static_rows: [quantized | sink | recent],
         the rows not live and the slots the mask forbids masked), the key weights routed to the value rows by slot;
         then each stream whose window the token filled quantizes its oldest group at a device-held slot."""
-        q, k = self.attn.rope(q, k, step.ids)
+        q, k_rot = self.attn.rope(q, k, step.ids)
         st = self.store
-        st.write_token_at(self.length, step, {"k": k, "v": v})
+        st.write_token_at(self.length, step, {"k": k if self.pre_rope else k_rot, "v": v})
         if step.masked:
+            assert not self.pre_rope, "KIVI*'s static step needs a causal mask (can_decode_static)"
             slots, live = st.static_rows(step, "k")
             mask = step.mask.index_select(-1, slots.clamp_max(self.max_len - 1)) & live          # (B, 1, 1, K)
             out = self._attend_kernels(q, st.codecs["k"].capacity, torch.cat([st.sink("k"), st.recent("k")], dim=2),
@@ -249,14 +258,32 @@ class KIVICache(WholeStep, LayerCache):
 
     def _attend_fused(self, q: Tensor, step: StaticStep) -> Tensor:
         """q (B, Hq, 1, d) after RoPE over every stored slot and the token, in one fused kernel
-        (kvzoo/kernels/outer_attention.py): each slot's key and value from its codes or its stream's window."""
+        (kvzoo/kernels/outer_attention.py): each slot's key and value from its codes or its stream's window.
+        KIVI*: the kernel rotates the quantized keys; the sink's and the key window's are rotated here."""
         from kvzoo.kernels.outer_attention import outer_decode_attention
 
         st, kc, vc = self.store, self.store.codecs["k"], self.store.codecs["v"]
+        lengths, k_sink, k_recent, rope = self._static_lengths(step), st.sink("k"), st.recent("k"), None
+        if self.pre_rope:
+            rope = self._rope_tables(step, q.dtype)
+            S, rows = self.opts.sink, k_recent.shape[2]
+            # key window row j holds slot S + n_k + j (rows past the live ones are never read)
+            at = (S + lengths[0] + torch.arange(rows, device=q.device)).clamp_max(self.max_len - 1)
+            k_sink = self.attn.rope.rotate(k_sink, rope[0][:S], rope[1][:S])
+            k_recent = self.attn.rope.rotate(k_recent, rope[0].index_select(0, at), rope[1].index_select(0, at))
         out = outer_decode_attention(q[:, :, 0], kc.codes, kc.scale, kc.zero, vc.codes, vc.scale, vc.zero,
-                                     self.opts.bits, st.recent("k"), st.recent("v"), self._static_lengths(step),
-                                     k_sink=st.sink("k"), v_sink=st.sink("v"))
+                                     self.opts.bits, k_recent, st.recent("v"), lengths, k_sink=k_sink,
+                                     v_sink=st.sink("v"), rope=rope)
         return out[:, :, None]                                                  # (B, Hq, 1, d)
+
+    def _rope_tables(self, step: StaticStep, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """RoPE's cos and sin (max_len, d) of every position, in the model's dtype; once per step, for every layer."""
+        key = ("rope tables", self.max_len, dtype)
+        if key not in step.derived:
+            ids = torch.arange(self.max_len, device=step.slot.device)[None]
+            cos, sin = self.attn.rope.cos_sin(ids, dtype)                      # (1, 1, max_len, d) each
+            step.derived[key] = (cos[0, 0], sin[0, 0])
+        return step.derived[key]
 
     def _static_lengths(self, step: StaticStep) -> Tensor:
         """From the device-held length L: int32 (4,) [keys quantized, values quantized, slots after the sink

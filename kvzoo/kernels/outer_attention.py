@@ -49,8 +49,8 @@ from torch import Tensor
 
 from kvzoo.kernels.innerq_attention import (_ASM, BLOCK_W, LOG2E, _attend_window, _dot_dtype, _join_codes,
                                             _plan_splits)
-from kvzoo.kernels.quant_matvec import (GROUP, _outer_rows, check_bits, check_head_dim, check_runnable, check_tensor,
-                                        dequant_outer, head_rows)
+from kvzoo.kernels.quant_matvec import (GROUP, check_bits, check_head_dim, check_runnable, check_tensor,
+                                        dequant_outer, head_rows, unpack_codes)
 
 GROUPS_PER_STEP = 4          # groups of 32 tokens per step of the split kernel (128 tokens)
 PROGRAMS_PER_SM = 2          # split-K sizing: programs per SM of the device
@@ -60,18 +60,74 @@ FAST_PATH = True             # fp16/bf16 models on a GPU: codes unpacked as half
 
 
 @triton.jit
-def _codes(c_ptr, n, live, D: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
-           CON: tl.constexpr):
-    """Codes of tokens n (BLOCK,) as exact values (BLOCK, D) in channel order: fp16 (FAST, inline PTX) or fp32."""
-    CPW: tl.constexpr = 32 // BITS
+def _words(c_ptr, n, live, D: tl.constexpr, BITS: tl.constexpr, TURN: tl.constexpr):
+    """Code words of tokens n (BLOCK,): (BLOCK, W), word j of a token, or with TURN word (j + W/2) % W (the
+    channels' halves swapped, for RoPE's rotate-half)."""
     W: tl.constexpr = D * BITS // 32
+    w = (tl.arange(0, W) + TURN * (W // 2)) % W
+    return tl.load(c_ptr + n[:, None] * W + w[None, :], mask=live[:, None], other=0)
+
+
+@triton.jit
+def _exact_codes(c_ptr, n, live, D: tl.constexpr, BITS: tl.constexpr, TURN: tl.constexpr):
+    """Codes of tokens n (BLOCK,) as exact fp32 values (BLOCK, D) in channel order (halves swapped with TURN)."""
+    c = tl.arange(0, 32 // BITS)
+    x = unpack_codes(_words(c_ptr, n, live, D, BITS, TURN)[:, :, None], (c * BITS)[None, None, :], BITS)
+    return tl.reshape(x, (n.shape[0], D))
+
+
+@triton.jit
+def _codes(c_ptr, n, live, D: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
+           CON: tl.constexpr, TURN: tl.constexpr):
+    """Codes of tokens n (BLOCK,) as exact values (BLOCK, D) in channel order (halves swapped with TURN): fp16
+    unpacked by inline PTX (FAST), or fp32."""
+    CPW: tl.constexpr = 32 // BITS
     if FAST:
-        words = tl.load(c_ptr + n[:, None] * W + tl.arange(0, W)[None, :], mask=live[:, None], other=0)
-        o = tl.inline_asm_elementwise(ASM, CON, [words], dtype=(tl.float16,) * CPW, is_pure=True, pack=2)
+        o = tl.inline_asm_elementwise(ASM, CON, [_words(c_ptr, n, live, D, BITS, TURN)],
+                                      dtype=(tl.float16,) * CPW, is_pure=True, pack=2)
         x = _join_codes(o, BITS)
     else:
-        x = _outer_rows(c_ptr, n, live, D, BITS)
+        x = _exact_codes(c_ptr, n, live, D, BITS, TURN)
     return x
+
+
+@triton.jit
+def _rotate(k, k_turned, cos_ptr, sin_ptr, pos, live, D: tl.constexpr):
+    """RoPE (rotate-half) of keys k (BLOCK, D) at positions pos (BLOCK,), k_turned the same keys with their halves
+    swapped; cos, sin tables (positions, D). fp32."""
+    d = tl.arange(0, D)
+    at = pos[:, None] * D + d[None, :]
+    cos = tl.load(cos_ptr + at, mask=live[:, None], other=0).to(tl.float32)
+    sin = tl.load(sin_ptr + at, mask=live[:, None], other=0).to(tl.float32)
+    sign = tl.where(d < D // 2, -1.0, 1.0)
+    return k.to(tl.float32) * cos + k_turned.to(tl.float32) * sign[None, :] * sin
+
+
+@triton.jit
+def _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
+                FAST: tl.constexpr, ASM: tl.constexpr, CON: tl.constexpr, TURN: tl.constexpr):
+    """Keys of the GS whole groups of 32 tokens from group t (tokens n), one scale and zero per (group, channel):
+    (32*GS, D) in the codes' dtype, halves swapped with TURN."""
+    BLOCK_N: tl.constexpr = GS * 32
+    g = tl.arange(0, GS)
+    ch = (tl.arange(0, D) + TURN * (D // 2)) % D
+    per_ch = (t + g)[:, None] * D + ch[None, :]                                        # (GS, D)
+    live_g = (t + g < stop)[:, None]
+    x = tl.reshape(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON, TURN), (GS, 32, D), can_reorder=False)
+    scale = tl.load(ks_ptr + per_ch, mask=live_g, other=0).to(x.dtype)
+    zero = tl.load(kz_ptr + per_ch, mask=live_g, other=0).to(x.dtype)
+    return tl.reshape(x * scale[:, None, :] + zero[:, None, :], (BLOCK_N, D), can_reorder=False)
+
+
+@triton.jit
+def _token_keys(kc_ptr, ks_ptr, kz_ptr, u, live, D: tl.constexpr, BITS: tl.constexpr, TURN: tl.constexpr):
+    """Keys of tokens u (BLOCK,), any slots, each with its group's scale and zero: (BLOCK, D) fp32, halves swapped
+    with TURN."""
+    ch = (tl.arange(0, D) + TURN * (D // 2)) % D
+    per_ch = (u // 32)[:, None] * D + ch[None, :]
+    scale = tl.load(ks_ptr + per_ch, mask=live[:, None], other=0).to(tl.float32)
+    zero = tl.load(kz_ptr + per_ch, mask=live[:, None], other=0).to(tl.float32)
+    return _exact_codes(kc_ptr, u, live, D, BITS, TURN) * scale + zero
 
 
 @triton.jit
@@ -99,51 +155,49 @@ def _online(q, k, v, live, m, l, acc, qk_scale):
 
 
 @triton.jit
-def _quantized(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, len_ptr, start, PER_SPLIT, m, l, acc, qk_scale,
-               D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
-               CON: tl.constexpr):
+def _quantized(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos_ptr, sin_ptr, len_ptr, start, PER_SPLIT, m, l,
+               acc, qk_scale, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, FAST: tl.constexpr,
+               ASM: tl.constexpr, CON: tl.constexpr, ROPE: tl.constexpr):
     """The online softmax over the groups [start, start + PER_SPLIT) of the slots quantized in both streams."""
     BLOCK_N: tl.constexpr = GS * 32
-    d = tl.arange(0, D)
-    g = tl.arange(0, GS)
     n_both = tl.minimum(tl.load(len_ptr), tl.load(len_ptr + 1))
     stop = tl.minimum(start + PER_SPLIT, (n_both + 31) // 32)              # every step's first token is live
     for t in range(start, stop, GS):
         n = t * 32 + tl.arange(0, BLOCK_N)
         live = n < n_both
-        # keys: one scale and zero per (group of 32 tokens, channel)
-        per_ch = (t + g)[:, None] * D + d[None, :]                                     # (GS, D)
-        live_g = (t + g < stop)[:, None]
-        x = tl.reshape(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON), (GS, 32, D), can_reorder=False)
-        scale = tl.load(ks_ptr + per_ch, mask=live_g, other=0).to(x.dtype)
-        zero = tl.load(kz_ptr + per_ch, mask=live_g, other=0).to(x.dtype)
-        k = tl.reshape(x * scale[:, None, :] + zero[:, None, :], (BLOCK_N, D), can_reorder=False)
-        v = _values(_codes(vc_ptr, n, live, D, BITS, FAST, ASM, CON), vs_ptr, vz_ptr, n, live, D)
-        m, l, acc = _online(q, k.to(q.dtype), v.to(q.dtype), live, m, l, acc, qk_scale)
+        k = _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D, BITS, GS, FAST, ASM, CON, 0)
+        if ROPE:                                 # keys stored before RoPE: slot u sits at position n_sink + u
+            turned = _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D, BITS, GS, FAST, ASM, CON, 1)
+            k = _rotate(k, turned, cos_ptr, sin_ptr, tl.load(len_ptr + 3) + n, live, D)
+        v = _values(_codes(vc_ptr, n, live, D, BITS, FAST, ASM, CON, 0), vs_ptr, vz_ptr, n, live, D)
+        m, l, acc = _online(q, _dot_dtype(k.to(q.dtype)), v.to(q.dtype), live, m, l, acc, qk_scale)
     return m, l, acc
 
 
 @triton.jit
-def _tail(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_ptr, vw_ptr, len_ptr, m, l, acc,
-          qk_scale, D: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+def _tail(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_ptr, vw_ptr, cos_ptr, sin_ptr,
+          len_ptr, m, l, acc, qk_scale, D: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+          ROPE: tl.constexpr):
     """The online softmax over the sink, then over the tail's slots past those quantized in both streams, BLOCK
     at a time, each slot's key and value from its codes or its window (module docstring)."""
     d = tl.arange(0, D)
     n_k = tl.load(len_ptr)
     n_v = tl.load(len_ptr + 1)
     n_tail = tl.load(len_ptr + 2)
-    m, l, acc = _attend_window(q, kw_ptr, vw_ptr, tl.load(len_ptr + 3), m, l, acc, qk_scale, D, BLOCK)
+    n_sink = tl.load(len_ptr + 3)
+    m, l, acc = _attend_window(q, kw_ptr, vw_ptr, n_sink, m, l, acc, qk_scale, D, BLOCK)
     for u0 in range(tl.minimum(n_k, n_v), n_tail, BLOCK):
         u = u0 + tl.arange(0, BLOCK)
         live = u < n_tail
         coded = live & (u < n_k)                                   # key from its codes, else from the key window
-        per_ch = (u // 32)[:, None] * D + d[None, :]
-        k = _outer_rows(kc_ptr, u, coded, D, BITS) * tl.load(ks_ptr + per_ch, mask=coded[:, None], other=0) \
-            .to(tl.float32) + tl.load(kz_ptr + per_ch, mask=coded[:, None], other=0).to(tl.float32)
+        k = _token_keys(kc_ptr, ks_ptr, kz_ptr, u, coded, D, BITS, 0)
+        if ROPE:
+            k = _rotate(k, _token_keys(kc_ptr, ks_ptr, kz_ptr, u, coded, D, BITS, 1), cos_ptr, sin_ptr, n_sink + u,
+                        coded, D)
         exact = tl.load(kr_ptr + (u - n_k)[:, None] * D + d[None, :], mask=(live & ~coded)[:, None], other=0)
         k = _dot_dtype(tl.where(coded[:, None], k, exact.to(tl.float32)).to(q.dtype))
         coded = live & (u < n_v)                                   # value from its codes, else the value window
-        v = _values(_outer_rows(vc_ptr, u, coded, D, BITS), vs_ptr, vz_ptr, u, coded, D)
+        v = _values(_exact_codes(vc_ptr, u, coded, D, BITS, 0), vs_ptr, vz_ptr, u, coded, D)
         exact = tl.load(vr_ptr + (u - n_v)[:, None] * D + d[None, :], mask=(live & ~coded)[:, None], other=0)
         v = _dot_dtype(tl.where(coded[:, None], v, exact.to(tl.float32)).to(q.dtype))
         m, l, acc = _online(q, k, v, live, m, l, acc, qk_scale)
@@ -151,11 +205,12 @@ def _tail(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_
 
 
 @triton.jit
-def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_ptr, vw_ptr,
-                  m_ptr, l_ptr, acc_ptr, len_ptr, PER_SPLIT, qk_scale,
+def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_ptr, vw_ptr, cos_ptr,
+                  sin_ptr, m_ptr, l_ptr, acc_ptr, len_ptr, PER_SPLIT, qk_scale,
                   s_kc, s_ks, s_kz, s_vc, s_vs, s_vz, s_kr, s_vr, s_kw, s_vw,
                   D: tl.constexpr, BITS: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, GS: tl.constexpr,
-                  BLOCK: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr, CON: tl.constexpr):
+                  BLOCK: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr, CON: tl.constexpr,
+                  ROPE: tl.constexpr):
     kv = tl.program_id(0)                        # b * H + h
     head = kv.to(tl.int64)
     kc_ptr += head * s_kc
@@ -174,11 +229,11 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
     acc = tl.zeros((REP_P, D), dtype=tl.float32)
     if split == tl.num_programs(1) - 1:          # the last program: the sink and the tail
         m, l, acc = _tail(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr + head * s_kr,
-                          vr_ptr + head * s_vr, kw_ptr + head * s_kw, vw_ptr + head * s_vw, len_ptr, m, l, acc,
-                          qk_scale, D, BITS, BLOCK)
+                          vr_ptr + head * s_vr, kw_ptr + head * s_kw, vw_ptr + head * s_vw, cos_ptr, sin_ptr, len_ptr,
+                          m, l, acc, qk_scale, D, BITS, BLOCK, ROPE)
     else:
-        m, l, acc = _quantized(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, len_ptr, split * PER_SPLIT,
-                               PER_SPLIT, m, l, acc, qk_scale, D, BITS, GS, FAST, ASM, CON)
+        m, l, acc = _quantized(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos_ptr, sin_ptr, len_ptr,
+                               split * PER_SPLIT, PER_SPLIT, m, l, acc, qk_scale, D, BITS, GS, FAST, ASM, CON, ROPE)
     rows = (kv * REP + r) * tl.num_programs(1) + split
     tl.store(m_ptr + rows, m, mask=live_r)
     tl.store(l_ptr + rows, l, mask=live_r)
@@ -224,11 +279,14 @@ def _check_rows(t: Tensor | None, name: str, B: int, H: int, d: int, q: Tensor) 
 def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor,
                            v_scale: Tensor, v_zero: Tensor, bits: int, k_recent: Tensor, v_recent: Tensor,
                            lengths: Tensor | tuple[int, int, int, int], *, k_sink: Tensor | None = None,
-                           v_sink: Tensor | None = None, sm_scale: float | None = None,
-                           num_splits: int | None = None, num_warps: int = 4) -> Tensor:
+                           v_sink: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
+                           sm_scale: float | None = None, num_splits: int | None = None, num_warps: int = 4) -> Tensor:
     """Decode attention (B, Hq, d) in q's dtype of one query token per sequence over an outer-layout cache (module
     docstring). lengths: [n_k, n_v, n_tail, n_sink], an int32 device tensor (4,) (CUDA graphs) or four ints, with
     n_k <= N_k, n_v <= N_v, the tail's window slots within the windows' rows and n_sink within the sink's.
+    rope: (cos, sin) tables (P, d) in q's dtype (row p: position p, rotate-half layout) for keys quantized before
+    RoPE (KIVI*): quantized slot u is rotated to position n_sink + u in the kernel, P >= n_sink + n_k; the sink
+    and window keys are given rotated.
     sm_scale defaults to 1/sqrt(d); num_splits (split-K over the slots quantized in both streams) to enough
     programs to fill the device."""
     check_bits(bits)
@@ -261,6 +319,14 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
         raise ValueError("give both k_sink and v_sink, or neither")
     _check_rows(k_sink, "k_sink", B, H, d, q)
     _check_rows(v_sink, "v_sink", B, H, d, q)
+    if rope is not None:
+        if not isinstance(rope, (tuple, list)) or len(rope) != 2 or not isinstance(rope[0], Tensor) \
+                or rope[0].dim() != 2:
+            raise ValueError("rope must be a pair of tables (cos, sin), each (positions, d)")
+        for name, t in zip(("rope cos", "rope sin"), rope):
+            check_tensor(t, name, (rope[0].shape[0], d), (q.dtype,), dev)
+        if not isinstance(lengths, Tensor) and lengths[3] + lengths[0] > rope[0].shape[0]:
+            raise ValueError(f"rope tables hold {rope[0].shape[0]} positions; the keys need {lengths[3] + lengths[0]}")
     if not isinstance(lengths, Tensor):
         if len(lengths) != 4 or lengths[0] > N_k or lengths[1] > N_v:
             raise ValueError(f"lengths must be [n_k <= {N_k}, n_v <= {N_v}, n_tail, n_sink], got {lengths}")
@@ -286,9 +352,11 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     buffers = [head_rows(t) if t is not None and t.numel() else
                (torch.zeros(1, dtype=q.dtype if t is None else t.dtype, device=dev), 0)
                for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_recent, v_recent, k_sink, v_sink)]
-    _split_kernel[(B * H, splits + 1)](q, *(t for t, _ in buffers), m, l, acc, lengths, per_split, qk_scale,
+    cos, sin = (t.contiguous() for t in rope) if rope is not None else (q, q)       # q: never read
+    _split_kernel[(B * H, splits + 1)](q, *(t for t, _ in buffers), cos, sin, m, l, acc, lengths, per_split, qk_scale,
                                        *(s for _, s in buffers), D=d, BITS=bits, REP=rep, REP_P=rep_p, GS=gs,
                                        BLOCK=BLOCK_W, FAST=fast, ASM=_ASM[bits][0], CON=_ASM[bits][1],
+                                       ROPE=rope is not None,
                                        num_warps=SPLIT_WARPS or num_warps, num_stages=SPLIT_STAGES,
                                        enable_fp_fusion=True)
     _combine_kernel[(B * H,)](m, l, acc, out, splits + 1, D=d, REP=rep, REP_P=rep_p, num_warps=num_warps)
@@ -298,14 +366,18 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
 def outer_decode_attention_ref(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor,
                                v_scale: Tensor, v_zero: Tensor, bits: int, k_recent: Tensor, v_recent: Tensor,
                                lengths: Tensor | tuple[int, int, int, int], *, k_sink: Tensor | None = None,
-                               v_sink: Tensor | None = None, sm_scale: float | None = None) -> Tensor:
-    """Torch attention over the sink and the tail, each slot's key and value dequantized or read from its window
-    (module docstring), fp32 softmax."""
+                               v_sink: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
+                               sm_scale: float | None = None) -> Tensor:
+    """Torch attention over the sink and the tail, each slot's key and value dequantized (and rotated, with rope)
+    or read from its window (module docstring), fp32 softmax."""
     B, Hq, d = q.shape
     H = k_codes.shape[1]
     n_k, n_v, n_tail, n_sink = lengths.tolist() if isinstance(lengths, Tensor) else lengths
     k_q = dequant_outer(k_codes[:, :, :n_k], k_scale[:, :, :n_k // GROUP], k_zero[:, :, :n_k // GROUP], bits, -2)
     v_q = dequant_outer(v_codes[:, :, :n_v], v_scale[:, :, :n_v], v_zero[:, :, :n_v], bits, -1)
+    if rope is not None:                       # quantized slot u at position n_sink + u, rotate-half
+        cos, sin = (t[n_sink:n_sink + n_k].float() for t in rope)
+        k_q = k_q * cos + torch.cat([-k_q[..., d // 2:], k_q[..., :d // 2]], dim=-1) * sin
     sink = [] if k_sink is None else [(k_sink[:, :, :n_sink].float(), v_sink[:, :, :n_sink].float())]
     keys = torch.cat([s[0] for s in sink] + [k_q, k_recent[:, :, :n_tail - n_k].float()], dim=2)
     values = torch.cat([s[1] for s in sink] + [v_q, v_recent[:, :, :n_tail - n_v].float()], dim=2)

@@ -244,3 +244,44 @@ def test_whole_step_with_padding_and_sliding_window(gqa_model, tmp_path):
                       "kivi:bits=2,group_size=32,residual=32,sink=2", "squat:bits=4,group_size=32,residual=0"):
             eager, static = decode_both(m, prompts, pad, steps=28, cache=cache, make=GraphDecoder)   # a flush at 32
             torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
+
+
+PRE_ROPE_STATIC = ["kivi-pre:bits=2,group_size=32,residual=32", "kivi-pre:bits=4,group_size=32,residual=32,sink=3",
+                   "kivi-pre:bits=2,group_size=32,residual=32,policy=grouped",
+                   "squat-pre:bits=2,group_size=32,residual=0,sink=2"]
+
+
+@pytest.mark.parametrize("cache", PRE_ROPE_STATIC)
+def test_pre_rope_whole_step_equals_eager(gqa_model, cache):
+    """KIVI* and SQuat-pre store keys before RoPE: the fused kernel rotates the quantized ones, the step the sink's
+    and the key window's. Their whole step equals the eager torch decode (which dequantizes and rotates every key)
+    after a 2-token prompt (the sink filling) and a 40-token one (groups quantized inside the step)."""
+    from tests.graphs.test_graphs import decode_both, whole_step_equals_eager
+
+    if not kernels_on_cpu():
+        pytest.skip("the static step runs the kernels, on CPU tensors only under the Triton interpreter")
+    whole_step_equals_eager(gqa_model, cache)
+    prompts = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(8))
+    eager, static = decode_both(gqa_model, prompts, None, steps=40, cache=cache)
+    torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_pre_rope_keeps_the_piecewise_step_where_the_mask_is_not_causal(gqa_model, tmp_path):
+    """Padded rows, or a sliding window shorter than the cache: KIVI*'s keys would need RoPE in the masked path,
+    which reads them with the unrotated outer kernels, so decoder() picks the piecewise step."""
+    from kvzoo.generate import prefill
+    from kvzoo.graphs import PiecewiseDecoder, decoder
+    from kvzoo.models.loader import load_weights
+    from tests.tiny import tiny_mistral
+
+    if not kernels_on_cpu():
+        pytest.skip("the static step runs the kernels, on CPU tensors only under the Triton interpreter")
+    prompts = torch.randint(3, 97, (2, 10), generator=torch.Generator().manual_seed(1))
+    pad = torch.tensor([0, 4])
+    kv = gqa_model.new_cache("kivi-pre", 2, 20)
+    prefill(gqa_model, prompts, kv, pad)
+    assert isinstance(decoder(gqa_model, kv, pad), PiecewiseDecoder)
+    windowed = load_weights(tiny_mistral(tmp_path, head_dim=32))              # sliding window of 6 tokens
+    kv = windowed.new_cache("kivi-pre", 2, 20)
+    prefill(windowed, prompts, kv, None)
+    assert isinstance(decoder(windowed, kv, None), PiecewiseDecoder)

@@ -162,7 +162,8 @@ def test_cuda_graph_equals_eager(model):
         torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
     short = prompts[:, :2]
     for cache in INNERQ_STATIC + ["kivi:bits=2,group_size=32,residual=32,policy=grouped",
-                                  "kivi:bits=2,group_size=32,residual=32", "squat:bits=2,group_size=32,residual=32"]:
+                                  "kivi:bits=2,group_size=32,residual=32", "squat:bits=2,group_size=32,residual=32",
+                                  "kivi-pre:bits=2,group_size=32,residual=32,sink=1"]:
         # one graph per phase, against the eager decode through the same kernels
         eager, graphed = decode_both(m, short, None, steps=40, device="cuda", cache=cache)
         torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)

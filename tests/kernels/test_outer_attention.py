@@ -118,3 +118,38 @@ def test_bad_inputs_name_the_problem():
         outer_decode_attention(q, *codes, 2, k_rec, v_rec, lens, k_sink=k_sink)
     with pytest.raises(ValueError, match="lengths must be"):
         outer_decode_attention(q, *codes, 2, k_rec, v_rec, (96, 32, 100, 0))
+
+
+def rope_tables(positions: int, d: int, dtype):
+    """cos, sin (positions, d) as kvzoo.models.llama.RotaryEmbedding makes them (rotate-half layout)."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    angles = torch.arange(positions).float()[:, None] * inv_freq
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos().to(DEVICE, dtype), emb.sin().to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("bits,d,dtype,lengths", [
+    (2, 64, torch.float32, (128, 90, 130, 4)), (4, 128, torch.float16, (96, 96, 120, 2)),
+    (2, 128, torch.bfloat16, (64, 95, 96, 0)), (2, 64, torch.float16, (32, 5, 40, 3))], ids=name)
+def test_keys_stored_before_rope_are_rotated_in_the_kernel(bits, d, dtype, lengths):
+    """KIVI*: quantized slot u's key, stored before RoPE, is rotated to position n_sink + u (RotaryEmbedding's
+    rotate-half) inside the kernel."""
+    from kvzoo.models.llama import RotaryEmbedding
+
+    codes, (k_rec, v_rec), (k_sink, v_sink) = cache(1, 2, 128, 96, d, bits, dtype, seed=bits)
+    cos, sin = rope_tables(256, d, dtype)
+    q = torch.randn(1, 8, d, generator=torch.Generator().manual_seed(d)).to(DEVICE, dtype)
+    args = (q, *codes, bits, k_rec, v_rec, lengths)
+    want = outer_decode_attention_ref(*args, k_sink=k_sink, v_sink=v_sink, rope=(cos, sin))
+    assert_close(outer_decode_attention(*args, k_sink=k_sink, v_sink=v_sink, rope=(cos, sin), num_splits=2), want,
+                 dtype)
+    n_k, n_sink = lengths[0], lengths[3]
+    k_all = dequant_outer(codes[0], codes[1], codes[2], bits, -2)[:, :, :n_k]
+    rotated = RotaryEmbedding.rotate(k_all, cos[n_sink:n_sink + n_k].float(), sin[n_sink:n_sink + n_k].float())
+    n_v, n_tail = lengths[1], lengths[2]
+    v_all = dequant_outer(codes[3], codes[4], codes[5], bits, -1)
+    keys = torch.cat([k_sink[:, :, :n_sink].float(), rotated, k_rec[:, :, :n_tail - n_k].float()], dim=2)
+    values = torch.cat([v_sink[:, :, :n_sink].float(), v_all[:, :, :n_v], v_rec[:, :, :n_tail - n_v].float()], dim=2)
+    qh = q.float().view(1, 2, 4, d)
+    p = torch.softmax(qh @ keys.transpose(-1, -2) / math.sqrt(d), dim=-1)
+    assert_close((p @ values).view(1, 8, d), want.float(), dtype)
