@@ -342,7 +342,9 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     fast = FAST_PATH and q.dtype in (torch.float16, torch.bfloat16) and dev.type == "cuda" \
         and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
     n_groups = min(N_k, N_v) // GROUP
-    splits, per_split, gs = _plan_splits(n_groups, B * H, dev, num_splits, GROUPS_PER_STEP, PROGRAMS_PER_SM) \
+    # keys rotated in the kernel hold two key tiles and the cos/sin tiles: half the tokens per step, one stage
+    max_gs, stages = (max(1, GROUPS_PER_STEP // 2), 1) if rope is not None else (GROUPS_PER_STEP, SPLIT_STAGES)
+    splits, per_split, gs = _plan_splits(n_groups, B * H, dev, num_splits, max_gs, PROGRAMS_PER_SM) \
         if n_groups else (0, 0, 1)
     # one partial per split over the quantized slots, and the last for the sink and the tail
     m = torch.empty(B * Hq, splits + 1, dtype=torch.float32, device=dev)
@@ -357,7 +359,7 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
                                        *(s for _, s in buffers), D=d, BITS=bits, REP=rep, REP_P=rep_p, GS=gs,
                                        BLOCK=BLOCK_W, FAST=fast, ASM=_ASM[bits][0], CON=_ASM[bits][1],
                                        ROPE=rope is not None,
-                                       num_warps=SPLIT_WARPS or num_warps, num_stages=SPLIT_STAGES,
+                                       num_warps=SPLIT_WARPS or num_warps, num_stages=stages,
                                        enable_fp_fusion=True)
     _combine_kernel[(B * H,)](m, l, acc, out, splits + 1, D=d, REP=rep, REP_P=rep_p, num_warps=num_warps)
     return out

@@ -153,3 +153,16 @@ def test_keys_stored_before_rope_are_rotated_in_the_kernel(bits, d, dtype, lengt
     qh = q.float().view(1, 2, 4, d)
     p = torch.softmax(qh @ keys.transpose(-1, -2) / math.sqrt(d), dim=-1)
     assert_close((p @ values).view(1, 8, d), want.float(), dtype)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="compiles the kernels at a Llama-3.1-8B layer's shape (a GPU)")
+@pytest.mark.parametrize("rope", [False, True], ids=["post-rope", "pre-rope"])
+def test_compiles_and_matches_at_the_8b_shape(rope):
+    """8 KV heads of 128, 32 query heads, 4,096 tokens: the largest tiles (4 groups per step) a 32K-128K cache
+    gets, which small shapes never compile."""
+    codes, (k_rec, v_rec), (k_sink, v_sink) = cache(1, 8, 4096, 4096, 128, 2, torch.bfloat16, rows=160)
+    q = torch.randn(1, 32, 128, device=DEVICE).bfloat16()
+    tables = rope_tables(4096 + 8, 128, torch.bfloat16) if rope else None
+    args = (q, *codes, 2, k_rec, v_rec, (4064, 3990, 4100, 4))
+    assert_close(outer_decode_attention(*args, k_sink=k_sink, v_sink=v_sink, rope=tables),
+                 outer_decode_attention_ref(*args, k_sink=k_sink, v_sink=v_sink, rope=tables), torch.bfloat16)
