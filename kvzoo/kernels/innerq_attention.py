@@ -397,16 +397,11 @@ def _attend_window(q, kw_ptr, vw_ptr, WIN, m, l, acc, qk_scale, D: tl.constexpr,
 
 
 @triton.jit
-def _combine_kernel(q_ptr, qs_ptr, kw_ptr, vw_ptr, kw2_ptr, vw2_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, len_ptr, SPLITS, WIN,
-                    WIN2, qk_scale, s_kw, s_vw, s_kw2, s_vw2,
-                    D: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, BLOCK: tl.constexpr,
-                    DYN: tl.constexpr, HAS_QS: tl.constexpr):
-    kv = tl.program_id(0)
-    head = kv.to(tl.int64)
-    r = tl.arange(0, REP_P)
-    live_r = r < REP
+def merge_splits(m_ptr, l_ptr, acc_ptr, heads, live_r, SPLITS, D: tl.constexpr):
+    """The split kernels' partials (m, l, acc) of query rows `heads` (REP_P,) merged into one online-softmax state;
+    rows not live read as empty."""
+    REP_P: tl.constexpr = heads.shape[0]
     d = tl.arange(0, D)
-    heads = kv * REP + r
     m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((REP_P,), dtype=tl.float32)
     acc = tl.zeros((REP_P, D), dtype=tl.float32)
@@ -421,6 +416,21 @@ def _combine_kernel(q_ptr, qs_ptr, kw_ptr, vw_ptr, kw2_ptr, vw2_ptr, m_ptr, l_pt
         acc = acc * alpha[:, None] + tl.load(acc_ptr + rows[:, None] * D + d[None, :], mask=live_r[:, None],
                                              other=0.0) * beta[:, None]
         m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def _combine_kernel(q_ptr, qs_ptr, kw_ptr, vw_ptr, kw2_ptr, vw2_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, len_ptr, SPLITS, WIN,
+                    WIN2, qk_scale, s_kw, s_vw, s_kw2, s_vw2,
+                    D: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, BLOCK: tl.constexpr,
+                    DYN: tl.constexpr, HAS_QS: tl.constexpr):
+    kv = tl.program_id(0)
+    head = kv.to(tl.int64)
+    r = tl.arange(0, REP_P)
+    live_r = r < REP
+    d = tl.arange(0, D)
+    heads = kv * REP + r
+    m, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, heads, live_r, SPLITS, D)
     q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=live_r[:, None], other=0)
     if HAS_QS:
         q = (q.to(tl.float32) * tl.load(qs_ptr + kv * D + d).to(tl.float32)[None, :]).to(q.dtype)

@@ -48,7 +48,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kvzoo.kernels.innerq_attention import (_ASM, BLOCK_W, LOG2E, _attend_window, _dot_dtype, _join_codes,
-                                            _plan_splits)
+                                            _plan_splits, merge_splits)
 from kvzoo.kernels.quant_matvec import (GROUP, check_bits, check_head_dim, check_runnable, check_tensor,
                                         dequant_outer, head_rows, unpack_codes)
 
@@ -248,20 +248,7 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, D: tl.constexpr, REP
     live_r = r < REP
     d = tl.arange(0, D)
     heads = kv * REP + r
-    m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
-    l = tl.zeros((REP_P,), dtype=tl.float32)
-    acc = tl.zeros((REP_P, D), dtype=tl.float32)
-    for split in range(SPLITS):
-        rows = heads * SPLITS + split
-        m_s = tl.load(m_ptr + rows, mask=live_r, other=0.0)         # padded rows stay finite
-        m_new = tl.maximum(m, m_s)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)        # splits past the live tokens hold nothing
-        alpha = tl.math.exp2(m - m_ref)
-        beta = tl.math.exp2(m_s - m_ref)
-        l = l * alpha + tl.load(l_ptr + rows, mask=live_r, other=0.0) * beta
-        acc = acc * alpha[:, None] + tl.load(acc_ptr + rows[:, None] * D + d[None, :], mask=live_r[:, None],
-                                             other=0.0) * beta[:, None]
-        m = m_new
+    m, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, heads, live_r, SPLITS, D)
     out = acc / tl.where(live_r, l, 1.0)[:, None]                 # padded rows: l = 0
     tl.store(out_ptr + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live_r[:, None])
 
@@ -342,7 +329,8 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     fast = FAST_PATH and q.dtype in (torch.float16, torch.bfloat16) and dev.type == "cuda" \
         and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
     n_groups = min(N_k, N_v) // GROUP
-    # keys rotated in the kernel hold two key tiles and the cos/sin tiles: half the tokens per step, one stage
+    # keys rotated in the kernel (two key tiles and the cos/sin tiles per step): 2 groups per step and one stage,
+    # the setting timed at the Llama-3.1-8B shape
     max_gs, stages = (max(1, GROUPS_PER_STEP // 2), 1) if rope is not None else (GROUPS_PER_STEP, SPLIT_STAGES)
     splits, per_split, gs = _plan_splits(n_groups, B * H, dev, num_splits, max_gs, PROGRAMS_PER_SM) \
         if n_groups else (0, 0, 1)

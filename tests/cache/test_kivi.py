@@ -210,12 +210,19 @@ def kernels_on_cpu() -> bool:
 
 
 # ---- the whole-step static decode (kvzoo/graphs.py; eager on CPU, the kernels under the interpreter) ----
-@pytest.mark.parametrize("cache", KERNEL_DECODE + [KERNEL_DECODE[0] + ",policy=grouped"])
+# KIVI* and SQuat-pre store keys before RoPE: the fused kernel rotates the quantized ones, the step the sink's and
+# the key window's (the eager torch decode dequantizes and rotates every key)
+PRE_ROPE_STATIC = ["kivi-pre:bits=2,group_size=32,residual=32", "kivi-pre:bits=4,group_size=32,residual=32,sink=3",
+                   "kivi-pre:bits=2,group_size=32,residual=32,policy=grouped",
+                   "squat-pre:bits=2,group_size=32,residual=0,sink=2"]
+
+
+@pytest.mark.parametrize("cache", KERNEL_DECODE + [KERNEL_DECODE[0] + ",policy=grouped"] + PRE_ROPE_STATIC)
 def test_whole_step_equals_eager(gqa_model, cache):
     """decoder() picks the whole-step graph, and its steps equal the eager torch decode: 40 after a 2-token prompt
     (tokens joining the sink window) and 40 after a 40-token one (groups leaving the residual window quantized at a
     device-held slot inside the step, the window moving down). With the authors' windows keys leave theirs R at a
-    time and values one at a time: the step's weights go from the keys' rows to the values' by slot."""
+    time and values one at a time: the fused kernel reads each slot's key and value from its own stream."""
     from tests.graphs.test_graphs import decode_both, whole_step_equals_eager
 
     if not kernels_on_cpu():
@@ -244,26 +251,6 @@ def test_whole_step_with_padding_and_sliding_window(gqa_model, tmp_path):
                       "kivi:bits=2,group_size=32,residual=32,sink=2", "squat:bits=4,group_size=32,residual=0"):
             eager, static = decode_both(m, prompts, pad, steps=28, cache=cache, make=GraphDecoder)   # a flush at 32
             torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
-
-
-PRE_ROPE_STATIC = ["kivi-pre:bits=2,group_size=32,residual=32", "kivi-pre:bits=4,group_size=32,residual=32,sink=3",
-                   "kivi-pre:bits=2,group_size=32,residual=32,policy=grouped",
-                   "squat-pre:bits=2,group_size=32,residual=0,sink=2"]
-
-
-@pytest.mark.parametrize("cache", PRE_ROPE_STATIC)
-def test_pre_rope_whole_step_equals_eager(gqa_model, cache):
-    """KIVI* and SQuat-pre store keys before RoPE: the fused kernel rotates the quantized ones, the step the sink's
-    and the key window's. Their whole step equals the eager torch decode (which dequantizes and rotates every key)
-    after a 2-token prompt (the sink filling) and a 40-token one (groups quantized inside the step)."""
-    from tests.graphs.test_graphs import decode_both, whole_step_equals_eager
-
-    if not kernels_on_cpu():
-        pytest.skip("the static step runs the kernels, on CPU tensors only under the Triton interpreter")
-    whole_step_equals_eager(gqa_model, cache)
-    prompts = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(8))
-    eager, static = decode_both(gqa_model, prompts, None, steps=40, cache=cache)
-    torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
 
 
 def test_pre_rope_keeps_the_piecewise_step_where_the_mask_is_not_causal(gqa_model, tmp_path):
