@@ -11,8 +11,9 @@ query heads), Llama 2-13B (40 heads of 128, MHA). For each N:
   quantize: InnerQ's 2-bit key quantizer, symmetric vs hybrid, on N fp16 keys per KV head
   attention: one decode query per query head; fp16 F.scaled_dot_product_attention (GQA) over N tokens vs the
     fused 2-bit kernels (InnerQ's inner layout and KIVI's outer one) over N - 128 quantized tokens plus a
-    128-token exact window (sink 32 + recent 96), and for each the read floor: a kernel that only streams the fused kernel's input bytes (one contiguous buffer of the
-    same size, 16-byte loads, XOR-reduced), the fastest any kernel over that cache could be on this GPU
+    128-token exact window (sink 32 + recent 96), and for each the read floor: a kernel that only streams the
+    fused kernel's input bytes (one contiguous buffer of the same size, 16-byte loads, XOR-reduced), the fastest
+    any kernel over that cache could be on this GPU
 Each latency is the median of --runs CUDA-graph replays (CUDA events) after --warmup replays, with L2 flushed
 before each one (a decode step finds a layer's cache cold). Bandwidth is the bytes each method must read
 (inputs, not outputs) divided by its latency. Before timing, every kernel is checked against its torch
@@ -156,6 +157,7 @@ def sanity_check(H: int, d: int, Hq: int) -> dict:
     kout, vout = (ko.codes, ko.scale, ko.zero), (vo.codes, vo.scale, vo.zero)
     win = torch.randn(2, 1, H, WINDOW, d, device=DEVICE).half()
     qa = torch.randn(1, Hq, d, device=DEVICE).half()
+    outer_lengths = (N - 32, N - 64, N + 40, 0)     # keys quantized past values, as KIVI's windows leave them
     errors = {
         "qk inner": rel(mv.qk_inner(q, *kin, BITS), mv.qk_inner_ref(q, *kin, BITS)),
         "qk outer": rel(mv.qk_outer(q, *kout, BITS), mv.qk_outer_ref(q, *kout, BITS)),
@@ -163,8 +165,8 @@ def sanity_check(H: int, d: int, Hq: int) -> dict:
         "pv outer": rel(mv.pv_outer(p, *vout, BITS), mv.pv_outer_ref(p, *vout, BITS)),
         "attention": rel(att.innerq_decode_attention(qa, *kat, *vat, *win, BITS),
                          att.innerq_decode_attention_ref(qa, *kat, *vat, *win, BITS)),
-        "attention outer": rel(oa.outer_decode_attention(qa, *kout, *vout, BITS, *win, (N - 32, N - 64, N + 40, 0)),
-                               oa.outer_decode_attention_ref(qa, *kout, *vout, BITS, *win, (N - 32, N - 64, N + 40, 0))),
+        "attention outer": rel(oa.outer_decode_attention(qa, *kout, *vout, BITS, *win, outer_lengths),
+                               oa.outer_decode_attention_ref(qa, *kout, *vout, BITS, *win, outer_lengths)),
     }
     bad = {name: err for name, err in errors.items() if err > 2e-3}
     for mode in ("sym", "hybrid"):

@@ -39,10 +39,11 @@ length in a device tensor, for kvzoo/graphs.py's whole-step CUDA graph (WholeSte
 Where the step's mask is causal (unpadded rows, no sliding window) one fused flash-decoding kernel per layer
 (kvzoo/kernels/outer_attention.py) attends every stored slot, each slot's key and value read from its codes or
 its stream's window (KIVI*: the kernel rotates the quantized keys to their positions, the step the sink's and the
-key window's; KIVI* has a static step only there); otherwise attention runs over every allocated slot of each stream's static layout
-(WindowedStore.static_rows), the dead ones and those the mask forbids masked, the key weights routed to the value
-rows by slot where the two streams' windows differ. One graph per phase (in each stream the token joins the sink, joins the
-window, or fills it and its oldest group is quantized at a device-held slot). Its cost grows with the buffer
+key window's; KIVI* has a static step only there); otherwise attention runs over every allocated slot of each
+stream's static layout (WindowedStore.static_rows), the dead ones and those the mask forbids masked, the key
+weights routed to the value rows by slot where the two streams' windows differ. One graph per phase (in each
+stream the token joins the sink, joins the window, or fills it and its oldest group is quantized at a device-held
+slot). Its cost grows with the buffer
 (max_len), not with the tokens stored.
 
 Paper settings: b = 2 (also 4), G = 32, R = 128 (Llama/Mistral); scales and zeros in fp16. The XQuant

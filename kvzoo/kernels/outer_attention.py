@@ -25,16 +25,20 @@ keys' groups and 4*d/32 for the values': 48 bytes at d = 64, b = 2 (fp16: 256).
 
 Two kernels:
   1. split: grid (B*H, splits + 1). A program owns a run of 32-token groups of one KV head, the slots quantized in
-     both streams (u < min(n_k, n_v)), and serves its rep query rows (padded to REP_P >= 16 for the tensor cores). A
-     step takes GS groups (32*GS tokens): key codes unpacked and scaled per (group, channel), one tl.dot for the
+     both streams (u < min(n_k, n_v)), and serves its rep query rows (padded to REP_P >= 16 for the tensor cores).
+     A step takes GS groups (32*GS tokens): key codes unpacked and scaled per (group, channel), one tl.dot for the
      scores (REP_P, 32*GS), an online softmax in base 2 (running max m, sum l, output acc), value codes scaled per
      (token, group of 32 channels), one tl.dot for the output. On a GPU with an fp16/bf16 model the codes are
      unpacked into half2 registers by the inline PTX of innerq_attention.py and scale and zero (fp16, as stored)
-     applied in fp16 by one fused multiply-add, rounded once; the dots take fp16 (a bf16 query is converted), as flash attention's do. fp32
-     models (and the interpreter) use fp32 codes and exact fp32 dots. The last program of each KV head takes the
-     sink, then the tail's slots past the quantized ones 32 at a time, each slot's key and value read from its
-     codes or its window by the rule above. Every program writes its (m, l, acc).
+     applied in fp16 by one fused multiply-add, rounded once; the dots take fp16 (a bf16 query is converted), as
+     flash attention's do. fp32 models (and the interpreter) use fp32 codes and exact fp32 dots. The last program
+     of each KV head takes the sink, then the tail's slots past the quantized ones 32 at a time, each slot's key
+     and value read from its codes or its window by the rule above. Every program writes its (m, l, acc).
   2. combine: grid (B*H,). Merges the partials, divides by l and writes (B, Hq, d) in q's dtype.
+Keys stored before RoPE (KIVI*, `rope=(cos, sin)`): each quantized key is rotated to its position in the kernel,
+rotate-half style, from the key and the same key with its halves swapped (its codes, scales and zeros read a second
+time at channel (j + d/2) % d), with the cos/sin rows of its position; the caller gives the sink and the windows
+rotated.
 """
 
 from __future__ import annotations
