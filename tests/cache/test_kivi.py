@@ -212,9 +212,7 @@ def kernels_on_cpu() -> bool:
 # ---- the whole-step static decode (kvzoo/graphs.py; eager on CPU, the kernels under the interpreter) ----
 # KIVI* and SQuat-pre store keys before RoPE: the fused kernel rotates the quantized ones, the step the sink's and
 # the key window's (the eager torch decode dequantizes and rotates every key)
-PRE_ROPE_STATIC = ["kivi-pre:bits=2,group_size=32,residual=32", "kivi-pre:bits=4,group_size=32,residual=32,sink=3",
-                   "kivi-pre:bits=2,group_size=32,residual=32,policy=grouped",
-                   "squat-pre:bits=2,group_size=32,residual=0,sink=2"]
+PRE_ROPE_STATIC = ["kivi-pre:bits=4,group_size=32,residual=32,sink=3", "squat-pre:bits=2,group_size=32,residual=0,sink=2"]
 
 
 @pytest.mark.parametrize("cache", KERNEL_DECODE + [KERNEL_DECODE[0] + ",policy=grouped"] + PRE_ROPE_STATIC)
