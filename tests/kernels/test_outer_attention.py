@@ -166,3 +166,18 @@ def test_compiles_and_matches_at_the_8b_shape(rope):
     args = (q, *codes, 2, k_rec, v_rec, (4064, 3990, 4100, 4))
     assert_close(outer_decode_attention(*args, k_sink=k_sink, v_sink=v_sink, rope=tables),
                  outer_decode_attention_ref(*args, k_sink=k_sink, v_sink=v_sink, rope=tables), torch.bfloat16)
+
+
+def test_bad_rope_tables_name_the_problem():
+    codes, (k_rec, v_rec), _ = cache(1, 2, 64, 64, 64, 2, torch.float32)
+    q = torch.randn(1, 4, 64, device=DEVICE)
+    cos, sin = rope_tables(100, 64, torch.float32)
+    args = (q, *codes, 2, k_rec, v_rec, (64, 32, 70, 0))
+    with pytest.raises(ValueError, match="pair of tables"):
+        outer_decode_attention(*args, rope=cos)
+    with pytest.raises(ValueError, match="rope sin has shape"):
+        outer_decode_attention(*args, rope=(cos, sin[:, :32]))
+    with pytest.raises(ValueError, match="rope sin has dtype"):
+        outer_decode_attention(*args, rope=(cos, sin.half()))
+    with pytest.raises(ValueError, match="rope tables hold 50 positions"):
+        outer_decode_attention(*args, rope=(cos[:50], sin[:50]))
