@@ -49,7 +49,8 @@ from torch import Tensor
 
 from kvzoo.cache.kvquant import unpack_sym_mask
 from kvzoo.kernels.quant_matvec import (GROUP, check_bits, check_head_dim, check_runnable, check_tensor, dequant_inner,
-                                        head_rows, split_groups, unpack_codes)
+                                        head_rows, join_codes, split_groups, unpack_asm,
+                                        unpack_codes)
 
 LOG2E = 1.4426950408889634
 BLOCK_W = 32                 # window tokens per step of the combine kernel
@@ -89,56 +90,6 @@ def _plan_splits(n_groups: int, rows: int, device: torch.device, num_splits: int
     gs = min(max_gs, triton.next_power_of_2(per_split))
     per_split = -(-per_split // gs) * gs
     return -(-n_groups // per_split), per_split, gs
-
-
-def _unpack_asm(bits: int) -> tuple[str, str]:
-    """PTX for tl.inline_asm_elementwise (pack=2): two int32 code words in, 32/bits outputs of fp16 codes
-    (output k: code k of each word, as exact fp16 values). Codes k and k + cpw/2 sit in the low and high halves
-    of a word: the two words' low (high) halves are gathered into one register, a code is masked into the
-    mantissa of 1024.0 (0x6400) and 1024 subtracted."""
-    cpw, half = 32 // bits, 16 // bits
-    mask = ((1 << bits) - 1) * 0x00010001
-    a, b = f"${cpw}", f"${cpw + 1}"
-    lines = ["{", ".reg .b32 lo, hi, t, magic;", "mov.b32 magic, 0x64006400;",
-             f"prmt.b32 lo, {a}, {b}, 0x5410;", f"prmt.b32 hi, {a}, {b}, 0x7632;"]
-    for k in range(cpw):
-        src, shift = ("lo", k * bits) if k < half else ("hi", (k - half) * bits)
-        lines.append(f"shr.b32 t, {src}, {shift};" if shift else f"mov.b32 t, {src};")
-        lines.append(f"lop3.b32 t, t, {mask}, magic, 0xEA;")
-        lines.append(f"sub.f16x2 ${k}, t, magic;")
-    lines.append("}")
-    return "\n".join(lines), ",".join(["=r"] * cpw + ["r"] * 2)
-
-
-_ASM = {bits: _unpack_asm(bits) for bits in (2, 4)}
-
-
-@triton.jit
-def _join_codes(o, BITS: tl.constexpr):
-    """The 32/BITS outputs of the unpack asm, each (R, W), as (R, W * 32/BITS) fp16 codes in channel order."""
-    if BITS == 2:
-        a0 = tl.join(o[0], o[8])
-        a1 = tl.join(o[1], o[9])
-        a2 = tl.join(o[2], o[10])
-        a3 = tl.join(o[3], o[11])
-        a4 = tl.join(o[4], o[12])
-        a5 = tl.join(o[5], o[13])
-        a6 = tl.join(o[6], o[14])
-        a7 = tl.join(o[7], o[15])
-        b0 = tl.join(a0, a4)
-        b1 = tl.join(a1, a5)
-        b2 = tl.join(a2, a6)
-        b3 = tl.join(a3, a7)
-        x = tl.join(tl.join(b0, b2), tl.join(b1, b3))
-    else:
-        b0 = tl.join(o[0], o[4])
-        b1 = tl.join(o[1], o[5])
-        b2 = tl.join(o[2], o[6])
-        b3 = tl.join(o[3], o[7])
-        x = tl.join(tl.join(b0, b2), tl.join(b1, b3))
-    R: tl.constexpr = x.shape[0]
-    W: tl.constexpr = x.shape[1]
-    return tl.reshape(x, (R, W * (32 // BITS)), can_reorder=False)
 
 
 @triton.jit
@@ -230,7 +181,7 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
         per_word = n[:, None] * NG + (w // BITS)[None, :]                            # (BLOCK_N, W)
         if FAST:   # codes unpacked as half2 in PTX, signs XOR-ed in; scale and zero applied in fp32, rounded once
             o = tl.inline_asm_elementwise(ASM, CON, [kw], dtype=(tl.float16,) * CPW, is_pure=True, pack=2)
-            x = tl.reshape(_join_codes(o, BITS), (BLOCK_N, NG, 32), can_reorder=False)   # fp16 codes
+            x = tl.reshape(join_codes(o, BITS), (BLOCK_N, NG, 32), can_reorder=False)   # fp16 codes
             per_group = n[:, None] * NG + kg[None, :]                                   # (BLOCK_N, NG)
             scale = tl.load(ks_ptr + per_group, mask=live[:, None], other=0).to(tl.float32)[:, :, None]
             slot = tl.load(kz_ptr + per_group, mask=live[:, None], other=0)
@@ -266,7 +217,7 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
         live_g = (vg < stop)[:, None, None]
         if FAST:
             o = tl.inline_asm_elementwise(ASM, CON, [vw], dtype=(tl.float16,) * CPW, is_pure=True, pack=2)
-            vx = tl.reshape(_join_codes(o, BITS), (GS, 32, D), can_reorder=False)
+            vx = tl.reshape(join_codes(o, BITS), (GS, 32, D), can_reorder=False)
             v_scale = tl.load(vs_ptr + per_ch, mask=live_g, other=0)
             v_slot = tl.load(vz_ptr + per_ch, mask=live_g, other=0)
             v_zero = v_slot.to(tl.float32, bitcast=True)
@@ -562,8 +513,8 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
         else:
             _split_kernel[(B * H, splits)](
                 *common, D=d, BITS=bits, REP=rep, REP_P=rep_p, HAS_SYM=has_sym, DYN=dyn, HAS_QS=q_scale is not None,
-                GS=gs, FAST=fast, ASM=_ASM[bits][0], CON=_ASM[bits][1], num_warps=split_warps, num_stages=stages,
-                enable_fp_fusion=True)
+                GS=gs, FAST=fast, ASM=unpack_asm(bits)[0], CON=unpack_asm(bits)[1], num_warps=split_warps,
+                num_stages=stages, enable_fp_fusion=True)
     # an empty window may have no storage: pass q, never read, rather than a null pointer
     (kw, s_kw), (vw, s_vw) = (head_rows(k_win), head_rows(v_win)) if W else ((q, 0), (q, 0))
     (kw2, s_kw2), (vw2, s_vw2) = (head_rows(k_win2), head_rows(v_win2)) if W2 else ((q, 0), (q, 0))

@@ -51,10 +51,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvzoo.kernels.innerq_attention import (_ASM, BLOCK_W, LOG2E, _attend_window, _dot_dtype, _join_codes,
-                                            _plan_splits, merge_splits)
+from kvzoo.kernels.innerq_attention import (BLOCK_W, LOG2E, _attend_window, _dot_dtype, _plan_splits,
+                                            merge_splits)
 from kvzoo.kernels.quant_matvec import (GROUP, check_bits, check_head_dim, check_runnable, check_tensor,
-                                        dequant_outer, head_rows, unpack_codes)
+                                        dequant_outer, head_rows, join_codes, unpack_asm, unpack_codes)
 
 GROUPS_PER_STEP = 4          # groups of 32 tokens per step of the split kernel (128 tokens)
 PROGRAMS_PER_SM = 2          # split-K sizing: programs per SM of the device
@@ -89,7 +89,7 @@ def _codes(c_ptr, n, live, D: tl.constexpr, BITS: tl.constexpr, FAST: tl.constex
     if FAST:
         o = tl.inline_asm_elementwise(ASM, CON, [_words(c_ptr, n, live, D, BITS, TURN)],
                                       dtype=(tl.float16,) * CPW, is_pure=True, pack=2)
-        x = _join_codes(o, BITS)
+        x = join_codes(o, BITS)
     else:
         x = _exact_codes(c_ptr, n, live, D, BITS, TURN)
     return x
@@ -349,7 +349,7 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     cos, sin = (t.contiguous() for t in rope) if rope is not None else (q, q)       # q: never read
     _split_kernel[(B * H, splits + 1)](q, *(t for t, _ in buffers), cos, sin, m, l, acc, lengths, per_split, qk_scale,
                                        *(s for _, s in buffers), D=d, BITS=bits, REP=rep, REP_P=rep_p, GS=gs,
-                                       BLOCK=BLOCK_W, FAST=fast, ASM=_ASM[bits][0], CON=_ASM[bits][1],
+                                       BLOCK=BLOCK_W, FAST=fast, ASM=unpack_asm(bits)[0], CON=unpack_asm(bits)[1],
                                        ROPE=rope is not None,
                                        num_warps=SPLIT_WARPS or num_warps, num_stages=stages,
                                        enable_fp_fusion=True)

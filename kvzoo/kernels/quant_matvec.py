@@ -46,6 +46,8 @@ is imported). The helpers at the top are shared with innerq_attention.py and qua
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -139,6 +141,58 @@ def unpack_codes(words, shifts, BITS: tl.constexpr):
     into the mantissa of 2^23 and 2^23 subtracted, cheaper than an int-to-float conversion."""
     codes = (words >> shifts) & ((1 << BITS) - 1)
     return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@functools.lru_cache
+def unpack_asm(bits: int, bf16: bool = False) -> tuple[str, str]:
+    """PTX for tl.inline_asm_elementwise (pack=2): two int32 code words in, 32/bits outputs of codes as exact
+    fp16 (bf16 when bf16) values (output k: code k of each word). Codes k and k + cpw/2 sit in the low and high
+    halves of a word: the two words' low (high) halves are gathered into one register, a code is masked into
+    the mantissa of 1024.0 (fp16 0x6400; bf16 128.0, 0x4300) and that power of two subtracted."""
+    cpw, half = 32 // bits, 16 // bits
+    mask = ((1 << bits) - 1) * 0x00010001
+    a, b = f"${cpw}", f"${cpw + 1}"
+    magic = "0x43004300" if bf16 else "0x64006400"
+    lines = ["{", ".reg .b32 lo, hi, t, magic, one, neg;", f"mov.b32 magic, {magic};"]
+    if bf16:
+        lines += ["mov.b32 one, 0x3F803F80;", "mov.b32 neg, 0xC300C300;"]      # 1.0 and -128.0, twice
+    lines += [f"prmt.b32 lo, {a}, {b}, 0x5410;", f"prmt.b32 hi, {a}, {b}, 0x7632;"]
+    for k in range(cpw):
+        src, shift = ("lo", k * bits) if k < half else ("hi", (k - half) * bits)
+        lines.append(f"shr.b32 t, {src}, {shift};" if shift else f"mov.b32 t, {src};")
+        lines.append(f"lop3.b32 t, t, {mask}, magic, 0xEA;")
+        # bf16: t * 1 - 128 (fma.bf16x2 runs on sm_80; sub.bf16x2 needs sm_90)
+        lines.append(f"fma.rn.bf16x2 ${k}, t, one, neg;" if bf16 else f"sub.f16x2 ${k}, t, magic;")
+    lines.append("}")
+    return "\n".join(lines), ",".join(["=r"] * cpw + ["r"] * 2)
+
+
+@triton.jit
+def join_codes(o, BITS: tl.constexpr):
+    """The 32/BITS outputs of the unpack asm, each (R, W), as (R, W * 32/BITS) codes in channel order."""
+    if BITS == 2:
+        a0 = tl.join(o[0], o[8])
+        a1 = tl.join(o[1], o[9])
+        a2 = tl.join(o[2], o[10])
+        a3 = tl.join(o[3], o[11])
+        a4 = tl.join(o[4], o[12])
+        a5 = tl.join(o[5], o[13])
+        a6 = tl.join(o[6], o[14])
+        a7 = tl.join(o[7], o[15])
+        b0 = tl.join(a0, a4)
+        b1 = tl.join(a1, a5)
+        b2 = tl.join(a2, a6)
+        b3 = tl.join(a3, a7)
+        x = tl.join(tl.join(b0, b2), tl.join(b1, b3))
+    else:
+        b0 = tl.join(o[0], o[4])
+        b1 = tl.join(o[1], o[5])
+        b2 = tl.join(o[2], o[6])
+        b3 = tl.join(o[3], o[7])
+        x = tl.join(tl.join(b0, b2), tl.join(b1, b3))
+    R: tl.constexpr = x.shape[0]
+    W: tl.constexpr = x.shape[1]
+    return tl.reshape(x, (R, W * (32 // BITS)), can_reorder=False)
 
 
 # ----------------------------------------------------------------------------------------------------

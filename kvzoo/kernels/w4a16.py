@@ -11,25 +11,34 @@ weight): groups of G consecutive input channels of one output row share an fp16 
 so a weight costs 0.5 + 4/G bytes (0.53125 at G = 128). G must be a multiple of 8, so that a word of codes
 never straddles two groups, and divide K.
 
-Rounding convention (kernel and reference agree on it): each weight is dequantized in fp32 (code * scale +
-zero), rounded to x's dtype (a no-op for fp32), and multiplied with x in fp32 (fp32 accumulation; exact
-fp32 products, input_precision "ieee", when x is fp32); the result is rounded once to x's dtype. The only
-difference left is the summation order (and a possibly fused multiply-add in the compiled dequantization).
+Two kernels. The group kernel (decode and small batches: M <= 16 rows, G a power of two >= 16, AWQ's 128)
+multiplies the raw codes: within a group, sum_k x[k] (c[k] s + z) = s (x . c) + z sum_k x[k], so a step of
+one group unpacks a (BLOCK_N, G/8) tile of words into exact fp16/bf16 codes (inline PTX on CUDA: a code OR-ed
+into the mantissa of a power of two, half2 at a time; quant_matvec.unpack_asm), takes (BLOCK_N, G) codes times
+the (G, BLOCK_M) tile of x on tensor cores with fp32 accumulation, and applies the group's scale and zero to
+that (BLOCK_N, BLOCK_M) product in fp32. The tile is computed transposed (outputs x rows), so a few rows of x
+pad only the narrow side of the tensor-core tile (16 rows). Split-K runs inside the kernel: each of a tile's
+splits stores its fp32 partial sums, and the last to finish (a per-tile counter) adds them in split order,
+rounds once, and resets the counter, so a call is one launch. Against the reference (below) it differs by the
+reference's rounding of each dequantized weight to x's dtype, and the summation order.
 
-Tiling: x is flattened to (M, K); a program computes a (BLOCK_M, BLOCK_N) tile of out over its share of K
-(split-K: the K steps are divided among `split_k` programs, each writing fp32 partial sums that are added and
-rounded once afterwards), in BLOCK_K steps. Each step loads a (BLOCK_N, BLOCK_K/8) tile of words and the
-scale/zero of each word's group, unpacks the words (BLOCK_N, BLOCK_K/8, 8) -> (BLOCK_N, BLOCK_K) with the
-exact 2^23 trick of quant_matvec.unpack_codes, and multiplies by the (BLOCK_M, BLOCK_K) tile of x: tl.dot
-against the transposed tile for M > 4, broadcast products summed over K for decode (M <= 4, where a 16-row
-tensor-core tile would be mostly padding and the product is bound by reading the weight). Rows past M,
-outputs past N and channels past K are masked. Default tiles (`default_tiles`) were picked on an H100 with
-repro/kvpareto/bench.py; split_k by default makes about two programs per SM.
+The general kernel (prefill rows, other group sizes, explicit tiles with block_k > 0) follows the reference's
+rounding: each weight is dequantized in fp32 (code * scale + zero), rounded to x's dtype (a no-op for fp32),
+and multiplied with x in fp32 (fp32 accumulation; exact fp32 products, input_precision "ieee", when x is
+fp32); the result is rounded once to x's dtype, so only the summation order differs. x is flattened to
+(M, K); a program computes a (BLOCK_M, BLOCK_N) tile of out over its share of K (split-K: the K steps divided
+among `split_k` programs, each writing fp32 partial sums that are added and rounded once afterwards), in
+BLOCK_K steps. Each step loads a (BLOCK_N, BLOCK_K/8) tile of words and each word's group's scale/zero,
+unpacks the words (BLOCK_N, BLOCK_K/8, 8) -> (BLOCK_N, BLOCK_K) with the exact 2^23 trick of
+quant_matvec.unpack_codes, and multiplies by the (BLOCK_M, BLOCK_K) tile of x: tl.dot against the transposed
+tile for M > 4, broadcast products summed over K for M <= 4. Rows past M, outputs past N and channels past K
+are masked. Default tiles (`default_tiles`) were picked on an H100 with repro/kvpareto/bench.py.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +47,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kvzoo.cache.kvquant import QTensor, dequantize, quantize
-from kvzoo.kernels.quant_matvec import check_runnable, check_tensor, unpack_codes
+from kvzoo.kernels.quant_matvec import check_runnable, check_tensor, join_codes, unpack_asm, unpack_codes
 
 BITS = 4
 CODES_PER_WORD = 32 // BITS
@@ -128,6 +137,66 @@ def _w4a16_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, STEPS
              mask=live_m[:, None] & live_n[None, :])
 
 
+@triton.jit
+def _w4a16_group_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr, count_ptr, M, N, K, PLANE,
+                        GROUPS_PER_SPLIT, GROUP: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+                        FAST: tl.constexpr, ASM: tl.constexpr, CON: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    KW: tl.constexpr = GROUP // 8                    # words of codes per weight row per group
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(2)
+    live_n = n < N
+    live_m = m < M
+    cols = n.to(tl.int64)
+    rows = m.to(tl.int64)
+    words_per_row = K // 8
+    groups_per_row = K // GROUP
+    wi = tl.arange(0, KW)
+    kk = tl.arange(0, GROUP)
+    shifts = (tl.arange(0, 8) * 4)[None, None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)                              # out transposed
+    g_first = split * GROUPS_PER_SPLIT
+    g_end = tl.minimum(g_first + GROUPS_PER_SPLIT, groups_per_row)
+    for g in range(g_first, g_end):
+        xt = tl.load(x_ptr + rows[None, :] * K + (g * GROUP + kk)[:, None],
+                     mask=live_m[None, :], other=0)                                    # (GROUP, BLOCK_M)
+        words = tl.load(codes_ptr + cols[:, None] * words_per_row + (g * KW + wi)[None, :],
+                        mask=live_n[:, None], other=0)                                 # (BLOCK_N, KW)
+        if FAST:        # codes as exact half2 values in PTX
+            o = tl.inline_asm_elementwise(ASM, CON, [words], dtype=(xt.dtype,) * 8, is_pure=True, pack=2)
+            c = join_codes(o, 4)                                                       # (BLOCK_N, GROUP)
+        else:
+            c = tl.reshape(unpack_codes(words[:, :, None], shifts, 4), (BLOCK_N, GROUP),
+                           can_reorder=False).to(xt.dtype)                             # (BLOCK_N, KW*8)
+        if IEEE:
+            d = tl.dot(c, xt, input_precision="ieee")                                  # (BLOCK_N, BLOCK_M)
+        else:
+            d = tl.dot(c, xt)
+        # sum_k x[k] (c[k] scale + zero) = scale * (x . c) + zero * sum_k x[k], per row and group
+        scale = tl.load(scale_ptr + cols * groups_per_row + g, mask=live_n, other=0).to(tl.float32)
+        zero = tl.load(zero_ptr + cols * groups_per_row + g, mask=live_n, other=0).to(tl.float32)
+        acc += scale[:, None] * d + zero[:, None] * tl.sum(xt.to(tl.float32), 0)[None, :]
+    out = out_ptr + rows[None, :] * N + cols[:, None]
+    live = live_n[:, None] & live_m[None, :]
+    if SPLIT == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=live)
+    else:
+        # split-K inside the kernel: each split stores its fp32 partial sums; the last split of a tile to finish
+        # (a per-tile counter) adds all of them in split order (the same sum whichever finishes last), rounds
+        # once, and resets the counter
+        part = part_ptr + rows[None, :] * N + cols[:, None]                           # split 0's plane
+        tl.store(part + split * PLANE, acc, mask=live)
+        tl.debug_barrier()                           # every thread's partial is written before the count
+        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for other in range(SPLIT):
+                total += tl.load(part + other * PLANE, mask=live, other=0, cache_modifier=".cg")
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=live)
+            tl.atomic_xchg(count_ptr + tile, 0)
+
+
 def _check(x: Tensor, w: W4Weight) -> None:
     if not isinstance(w, W4Weight):
         raise ValueError(f"expected a W4Weight (quantize_weight), got {type(w).__name__}")
@@ -146,8 +215,9 @@ def _check(x: Tensor, w: W4Weight) -> None:
 
 @dataclass(frozen=True)
 class Tiles:
-    """A launch configuration: rows BLOCK_M (0: by M), outputs BLOCK_N, channels BLOCK_K per step, split_k
-    (K divided among that many programs; 0: enough programs to fill the GPU)."""
+    """A launch configuration: rows BLOCK_M (0: by M), outputs BLOCK_N, channels BLOCK_K per step (0: the group
+    kernel, one group per step), split_k (K divided among that many programs; 0: enough programs to fill the
+    GPU)."""
 
     block_m: int = 0
     block_n: int = 64
@@ -158,50 +228,111 @@ class Tiles:
 
 
 GEMV_ROWS = 4                                   # up to this many rows, the broadcast (non-tl.dot) path
-# The winners of repro/kvpareto/bench.py's sweep on an H100 (results/kvpareto/bench_w4a16.md):
-DECODE_LONG_K = Tiles(block_n=16, block_k=512)             # M <= GEMV_ROWS, K >= 2048 (Llama-2-7B layers)
-DECODE = Tiles(block_n=32, block_k=128, num_warps=8)       # M <= GEMV_ROWS, small K (SmolLM2's 576)
-SMALL = Tiles(block_m=16, block_n=32, block_k=128)         # M <= 16
-PREFILL = Tiles(block_m=128, block_n=64, block_k=64, num_stages=4)   # larger M
+GROUP_ROWS = 16                                 # up to this many rows, the group kernel (groups of >= 16)
+# The winners of repro/kvpareto/bench.py's sweeps on an H100 (results/kvpareto/):
+GROUPED = Tiles(block_n=64, block_k=0, num_stages=3)                  # M <= GROUP_ROWS, G a power of two >= 16
+DECODE_LONG_K = Tiles(block_n=16, block_k=512)                        # M <= GEMV_ROWS, K >= 2048, other G
+DECODE = Tiles(block_n=32, block_k=128, num_warps=8)                  # M <= GEMV_ROWS, small K, other G
+SMALL = Tiles(block_m=16, block_n=32, block_k=128)                    # M <= 16, other G
+PREFILL = Tiles(block_m=128, block_n=64, block_k=64, num_stages=4)    # larger M
 
 
-def default_tiles(M: int, K: int) -> Tiles:
+def grouped_ok(group_size: int) -> bool:
+    """The group kernel's steps are whole groups: a power of two of at least 16 channels (a tl.dot's depth)."""
+    return group_size >= 16 and group_size & (group_size - 1) == 0
+
+
+def default_tiles(M: int, K: int, group_size: int = 128) -> Tiles:
+    if M <= GROUP_ROWS and grouped_ok(group_size):
+        return GROUPED
     if M <= GEMV_ROWS:
         return DECODE_LONG_K if K >= 2048 else DECODE
     return SMALL if M <= 16 else PREFILL
 
 
 @functools.lru_cache
-def _programs_wanted(device: torch.device) -> int:
-    """Twice the SM count on CUDA (enough programs in flight to keep the memory system busy), else 1."""
-    if device.type != "cuda":
-        return 1
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (1 elsewhere: the interpreter runs one program at a time)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+# split-K sizing, programs per multiprocessor: the general kernel's two keep the memory system busy; the group
+# kernel's four per SM (the most its registers allow), of at least two groups each, load the device evenly
+# (results/kvpareto/w4a16-8b-h100.md)
+PROGRAMS_PER_SM = 2
+GROUPED_PROGRAMS_PER_SM = 4
+
+
+_COUNTERS: dict[torch.device, Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> Tensor:
+    """The group kernel's per-tile split counters: zero between launches (the last split of a tile resets its
+    own), so they are allocated once per device (at least 4096, so a CUDA-graph capture rarely grows them)."""
+    c = _COUNTERS.get(device)
+    if c is None or c.numel() < n:
+        c = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return c
+
+
+def _fast(x: Tensor) -> bool:
+    """Codes unpacked in inline PTX: fp16/bf16 on a compiled CUDA run."""
+    return x.dtype in (torch.float16, torch.bfloat16) and x.device.type == "cuda" \
+        and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+def _grouped(x2: Tensor, w: W4Weight, t: Tiles) -> Tensor:
+    """The group kernel on x2 (M, K) -> (M, N): raw codes times x on tensor cores, each group's scale and zero
+    applied to its (BLOCK_N, BLOCK_M) product; the tile is computed transposed (outputs x rows), so that a few
+    rows of x pad only the small side of the tensor-core tile."""
+    M, K = x2.shape
+    N, G = w.shape[0], w.group_size
+    block_m = t.block_m or max(16, triton.next_power_of_2(M))
+    tiles_mn = triton.cdiv(N, t.block_n) * triton.cdiv(M, block_m)
+    groups = K // G
+    split = t.split_k or max(1, min(groups // 2, GROUPED_PROGRAMS_PER_SM * _sm_count(x2.device) // tiles_mn))
+    per_split = triton.cdiv(groups, split)
+    split = triton.cdiv(groups, per_split)                              # no empty splits
+    out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    part = torch.empty(split, M, N, dtype=torch.float32, device=x2.device) if split > 1 else out
+    fast = _fast(x2)
+    asm, con = unpack_asm(4, x2.dtype == torch.bfloat16)
+    _w4a16_group_kernel[(triton.cdiv(N, t.block_n), triton.cdiv(M, block_m), split)](
+        x2, w.codes, w.scale, w.zero, out, part, _counters(x2.device, tiles_mn), M, N, K, M * N, per_split,
+        GROUP=G, SPLIT=split, IEEE=x2.dtype == torch.float32, FAST=fast, ASM=asm, CON=con,
+        BLOCK_M=block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages)
+    return out
 
 
 def w4a16_matmul(x: Tensor, w: W4Weight, tiles: Tiles | None = None) -> Tensor:
     """x (..., K) @ dequant(w)ᵀ -> (..., N) in x's dtype (see the module docstring for the rounding).
-    tiles None: default_tiles(M, K), M = the number of rows of x."""
+    tiles None: default_tiles(M, K, group), M = the number of rows of x."""
     _check(x, w)
     check_runnable(_w4a16_kernel, x.device)
     N, K = w.shape
     x2 = x.reshape(-1, K).contiguous()                                  # (M, K), M = prod(leading dims)
     M = x2.shape[0]
-    t = tiles or default_tiles(M, K)
+    t = tiles or default_tiles(M, K, w.group_size)
     if t.block_k % CODES_PER_WORD:
         raise ValueError(f"block_k must be a multiple of {CODES_PER_WORD} (whole words of codes), got {t.block_k}")
+    if t.block_k == 0 and not grouped_ok(w.group_size):
+        raise ValueError(f"the group kernel (block_k = 0) needs a group size that is a power of two >= 16, "
+                         f"got {w.group_size}")
     if not (M and N):
         return torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    codes, scale, zero = w.codes.contiguous(), w.scale.contiguous(), w.zero.contiguous()
+    if t.block_k == 0:
+        return _grouped(x2, W4Weight(codes, scale, zero, w.group_size, w.shape), t).reshape(*x.shape[:-1], N)
     dot = M > GEMV_ROWS or t.block_m > GEMV_ROWS
     block_m = t.block_m or (triton.next_power_of_2(M) if not dot else 16 if M <= 16 else 128)
     grid_mn = triton.cdiv(M, block_m) * triton.cdiv(N, t.block_n)
     steps = triton.cdiv(K, t.block_k)
-    split = t.split_k or max(1, min(steps, _programs_wanted(x.device) // max(grid_mn, 1)))
+    split = t.split_k or max(1, min(steps, PROGRAMS_PER_SM * _sm_count(x.device) // max(grid_mn, 1)))
     per_split = triton.cdiv(steps, split)
     split = triton.cdiv(steps, per_split)                               # no empty splits
     out = torch.empty(split, M, N, dtype=x.dtype if split == 1 else torch.float32, device=x.device)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, t.block_n), split)
-    _w4a16_kernel[grid](x2, w.codes.contiguous(), w.scale.contiguous(), w.zero.contiguous(), out, M, N, K, per_split,
+    _w4a16_kernel[grid](x2, codes, scale, zero, out, M, N, K, per_split,
                         GROUP=w.group_size, IEEE=x.dtype == torch.float32, DOT=dot,
                         BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                         num_warps=t.num_warps, num_stages=t.num_stages)

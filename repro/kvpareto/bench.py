@@ -23,7 +23,7 @@ import json
 import torch
 from tqdm import tqdm
 
-from kvzoo.kernels.w4a16 import GEMV_ROWS, Tiles, quantize_weight, w4a16_matmul, w4a16_matmul_ref
+from kvzoo.kernels.w4a16 import GROUP_ROWS, Tiles, quantize_weight, w4a16_matmul, w4a16_matmul_ref
 
 from scripts.timing import Timer, output_paths, require_compiled_gpu
 
@@ -36,11 +36,12 @@ LAYERS = {            # model: (group, [(name, N, K)])
 
 
 def candidates(M: int) -> list[Tiles]:
-    """The sweep: broadcast-path tiles for decode rows, tl.dot tiles (BLOCK_M by M) otherwise."""
-    if M <= GEMV_ROWS:
-        return [Tiles(block_n=n, block_k=k, num_warps=w) for n in (16, 32, 64) for k in (128, 256, 512)
-                for w in (4, 8) if n * k <= 16384]
-    sizes = [16] if M <= 16 else [64, 128]
+    """The sweep: group-kernel tiles up to GROUP_ROWS rows (split-K by 1 to 16), general-kernel tl.dot tiles
+    (BLOCK_M by M) above."""
+    if M <= GROUP_ROWS:
+        return [Tiles(block_n=n, block_k=0, split_k=k, num_stages=s) for n in (32, 64) for k in (1, 2, 4, 8, 16)
+                for s in (3, 4)]
+    sizes = [64, 128]
     return [Tiles(block_m=m, block_n=n, block_k=k, num_stages=s) for m in sizes for n in (64, 128)
             for k in (64, 128) for s in (3, 4)]
 

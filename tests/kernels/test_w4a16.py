@@ -10,7 +10,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kvzoo.kernels.w4a16 import Tiles, W4Weight, quantize_weight, w4a16_matmul, w4a16_matmul_ref  # noqa: E402
+import kvzoo.kernels.w4a16 as w4a16  # noqa: E402
+from kvzoo.kernels.w4a16 import (GROUPED, Tiles, W4Weight, default_tiles, quantize_weight, w4a16_matmul,  # noqa: E402
+                                 w4a16_matmul_ref)
 
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on", "yes") else "cuda"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -36,8 +38,8 @@ def weight(n, k, group, seed):
 @pytest.mark.parametrize("n,k", [(48, 256), (96, 384)])
 @pytest.mark.parametrize("m", [1, 3, 5, 70])
 def test_matches_reference(m, n, k, group, dtype):
-    """M = 1 and 3 (decode: broadcast products, no tl.dot), 5 (one 16-row tl.dot tile) and 70 (prefill, a
-    partial 64-row tile); N not a multiple of the tile."""
+    """M = 1, 3 and 5 (the group kernel, a 16-row tile) and 70 (the general kernel's prefill tile, partial);
+    N not a multiple of the tile."""
     w = weight(n, k, group, seed=m + n + group)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
     check(x, w, TOL[dtype])
@@ -56,7 +58,7 @@ def test_split_k_matches_reference(m, split):
 
 @pytest.mark.parametrize("m", [1, 40])
 def test_default_tiles_for_long_k(m):
-    """K = 2048 picks the long-K decode tiles (BLOCK_K 512) at M = 1 and the 128-row prefill tile at M = 40."""
+    """K = 2048, G = 128: the group kernel at M = 1, the general kernel's prefill tile at M = 40."""
     w = weight(24, 2048, 128, seed=11)
     x = torch.randn(m, 2048, generator=torch.Generator().manual_seed(11)).to(DEVICE)
     check(x, w, TOL[torch.float32])
@@ -75,6 +77,39 @@ def test_leading_dims_and_k_edge():
     w = weight(40, 200, 8, seed=3)
     x = torch.randn(2, 3, 200, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     check(x, w, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("group", [16, 32, 128])
+@pytest.mark.parametrize("split", [1, 2, 3, 5])
+@pytest.mark.parametrize("m", [1, 16, 33])
+def test_group_kernel_split_k(m, split, group):
+    """The group kernel with its in-kernel split-K: the last split of each tile sums the fp32 partials in split
+    order and resets its counter, so a second call gives the same bits and leaves every counter at zero."""
+    k = 640 if group < 128 else 1280
+    w = weight(40, k, group, seed=split + group)
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
+        tiles = Tiles(block_n=32, block_k=0, split_k=split)
+        check(x, w, TOL[dtype], tiles)
+        assert torch.equal(w4a16_matmul(x, w, tiles), w4a16_matmul(x, w, tiles))
+        assert not w4a16._COUNTERS[x.device].any()
+
+
+def test_routing():
+    """The group kernel for up to 16 rows at power-of-two groups >= 16; the general kernel otherwise."""
+    assert default_tiles(1, 4096, 128) == default_tiles(16, 4096, 32) == GROUPED
+    assert default_tiles(17, 4096, 128).block_k > 0 and default_tiles(1, 4096, 8).block_k > 0
+    assert default_tiles(1, 4096, 96).block_k > 0
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="compiles the group kernel at Llama-3.1-8B's layer shapes (a GPU)")
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)])
+def test_8b_layer_shapes(n, k):
+    """The default tiles at the shapes the benchmarks use (bf16 x, G = 128): q/o, k/v, gate/up and down."""
+    w = quantize_weight(torch.randn(n, k, device=DEVICE) * 0.02, 128)
+    for m in (1, 16):
+        x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+        check(x, w, TOL[torch.bfloat16])
 
 
 def test_empty_batch():
@@ -125,6 +160,8 @@ def test_bad_input_is_named():
     bad = W4Weight(w.codes, w.scale, w.zero, 96, w.shape)                            # 256 % 96 != 0
     with pytest.raises(ValueError, match="not a multiple of the group size"):
         w4a16_matmul(x, bad)
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        w4a16_matmul(torch.randn(4, 192).to(DEVICE), weight(16, 192, 48, seed=6), Tiles(block_k=0))
     bad = W4Weight(w.codes, w.scale.float(), w.zero, 128, w.shape)
     with pytest.raises(ValueError, match="scale has dtype"):
         w4a16_matmul(x, bad)
