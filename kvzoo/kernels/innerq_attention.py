@@ -179,19 +179,19 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
         # keys: (BLOCK_N tokens, W, CPW) codes, one scale/slot per (token, group of 32 channels)
         kw = tl.load(kc_ptr + n[:, None] * W + w[None, :], mask=live[:, None], other=0)
         per_word = n[:, None] * NG + (w // BITS)[None, :]                            # (BLOCK_N, W)
-        if FAST:   # codes unpacked as half2 in PTX, signs XOR-ed in; scale and zero applied in fp32, rounded once
+        if FAST:   # codes unpacked as half2 in PTX, signs XOR-ed in; scale and zero applied in one fp16 FMA
             o = tl.inline_asm_elementwise(ASM, CON, [kw], dtype=(tl.float16,) * CPW, is_pure=True, pack=2)
             x = tl.reshape(join_codes(o, BITS), (BLOCK_N, NG, 32), can_reorder=False)   # fp16 codes
             per_group = n[:, None] * NG + kg[None, :]                                   # (BLOCK_N, NG)
-            scale = tl.load(ks_ptr + per_group, mask=live[:, None], other=0).to(tl.float32)[:, :, None]
+            scale = tl.load(ks_ptr + per_group, mask=live[:, None], other=0)[:, :, None]
             slot = tl.load(kz_ptr + per_group, mask=live[:, None], other=0)
-            zero = slot.to(tl.float32, bitcast=True)[:, :, None]
+            zero = slot.to(tl.float32, bitcast=True).to(tl.float16)[:, :, None]
             if HAS_SYM:   # a symmetric group: no zero, and bit i of its slot, channel i's sign, XOR-ed into the code
                 sym = _key_sym(km_ptr, s_kmg, n, kg * BITS, live, MASK_UPTO, BITS)
                 flip = ((tl.where(sym, slot, 0)[:, :, None] >> i[None, None, :]) << 15).to(tl.int16)   # bit 15
                 x = (x.to(tl.int16, bitcast=True) ^ flip).to(tl.float16, bitcast=True)
-                zero = tl.where(sym[:, :, None], 0.0, zero)
-            k = tl.reshape(x.to(tl.float32) * scale + zero, (BLOCK_N, D), can_reorder=False).to(q.dtype)
+                zero = tl.where(sym[:, :, None], 0.0, zero).to(tl.float16)
+            k = tl.reshape(x * scale + zero, (BLOCK_N, D), can_reorder=False).to(q.dtype)
         else:
             x = unpack_codes(kw[:, :, None], shifts, BITS)
             scale = tl.load(ks_ptr + per_word, mask=live[:, None], other=0).to(tl.float32)[:, :, None]
@@ -220,15 +220,14 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
             vx = tl.reshape(join_codes(o, BITS), (GS, 32, D), can_reorder=False)
             v_scale = tl.load(vs_ptr + per_ch, mask=live_g, other=0)
             v_slot = tl.load(vz_ptr + per_ch, mask=live_g, other=0)
-            v_zero = v_slot.to(tl.float32, bitcast=True)
+            v_zero = v_slot.to(tl.float32, bitcast=True).to(tl.float16)
             if HAS_SYM:   # bit i of a symmetric group's slot: token i's sign
                 v_sym = _value_sym(vm_ptr, vg[:, None, None], d[None, None, :], live_g, MASK_UPTO, D)
-                v_zero = tl.where(v_sym, 0.0, v_zero)
+                v_zero = tl.where(v_sym, 0.0, v_zero).to(tl.float16)
                 signs = tl.where(v_sym, v_slot, 0)                                 # (GS, 1, D)
                 flip = ((signs >> i[None, :, None]) << 15).to(tl.int16)           # (GS, 32, D): bit 15
                 vx = (vx.to(tl.int16, bitcast=True) ^ flip).to(tl.float16, bitcast=True)
-            v = tl.reshape(vx.to(tl.float32) * v_scale.to(tl.float32) + v_zero, (BLOCK_N, D),
-                           can_reorder=False).to(q.dtype)
+            v = tl.reshape(vx * v_scale + v_zero, (BLOCK_N, D), can_reorder=False).to(q.dtype)
         else:
             vx = tl.reshape(unpack_codes(vw[:, :, None], shifts, BITS), (GS, 32, D), can_reorder=False)
             v_scale = tl.load(vs_ptr + per_ch, mask=live_g, other=0).to(tl.float32)
