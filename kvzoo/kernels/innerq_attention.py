@@ -65,13 +65,12 @@ def _split_config(rep: int, fast: bool, has_sym: bool) -> tuple[int, int, int, i
     """(max groups per step, programs per SM, num_stages, num_warps) of the multi-group split kernel, tuned on
     an H100 (N = 16K-128K, 2-bit). Fast path: 4 warps; 2 programs per SM with several query heads per KV head,
     4 with one; asymmetric groups 256 tokens per step and 2 stages, groups with symmetric ones 128 tokens and
-    1 stage (their sign tiles take the registers and shared memory a second stage needs: Llama-3.1-8B shape,
-    128K at batch 1 in 213 us against 350 with the asymmetric setting, 32K at batch 64 in 3.0 ms against 5.0).
-    Generic path (fp32, or the interpreter): 128 tokens per step with several query heads per KV head, 64 with
-    one."""
+    3 stages (Llama-3.1-8B shape, hybrid groups, the kernel alone: 128K at batch 1 in 197 us against 229 with
+    one stage, 32K at batch 64 in 2.7 ms against 3.2). Generic path (fp32, or the interpreter): 128 tokens per
+    step with several query heads per KV head, 64 with one."""
     if fast:
         per_sm = 2 if rep >= 4 else 4
-        cfg = (4, per_sm, 1, 4) if has_sym else (8, per_sm, 2, 4)
+        cfg = (4, per_sm, 3, 4) if has_sym else (8, per_sm, 2, 4)
     else:
         cfg = (4, 2, 2, 4) if rep >= 4 else (2, 8, 3, 4)
     return (MAX_GS or cfg[0], PROGRAMS_PER_SM or cfg[1], SPLIT_STAGES or cfg[2], SPLIT_WARPS or cfg[3])
