@@ -13,8 +13,9 @@ Option bits=16 keeps the rows at the model's precision: the lossless setting eve
 
 from dataclasses import dataclass
 
-from kvzoo.cache.base import Chunk, LayerCache, register
+from kvzoo.cache.base import Chunk, LayerCache, StaticStep, register
 from kvzoo.cache.store import GroupCodec, Window, WindowedStore
+from kvzoo.graphs import WholeStep
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class Int8Options:
 
 
 @register("int8")
-class Int8Cache(LayerCache):
+class Int8Cache(WholeStep, LayerCache):
     Options = Int8Options
     window = Window(sink=0, recent=0, group=1)      # what is quantized when: every token, as it is stored
 
@@ -51,6 +52,18 @@ class Int8Cache(LayerCache):
         out = self.store.attend(q, self.length, {"k": k, "v": v}, pos.mask)
         self.length = self.store.append(self.length, {"k": k, "v": v})
         return out
+
+    # ---- the static step (WholeStep: CUDA graphs, kvzoo/graphs.py): one fused kernel over the codes ----------
+    def can_decode_static(self, padded: bool) -> bool:
+        return not self.simulated and self.length > 0 and self.store.token_kernel_serves(padded, self.attn,
+                                                                                         self.max_len)
+
+    def static_phase(self) -> str:
+        return self.store.phases(self.length)
+
+    def decode_static(self, x, q, k, v, step: StaticStep):
+        q, k = self.attn.rope(q, k, step.ids)
+        return self.store.attend_token_kernel(q, self.length, step, {"k": k, "v": v})
 
     def nbytes(self) -> int:
         return self.store.nbytes(self.length)

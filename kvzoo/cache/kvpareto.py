@@ -52,9 +52,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvzoo.cache.base import Chunk, LayerCache, Positions, register
+from kvzoo.cache.base import Chunk, LayerCache, Positions, StaticStep, register
 from kvzoo.cache.kvquant import QTensor, dequantize, packed_words, quantize
 from kvzoo.cache.store import EXACT, SCALE_DTYPE, Codec, GroupCodec, Window, WindowedStore
+from kvzoo.graphs import WholeStep
 
 PRECISIONS = (2, 4, 8, 16)
 GRANULARITIES = ("token", "block", "tensor")
@@ -166,7 +167,7 @@ class TensorCodec(Codec):
 
 
 @register("kvpareto")
-class KVParetoCache(LayerCache):
+class KVParetoCache(WholeStep, LayerCache):
     """K and V in one windowed store: quantized token by token (token, tensor) or block by block, the block being
     filled exact (block); keys smoothed before they are stored."""
 
@@ -227,6 +228,22 @@ class KVParetoCache(LayerCache):
         out = self.store.attend(q, self.length, {"k": k, "v": v}, pos.mask)
         self._append(k, v)
         return out
+
+    # ---- the static step (WholeStep: CUDA graphs, kvzoo/graphs.py): token granularity, one fused kernel ----
+    def can_decode_static(self, padded: bool) -> bool:
+        """Per-token groups at 2, 4 or 8 bits in both streams (store.token_kernel_serves), once a prompt (and the
+        keys' mean) is stored."""
+        return not self.simulated and self.length > 0 and self.store.token_kernel_serves(padded, self.attn,
+                                                                                         self.max_len)
+
+    def static_phase(self) -> str:
+        return self.store.phases(self.length)
+
+    def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
+        """decode with fixed shapes: the smoothed key and the value of the token into the window row, attention
+        over the codes in one fused kernel, the token quantized at the device-held slot."""
+        q, k = self.attn.rope(q, k, step.ids)
+        return self.store.attend_token_kernel(q, self.length, step, {"k": self._smooth(k, None, 0), "v": v})
 
     def _real(self, pos: Positions, T: int) -> Tensor:
         slots = torch.arange(pos.start, pos.start + T, device=pos.pad.device)

@@ -445,6 +445,45 @@ class WindowedStore(nn.Module):
             w, buf = self.windows[name], self.recent(name)
             buf[..., :w.recent, :] = buf[..., w.group:w.group + w.recent, :].clone()
 
+    def token_kernel_serves(self, padded: bool, attn, max_len: int) -> bool:
+        """Whether `attend_token_kernel` serves this store: streams "k" and "v" in per-token groups (GroupCodec,
+        a power-of-two group of channels, the same for both, bits the fused kernel takes), every token quantized
+        as it is stored (Window(0, 0, 1)), on a device the kernels run on, with a causal mask (unpadded rows, no
+        binding sliding window)."""
+        from kvzoo.kernels.outer_attention import OUTER_BITS
+        from kvzoo.kernels.quant_matvec import kernels_run_on
+
+        if set(self.codecs) != {"k", "v"}:
+            return False
+        codecs = [self.codecs["k"], self.codecs["v"]]
+        if any(
+                not isinstance(c, GroupCodec) or c.per_channel or c.exact_first or c.bits not in OUTER_BITS
+                for c in codecs):
+            return False
+        group, window = codecs[0].group, getattr(attn, "sliding_window", None)
+        return (all(w == Window(0, 0, 1) for w in self.windows.values()) and codecs[1].group == group
+                and group & (group - 1) == 0 and kernels_run_on(codecs[0].codes.device) and not padded
+                and (window is None or window >= max_len))
+
+    def attend_token_kernel(self, q: Tensor, length: int, step, rows: dict[str, Tensor]) -> Tensor:
+        """The static step where `token_kernel_serves`: the token's k, v into the window row, attention over the
+        stored slots and the token in one fused kernel (kvzoo/kernels/outer_attention.py, keys and values in
+        per-token groups), then the token quantized at the device-held slot. q (B, Hq, 1, d) after RoPE;
+        returns (B, Hq, 1, d)."""
+        from kvzoo.kernels.outer_attention import outer_decode_attention
+
+        self.write_token_at(length, step, rows)
+        key = ("token kernel lengths",)
+        if key not in step.derived:            # [keys quantized, values quantized, slots (the token's too), sink]
+            n_q, _ = self.window_row(step, "k")
+            step.derived[key] = torch.cat([n_q, n_q, n_q + 1, torch.zeros_like(n_q)]).to(torch.int32)
+        kc, vc = self.codecs["k"], self.codecs["v"]
+        out = outer_decode_attention(q[:, :, 0], kc.codes, kc.scale, kc.zero, vc.codes, vc.scale, vc.zero, kc.bits,
+                                     self.recent("k"), self.recent("v"), step.derived[key], v_bits=vc.bits,
+                                     key_groups="token", group=kc.group)
+        self.flush_at(length, step)
+        return out[:, :, None]
+
     def scratch(self) -> tuple[Tensor, ...]:
         """Buffers a static step changes so that running it twice would differ (the window shift)."""
         return tuple(self.recent(name) for name in self.codecs)

@@ -53,7 +53,8 @@ from torch import Tensor
 
 from kvzoo.kernels.innerq_attention import (BLOCK_W, LOG2E, _attend_window, _dot_dtype, _plan_splits,
                                             merge_splits)
-from kvzoo.kernels.quant_matvec import (GROUP, check_bits, check_head_dim, check_runnable, check_tensor,
+from kvzoo.cache.kvquant import QTensor, dequantize
+from kvzoo.kernels.quant_matvec import (GROUP, check_head_dim, check_runnable, check_tensor,
                                         dequant_outer, head_rows, join_codes, unpack_asm, unpack_codes)
 
 GROUPS_PER_STEP = 4          # groups of 32 tokens per step of the split kernel (128 tokens)
@@ -61,6 +62,7 @@ PROGRAMS_PER_SM = 2          # split-K sizing: programs per SM of the device
 SPLIT_WARPS = None           # warps of the split kernel; None: num_warps
 SPLIT_STAGES = 3             # software-pipelining depth of the split kernel's token loop
 FAST_PATH = True             # fp16/bf16 models on a GPU: codes unpacked as half2 in inline PTX
+OUTER_BITS = (2, 4, 8)       # code widths of either stream
 
 
 @triton.jit
@@ -109,38 +111,48 @@ def _rotate(k, k_turned, cos_ptr, sin_ptr, pos, live, D: tl.constexpr):
 
 @triton.jit
 def _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
-                FAST: tl.constexpr, ASM: tl.constexpr, CON: tl.constexpr, TURN: tl.constexpr):
-    """Keys of the GS whole groups of 32 tokens from group t (tokens n), one scale and zero per (group, channel):
-    (32*GS, D) in the codes' dtype, halves swapped with TURN."""
+                FAST: tl.constexpr, ASM: tl.constexpr, CON: tl.constexpr, TURN: tl.constexpr, KT: tl.constexpr,
+                CG: tl.constexpr):
+    """Keys of the GS whole groups of 32 tokens from group t (tokens n), one scale and zero per (group, channel),
+    or with KT per (token, group of CG channels): (32*GS, D) in the codes' dtype, halves swapped with TURN."""
     BLOCK_N: tl.constexpr = GS * 32
-    g = tl.arange(0, GS)
-    ch = (tl.arange(0, D) + TURN * (D // 2)) % D
-    per_ch = (t + g)[:, None] * D + ch[None, :]                                        # (GS, D)
-    live_g = (t + g < stop)[:, None]
-    x = tl.reshape(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON, TURN), (GS, 32, D), can_reorder=False)
-    scale = tl.load(ks_ptr + per_ch, mask=live_g, other=0).to(x.dtype)
-    zero = tl.load(kz_ptr + per_ch, mask=live_g, other=0).to(x.dtype)
-    return tl.reshape(x * scale[:, None, :] + zero[:, None, :], (BLOCK_N, D), can_reorder=False)
+    if KT:
+        k = _values(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON, 0), ks_ptr, kz_ptr, n, live, D, CG)
+    else:
+        g = tl.arange(0, GS)
+        ch = (tl.arange(0, D) + TURN * (D // 2)) % D
+        per_ch = (t + g)[:, None] * D + ch[None, :]                                    # (GS, D)
+        live_g = (t + g < stop)[:, None]
+        x = tl.reshape(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON, TURN), (GS, 32, D), can_reorder=False)
+        scale = tl.load(ks_ptr + per_ch, mask=live_g, other=0).to(x.dtype)
+        zero = tl.load(kz_ptr + per_ch, mask=live_g, other=0).to(x.dtype)
+        k = tl.reshape(x * scale[:, None, :] + zero[:, None, :], (BLOCK_N, D), can_reorder=False)
+    return k
 
 
 @triton.jit
-def _token_keys(kc_ptr, ks_ptr, kz_ptr, u, live, D: tl.constexpr, BITS: tl.constexpr, TURN: tl.constexpr):
-    """Keys of tokens u (BLOCK,), any slots, each with its group's scale and zero: (BLOCK, D) fp32, halves swapped
-    with TURN."""
-    ch = (tl.arange(0, D) + TURN * (D // 2)) % D
-    per_ch = (u // 32)[:, None] * D + ch[None, :]
-    scale = tl.load(ks_ptr + per_ch, mask=live[:, None], other=0).to(tl.float32)
-    zero = tl.load(kz_ptr + per_ch, mask=live[:, None], other=0).to(tl.float32)
-    return _exact_codes(kc_ptr, u, live, D, BITS, TURN) * scale + zero
+def _token_keys(kc_ptr, ks_ptr, kz_ptr, u, live, D: tl.constexpr, BITS: tl.constexpr, TURN: tl.constexpr,
+                KT: tl.constexpr, CG: tl.constexpr):
+    """Keys of tokens u (BLOCK,), any slots, each with its group's scale and zero (KT: per token): (BLOCK, D)
+    fp32, halves swapped with TURN."""
+    if KT:
+        k = _values(_exact_codes(kc_ptr, u, live, D, BITS, 0), ks_ptr, kz_ptr, u, live, D, CG)
+    else:
+        ch = (tl.arange(0, D) + TURN * (D // 2)) % D
+        per_ch = (u // 32)[:, None] * D + ch[None, :]
+        scale = tl.load(ks_ptr + per_ch, mask=live[:, None], other=0).to(tl.float32)
+        zero = tl.load(kz_ptr + per_ch, mask=live[:, None], other=0).to(tl.float32)
+        k = _exact_codes(kc_ptr, u, live, D, BITS, TURN) * scale + zero
+    return k
 
 
 @triton.jit
-def _values(codes, vs_ptr, vz_ptr, n, live, D: tl.constexpr):
-    """Value codes (BLOCK, D) of tokens n (BLOCK,) dequantized: (BLOCK, D) fp32, each token's channels in groups
-    of 32 sharing a scale and zero; dead tokens 0."""
+def _values(codes, vs_ptr, vz_ptr, n, live, D: tl.constexpr, CG: tl.constexpr):
+    """Codes (BLOCK, D) of tokens n (BLOCK,) dequantized: (BLOCK, D) in the codes' dtype, each token's channels in
+    groups of CG sharing a scale and zero; dead tokens 0."""
     BLOCK: tl.constexpr = n.shape[0]
-    x = tl.reshape(codes, (BLOCK, D // 32, 32), can_reorder=False)
-    per_group = n[:, None] * (D // 32) + tl.arange(0, D // 32)[None, :]                  # (BLOCK, D/32)
+    x = tl.reshape(codes, (BLOCK, D // CG, CG), can_reorder=False)
+    per_group = n[:, None] * (D // CG) + tl.arange(0, D // CG)[None, :]                  # (BLOCK, D/CG)
     scale = tl.load(vs_ptr + per_group, mask=live[:, None], other=0).to(x.dtype)
     zero = tl.load(vz_ptr + per_group, mask=live[:, None], other=0).to(x.dtype)
     return tl.reshape(x * scale[:, :, None] + zero[:, :, None], (BLOCK, D), can_reorder=False)
@@ -160,8 +172,9 @@ def _online(q, k, v, live, m, l, acc, qk_scale):
 
 @triton.jit
 def _quantized(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos_ptr, sin_ptr, len_ptr, start, PER_SPLIT, m, l,
-               acc, qk_scale, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, FAST: tl.constexpr,
-               ASM: tl.constexpr, CON: tl.constexpr, ROPE: tl.constexpr):
+               acc, qk_scale, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, GS: tl.constexpr,
+               FAST: tl.constexpr, AK: tl.constexpr, CK: tl.constexpr, AV: tl.constexpr, CV: tl.constexpr,
+               ROPE: tl.constexpr, KT: tl.constexpr, CG: tl.constexpr):
     """The online softmax over the groups [start, start + PER_SPLIT) of the slots quantized in both streams."""
     BLOCK_N: tl.constexpr = GS * 32
     n_both = tl.minimum(tl.load(len_ptr), tl.load(len_ptr + 1))
@@ -169,19 +182,19 @@ def _quantized(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos_ptr, sin_p
     for t in range(start, stop, GS):
         n = t * 32 + tl.arange(0, BLOCK_N)
         live = n < n_both
-        k = _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D, BITS, GS, FAST, ASM, CON, 0)
+        k = _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D, KB, GS, FAST, AK, CK, 0, KT, CG)
         if ROPE:                                 # keys stored before RoPE: slot u sits at position n_sink + u
-            turned = _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D, BITS, GS, FAST, ASM, CON, 1)
+            turned = _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D, KB, GS, FAST, AK, CK, 1, KT, CG)
             k = _rotate(k, turned, cos_ptr, sin_ptr, tl.load(len_ptr + 3) + n, live, D)
-        v = _values(_codes(vc_ptr, n, live, D, BITS, FAST, ASM, CON, 0), vs_ptr, vz_ptr, n, live, D)
+        v = _values(_codes(vc_ptr, n, live, D, VB, FAST, AV, CV, 0), vs_ptr, vz_ptr, n, live, D, CG)
         m, l, acc = _online(q, _dot_dtype(k.to(q.dtype)), v.to(q.dtype), live, m, l, acc, qk_scale)
     return m, l, acc
 
 
 @triton.jit
 def _tail(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_ptr, vw_ptr, cos_ptr, sin_ptr,
-          len_ptr, m, l, acc, qk_scale, D: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-          ROPE: tl.constexpr):
+          len_ptr, m, l, acc, qk_scale, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, BLOCK: tl.constexpr,
+          ROPE: tl.constexpr, KT: tl.constexpr, CG: tl.constexpr):
     """The online softmax over the sink, then over the tail's slots past those quantized in both streams, BLOCK
     at a time, each slot's key and value from its codes or its window (module docstring)."""
     d = tl.arange(0, D)
@@ -194,14 +207,14 @@ def _tail(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_
         u = u0 + tl.arange(0, BLOCK)
         live = u < n_tail
         coded = live & (u < n_k)                                   # key from its codes, else from the key window
-        k = _token_keys(kc_ptr, ks_ptr, kz_ptr, u, coded, D, BITS, 0)
+        k = _token_keys(kc_ptr, ks_ptr, kz_ptr, u, coded, D, KB, 0, KT, CG)
         if ROPE:
-            k = _rotate(k, _token_keys(kc_ptr, ks_ptr, kz_ptr, u, coded, D, BITS, 1), cos_ptr, sin_ptr, n_sink + u,
-                        coded, D)
+            k = _rotate(k, _token_keys(kc_ptr, ks_ptr, kz_ptr, u, coded, D, KB, 1, KT, CG), cos_ptr, sin_ptr,
+                        n_sink + u, coded, D)
         exact = tl.load(kr_ptr + (u - n_k)[:, None] * D + d[None, :], mask=(live & ~coded)[:, None], other=0)
         k = _dot_dtype(tl.where(coded[:, None], k, exact.to(tl.float32)).to(q.dtype))
         coded = live & (u < n_v)                                   # value from its codes, else the value window
-        v = _values(_exact_codes(vc_ptr, u, coded, D, BITS, 0), vs_ptr, vz_ptr, u, coded, D)
+        v = _values(_exact_codes(vc_ptr, u, coded, D, VB, 0), vs_ptr, vz_ptr, u, coded, D, CG)
         exact = tl.load(vr_ptr + (u - n_v)[:, None] * D + d[None, :], mask=(live & ~coded)[:, None], other=0)
         v = _dot_dtype(tl.where(coded[:, None], v, exact.to(tl.float32)).to(q.dtype))
         m, l, acc = _online(q, k, v, live, m, l, acc, qk_scale)
@@ -212,9 +225,9 @@ def _tail(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_
 def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_ptr, vw_ptr, cos_ptr,
                   sin_ptr, m_ptr, l_ptr, acc_ptr, len_ptr, PER_SPLIT, qk_scale,
                   s_kc, s_ks, s_kz, s_vc, s_vs, s_vz, s_kr, s_vr, s_kw, s_vw,
-                  D: tl.constexpr, BITS: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, GS: tl.constexpr,
-                  BLOCK: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr, CON: tl.constexpr,
-                  ROPE: tl.constexpr):
+                  D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
+                  GS: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, AK: tl.constexpr, CK: tl.constexpr,
+                  AV: tl.constexpr, CV: tl.constexpr, ROPE: tl.constexpr, KT: tl.constexpr, CG: tl.constexpr):
     kv = tl.program_id(0)                        # b * H + h
     head = kv.to(tl.int64)
     kc_ptr += head * s_kc
@@ -234,10 +247,11 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
     if split == tl.num_programs(1) - 1:          # the last program: the sink and the tail
         m, l, acc = _tail(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr + head * s_kr,
                           vr_ptr + head * s_vr, kw_ptr + head * s_kw, vw_ptr + head * s_vw, cos_ptr, sin_ptr, len_ptr,
-                          m, l, acc, qk_scale, D, BITS, BLOCK, ROPE)
+                          m, l, acc, qk_scale, D, KB, VB, BLOCK, ROPE, KT, CG)
     else:
         m, l, acc = _quantized(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos_ptr, sin_ptr, len_ptr,
-                               split * PER_SPLIT, PER_SPLIT, m, l, acc, qk_scale, D, BITS, GS, FAST, ASM, CON, ROPE)
+                               split * PER_SPLIT, PER_SPLIT, m, l, acc, qk_scale, D, KB, VB, GS, FAST, AK, CK, AV, CV,
+                               ROPE, KT, CG)
     rows = (kv * REP + r) * tl.num_programs(1) + split
     tl.store(m_ptr + rows, m, mask=live_r)
     tl.store(l_ptr + rows, l, mask=live_r)
@@ -271,16 +285,23 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
                            v_scale: Tensor, v_zero: Tensor, bits: int, k_recent: Tensor, v_recent: Tensor,
                            lengths: Tensor | tuple[int, int, int, int], *, k_sink: Tensor | None = None,
                            v_sink: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
-                           sm_scale: float | None = None, num_splits: int | None = None, num_warps: int = 4) -> Tensor:
+                           sm_scale: float | None = None, num_splits: int | None = None, num_warps: int = 4,
+                           v_bits: int | None = None, key_groups: str = "channel", group: int = GROUP) -> Tensor:
     """Decode attention (B, Hq, d) in q's dtype of one query token per sequence over an outer-layout cache (module
-    docstring). lengths: [n_k, n_v, n_tail, n_sink], an int32 device tensor (4,) (CUDA graphs) or four ints, with
+    docstring). bits: the keys' (and the values', unless v_bits); key_groups "token" for keys grouped like the
+    values, per token (KV Pareto, int8); group: channels per per-token group. lengths: [n_k, n_v, n_tail, n_sink], an int32 device tensor (4,) (CUDA graphs) or four ints, with
     n_k <= N_k, n_v <= N_v, the tail's window slots within the windows' rows and n_sink within the sink's.
     rope: (cos, sin) tables (P, d) in q's dtype (row p: position p, rotate-half layout) for keys quantized before
     RoPE (KIVI*): quantized slot u is rotated to position n_sink + u in the kernel, P >= n_sink + n_k; the sink
     and window keys are given rotated.
     sm_scale defaults to 1/sqrt(d); num_splits (split-K over the slots quantized in both streams) to enough
     programs to fill the device."""
-    check_bits(bits)
+    v_bits = bits if v_bits is None else v_bits
+    for name, b in (("bits", bits), ("v_bits", v_bits)):
+        if b not in OUTER_BITS:
+            raise ValueError(f"{name} must be one of {OUTER_BITS} (codes that never straddle an int32 word), got {b}")
+    if key_groups not in ("channel", "token"):
+        raise ValueError(f"key_groups must be 'channel' or 'token', got {key_groups!r}")
     if not isinstance(q, Tensor) or q.dim() != 3:
         raise ValueError("q must be a tensor (B, Hq, d)")
     B, Hq, d = q.shape
@@ -294,15 +315,18 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     H, N_k, N_v = k_codes.shape[1], k_codes.shape[2], v_codes.shape[2]
     if H == 0 or Hq % H:
         raise ValueError(f"{Hq} query heads are not a multiple of {H} KV heads")
-    if N_k % GROUP or N_v % GROUP:
-        raise ValueError(f"the code buffers hold {N_k} and {N_v} slots; they come in whole groups of {GROUP}")
-    words = d * bits // 32
-    for name, t, shape, dtype in (("k_codes", k_codes, (B, H, N_k, words), torch.int32),
-                                  ("k_scale", k_scale, (B, H, N_k // GROUP, d), torch.float16),
-                                  ("k_zero", k_zero, (B, H, N_k // GROUP, d), torch.float16),
-                                  ("v_codes", v_codes, (B, H, N_v, words), torch.int32),
-                                  ("v_scale", v_scale, (B, H, N_v, d // GROUP), torch.float16),
-                                  ("v_zero", v_zero, (B, H, N_v, d // GROUP), torch.float16)):
+    if group < 1 or group & (group - 1) or d % group:
+        raise ValueError(f"group must be a power of two dividing head_dim {d}, got {group}")
+    channel = key_groups == "channel"
+    if channel and N_k % GROUP:
+        raise ValueError(f"the key code buffer holds {N_k} slots; per-channel groups come in whole groups of {GROUP}")
+    k_groups = (N_k // GROUP, d) if channel else (N_k, d // group)
+    for name, t, shape, dtype in (("k_codes", k_codes, (B, H, N_k, d * bits // 32), torch.int32),
+                                  ("k_scale", k_scale, (B, H, *k_groups), torch.float16),
+                                  ("k_zero", k_zero, (B, H, *k_groups), torch.float16),
+                                  ("v_codes", v_codes, (B, H, N_v, d * v_bits // 32), torch.int32),
+                                  ("v_scale", v_scale, (B, H, N_v, d // group), torch.float16),
+                                  ("v_zero", v_zero, (B, H, N_v, d // group), torch.float16)):
         check_tensor(t, name, shape, (dtype,), dev)
     _check_rows(k_recent, "k_recent", B, H, d, q)
     _check_rows(v_recent, "v_recent", B, H, d, q)
@@ -311,6 +335,8 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     _check_rows(k_sink, "k_sink", B, H, d, q)
     _check_rows(v_sink, "v_sink", B, H, d, q)
     if rope is not None:
+        if not channel:
+            raise ValueError("rope (keys rotated in the kernel) needs key_groups='channel'")
         if not isinstance(rope, (tuple, list)) or len(rope) != 2 or not isinstance(rope[0], Tensor) \
                 or rope[0].dim() != 2:
             raise ValueError("rope must be a pair of tables (cos, sin), each (positions, d)")
@@ -332,7 +358,7 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
         return out
     fast = FAST_PATH and q.dtype in (torch.float16, torch.bfloat16) and dev.type == "cuda" \
         and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-    n_groups = min(N_k, N_v) // GROUP
+    n_groups = -(-min(N_k, N_v) // GROUP)                  # runs of 32 slots; a partial last run is masked
     # keys rotated in the kernel (two key tiles and the cos/sin tiles per step): 2 groups per step and one stage,
     # the setting timed at the Llama-3.1-8B shape
     max_gs, stages = (max(1, GROUPS_PER_STEP // 2), 1) if rope is not None else (GROUPS_PER_STEP, SPLIT_STAGES)
@@ -348,9 +374,10 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
                for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_recent, v_recent, k_sink, v_sink)]
     cos, sin = (t.contiguous() for t in rope) if rope is not None else (q, q)       # q: never read
     _split_kernel[(B * H, splits + 1)](q, *(t for t, _ in buffers), cos, sin, m, l, acc, lengths, per_split, qk_scale,
-                                       *(s for _, s in buffers), D=d, BITS=bits, REP=rep, REP_P=rep_p, GS=gs,
-                                       BLOCK=BLOCK_W, FAST=fast, ASM=unpack_asm(bits)[0], CON=unpack_asm(bits)[1],
-                                       ROPE=rope is not None,
+                                       *(s for _, s in buffers), D=d, KB=bits, VB=v_bits, REP=rep, REP_P=rep_p,
+                                       GS=gs, BLOCK=BLOCK_W, FAST=fast, AK=unpack_asm(bits)[0],
+                                       CK=unpack_asm(bits)[1], AV=unpack_asm(v_bits)[0], CV=unpack_asm(v_bits)[1],
+                                       ROPE=rope is not None, KT=not channel, CG=group,
                                        num_warps=SPLIT_WARPS or num_warps, num_stages=stages,
                                        enable_fp_fusion=True)
     _combine_kernel[(B * H,)](m, l, acc, out, splits + 1, D=d, REP=rep, REP_P=rep_p, num_warps=num_warps)
@@ -361,14 +388,22 @@ def outer_decode_attention_ref(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_ze
                                v_scale: Tensor, v_zero: Tensor, bits: int, k_recent: Tensor, v_recent: Tensor,
                                lengths: Tensor | tuple[int, int, int, int], *, k_sink: Tensor | None = None,
                                v_sink: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
-                               sm_scale: float | None = None) -> Tensor:
+                               sm_scale: float | None = None, v_bits: int | None = None, key_groups: str = "channel",
+                               group: int = GROUP) -> Tensor:
     """Torch attention over the sink and the tail, each slot's key and value dequantized (and rotated, with rope)
     or read from its window (module docstring), fp32 softmax."""
     B, Hq, d = q.shape
     H = k_codes.shape[1]
     n_k, n_v, n_tail, n_sink = lengths.tolist() if isinstance(lengths, Tensor) else lengths
-    k_q = dequant_outer(k_codes[:, :, :n_k], k_scale[:, :, :n_k // GROUP], k_zero[:, :, :n_k // GROUP], bits, -2)
-    v_q = dequant_outer(v_codes[:, :, :n_v], v_scale[:, :, :n_v], v_zero[:, :, :n_v], bits, -1)
+
+    def per_token(codes, scale, zero, b, n):                 # (B, H, n, d) fp32, groups of `group` channels
+        return dequantize(QTensor(codes[:, :, :n], scale[:, :, :n], zero[:, :, :n], b, group, -1, (B, H, n, d)))
+
+    if key_groups == "channel":
+        k_q = dequant_outer(k_codes[:, :, :n_k], k_scale[:, :, :n_k // GROUP], k_zero[:, :, :n_k // GROUP], bits, -2)
+    else:
+        k_q = per_token(k_codes, k_scale, k_zero, bits, n_k)
+    v_q = per_token(v_codes, v_scale, v_zero, bits if v_bits is None else v_bits, n_v)
     if rope is not None:                       # quantized slot u at position n_sink + u, rotate-half
         cos, sin = (t[n_sink:n_sink + n_k].float() for t in rope)
         k_q = k_q * cos + torch.cat([-k_q[..., d // 2:], k_q[..., :d // 2]], dim=-1) * sin

@@ -184,12 +184,14 @@ def join_codes(o, BITS: tl.constexpr):
         b2 = tl.join(a2, a6)
         b3 = tl.join(a3, a7)
         x = tl.join(tl.join(b0, b2), tl.join(b1, b3))
-    else:
+    elif BITS == 4:
         b0 = tl.join(o[0], o[4])
         b1 = tl.join(o[1], o[5])
         b2 = tl.join(o[2], o[6])
         b3 = tl.join(o[3], o[7])
         x = tl.join(tl.join(b0, b2), tl.join(b1, b3))
+    else:
+        x = tl.join(tl.join(o[0], o[2]), tl.join(o[1], o[3]))
     R: tl.constexpr = x.shape[0]
     W: tl.constexpr = x.shape[1]
     return tl.reshape(x, (R, W * (32 // BITS)), can_reorder=False)

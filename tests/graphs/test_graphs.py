@@ -104,9 +104,17 @@ def whole_step_equals_eager(model, cache: str) -> None:
     torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("cache", ["int8", "kvpareto", "kvpareto:k_bits=4,v_bits=2,group_size=16"])
+def test_token_grouped_whole_step_equals_eager(model, cache):
+    """int8's and KV Pareto's static step (keys and values in per-token groups, one fused kernel, under the
+    interpreter on CPU) against the eager decode (WindowedStore.attend), each token quantized inside the step."""
+    needs_kernels_on_cpu()
+    whole_step_equals_eager(model, cache)
+
+
 def test_decoder_picks_the_whole_step_where_it_can(model):
     assert isinstance(decoder(model, model.new_cache("fp16", 1, 8)), GraphDecoder)
-    assert isinstance(decoder(model, model.new_cache("kvpareto", 1, 8)), PiecewiseDecoder)
+    assert isinstance(decoder(model, model.new_cache("kvpareto:granularity=tensor", 1, 8)), PiecewiseDecoder)
     assert isinstance(decoder(model, model.new_cache("kivi-pre", 1, 8)), PiecewiseDecoder)
     # XQuant's latents in the paper's windows (X U_k per channel, X U_v per token) or in one window
     for spec in ("xquant", "xquant-cl", "xquant-cl:policy=grouped"):
@@ -140,7 +148,7 @@ def test_generate_compile_gives_the_same_tokens(model):
 
 
 def test_refuses_strategies_without_a_static_step(model):
-    kv = model.new_cache("kvpareto", 1, 16)
+    kv = model.new_cache("kvpareto:granularity=block", 1, 16)
     with pytest.raises(ValueError, match="cache strategy kvpareto has no whole-step decode.*PiecewiseDecoder"):
         GraphDecoder(model, kv)
     kv = model.new_cache("fp16", 1, 4)

@@ -61,6 +61,33 @@ def test_fused_outer_attention_matches_reference(bits, d, dtype, rep, lengths):
         assert_close(got, outer_decode_attention_ref(*args, k_sink=k_sink, v_sink=v_sink), dtype)
 
 
+def token_cache(B, H, N, d, k_bits, v_bits, group, dtype, rows=3, seed=0):
+    """Codes of random keys and values, both in per-token groups of `group` channels (KV Pareto, int8)."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(B, H, N, d, generator=g), torch.randn(B, H, N, d, generator=g)
+    kq = quantize(k.to(DEVICE), k_bits, group, axis=-1, scale_dtype=torch.float16)
+    vq = quantize(v.to(DEVICE), v_bits, group, axis=-1, scale_dtype=torch.float16)
+    k_rec, v_rec = (torch.randn(B, H, rows, d, generator=g).to(DEVICE, dtype) for _ in range(2))
+    return (kq.codes, kq.scale, kq.zero, vq.codes, vq.scale, vq.zero), (k_rec, v_rec)
+
+
+# (k_bits, v_bits, group, d, dtype, N, lengths): int8's one group per token, KV Pareto's k8v8 / k8v4 / k4v2 in
+# groups of 32; buffers of 100 slots (not whole runs of 32) with every slot quantized, and the token in the window
+@pytest.mark.parametrize("k_bits,v_bits,group,d,dtype,N,lengths", [
+    (8, 8, 64, 64, torch.float32, 100, (100, 100, 101, 0)), (8, 8, 128, 128, torch.float16, 96, (70, 70, 71, 0)),
+    (8, 4, 32, 64, torch.bfloat16, 100, (33, 33, 34, 0)), (4, 2, 32, 128, torch.float32, 64, (64, 64, 65, 0)),
+    (2, 8, 64, 64, torch.float16, 100, (0, 0, 1, 0))], ids=name)
+def test_token_grouped_keys_match_reference(k_bits, v_bits, group, d, dtype, N, lengths):
+    B, H, rep = 2, 2, 3
+    codes, (k_rec, v_rec) = token_cache(B, H, N, d, k_bits, v_bits, group, dtype, seed=k_bits + v_bits + group)
+    q = torch.randn(B, H * rep, d, generator=torch.Generator().manual_seed(group)).to(DEVICE, dtype)
+    layout = dict(v_bits=v_bits, key_groups="token", group=group)
+    args = (q, *codes, k_bits, k_rec, v_rec, torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
+    got = outer_decode_attention(*args, num_splits=2, **layout)
+    assert got.dtype == dtype and got.shape == (B, H * rep, d)
+    assert_close(got, outer_decode_attention_ref(*args, **layout), dtype)
+
+
 def test_reference_is_attention_over_the_slots_in_order():
     """Slot u of the tail reads its key from the codes while u < n_k, else key-window row u - n_k (values the same
     with n_v): the reference equals softmax attention over those rows, built one slot at a time."""
@@ -118,6 +145,14 @@ def test_bad_inputs_name_the_problem():
         outer_decode_attention(q, *codes, 2, k_rec, v_rec, lens, k_sink=k_sink)
     with pytest.raises(ValueError, match="lengths must be"):
         outer_decode_attention(q, *codes, 2, k_rec, v_rec, (96, 32, 100, 0))
+    with pytest.raises(ValueError, match="v_bits must be one of"):
+        outer_decode_attention(q, *codes, 2, k_rec, v_rec, lens, v_bits=3)
+    with pytest.raises(ValueError, match="key_groups must be"):
+        outer_decode_attention(q, *codes, 2, k_rec, v_rec, lens, key_groups="block")
+    with pytest.raises(ValueError, match="group must be a power of two"):
+        outer_decode_attention(q, *codes, 2, k_rec, v_rec, lens, group=48)
+    with pytest.raises(ValueError, match="k_scale has shape"):                 # per-channel scales, token layout
+        outer_decode_attention(q, *codes, 2, k_rec, v_rec, lens, key_groups="token")
 
 
 def rope_tables(positions: int, d: int, dtype):
