@@ -8,6 +8,8 @@ Stored per layer, in the shared store (kvzoo/cache/store.py), B rows, H = n_kv_h
     codes  int32 (B, H, L, d/4)   four 8-bit codes per word, K and V each
     scale, zero  fp16 (B, H, L, 1)  per token and head, K and V each
 Bytes per token, per layer and KV head: 2 * (d + 4); d = 64: 136 against 256 for fp16 (0.53).
+Decode: eagerly through the store (WindowedStore.attend); in a CUDA graph (WholeStep) through the fused kernel of
+kvzoo/kernels/outer_attention.py over the codes (WindowedStore.attend_token_kernel).
 Option bits=16 keeps the rows at the model's precision: the lossless setting every strategy has.
 """
 

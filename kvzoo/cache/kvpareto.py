@@ -41,6 +41,11 @@ G = 32: 2 * (32 + 8) = 80 bytes against 256 for fp16 (0.31).
 Paper settings: per-token group-wise with G = 32 for ~3B models (64 for 7-8B), K-smoothing on, k8v8 /
 k8v4 / k4v4 ... chosen by the Pareto search.
 
+Decode: eagerly through the store (WindowedStore.attend); in a CUDA graph (WholeStep), token granularity at 2, 4
+or 8 bits, through the fused kernel of kvzoo/kernels/outer_attention.py over the codes (keys and values in
+per-token groups, WindowedStore.attend_token_kernel). Block and tensor granularity, and 16-bit streams, decode
+piecewise.
+
 Tensor parallelism (kvzoo/models/tp.py): k_mean and the token and block groups are per KV head, so each rank has
 its own heads'; the tensor granularity's range spans the rank's heads only.
 """

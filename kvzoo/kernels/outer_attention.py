@@ -1,6 +1,7 @@
-"""Fused decode attention over the outer-grouped layout (KIVI, SQuat): one new query token per sequence against
-the quantized history, the exact sink and the recent windows, flash-decoding style, all query rows of a KV head in
-one program.
+"""Fused decode attention over the outer-grouped layout (KIVI, SQuat), and over keys and values both grouped per
+token (KV Pareto's token granularity, int8: `key_groups="token"`): one new query token per sequence against the
+quantized history, the exact sink and the recent windows, flash-decoding style, all query rows of a KV head in one
+program.
 
     out (B, Hq, d) = softmax(q · [K_sink ; K_tail]ᵀ * sm_scale) · [V_sink ; V_tail]
 
@@ -9,19 +10,22 @@ leave their recent windows at their own pace (KIVI's authors' windows: keys R at
 each stream has its own count of quantized slots, n_k and n_v: slot u's key is quantized when u < n_k, else row
 u - n_k of the key window; its value is quantized when u < n_v, else row u - n_v of the value window.
 
-Inputs (H KV heads, Hq = rep * H query heads, GQA: query head h*rep + j reads KV head h; b = bits in {2, 4};
-W = d*b/32 code words per token; N_k, N_v the buffers' slots, multiples of 32):
+Inputs (H KV heads, Hq = rep * H query heads, GQA: query head h*rep + j reads KV head h; b = bits in {2, 4, 8},
+the keys' and the values' each; W = d*b/32 code words per token; N_k, N_v the buffers' slots; G the channels of a
+per-token group, 32 by default, any power of two dividing d):
     q          (B, Hq, d)               fp16 / bf16 / fp32, after RoPE
     k_codes    int32 (B, H, N_k, W)     k_scale, k_zero fp16 (B, H, N_k/32, d)   per-channel groups of 32 tokens
-    v_codes    int32 (B, H, N_v, W)     v_scale, v_zero fp16 (B, H, N_v, d/32)   per-token groups of 32 channels
+                                        (N_k a multiple of 32); key_groups="token": (B, H, N_k, d/G), per token
+    v_codes    int32 (B, H, N_v, W)     v_scale, v_zero fp16 (B, H, N_v, d/G)    per-token groups of G channels
     k_recent, v_recent (B, H, ., d)     the windows' rows, in q's dtype
     k_sink, v_sink     (B, H, ., d)     the sink's rows (may hold none)
     lengths    int32 (4,) on the device: [n_k, n_v, n_tail, n_sink] (CUDA graphs read them at replay)
 A group decodes to code * scale + zero (kvzoo.cache.kvquant's asymmetric quantizer). Every slot counted by
 `lengths` is attended: there is no mask (unpadded rows, no sliding window).
 
-Bytes read per token per layer and KV head: the codes, d*b/4, and the scales and zeros, 4*d/32 per token for the
-keys' groups and 4*d/32 for the values': 48 bytes at d = 64, b = 2 (fp16: 256).
+Bytes read per token per layer and KV head: the codes, d*b/8 per stream, and the scales and zeros, 4*d/32 per token
+for per-channel keys and 4*d/G per per-token stream: 48 bytes at d = 64, b = 2, G = 32 (fp16: 256); int8 (b = 8,
+G = d) 2*(d + 4).
 
 Two kernels:
   1. split: grid (B*H, splits + 1). A program owns a run of 32-token groups of one KV head, the slots quantized in
