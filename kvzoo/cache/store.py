@@ -422,6 +422,21 @@ class WindowedStore(nn.Module):
         by_slot = p.new_zeros(*p.shape[:-1], n_slots).scatter_add_(-1, s_src.expand(p.shape), p)
         return by_slot.index_select(-1, s_dst) * live
 
+    def row_map(self, step, src: str, dst: str) -> Tensor:
+        """(K_src,) long: for each of stream src's static rows, the row of stream dst's static layout that holds
+        the same slot (rows not live in src map to row 0, to be masked). Once per step and pair of layouts."""
+        key = ("row map", self.windows[src], self.codecs[src].capacity, self.windows[dst], self.codecs[dst].capacity)
+        if key not in step.derived:
+            s_src, _ = self.static_rows(step, src)
+            s_dst, live = self.static_rows(step, dst)
+            n_slots = max(s.numel() for s in (s_src, s_dst))          # every row's slot is below N + S + R + G
+            rows = torch.arange(s_dst.numel(), device=s_dst.device)
+            # live rows hold distinct slots; dead ones are sent to a spare entry past the last slot
+            by_slot = torch.zeros(n_slots + 1, dtype=torch.long, device=s_dst.device)
+            by_slot.scatter_(0, torch.where(live, s_dst, n_slots), torch.where(live, rows, 0))
+            step.derived[key] = by_slot.index_select(0, s_src.clamp_max(n_slots - 1))
+        return step.derived[key]
+
     def write_token_at(self, length: int, step, rows: dict[str, Tensor]) -> None:
         """The token's rows (*lead, 1, width) into each stream's window row (a device tensor (1,)); `length`
         tokens stored before it (host-side, for the phase)."""

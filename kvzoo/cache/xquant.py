@@ -77,6 +77,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from kvzoo.cache.base import Chunk, LayerCache, Positions, StaticStep, register
@@ -326,26 +327,29 @@ class XQuantCache(WholeStep, LayerCache):
         return step.derived[key]
 
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
-        """decode with fixed shapes: the token's rows into each stream's window row, attention over every
-        allocated key row rematerialized (the dead ones masked) and the token's exact k, v, the values weighed
-        from their rows (latent_attention), the key weights routed to the value rows by slot (WindowedStore.route)
-        where X U_k and X U_v hold their slots differently; then each stream the token filled quantizes its
-        window's oldest group into slots [Nq, Nq + G)."""
+        """decode with fixed shapes: the token's rows into each stream's window row; K and V rematerialized from
+        every allocated row (the fused kernel on a GPU), V's rows put in K's row order by slot
+        (WindowedStore.row_map) where X U_k and X U_v hold their slots differently, the token's exact k, v last;
+        one SDPA over them with the step's mask (dead rows and the token's own row masked); then each stream the
+        token filled quantizes its window's oldest group into slots [Nq, Nq + G)."""
         st = self.store
         st.write_token_at(self.length, step, self._rows(x))               # rows (B, 1, width) into window row r
         (k_name, up_k), (v_name, up_v) = self._sources()
         ids, mask = self._static_keys(step, k_name)
-        codec, window = st.codecs[k_name], st.recent(k_name)
-        flat = torch.cat([rematerialize(codec.held(codec.capacity), codec.held_first(codec.capacity), up_k),
-                          rematerialize(window, None, up_k)], dim=1)                       # (B, K, n_kv*hd)
-        keys = self.attn.rope.apply(torch.cat([heads(flat, self.attn.n_kv_heads, k.dtype), k], dim=2), ids)
-        codec, window = st.codecs[v_name], st.recent(v_name)
-        n = codec.capacity
+        n_kv = self.attn.n_kv_heads
 
-        def weigh(p: Tensor) -> Tensor:                                  # p (B, Hq, K) over the key rows
-            p = st.route(p, step, k_name, v_name)                        # (B, Hq, Kv) over the value rows
-            return codec.weigh(p[..., :n], n) + p[..., n:] @ window.float()
+        def rows(name: str, up: Tensor) -> Tensor:                        # (B, n_kv, K, hd): every allocated row
+            codec, window = st.codecs[name], st.recent(name)
+            flat = torch.cat([rematerialize(codec.held(codec.capacity), codec.held_first(codec.capacity), up),
+                              rematerialize(window, None, up)], dim=1)                       # (B, K, n_kv*hd)
+            return heads(flat, n_kv, k.dtype)
 
-        out = latent_attention(self.attn.rope.apply(q, step.ids), keys, v, mask, weigh, up_v)
+        keys = self.attn.rope.apply(torch.cat([rows(k_name, up_k), k], dim=2), ids)         # (B, n_kv, K + 1, hd)
+        values = rows(v_name, up_v)
+        if v_name != k_name:
+            values = values.index_select(2, st.row_map(step, k_name, v_name))                # in K's row order
+        values = torch.cat([values, v], dim=2)                                               # (B, n_kv, K + 1, hd)
+        out = F.scaled_dot_product_attention(self.attn.rope.apply(q, step.ids), keys, values, attn_mask=mask,
+                                             enable_gqa=q.shape[1] != n_kv)
         st.flush_at(self.length, step)
         return out
