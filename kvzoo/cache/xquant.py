@@ -120,12 +120,14 @@ def dequantize_latent(latent: QTensor | Tensor, first: Tensor | None, dtype: tor
     return x if first is None else torch.cat([first.to(dtype), x], dim=-1)
 
 
-def rematerialize(latent: QTensor | Tensor, first: Tensor | None, up: Tensor, fused: bool | None = None) -> Tensor:
+def rematerialize(latent: QTensor | Tensor, first: Tensor | None, up: Tensor, fused: bool | None = None,
+                  out: Tensor | None = None) -> Tensor:
     """K or V (flat heads, before RoPE) from cached rows: dequantize (B, N, c) and multiply by the
-    up-projection `up` (c, n_kv*hd) -> (B, N, n_kv*hd) in up's dtype. This is all XQuant adds to a KV
-    cache's decode step. Packed 2/4/8-bit codes on a GPU (or with fused=True: the Triton interpreter in
-    tests) go through the fused kernel kvzoo.kernels.xquant_remat.dequant_matmul, so the dequantized rows
-    never reach device memory; 3-bit codes and exact rows take the torch path."""
+    up-projection `up` (c, n_kv*hd) -> (B, N, n_kv*hd) in up's dtype, written into `out` when given (a slice of
+    a larger buffer). This is all XQuant adds to a KV cache's decode step. Packed 2/4/8-bit codes on a GPU (or
+    with fused=True: the Triton interpreter in tests) go through the fused kernel
+    kvzoo.kernels.xquant_remat.dequant_matmul, so the dequantized rows never reach device memory; 3-bit codes
+    and exact rows take the torch path."""
     if fused is None:
         fused = isinstance(latent, QTensor) and latent.codes.is_cuda
     if fused and isinstance(latent, QTensor):
@@ -133,9 +135,11 @@ def rematerialize(latent: QTensor | Tensor, first: Tensor | None, up: Tensor, fu
 
         if latent.bits in REMAT_BITS:
             if first is None:
-                return dequant_matmul(latent, up)
-            return dequant_matmul(latent, up[1:]) + first.to(up.dtype) @ up[:1]      # channel 0 kept exact
-    return dequantize_latent(latent, first, up.dtype) @ up
+                return dequant_matmul(latent, up, out=out)
+            rows = dequant_matmul(latent, up[1:], out=out)
+            return rows.add_(first.to(up.dtype) @ up[:1])                                # channel 0 kept exact
+    rows = dequantize_latent(latent, first, up.dtype) @ up
+    return rows if out is None else out.copy_(rows)
 
 
 def heads(flat: Tensor, n_heads: int, dtype: torch.dtype) -> Tensor:
@@ -326,6 +330,15 @@ class XQuantCache(WholeStep, LayerCache):
             step.derived[key] = (ids, mask)
         return step.derived[key]
 
+    def _value_rows(self, step: StaticStep, k_name: str, v_name: str) -> Tensor:
+        """(K + 1,): the value row holding each key row's slot (WindowedStore.row_map), then the token's row."""
+        key = ("xquant value rows", k_name, v_name)
+        if key not in step.derived:
+            by_slot = self.store.row_map(step, k_name, v_name)
+            token = self.store.codecs[v_name].capacity + self.store.recent(v_name).shape[1]
+            step.derived[key] = torch.cat([by_slot, by_slot.new_full((1,), token)])
+        return step.derived[key]
+
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
         """decode with fixed shapes: the token's rows into each stream's window row; K and V rematerialized from
         every allocated row (the fused kernel on a GPU), V's rows put in K's row order by slot
@@ -338,17 +351,22 @@ class XQuantCache(WholeStep, LayerCache):
         ids, mask = self._static_keys(step, k_name)
         n_kv = self.attn.n_kv_heads
 
-        def rows(name: str, up: Tensor) -> Tensor:                        # (B, n_kv, K, hd): every allocated row
+        def rows(name: str, up: Tensor, token: Tensor) -> Tensor:
+            """(B, n_kv, K + 1, hd): every allocated row of stream `name` rematerialized in place into one buffer,
+            then the token's exact row."""
             codec, window = st.codecs[name], st.recent(name)
-            flat = torch.cat([rematerialize(codec.held(codec.capacity), codec.held_first(codec.capacity), up),
-                              rematerialize(window, None, up)], dim=1)                       # (B, K, n_kv*hd)
-            return heads(flat, n_kv, k.dtype)
+            n, w = codec.capacity, window.shape[1]
+            flat = torch.empty(window.shape[0], n + w + 1, up.shape[1], dtype=up.dtype, device=up.device)
+            rematerialize(codec.held(n), codec.held_first(n), up, out=flat[:, :n])
+            rematerialize(window, None, up, out=flat[:, n:n + w])
+            out = heads(flat, n_kv, k.dtype)                                  # (B, n_kv, K + 1, hd), a view
+            out[:, :, -1:] = token
+            return out
 
-        keys = self.attn.rope.apply(torch.cat([rows(k_name, up_k), k], dim=2), ids)         # (B, n_kv, K + 1, hd)
-        values = rows(v_name, up_v)
-        if v_name != k_name:
-            values = values.index_select(2, st.row_map(step, k_name, v_name))                # in K's row order
-        values = torch.cat([values, v], dim=2)                                               # (B, n_kv, K + 1, hd)
+        keys = self.attn.rope.apply(rows(k_name, up_k, k), ids)                             # (B, n_kv, K + 1, hd)
+        values = rows(v_name, up_v, v)
+        if v_name != k_name:                                                  # V's rows in K's row order
+            values = values.index_select(2, self._value_rows(step, k_name, v_name))
         out = F.scaled_dot_product_attention(self.attn.rope.apply(q, step.ids), keys, values, attn_mask=mask,
                                              enable_gqa=q.shape[1] != n_kv)
         st.flush_at(self.length, step)

@@ -40,7 +40,7 @@ REMAT_BITS = (2, 4, 8)
 
 
 @triton.jit
-def _remat_kernel(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_ptr, M, R, N_OUT, WORDS,
+def _remat_kernel(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_ptr, M, R, N_OUT, WORDS, ROWS_PER_BATCH, s_ob, s_on,
                   GROUP: tl.constexpr, BITS: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_ZERO: tl.constexpr,
                   FP32: tl.constexpr, PRECISION: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -74,7 +74,8 @@ def _remat_kernel(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_ptr, M, R, N_OUT, W
             acc += tl.dot(x, w, input_precision=PRECISION)
         else:
             acc += tl.dot(x.to(w.dtype), w)
-    tl.store(out_ptr + rows[:, None] * N_OUT + n[None, :], acc.to(out_ptr.dtype.element_ty),
+    at = (rows // ROWS_PER_BATCH) * s_ob + (rows % ROWS_PER_BATCH) * s_on        # row m of batch row m // N
+    tl.store(out_ptr + at[:, None] + n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=live_m[:, None] & live_n[None, :])
 
 
@@ -115,19 +116,27 @@ _FITTING: dict[tuple, tuple[int, int, int]] = {}     # (device, dtype, bits, lay
 
 
 def dequant_matmul(q: QTensor, weight: Tensor, block_m: int = 64, block_n: int | None = None, block_k: int = 64,
-                   num_warps: int = 4, num_stages: int = 3) -> Tensor:
-    """dequant(q) @ weight, (..., N, r) @ (r, n_out) -> (..., N, n_out) in weight's dtype. The default tiles
-    were the fastest of a sweep on an H100 (2/4-bit, r = 192 ... 4096): BLOCK_N = 256 (128 for n_out <= 192),
-    since every output tile dequantizes its rows again. Tiles whose compiled kernel needs more shared memory
-    than the device has (fp32 weights: tf32x3 dots keep split copies of both tiles) step down `tile_configs`
-    until one fits, and the fitting tiles are remembered per device, dtype and layout."""
+                   num_warps: int = 4, num_stages: int = 3, out: Tensor | None = None) -> Tensor:
+    """dequant(q) @ weight, (..., N, r) @ (r, n_out) -> (..., N, n_out) in weight's dtype, written into `out`
+    when given (its rows may be strided: a slice of a larger buffer, at most one leading dim unless contiguous).
+    The default tiles were the fastest of a sweep on an H100 (2/4-bit, r = 192 ... 4096): BLOCK_N = 256 (128 for
+    n_out <= 192), since every output tile dequantizes its rows again. Tiles whose compiled kernel needs more
+    shared memory than the device has (fp32 weights: tf32x3 dots keep split copies of both tiles) step down
+    `tile_configs` until one fits, and the fitting tiles are remembered per device, dtype and layout."""
     _check(q, weight)
     check_runnable(_remat_kernel, weight.device)
     r, n_out = weight.shape
     rows = q.codes.numel() // max(q.codes.shape[-1], 1)                 # M = prod(leading dims) * N
-    out = torch.empty(*q.shape[:-1], n_out, dtype=weight.dtype, device=weight.device)
+    if out is None:
+        out = torch.empty(*q.shape[:-1], n_out, dtype=weight.dtype, device=weight.device)
+    elif (tuple(out.shape) != (*q.shape[:-1], n_out) or out.dtype != weight.dtype or out.device != weight.device
+          or out.stride(-1) != 1 or (out.dim() > 3 and not out.is_contiguous())):
+        raise ValueError(f"out must be a {weight.dtype} tensor {(*q.shape[:-1], n_out)} on {weight.device} with unit "
+                         f"column stride (contiguous past one leading dim), got {out.dtype} {tuple(out.shape)}")
     if rows == 0 or n_out == 0:
         return out
+    N, s_on = q.shape[-2], out.stride(-2)
+    s_ob = out.stride(0) if out.dim() == 3 else N * s_on                # row m at (m // N) * s_ob + (m % N) * s_on
     codes, scale = q.codes.contiguous(), q.scale.contiguous()
     zero = q.zero.contiguous() if q.zero is not None else scale        # never read when symmetric
     asked = (block_m, block_n or (256 if n_out > 192 else 128), num_stages)
@@ -137,6 +146,7 @@ def dequant_matmul(q: QTensor, weight: Tensor, block_m: int = 64, block_n: int |
         grid = (triton.cdiv(rows, bm), triton.cdiv(n_out, bn))
         try:
             _remat_kernel[grid](codes, scale, zero, weight.contiguous(), out, rows, r, n_out, codes.shape[-1],
+                                N, s_ob, s_on,
                                 GROUP=q.group_size, BITS=q.bits, PER_TOKEN=q.axis == -1, HAS_ZERO=q.zero is not None,
                                 FP32=weight.dtype == torch.float32,
                                 PRECISION="tf32x3" if weight.is_cuda else "ieee",

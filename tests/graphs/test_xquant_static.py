@@ -98,9 +98,9 @@ def test_whole_step_through_the_kernel(gqa, monkeypatch, spec):
     pytest.importorskip("triton")
     calls = []
 
-    def fused(latent, first, up, fused=None):
+    def fused(latent, first, up, fused=None, out=None):
         calls.append(latent)
-        return rematerialize(latent, first, up, fused=True)
+        return rematerialize(latent, first, up, fused=True, out=out)
 
     rematerialize = xq.rematerialize
     monkeypatch.setattr(xq, "rematerialize", fused)

@@ -51,6 +51,22 @@ def test_r_not_a_multiple_of_the_step():
     check(quantize(x, 2, 16, axis=-1), torch.randn(48, 8, generator=g).to(DEVICE), 1e-5)
 
 
+@pytest.mark.parametrize("axis,group", [(-1, 32), (-2, 16)])
+def test_writes_into_a_slice_of_a_larger_buffer(axis, group):
+    """out = rows [3, 3 + 48) of a (2, 60, 40) buffer: each sequence's rows strided by the buffer's, the rest of
+    the buffer untouched (XQuant's static step writes the quantized and the window rows into one buffer)."""
+    g = torch.Generator().manual_seed(group)
+    x = torch.randn(2, 48, 64, generator=g).to(DEVICE)
+    w = torch.randn(64, 40, generator=g).to(DEVICE)
+    q = quantize(x, 4, group, axis=axis)
+    buf = torch.full((2, 60, 40), 7.0, device=DEVICE)
+    assert dequant_matmul(q, w, out=buf[:, 3:51]).data_ptr() == buf[:, 3:51].data_ptr()
+    torch.testing.assert_close(buf[:, 3:51], dequant_matmul_ref(q, w), rtol=1e-5, atol=1e-5)
+    assert (buf[:, :3] == 7).all() and (buf[:, 51:] == 7).all()
+    with pytest.raises(ValueError, match="out must be"):
+        dequant_matmul(q, w, out=buf[:, :47])
+
+
 def test_bad_input_is_named():
     x = torch.randn(32, 64).to(DEVICE)
     with pytest.raises(ValueError, match="bits in"):
