@@ -363,7 +363,10 @@ class XQuantCache(WholeStep, LayerCache):
             out[:, :, -1:] = token
             return out
 
-        keys = self.attn.rope.apply(rows(k_name, up_k, k), ids)                             # (B, n_kv, K + 1, hd)
+        key = ("xquant rope tables", k_name, k.dtype)                    # RoPE of every key row: once per step
+        if key not in step.derived:
+            step.derived[key] = self.attn.rope.cos_sin(ids, k.dtype)
+        keys = self.attn.rope.apply_tables(rows(k_name, up_k, k), *step.derived[key])      # (B, n_kv, K + 1, hd)
         values = rows(v_name, up_v, v)
         if v_name != k_name:                                                  # V's rows in K's row order
             values = values.index_select(2, self._value_rows(step, k_name, v_name))

@@ -100,7 +100,11 @@ class RotaryEmbedding(nn.Module):
         """Rotate one tensor (B, H, T, d), e.g. keys stored before RoPE and rotated after dequantization: x cos,
         then each half's sin term added in place (rotate's result up to rounding, in three passes instead of five:
         this runs over every stored key in a decode step)."""
-        cos, sin = self.cos_sin(ids, x.dtype)
+        return self.apply_tables(x, *self.cos_sin(ids, x.dtype))
+
+    @staticmethod
+    def apply_tables(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """apply with the tables of cos_sin given (made once and shared, e.g. by every layer of a decode step)."""
         h = x.shape[-1] // 2
         out = x * cos
         out[..., :h].addcmul_(x[..., h:], sin[..., :h], value=-1)
