@@ -471,9 +471,8 @@ class WindowedStore(nn.Module):
         if set(self.codecs) != {"k", "v"}:
             return False
         codecs = [self.codecs["k"], self.codecs["v"]]
-        if any(
-                not isinstance(c, GroupCodec) or c.per_channel or c.exact_first or c.bits not in OUTER_BITS
-                for c in codecs):
+        if any(not isinstance(c, GroupCodec) or c.per_channel or c.exact_first or c.bits not in OUTER_BITS
+               for c in codecs):
             return False
         group, window = codecs[0].group, getattr(attn, "sliding_window", None)
         return (all(w == Window(0, 0, 1) for w in self.windows.values()) and codecs[1].group == group
