@@ -23,9 +23,9 @@ Two kernels:
      accumulation); an online softmax in base 2 keeps running max m, sum l and output acc (REP_P, d); the value
      codes of the step form GS per-channel groups, dequantized as (GS, 32, d) tiles and multiplied by p in one
      tl.dot. fp16 and bf16 models on a GPU take a fast path: code words are unpacked two at a time into
-     half2 registers with inline PTX (prmt, lop3 into the mantissa of 1024.0, sub.f16x2), then code * scale +
-     zero (the fp32 zero point) is computed in fp32 and rounded to fp16 once, as the torch path's
-     dequantize_unified does, and the dots run in fp16 (a bf16 query is converted); a symmetric group's sign
+     half2 registers with inline PTX (quant_matvec.unpack_asm: prmt, lop3 into the mantissa of 1024.0,
+     sub.f16x2), then code * scale + zero is one fp16 fused multiply-add (the fp32 zero point rounded to fp16
+     first), and the dots run in fp16 (a bf16 query is converted); a symmetric group's sign
      bits are XOR-ed into its fp16 codes (keys and values alike). The generic
      path (fp32, the interpreter) keeps one group per step for fp32 or sym groups at d >= 128
      (_split_kernel_g1: scale and zero of the values after the dot). Symmetric flags are read from the cache's
@@ -40,7 +40,6 @@ softmax weights to fp16 (fast path) or the model dtype before the dots, as flash
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -50,7 +49,7 @@ from torch import Tensor
 from kvzoo.cache.kvquant import unpack_sym_mask
 from kvzoo.kernels.quant_matvec import (GROUP, check_bits, check_head_dim, check_runnable, check_tensor, dequant_inner,
                                         head_rows, join_codes, split_groups, unpack_asm,
-                                        unpack_codes)
+                                        unpack_codes, unpacks_in_ptx)
 
 LOG2E = 1.4426950408889634
 BLOCK_W = 32                 # window tokens per step of the combine kernel
@@ -480,8 +479,7 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
         return out
     has_sym = k_mask is not None
     dyn = lengths is not None
-    fast = FAST_PATH and q.dtype in (torch.float16, torch.bfloat16) and dev.type == "cuda" \
-        and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    fast = FAST_PATH and unpacks_in_ptx(q)
     # the generic path (fp32, or the interpreter) keeps the one-group-per-step kernel at d >= 128 for fp32 or
     # sym groups: their fp32 tiles and sign masks take too many registers for multi-group steps
     heavy = not fast and d >= 128 and (q.dtype == torch.float32 or has_sym)

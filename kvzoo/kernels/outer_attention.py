@@ -30,10 +30,11 @@ G = d) 2*(d + 4).
 Two kernels:
   1. split: grid (B*H, splits + 1). A program owns a run of 32-token groups of one KV head, the slots quantized in
      both streams (u < min(n_k, n_v)), and serves its rep query rows (padded to REP_P >= 16 for the tensor cores).
-     A step takes GS groups (32*GS tokens): key codes unpacked and scaled per (group, channel), one tl.dot for the
-     scores (REP_P, 32*GS), an online softmax in base 2 (running max m, sum l, output acc), value codes scaled per
-     (token, group of 32 channels), one tl.dot for the output. On a GPU with an fp16/bf16 model the codes are
-     unpacked into half2 registers by the inline PTX of innerq_attention.py and scale and zero (fp16, as stored)
+     A step takes GS groups (32*GS tokens): key codes unpacked and scaled per (group, channel) (per (token, group
+     of G channels) with key_groups="token"), one tl.dot for the scores (REP_P, 32*GS), an online softmax in base 2
+     (running max m, sum l, output acc), value codes scaled per (token, group of G channels), one tl.dot for the
+     output. On a GPU with an fp16/bf16 model the codes are unpacked into half2 registers by inline PTX
+     (quant_matvec.unpack_asm) and scale and zero (fp16, as stored)
      applied in fp16 by one fused multiply-add, rounded once; the dots take fp16 (a bf16 query is converted), as
      flash attention's do. fp32 models (and the interpreter) use fp32 codes and exact fp32 dots. The last program
      of each KV head takes the sink, then the tail's slots past the quantized ones 32 at a time, each slot's key
@@ -48,18 +49,18 @@ rotated.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvzoo.cache.kvquant import QTensor, dequantize
 from kvzoo.kernels.innerq_attention import (BLOCK_W, LOG2E, _attend_window, _dot_dtype, _plan_splits,
                                             merge_splits)
-from kvzoo.cache.kvquant import QTensor, dequantize
 from kvzoo.kernels.quant_matvec import (GROUP, check_head_dim, check_runnable, check_tensor,
-                                        dequant_outer, head_rows, join_codes, unpack_asm, unpack_codes)
+                                        dequant_outer, head_rows, join_codes, unpack_asm, unpack_codes,
+                                        unpacks_in_ptx)
 
 GROUPS_PER_STEP = 4          # groups of 32 tokens per step of the split kernel (128 tokens)
 PROGRAMS_PER_SM = 2          # split-K sizing: programs per SM of the device
@@ -293,8 +294,9 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
                            v_bits: int | None = None, key_groups: str = "channel", group: int = GROUP) -> Tensor:
     """Decode attention (B, Hq, d) in q's dtype of one query token per sequence over an outer-layout cache (module
     docstring). bits: the keys' (and the values', unless v_bits); key_groups "token" for keys grouped like the
-    values, per token (KV Pareto, int8); group: channels per per-token group. lengths: [n_k, n_v, n_tail, n_sink], an int32 device tensor (4,) (CUDA graphs) or four ints, with
-    n_k <= N_k, n_v <= N_v, the tail's window slots within the windows' rows and n_sink within the sink's.
+    values, per token (KV Pareto, int8); group: channels per per-token group. lengths: [n_k, n_v, n_tail,
+    n_sink], an int32 device tensor (4,) (CUDA graphs) or four ints, with n_k <= N_k, n_v <= N_v, the tail's
+    window slots within the windows' rows and n_sink within the sink's.
     rope: (cos, sin) tables (P, d) in q's dtype (row p: position p, rotate-half layout) for keys quantized before
     RoPE (KIVI*): quantized slot u is rotated to position n_sink + u in the kernel, P >= n_sink + n_k; the sink
     and window keys are given rotated.
@@ -360,8 +362,7 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     out = torch.empty_like(q)
     if B == 0:
         return out
-    fast = FAST_PATH and q.dtype in (torch.float16, torch.bfloat16) and dev.type == "cuda" \
-        and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    fast = FAST_PATH and unpacks_in_ptx(q)
     n_groups = -(-min(N_k, N_v) // GROUP)                  # runs of 32 slots; a partial last run is masked
     # keys rotated in the kernel (two key tiles and the cos/sin tiles per step): 2 groups per step and one stage,
     # the setting timed at the Llama-3.1-8B shape

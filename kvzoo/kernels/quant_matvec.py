@@ -41,12 +41,15 @@ layer. Their tile products run on tensor cores as three tf32 products (tf32x3): 
 
 Every launcher checks bits, shapes, dtypes and devices and raises ValueError; each has a pure-torch
 `*_ref` built on kvzoo.cache.kvquant's dequantizers. CPU tensors need TRITON_INTERPRET=1 (set before triton
-is imported). The helpers at the top are shared with innerq_attention.py and quantize_pack.py.
+is imported). The helpers at the top (checks, and the codes' unpacking: unpack_codes, and unpack_asm / join_codes
+for the inline-PTX fast paths) are shared with innerq_attention.py, outer_attention.py, w4a16.py and
+quantize_pack.py.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -141,6 +144,13 @@ def unpack_codes(words, shifts, BITS: tl.constexpr):
     into the mantissa of 2^23 and 2^23 subtracted, cheaper than an int-to-float conversion."""
     codes = (words >> shifts) & ((1 << BITS) - 1)
     return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+def unpacks_in_ptx(t: Tensor) -> bool:
+    """Whether kernels on t may take their inline-PTX fast path (unpack_asm): fp16/bf16 on a compiled CUDA run
+    (the interpreter runs no PTX)."""
+    return t.dtype in (torch.float16, torch.bfloat16) and t.device.type == "cuda" \
+        and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
 @functools.lru_cache

@@ -38,7 +38,6 @@ are masked. Default tiles (`default_tiles`) were picked on an H100 with repro/kv
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +46,8 @@ import triton.language as tl
 from torch import Tensor
 
 from kvzoo.cache.kvquant import QTensor, dequantize, quantize
-from kvzoo.kernels.quant_matvec import check_runnable, check_tensor, join_codes, unpack_asm, unpack_codes
+from kvzoo.kernels.quant_matvec import (check_runnable, check_tensor, join_codes, unpack_asm, unpack_codes,
+                                        unpacks_in_ptx)
 
 BITS = 4
 CODES_PER_WORD = 32 // BITS
@@ -168,7 +168,7 @@ def _w4a16_group_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr
             c = join_codes(o, 4)                                                       # (BLOCK_N, GROUP)
         else:
             c = tl.reshape(unpack_codes(words[:, :, None], shifts, 4), (BLOCK_N, GROUP),
-                           can_reorder=False).to(xt.dtype)                             # (BLOCK_N, KW*8)
+                           can_reorder=False).to(xt.dtype)                             # (BLOCK_N, GROUP)
         if IEEE:
             d = tl.dot(c, xt, input_precision="ieee")                                  # (BLOCK_N, BLOCK_M)
         else:
@@ -275,12 +275,6 @@ def _counters(device: torch.device, n: int) -> Tensor:
     return c
 
 
-def _fast(x: Tensor) -> bool:
-    """Codes unpacked in inline PTX: fp16/bf16 on a compiled CUDA run."""
-    return x.dtype in (torch.float16, torch.bfloat16) and x.device.type == "cuda" \
-        and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-
-
 def _grouped(x2: Tensor, w: W4Weight, t: Tiles) -> Tensor:
     """The group kernel on x2 (M, K) -> (M, N): raw codes times x on tensor cores, each group's scale and zero
     applied to its (BLOCK_N, BLOCK_M) product; the tile is computed transposed (outputs x rows), so that a few
@@ -295,7 +289,7 @@ def _grouped(x2: Tensor, w: W4Weight, t: Tiles) -> Tensor:
     split = triton.cdiv(groups, per_split)                              # no empty splits
     out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     part = torch.empty(split, M, N, dtype=torch.float32, device=x2.device) if split > 1 else out
-    fast = _fast(x2)
+    fast = unpacks_in_ptx(x2)
     asm, con = unpack_asm(4, x2.dtype == torch.bfloat16)
     _w4a16_group_kernel[(triton.cdiv(N, t.block_n), triton.cdiv(M, block_m), split)](
         x2, w.codes, w.scale, w.zero, out, part, _counters(x2.device, tiles_mn), M, N, K, M * N, per_split,

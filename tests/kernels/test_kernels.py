@@ -165,8 +165,9 @@ def test_fused_attention_matches_reference(bits, d, dtype, B, H, rep, n, w, mode
 @pytest.mark.parametrize("mode", ["asym", "hybrid", "sym"])
 @pytest.mark.parametrize("bits", [2, 4])
 def test_fp16_attention_is_the_reference_within_output_rounding(bits, mode):
-    """fp16 inputs, keys and values far from zero (large fp32 zero points): the kernel dequantizes in fp32 and
-    rounds once, so its output stays within two fp16 ulps of the fp32 reference at the output's magnitude."""
+    """fp16 inputs, keys and values far from zero (large fp32 zero points): compiled, the kernel dequantizes with
+    one fp16 fused multiply-add (the zero point rounded to fp16), interpreted in fp32; either way its output stays
+    within two fp16 ulps of the fp32 reference at the output's magnitude."""
     torch.manual_seed(bits)
     n, d, H, rep = (64, 64, 1, 2) if DEVICE == "cpu" else (2048, 128, 8, 4)
     k, v = torch.randn(2, 1, H, n, d, device=DEVICE) + 12.0
