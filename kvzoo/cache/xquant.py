@@ -124,10 +124,10 @@ def rematerialize(latent: QTensor | Tensor, first: Tensor | None, up: Tensor, fu
                   out: Tensor | None = None) -> Tensor:
     """K or V (flat heads, before RoPE) from cached rows: dequantize (B, N, c) and multiply by the
     up-projection `up` (c, n_kv*hd) -> (B, N, n_kv*hd) in up's dtype, written into `out` when given (a slice of
-    a larger buffer). This is all XQuant adds to a KV cache's decode step. Packed 2/4/8-bit codes on a GPU (or
-    with fused=True: the Triton interpreter in tests) go through the fused kernel
-    kvzoo.kernels.xquant_remat.dequant_matmul, so the dequantized rows never reach device memory; 3-bit codes
-    and exact rows take the torch path."""
+    a larger buffer). This is all XQuant adds to a KV cache's decode step. Packed codes on a GPU (or with
+    fused=True: the Triton interpreter in tests) go through kvzoo.kernels.xquant_remat.dequant_matmul (16-bit
+    factors: the rows dequantized once, then cuBLAS; fp32 factors: one fused kernel); exact rows take the torch
+    path."""
     if fused is None:
         fused = isinstance(latent, QTensor) and latent.codes.is_cuda
     if fused and isinstance(latent, QTensor):
@@ -152,6 +152,16 @@ def rope_stored_keys(attn, k: Tensor, pos: Positions) -> Tensor:
     """Rotate keys of stored slots [0, S) (B, H, S, hd), rematerialized before RoPE, to their positions."""
     slots = torch.arange(k.shape[2], device=k.device)
     return attn.rope.apply(k, (slots[None, :] - pos.pad[:, None]).clamp_min(0))
+
+
+def rotate_keys(attn, keys: Tensor, tables: tuple[Tensor, Tensor]) -> Tensor:
+    """RoPE of a static step's key rows (B, H, K, hd) in place, by the tables of RotaryEmbedding.cos_sin: one pass
+    of kvzoo.kernels.rope on a GPU, torch's rotation (a new tensor) elsewhere."""
+    if keys.is_cuda:
+        from kvzoo.kernels.rope import rope_
+
+        return rope_(keys, *tables)
+    return attn.rope.apply_tables(keys, *tables)
 
 
 def decode_attention(attn, q: Tensor, hist_k: Tensor, k: Tensor, v: Tensor, pos: Positions, weigh,
@@ -341,7 +351,7 @@ class XQuantCache(WholeStep, LayerCache):
 
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
         """decode with fixed shapes: the token's rows into each stream's window row; K and V rematerialized from
-        every allocated row (the fused kernel on a GPU), V's rows put in K's row order by slot
+        every allocated row (dequant_matmul on a GPU), V's rows put in K's row order by slot
         (WindowedStore.row_map) where X U_k and X U_v hold their slots differently, the token's exact k, v last;
         one SDPA over them with the step's mask (dead rows and the token's own row masked); then each stream the
         token filled quantizes its window's oldest group into slots [Nq, Nq + G)."""
@@ -366,7 +376,7 @@ class XQuantCache(WholeStep, LayerCache):
         key = ("xquant rope tables", k_name, k.dtype)                    # RoPE of every key row: once per step
         if key not in step.derived:
             step.derived[key] = self.attn.rope.cos_sin(ids, k.dtype)
-        keys = self.attn.rope.apply_tables(rows(k_name, up_k, k), *step.derived[key])      # (B, n_kv, K + 1, hd)
+        keys = rotate_keys(self.attn, rows(k_name, up_k, k), step.derived[key])          # (B, n_kv, K + 1, hd)
         values = rows(v_name, up_v, v)
         if v_name != k_name:                                                  # V's rows in K's row order
             values = values.index_select(2, self._value_rows(step, k_name, v_name))

@@ -77,7 +77,7 @@ from kvzoo.cache.kvquant import QTensor
 from kvzoo.cache.store import GroupCodec, Window, WindowedStore, check_policy, token_group
 from kvzoo.cache.xquant import (XQuantCache, XQuantOptions, check_latent_bits, check_up_dtype, check_window,
                                 decode_attention, dequantize_latent, heads, rematerialize, rope_stored_keys,
-                                svd_factors)
+                                rotate_keys, svd_factors)
 from kvzoo.graphs import WholeStep
 
 
@@ -251,10 +251,15 @@ class XQuantCLCache(WholeStep, LayerCache):
         if self.role == "xquant":
             return self.plain.decode_static(x, q, k, v, step)
         keys, values = self._kv(self._advance(x, step.slot))                   # (B, H, max_len, hd) each
-        keys, values = keys.index_copy(2, step.slot, k), values.index_copy(2, step.slot, v)
-        slots = torch.arange(self.max_len, device=q.device)
-        ids = (slots[None, :] + (step.ids - step.slot)).clamp_min(0)           # (B, max_len): slot - pad
-        return attend(self.attn.rope.apply(q, step.ids), self.attn.rope.apply(keys, ids), values, step.mask)
+        keys.index_copy_(2, step.slot, k)                                       # fresh tensors: no copy
+        values.index_copy_(2, step.slot, v)
+        key = ("xquant-cl rope tables", keys.dtype)                            # RoPE of every slot: once per step
+        if key not in step.derived:
+            slots = torch.arange(self.max_len, device=q.device)
+            ids = (slots[None, :] + (step.ids - step.slot)).clamp_min(0)       # (B, max_len): slot - pad
+            step.derived[key] = self.attn.rope.cos_sin(ids, keys.dtype)
+        return attend(self.attn.rope.apply(q, step.ids), rotate_keys(self.attn, keys, step.derived[key]), values,
+                      step.mask)
 
     # ---- bytes -------------------------------------------------------------------------------------
     def nbytes(self) -> int:

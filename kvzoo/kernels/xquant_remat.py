@@ -1,5 +1,5 @@
 """XQuant's rematerialization (xquant.md §3.1, §3.3, §3.4): dequantize cached codes and multiply them by a
-projection in one pass, so the dequantized activations never reach device memory.
+projection.
 
     out (..., N, n_out) = dequant(codes) (..., N, r) @ weight (r, n_out)
 
@@ -8,15 +8,19 @@ XQuant caches X (MHA) or its latent X·U (GQA) as b-bit codes and rebuilds K = X
 `kvzoo.cache.kvquant.QTensor` quantized along one of its last two axes:
     per-token   (axis -1): groups of G consecutive channels of one row      scale/zero (..., N, r/G)
     per-channel (axis -2): groups of G consecutive rows of one channel      scale/zero (..., N/G, r)
-asymmetric (code*scale + zero) or symmetric ((code - 2^(b-1))*scale), b in {2, 4, 8} (codes that never
-straddle an int32 word; 3-bit caches use the torch reference). Codes are packed along r as one bit stream
-(kvzoo.cache.kvquant.pack): channel j sits at bits (j*b) % 32 of word (j*b) // 32.
+asymmetric (code*scale + zero) or symmetric ((code - 2^(b-1))*scale), b in {2, 3, 4, 8}. Codes are packed along
+r as one bit stream (kvzoo.cache.kvquant.pack): channel j sits at bits (j*b) % 32 of word (j*b) // 32, so a
+3-bit code may spill into the next word (the kernels read both words of such a code).
 
-Tiling: a program computes a (BLOCK_M, BLOCK_N) tile of out, looping over r in BLOCK_K steps; each step
+Two ways (dequant_matmul picks): fp16/bf16 weights on a GPU take two passes, the rows dequantized once into
+a (..., N, r) buffer in the weight's dtype (_dequant_kernel) and multiplied by cuBLAS (torch.mm, one call per
+leading row); fp32 weights (up_dtype=float32) take one fused kernel (_remat_kernel), so the dequantized rows
+never reach device memory but every output tile dequantizes its rows again.
+
+Fused kernel tiling: a program computes a (BLOCK_M, BLOCK_N) tile of out, looping over r in BLOCK_K steps; each step
 loads a (BLOCK_M, BLOCK_K*b/32) tile of words, unpacks it (BLOCK_M, BLOCK_K/cpw, cpw) -> (BLOCK_M, BLOCK_K)
 with the exact 2^23 trick of quant_matvec.unpack_codes, applies each element's scale and zero (gathered:
-any G that divides its axis), rounds to the weight's dtype and accumulates tl.dot in fp32. An fp32 weight
-(XQuant's SVD up-projections are fp32 in every model dtype) keeps the dequantized rows in fp32: on a GPU the
+any G that divides its axis), rounds to the weight's dtype and accumulates tl.dot in fp32. An fp32 weight keeps the dequantized rows in fp32: on a GPU the
 dot is three TF32 tensor-core products (input_precision "tf32x3", about fp32 accuracy; exact "ieee" fp32 dots
 ran on the CUDA cores at about 7 TFLOP/s, 9.8 ms per call and 607 ms per Llama-3.1-8B decode step at 32K on
 an H100), under the interpreter exact fp32 products. Rows past N, channels past r and columns past n_out are
@@ -36,7 +40,44 @@ from triton.runtime.errors import OutOfResources
 from kvzoo.cache.kvquant import QTensor, dequantize
 from kvzoo.kernels.quant_matvec import check_runnable, unpack_codes
 
-REMAT_BITS = (2, 4, 8)
+REMAT_BITS = (2, 3, 4, 8)
+
+
+@triton.jit
+def _dequant_tile(codes_ptr, scale_ptr, zero_ptr, rows, live_m, k0, R, WORDS, GROUP: tl.constexpr,
+                  BITS: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Channels [k0, k0 + BLOCK_K) of rows `rows` (BLOCK_M,) dequantized: ((BLOCK_M, BLOCK_K) fp32, channel
+    indices (BLOCK_K,)); masked rows and channels past R read 0."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    if 32 % BITS == 0:            # whole codes per word: each word read once and split
+        CPW: tl.constexpr = 32 // BITS               # codes per word
+        KW: tl.constexpr = BLOCK_K // CPW            # words per row per step
+        shifts = (tl.arange(0, CPW) * BITS)[None, None, :]
+        wi = k0 // CPW + tl.arange(0, KW)                                          # word index in the row
+        words = tl.load(codes_ptr + rows[:, None] * WORDS + wi[None, :],
+                        mask=live_m[:, None] & (wi < WORDS)[None, :], other=0)      # (BLOCK_M, KW)
+        x = tl.reshape(unpack_codes(words[:, :, None], shifts, BITS), (rows.shape[0], BLOCK_K), can_reorder=False)
+    else:                         # 3 bits: code j at bit 3j of the row's bit stream, spilling into the next word
+        bit = k * BITS
+        at = rows[:, None] * WORDS + (bit // 32)[None, :]                           # (BLOCK_M, BLOCK_K)
+        live_k = live_m[:, None] & (k < R)[None, :]
+        off = (bit % 32).to(tl.uint32)[None, :]
+        spill = off > 32 - BITS
+        low = tl.load(codes_ptr + at, mask=live_k, other=0).to(tl.uint32, bitcast=True)
+        high = tl.load(codes_ptr + at + 1, mask=live_k & spill, other=0).to(tl.uint32, bitcast=True)
+        codes = ((low >> off) | (high << ((32 - off) % 32))) & ((1 << BITS) - 1)   # high is 0 unless spilling
+        x = codes.to(tl.float32)
+    live = live_m[:, None] & (k < R)[None, :]
+    if PER_TOKEN:
+        meta = rows[:, None] * (R // GROUP) + (k // GROUP)[None, :]
+    else:
+        meta = (rows // GROUP)[:, None] * R + k[None, :]
+    scale = tl.load(scale_ptr + meta, mask=live, other=0).to(tl.float32)
+    if HAS_ZERO:
+        x = x * scale + tl.load(zero_ptr + meta, mask=live, other=0).to(tl.float32)
+    else:
+        x = (x - (1 << (BITS - 1))) * scale
+    return x, k
 
 
 @triton.jit
@@ -44,31 +85,15 @@ def _remat_kernel(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_ptr, M, R, N_OUT, W
                   GROUP: tl.constexpr, BITS: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_ZERO: tl.constexpr,
                   FP32: tl.constexpr, PRECISION: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    CPW: tl.constexpr = 32 // BITS                   # codes per word
-    KW: tl.constexpr = BLOCK_K // CPW                # words per row per step
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     live_m = m < M
     live_n = n < N_OUT
     rows = m.to(tl.int64)
-    shifts = (tl.arange(0, CPW) * BITS)[None, None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, R, BLOCK_K):
-        wi = k0 // CPW + tl.arange(0, KW)                                          # word index in the row
-        words = tl.load(codes_ptr + rows[:, None] * WORDS + wi[None, :],
-                        mask=live_m[:, None] & (wi < WORDS)[None, :], other=0)      # (BLOCK_M, KW)
-        x = tl.reshape(unpack_codes(words[:, :, None], shifts, BITS), (BLOCK_M, BLOCK_K), can_reorder=False)
-        k = k0 + tl.arange(0, BLOCK_K)
-        live = live_m[:, None] & (k < R)[None, :]
-        if PER_TOKEN:
-            meta = rows[:, None] * (R // GROUP) + (k // GROUP)[None, :]
-        else:
-            meta = (rows // GROUP)[:, None] * R + k[None, :]
-        scale = tl.load(scale_ptr + meta, mask=live, other=0).to(tl.float32)
-        if HAS_ZERO:
-            x = x * scale + tl.load(zero_ptr + meta, mask=live, other=0).to(tl.float32)
-        else:
-            x = (x - (1 << (BITS - 1))) * scale
+        x, k = _dequant_tile(codes_ptr, scale_ptr, zero_ptr, rows, live_m, k0, R, WORDS, GROUP, BITS, PER_TOKEN,
+                             HAS_ZERO, BLOCK_K)
         w = tl.load(w_ptr + k[:, None] * N_OUT + n[None, :], mask=(k < R)[:, None] & live_n[None, :], other=0)
         if FP32:
             acc += tl.dot(x, w, input_precision=PRECISION)
@@ -79,7 +104,20 @@ def _remat_kernel(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_ptr, M, R, N_OUT, W
              mask=live_m[:, None] & live_n[None, :])
 
 
-def _check(q: QTensor, weight: Tensor) -> None:
+@triton.jit
+def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, out_ptr, M, R, WORDS,
+                    GROUP: tl.constexpr, BITS: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_ZERO: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    live_m = m < M
+    rows = m.to(tl.int64)
+    x, k = _dequant_tile(codes_ptr, scale_ptr, zero_ptr, rows, live_m, tl.program_id(1) * BLOCK_K, R, WORDS, GROUP,
+                         BITS, PER_TOKEN, HAS_ZERO, BLOCK_K)
+    tl.store(out_ptr + rows[:, None] * R + k[None, :], x.to(out_ptr.dtype.element_ty),
+             mask=live_m[:, None] & (k < R)[None, :])
+
+
+def _check(q: QTensor, weight: Tensor | None) -> None:
     if not isinstance(q, QTensor):
         raise ValueError(f"expected a kvzoo.cache.kvquant.QTensor, got {type(q).__name__}")
     if q.bits not in REMAT_BITS:
@@ -87,6 +125,8 @@ def _check(q: QTensor, weight: Tensor) -> None:
                          "(use dequant_matmul_ref)")
     if q.axis not in (-1, -2) or len(q.shape) < 2:
         raise ValueError(f"codes must be quantized per token (axis -1) or per channel (axis -2), got axis {q.axis}")
+    if weight is None:
+        return
     if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] != q.shape[-1]:
         raise ValueError(f"weight must be (r, n_out) with r = {q.shape[-1]}, got "
                          f"{tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__}")
@@ -94,6 +134,24 @@ def _check(q: QTensor, weight: Tensor) -> None:
         raise ValueError(f"weight must be fp16, bf16 or fp32, got {weight.dtype}")
     if weight.device != q.codes.device:
         raise ValueError(f"weight is on {weight.device}, the codes on {q.codes.device}")
+
+
+def dequant_rows(q: QTensor, dtype: torch.dtype, block_m: int = 64, block_k: int = 128) -> Tensor:
+    """dequant(q) (..., N, r) in `dtype`, every code read once: the first pass of dequant_matmul's two-pass path."""
+    _check(q, None)
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"dtype must be fp16, bf16 or fp32, got {dtype}")
+    device = q.codes.device
+    check_runnable(_dequant_kernel, device)
+    r = q.shape[-1]
+    rows = q.codes.numel() // max(q.codes.shape[-1], 1)
+    out = torch.empty(*q.shape, dtype=dtype, device=device)
+    if rows and r:
+        zero = q.zero.contiguous() if q.zero is not None else q.scale    # never read when symmetric
+        _dequant_kernel[(triton.cdiv(rows, block_m), triton.cdiv(r, block_k))](
+            q.codes.contiguous(), q.scale.contiguous(), zero, out, rows, r, q.codes.shape[-1], GROUP=q.group_size,
+            BITS=q.bits, PER_TOKEN=q.axis == -1, HAS_ZERO=q.zero is not None, BLOCK_M=block_m, BLOCK_K=block_k)
+    return out
 
 
 def tile_configs(block_m: int, block_n: int, num_stages: int) -> list[tuple[int, int, int]]:
@@ -116,9 +174,16 @@ _FITTING: dict[tuple, tuple[int, int, int]] = {}     # (device, dtype, bits, lay
 
 
 def dequant_matmul(q: QTensor, weight: Tensor, block_m: int = 64, block_n: int | None = None, block_k: int = 64,
-                   num_warps: int = 4, num_stages: int = 3, out: Tensor | None = None) -> Tensor:
+                   num_warps: int = 4, num_stages: int = 3, out: Tensor | None = None,
+                   two_pass: bool | None = None) -> Tensor:
     """dequant(q) @ weight, (..., N, r) @ (r, n_out) -> (..., N, n_out) in weight's dtype, written into `out`
     when given (its rows may be strided: a slice of a larger buffer, at most one leading dim unless contiguous).
+    two_pass (default on a GPU: fp16/bf16 weights, and 3-bit codes, whose spilling codes the fused kernel reads
+    slowly) dequantizes the rows once (dequant_rows) and multiplies them with torch.mm (cuBLAS); otherwise one
+    fused kernel, whose every output tile dequantizes its rows again (fp32 weights: tf32x3 dots, which cuBLAS
+    has no equivalent of). H100, 32K rows, bf16 weights: 1,024 -> 1,024 (XQuant's 8B latents, 4-bit) 0.14 ms in
+    two passes against 0.32 fused; 2,048 -> 4,096 (XQuant-CL's 8B deltas) 0.92 against 3.46 (2-bit) and 1.18
+    against 25.9 (3-bit).
     The default tiles were the fastest of a sweep on an H100 (2/4-bit, r = 192 ... 4096): BLOCK_N = 256 (128 for
     n_out <= 192), since every output tile dequantizes its rows again. Tiles whose compiled kernel needs more
     shared memory than the device has (fp32 weights: tf32x3 dots keep split copies of both tiles) step down
@@ -136,6 +201,14 @@ def dequant_matmul(q: QTensor, weight: Tensor, block_m: int = 64, block_n: int |
     if rows == 0 or n_out == 0:
         return out
     N, s_on = q.shape[-2], out.stride(-2)
+    if two_pass is None:
+        two_pass = weight.is_cuda and (weight.dtype != torch.float32 or 32 % q.bits != 0)
+    if two_pass:
+        x = dequant_rows(q, weight.dtype).view(-1, N, r)                  # (batch rows, N, r)
+        by_row = out if out.dim() == 3 else out.reshape(-1, N, n_out)    # a view: contiguous past one leading dim
+        for b in range(x.shape[0]):
+            torch.mm(x[b], weight, out=by_row[b])
+        return out
     s_ob = out.stride(0) if out.dim() == 3 else N * s_on                # row m at (m // N) * s_ob + (m % N) * s_on
     codes, scale = q.codes.contiguous(), q.scale.contiguous()
     zero = q.zero.contiguous() if q.zero is not None else scale        # never read when symmetric

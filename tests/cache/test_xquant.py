@@ -182,7 +182,7 @@ def test_cl_gqa_latent_is_narrower_than_x(tmp_path):
 
 
 # ---- the fused rematerialization kernel on the decode path ------------------------------------------------
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("axis, first", [(-2, False), (-2, True), (-1, False)])
 def test_fused_rematerialize_equals_torch_path(bits, axis, first):
     """What the cache does on a GPU (dequant_matmul, here under the interpreter) equals its torch path:
@@ -211,14 +211,15 @@ def test_cuda_decode_uses_the_kernel(tmp_path, monkeypatch):
 
     kernel = xquant_remat.dequant_matmul
 
-    def counting(q, weight):
+    def counting(q, weight, **kw):
         calls.append(q.bits)
-        return kernel(q, weight)
+        return kernel(q, weight, **kw)
 
     monkeypatch.setattr(xquant_remat, "dequant_matmul", counting)
     fused, _ = stream(model, spec, x, prefill=20)
     assert calls
-    monkeypatch.setattr(xquant_remat, "dequant_matmul", xquant_remat.dequant_matmul_ref)
+    monkeypatch.setattr(xquant_remat, "dequant_matmul", lambda q, weight, out=None: xquant_remat.dequant_matmul_ref(
+        q, weight) if out is None else out.copy_(xquant_remat.dequant_matmul_ref(q, weight)))
     reference, _ = stream(model, spec, x, prefill=20)
     assert torch.allclose(fused, reference, rtol=1e-3, atol=1e-3)
 

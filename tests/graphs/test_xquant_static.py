@@ -56,7 +56,7 @@ def decode_both(model, spec: str, pad: torch.Tensor | None, device="cpu"):
 # windows (the default: GQA's X U_k in whole groups, X U_v a token at a time) and one window for every stream
 STATIC = [("xquant:bits=4,group_size=8,residual=8", ("mha", "gqa")),
           ("xquant:bits=2,group_size=16,policy=grouped", ("mha", "gqa")),              # R = 0: a flush every G tokens
-          ("xquant:bits=3,group_size=8,residual=16,policy=grouped", ("gqa",)),         # 3 bits: no kernel, torch path
+          ("xquant:bits=3,group_size=8,residual=16,policy=grouped", ("gqa",)),         # 3 bits: codes spill across words
           ("xquant:bits=2,group_size=16,outlier_channel=true,high_layers=1,policy=grouped", ("gqa",)),
           ("xquant:bits=16,group_size=8,residual=8,policy=grouped", ("mha", "gqa")),   # rows kept exact
           ("xquant-cl:bits=2,high_layers=2,base_layer=1,group_size=8,residual=8", ("mha", "gqa")),

@@ -1,6 +1,8 @@
-"""XQuant's rematerialization kernel (kvzoo/kernels/xquant_remat.py) against its torch reference, under the
-Triton interpreter on CPU (`TRITON_INTERPRET=0` on a GPU machine runs it compiled on CUDA)."""
+"""XQuant's rematerialization (kvzoo/kernels/xquant_remat.py), the fused kernel and the two passes (dequant_rows,
+then torch.mm), against its torch reference, under the Triton interpreter on CPU (`TRITON_INTERPRET=0` on a GPU
+machine runs them compiled on CUDA)."""
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -11,37 +13,56 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from kvzoo.cache.kvquant import quantize  # noqa: E402
-from kvzoo.kernels.xquant_remat import dequant_matmul, dequant_matmul_ref  # noqa: E402
+from kvzoo.kernels.xquant_remat import dequant_matmul, dequant_matmul_ref, dequant_rows  # noqa: E402
 
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on", "yes") else "cuda"
 
 
-def check(q, weight, tol):
-    got, want = dequant_matmul(q, weight), dequant_matmul_ref(q, weight)
+def check(q, weight, tol, two_pass=None):
+    got, want = dequant_matmul(q, weight, two_pass=two_pass), dequant_matmul_ref(q, weight)
     assert got.shape == want.shape and got.dtype == weight.dtype
     scale = want.float().abs().max().item()
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * scale)
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("axis,group", [(-1, 32), (-1, 64), (-2, 16)])
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_matches_reference_fp32(bits, axis, group, symmetric):
+@pytest.mark.parametrize("two_pass", [False, True])
+def test_matches_reference_fp32(bits, axis, group, symmetric, two_pass):
     g = torch.Generator().manual_seed(bits * 10 + group)
     # two sequences of 48 rows (not a multiple of the 64-row tile), r = 192 as SmolLM2's latent, 40 outputs
     x = torch.randn(2, 48, 192, generator=g).to(DEVICE)
     x[..., 0] *= 20                                                  # an outlier channel, as X·U_k has
     w = torch.randn(192, 40, generator=g).to(DEVICE)
-    check(quantize(x, bits, group, axis=axis, symmetric=symmetric), w, 1e-5)
+    check(quantize(x, bits, group, axis=axis, symmetric=symmetric), w, 1e-5, two_pass)
 
 
 # the interpreter's bf16 tl.dot is wrong (numpy has no bf16), so bf16 runs only compiled on CUDA
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
-def test_half_weights(dtype):
+@pytest.mark.parametrize("two_pass", [False, True])
+def test_half_weights(dtype, two_pass):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(70, 96, generator=g).to(DEVICE)
     w = (torch.randn(96, 72, generator=g) / 10).to(DEVICE, dtype)
-    check(quantize(x, 4, 32, axis=-1), w, 2e-2 if dtype == torch.bfloat16 else 3e-3)
+    check(quantize(x, 4, 32, axis=-1), w, 2e-2 if dtype == torch.bfloat16 else 3e-3, two_pass)
+
+
+@pytest.mark.parametrize("axis,group", [(-1, 32), (-2, 16)])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_dequant_rows_reads_each_code_once_into_the_dtype(axis, group, bits):
+    """The two-pass path's first pass: every row dequantized (r = 200: the last 128-channel step masked) and
+    rounded once to the asked dtype."""
+    g = torch.Generator().manual_seed(bits + group)
+    q = quantize(torch.randn(3, 80, 200, generator=g).to(DEVICE), bits, group if axis == -2 else 40, axis=axis)
+    from kvzoo.cache.kvquant import dequantize
+    want = dequantize(q, torch.float32)
+    for dtype in (torch.float32, torch.float16):
+        got = dequant_rows(q, dtype)
+        assert got.shape == want.shape and got.dtype == dtype
+        torch.testing.assert_close(got, want.to(dtype), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="dtype must be"):
+        dequant_rows(q, torch.int32)
 
 
 def test_r_not_a_multiple_of_the_step():
@@ -52,7 +73,8 @@ def test_r_not_a_multiple_of_the_step():
 
 
 @pytest.mark.parametrize("axis,group", [(-1, 32), (-2, 16)])
-def test_writes_into_a_slice_of_a_larger_buffer(axis, group):
+@pytest.mark.parametrize("two_pass", [False, True])
+def test_writes_into_a_slice_of_a_larger_buffer(axis, group, two_pass):
     """out = rows [3, 3 + 48) of a (2, 60, 40) buffer: each sequence's rows strided by the buffer's, the rest of
     the buffer untouched (XQuant's static step writes the quantized and the window rows into one buffer)."""
     g = torch.Generator().manual_seed(group)
@@ -60,7 +82,7 @@ def test_writes_into_a_slice_of_a_larger_buffer(axis, group):
     w = torch.randn(64, 40, generator=g).to(DEVICE)
     q = quantize(x, 4, group, axis=axis)
     buf = torch.full((2, 60, 40), 7.0, device=DEVICE)
-    assert dequant_matmul(q, w, out=buf[:, 3:51]).data_ptr() == buf[:, 3:51].data_ptr()
+    assert dequant_matmul(q, w, out=buf[:, 3:51], two_pass=two_pass).data_ptr() == buf[:, 3:51].data_ptr()
     torch.testing.assert_close(buf[:, 3:51], dequant_matmul_ref(q, w), rtol=1e-5, atol=1e-5)
     assert (buf[:, :3] == 7).all() and (buf[:, 51:] == 7).all()
     with pytest.raises(ValueError, match="out must be"):
@@ -70,7 +92,7 @@ def test_writes_into_a_slice_of_a_larger_buffer(axis, group):
 def test_bad_input_is_named():
     x = torch.randn(32, 64).to(DEVICE)
     with pytest.raises(ValueError, match="bits in"):
-        dequant_matmul(quantize(x, 3, 32), torch.randn(64, 8).to(DEVICE))
+        dequant_matmul(dataclasses.replace(quantize(x, 2, 32), bits=5), torch.randn(64, 8).to(DEVICE))
     with pytest.raises(ValueError, match="weight must be"):
         dequant_matmul(quantize(x, 2, 32), torch.randn(32, 8).to(DEVICE))
     with pytest.raises(ValueError, match="QTensor"):
@@ -102,10 +124,10 @@ def test_tiles_step_down_until_one_fits(monkeypatch):
     monkeypatch.setattr(xquant_remat, "_FITTING", {})
     g = torch.Generator().manual_seed(3)
     q, w = quantize(torch.randn(40, 64, generator=g).to(DEVICE), 4, 32), torch.randn(64, 300, generator=g).to(DEVICE)
-    check(q, w, 1e-5)
+    check(q, w, 1e-5, two_pass=False)
     assert tried == [(64, 256, 3), (64, 256, 2), (64, 256, 1), (64, 128, 2), (64, 128, 1)]
     tried.clear()
-    check(q, w, 1e-5)
+    check(q, w, 1e-5, two_pass=False)
     assert tried == [(64, 128, 1)]                                   # remembered: no failing launch again
 
 
@@ -118,3 +140,18 @@ def test_fits_the_gpu_at_the_8b_shape(n_out):
     x = torch.randn(1, 32768, 1024, generator=g, device="cuda")
     w = torch.randn(1024, n_out, generator=g, device="cuda") / 32
     check(quantize(x, 4, 128, axis=-2), w, 1e-3)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="compiled at the shapes a GPU decode step calls it with")
+@pytest.mark.parametrize("two_pass", [False, True])
+def test_bf16_at_the_8b_shape(two_pass):
+    """Llama-3.1-8B's latents (r = 1,024) over 32K tokens with the model's bf16 up-projection, both paths, written
+    into a slice of a larger buffer as the static step does."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(1, 32768, 1024, generator=g, device="cuda")
+    w = (torch.randn(1024, 1024, generator=g, device="cuda") / 32).bfloat16()
+    q = quantize(x, 4, 128, axis=-1)
+    buf = torch.zeros(1, 32768 + 5, 1024, dtype=torch.bfloat16, device="cuda")
+    dequant_matmul(q, w, out=buf[:, :32768], two_pass=two_pass)
+    want = dequant_matmul_ref(q, w).float()
+    torch.testing.assert_close(buf[:, :32768].float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
