@@ -142,6 +142,32 @@ def rematerialize(latent: QTensor | Tensor, first: Tensor | None, up: Tensor, fu
     return rows if out is None else out.copy_(rows)
 
 
+def rematerialize_rows(latent: QTensor | Tensor, first: Tensor | None, window: Tensor, up: Tensor, src: Tensor,
+                       fused: bool | None = None) -> Tensor:
+    """K or V (flat heads, before RoPE) of a static step's rows in a chosen order: the stream's stored rows
+    (B, N, c) then its window rows (B, W, c), row i of the result from row src[i] (S,) of that list, zeros where
+    src[i] >= N + W (the token's row, written after); (B, S, n_kv*hd) in up's dtype. Packed codes on a GPU (or with
+    fused=True, the interpreter in tests) are gathered and dequantized in one pass
+    (kvzoo.kernels.xquant_remat.dequant_gather) and multiplied once; otherwise torch dequantizes, concatenates and
+    gathers."""
+    if fused is None:
+        fused = isinstance(latent, QTensor) and latent.codes.is_cuda
+    B, c = window.shape[0], up.shape[0]
+    if fused and isinstance(latent, QTensor):
+        from kvzoo.kernels.xquant_remat import REMAT_BITS, dequant_gather
+
+        if latent.bits in REMAT_BITS:
+            rest = window if first is None else window[..., 1:]
+            x = dequant_gather(latent, rest, src, up.dtype)                                # (B, S, c or c - 1)
+            if first is not None:                                                          # channel 0 kept exact
+                head = torch.cat([first.to(up.dtype), window[..., :1].to(up.dtype),
+                                  up.new_zeros(B, 1, 1)], dim=1)                            # (B, N + W + 1, 1)
+                x = torch.cat([head.index_select(1, src.clamp_max(head.shape[1] - 1)), x], dim=-1)
+            return x @ up
+    rows = torch.cat([dequantize_latent(latent, first, up.dtype), window.to(up.dtype), up.new_zeros(B, 1, c)], dim=1)
+    return rows.index_select(1, src.clamp_max(rows.shape[1] - 1)) @ up
+
+
 def heads(flat: Tensor, n_heads: int, dtype: torch.dtype) -> Tensor:
     """(B, N, n_heads*hd) -> (B, n_heads, N, hd) in the model's dtype."""
     B, N, width = flat.shape
@@ -351,7 +377,7 @@ class XQuantCache(WholeStep, LayerCache):
 
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
         """decode with fixed shapes: the token's rows into each stream's window row; K and V rematerialized from
-        every allocated row (dequant_matmul on a GPU), V's rows put in K's row order by slot
+        every allocated row (rematerialize_rows), V's latent rows gathered into K's row order by slot
         (WindowedStore.row_map) where X U_k and X U_v hold their slots differently, the token's exact k, v last;
         one SDPA over them with the step's mask (dead rows and the token's own row masked); then each stream the
         token filled quantizes its window's oldest group into slots [Nq, Nq + G)."""
@@ -361,25 +387,21 @@ class XQuantCache(WholeStep, LayerCache):
         ids, mask = self._static_keys(step, k_name)
         n_kv = self.attn.n_kv_heads
 
-        def rows(name: str, up: Tensor, token: Tensor) -> Tensor:
-            """(B, n_kv, K + 1, hd): every allocated row of stream `name` rematerialized in place into one buffer,
-            then the token's exact row."""
+        def rows(name: str, up: Tensor, token: Tensor, order: Tensor | None) -> Tensor:
+            """(B, n_kv, K + 1, hd): every allocated row of stream `name` rematerialized (in K's row order: `order`,
+            None for K itself), then the token's exact row."""
             codec, window = st.codecs[name], st.recent(name)
             n, w = codec.capacity, window.shape[1]
-            flat = torch.empty(window.shape[0], n + w + 1, up.shape[1], dtype=up.dtype, device=up.device)
-            rematerialize(codec.held(n), codec.held_first(n), up, out=flat[:, :n])
-            rematerialize(window, None, up, out=flat[:, n:n + w])
-            out = heads(flat, n_kv, k.dtype)                                  # (B, n_kv, K + 1, hd), a view
+            src = torch.arange(n + w + 1, device=up.device) if order is None else order
+            out = heads(rematerialize_rows(codec.held(n), codec.held_first(n), window, up, src), n_kv, k.dtype)
             out[:, :, -1:] = token
             return out
 
         key = ("xquant rope tables", k_name, k.dtype)                    # RoPE of every key row: once per step
         if key not in step.derived:
             step.derived[key] = self.attn.rope.cos_sin(ids, k.dtype)
-        keys = rotate_keys(self.attn, rows(k_name, up_k, k), step.derived[key])          # (B, n_kv, K + 1, hd)
-        values = rows(v_name, up_v, v)
-        if v_name != k_name:                                                  # V's rows in K's row order
-            values = values.index_select(2, self._value_rows(step, k_name, v_name))
+        keys = rotate_keys(self.attn, rows(k_name, up_k, k, None), step.derived[key])    # (B, n_kv, K + 1, hd)
+        values = rows(v_name, up_v, v, self._value_rows(step, k_name, v_name) if v_name != k_name else None)
         out = F.scaled_dot_product_attention(self.attn.rope.apply(q, step.ids), keys, values, attn_mask=mask,
                                              enable_gqa=q.shape[1] != n_kv)
         st.flush_at(self.length, step)

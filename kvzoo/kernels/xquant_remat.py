@@ -117,6 +117,25 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, out_ptr, M, R, WORDS,
              mask=live_m[:, None] & (k < R)[None, :])
 
 
+@triton.jit
+def _gather_kernel(codes_ptr, scale_ptr, zero_ptr, win_ptr, src_ptr, out_ptr, N, W, S, R, WORDS, s_wb, s_wn,
+                   GROUP: tl.constexpr, BITS: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_ZERO: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    b = tl.program_id(2).to(tl.int64)
+    i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)                      # rows of the output
+    live_i = i < S
+    src = tl.load(src_ptr + i, mask=live_i, other=0).to(tl.int64)
+    coded = live_i & (src < N)
+    windowed = live_i & (src >= N) & (src < N + W)
+    x, k = _dequant_tile(codes_ptr, scale_ptr, zero_ptr, b * N + tl.where(coded, src, 0), coded,
+                         tl.program_id(1) * BLOCK_K, R, WORDS, GROUP, BITS, PER_TOKEN, HAS_ZERO, BLOCK_K)
+    live_k = (k < R)[None, :]
+    row = win_ptr + b * s_wb + tl.where(windowed, src - N, 0)[:, None] * s_wn + k[None, :]
+    x = tl.where(windowed[:, None], tl.load(row, mask=windowed[:, None] & live_k, other=0).to(tl.float32), x)
+    tl.store(out_ptr + (b * S + i)[:, None] * R + k[None, :], x.to(out_ptr.dtype.element_ty),
+             mask=live_i[:, None] & live_k)
+
+
 def _check(q: QTensor, weight: Tensor | None) -> None:
     if not isinstance(q, QTensor):
         raise ValueError(f"expected a kvzoo.cache.kvquant.QTensor, got {type(q).__name__}")
@@ -151,6 +170,37 @@ def dequant_rows(q: QTensor, dtype: torch.dtype, block_m: int = 64, block_k: int
         _dequant_kernel[(triton.cdiv(rows, block_m), triton.cdiv(r, block_k))](
             q.codes.contiguous(), q.scale.contiguous(), zero, out, rows, r, q.codes.shape[-1], GROUP=q.group_size,
             BITS=q.bits, PER_TOKEN=q.axis == -1, HAS_ZERO=q.zero is not None, BLOCK_M=block_m, BLOCK_K=block_k)
+    return out
+
+
+def dequant_gather(q: QTensor, window: Tensor, src: Tensor, dtype: torch.dtype, block_m: int = 64,
+                   block_k: int = 128) -> Tensor:
+    """Rows of a stream gathered into a new order and dequantized in one pass: q (B, N, r) coded rows, window
+    (B, W, r) exact rows after them, src (S,) long -> (B, S, r) in `dtype`, row i = row src[i] of [dequant(q) ;
+    window], or zeros where src[i] >= N + W. (XQuant's static step puts the value latents in the key rows' order
+    this way before multiplying them, instead of gathering the multiplied rows.)"""
+    _check(q, None)
+    device = q.codes.device
+    check_runnable(_gather_kernel, device)
+    if len(q.shape) != 3:
+        raise ValueError(f"q must be (B, N, r) codes, got shape {tuple(q.shape)}")
+    B, N, r = q.shape
+    if not isinstance(window, Tensor) or window.dim() != 3 or window.shape[0] != B or window.shape[2] != r \
+            or window.device != device or window.stride(-1) != 1:
+        raise ValueError(f"window must be a (B={B}, W, r={r}) tensor on {device} with unit stride on r")
+    if not isinstance(src, Tensor) or src.dim() != 1 or src.device != device or src.is_floating_point():
+        raise ValueError(f"src must be a 1-D integer tensor of row indices on {device}")
+    if q.axis == -2 and N % q.group_size:
+        raise ValueError(f"per-channel codes need whole groups: N = {N} is not a multiple of {q.group_size}")
+    S = src.numel()
+    out = torch.empty(B, S, r, dtype=dtype, device=device)
+    if B and S and r:
+        zero = q.zero.contiguous() if q.zero is not None else q.scale    # never read when symmetric
+        _gather_kernel[(triton.cdiv(S, block_m), triton.cdiv(r, block_k), B)](
+            q.codes.contiguous(), q.scale.contiguous(), zero, window if window.shape[1] else out, src.contiguous(),
+            out, N, window.shape[1], S,
+            r, q.codes.shape[-1], window.stride(0), window.stride(1), GROUP=q.group_size, BITS=q.bits,
+            PER_TOKEN=q.axis == -1, HAS_ZERO=q.zero is not None, BLOCK_M=block_m, BLOCK_K=block_k)
     return out
 
 

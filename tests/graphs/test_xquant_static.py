@@ -93,8 +93,9 @@ def test_whole_step_with_a_sliding_window(windowed, spec):
 @pytest.mark.parametrize("spec", ["xquant:bits=4,group_size=16,outlier_channel=true,policy=grouped",
                                   "xquant-cl:bits=2,high_layers=1,base_layer=1,group_size=16,policy=grouped"])
 def test_whole_step_through_the_kernel(gqa, monkeypatch, spec):
-    """What a GPU runs: every packed latent rematerialized by dequant_matmul (here under the interpreter), the
-    static step over every allocated slot, the eager one over the live ones."""
+    """What a GPU runs: every packed latent rematerialized by the kernels (dequant_matmul, and dequant_gather in
+    XQuant's static step; here under the interpreter), the static step over every allocated slot, the eager one
+    over the live ones."""
     pytest.importorskip("triton")
     calls = []
 
@@ -102,8 +103,13 @@ def test_whole_step_through_the_kernel(gqa, monkeypatch, spec):
         calls.append(latent)
         return rematerialize(latent, first, up, fused=True, out=out)
 
-    rematerialize = xq.rematerialize
+    def fused_rows(latent, first, window, up, src, fused=None):
+        calls.append(latent)
+        return rematerialize_rows(latent, first, window, up, src, fused=True)
+
+    rematerialize, rematerialize_rows = xq.rematerialize, xq.rematerialize_rows
     monkeypatch.setattr(xq, "rematerialize", fused)
+    monkeypatch.setattr(xq, "rematerialize_rows", fused_rows)
     monkeypatch.setattr(xcl, "rematerialize", fused)
     eager, static, _ = decode_both(gqa, spec, None)
     assert any(isinstance(latent, xq.QTensor) for latent in calls)

@@ -155,3 +155,32 @@ def test_bf16_at_the_8b_shape(two_pass):
     dequant_matmul(q, w, out=buf[:, :32768], two_pass=two_pass)
     want = dequant_matmul_ref(q, w).float()
     torch.testing.assert_close(buf[:, :32768].float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("axis,group", [(-1, 32), (-2, 16)])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_dequant_gather_puts_rows_in_a_new_order(axis, group, bits):
+    """Rows of [dequant(codes) ; window] gathered by index in one pass, an index past both a zero row; a window
+    that is a strided view (the store's buffer) and an empty window."""
+    from kvzoo.cache.kvquant import dequantize
+    from kvzoo.kernels.xquant_remat import dequant_gather
+
+    g = torch.Generator().manual_seed(bits * 3 + group)
+    B, N, W, r = 2, 48, 5, 72
+    q = quantize(torch.randn(B, N, r, generator=g).to(DEVICE), bits, group if axis == -2 else 24, axis=axis)
+    buf = torch.randn(B, W + 2, r + 8, generator=g).to(DEVICE)
+    window = buf[:, 1:W + 1, :r]                                                  # strided rows
+    src = torch.randint(0, N + W + 1, (70,), generator=g).to(DEVICE)
+    src[:3] = torch.tensor([N + W, N, N - 1])                                     # zero row, first window row, last code
+    rows = torch.cat([dequantize(q, torch.float32), window, torch.zeros(B, 1, r, device=DEVICE)], dim=1)
+    want = rows[:, src]
+    for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 1e-3)):
+        got = dequant_gather(q, window, src, dtype)
+        assert got.shape == (B, 70, r) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    only_codes = src.clamp_max(N - 1)
+    torch.testing.assert_close(dequant_gather(q, window[:, :0], only_codes, torch.float32), rows[:, only_codes])
+    with pytest.raises(ValueError, match="window must be"):
+        dequant_gather(q, window[0], src, torch.float32)
+    with pytest.raises(ValueError, match="src must be"):
+        dequant_gather(q, window, src.float(), torch.float32)
