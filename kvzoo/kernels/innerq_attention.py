@@ -345,24 +345,29 @@ def _attend_window(q, kw_ptr, vw_ptr, WIN, m, l, acc, qk_scale, D: tl.constexpr,
 
 
 @triton.jit
-def merge_splits(m_ptr, l_ptr, acc_ptr, heads, live_r, SPLITS, D: tl.constexpr):
-    """The split kernels' partials (m, l, acc) of query rows `heads` (REP_P,) merged into one online-softmax state;
+def merge_splits(m_ptr, l_ptr, acc_ptr, heads, live_r, SPLITS, D: tl.constexpr, CHUNK: tl.constexpr):
+    """The split kernels' partials (m, l, acc) of query rows `heads` (REP_P,) merged into one online-softmax state,
+    CHUNK splits per step (their loads issued together: a step is one memory round trip, which bounds this loop);
     rows not live read as empty."""
     REP_P: tl.constexpr = heads.shape[0]
     d = tl.arange(0, D)
+    c = tl.arange(0, CHUNK)
     m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((REP_P,), dtype=tl.float32)
     acc = tl.zeros((REP_P, D), dtype=tl.float32)
-    for split in range(SPLITS):
-        rows = heads * SPLITS + split
-        m_s = tl.load(m_ptr + rows, mask=live_r, other=0.0)         # padded rows stay finite
-        m_new = tl.maximum(m, m_s)
+    for s0 in range(0, SPLITS, CHUNK):
+        rows = heads[:, None] * SPLITS + (s0 + c)[None, :]                            # (REP_P, CHUNK)
+        live = live_r[:, None] & (s0 + c < SPLITS)[None, :]
+        m_s = tl.load(m_ptr + rows, mask=live, other=float("-inf"))
+        m_s = tl.where(live_r[:, None], m_s, 0.0)                     # padded rows stay finite
+        l_s = tl.load(l_ptr + rows, mask=live, other=0.0)
+        a_s = tl.load(acc_ptr + rows[:, :, None] * D + d[None, None, :], mask=live[:, :, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(m_s, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)        # splits past the live tokens hold nothing
         alpha = tl.math.exp2(m - m_ref)
-        beta = tl.math.exp2(m_s - m_ref)
-        l = l * alpha + tl.load(l_ptr + rows, mask=live_r, other=0.0) * beta
-        acc = acc * alpha[:, None] + tl.load(acc_ptr + rows[:, None] * D + d[None, :], mask=live_r[:, None],
-                                             other=0.0) * beta[:, None]
+        beta = tl.math.exp2(m_s - m_ref[:, None])                    # (REP_P, CHUNK)
+        l = l * alpha + tl.sum(l_s * beta, 1)
+        acc = acc * alpha[:, None] + tl.sum(a_s * beta[:, :, None], 1)
         m = m_new
     return m, l, acc
 
@@ -378,7 +383,7 @@ def _combine_kernel(q_ptr, qs_ptr, kw_ptr, vw_ptr, kw2_ptr, vw2_ptr, m_ptr, l_pt
     live_r = r < REP
     d = tl.arange(0, D)
     heads = kv * REP + r
-    m, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, heads, live_r, SPLITS, D)
+    m, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, heads, live_r, SPLITS, D, 4)
     q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=live_r[:, None], other=0)
     if HAS_QS:
         q = (q.to(tl.float32) * tl.load(qs_ptr + kv * D + d).to(tl.float32)[None, :]).to(q.dtype)

@@ -265,13 +265,13 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
 
 @triton.jit
 def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, D: tl.constexpr, REP: tl.constexpr,
-                    REP_P: tl.constexpr):
+                    REP_P: tl.constexpr, CHUNK: tl.constexpr):
     kv = tl.program_id(0)
     r = tl.arange(0, REP_P)
     live_r = r < REP
     d = tl.arange(0, D)
     heads = kv * REP + r
-    m, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, heads, live_r, SPLITS, D)
+    m, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, heads, live_r, SPLITS, D, CHUNK)
     out = acc / tl.where(live_r, l, 1.0)[:, None]                 # padded rows: l = 0
     tl.store(out_ptr + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live_r[:, None])
 
@@ -385,7 +385,10 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
                                        ROPE=rope is not None, KT=not channel, CG=group,
                                        num_warps=SPLIT_WARPS or num_warps, num_stages=stages,
                                        enable_fp_fusion=True)
-    _combine_kernel[(B * H,)](m, l, acc, out, splits + 1, D=d, REP=rep, REP_P=rep_p, num_warps=num_warps)
+    # the merge has no dots: its rows pad to a power of two only
+    merge_rows = triton.next_power_of_2(rep)
+    _combine_kernel[(B * H,)](m, l, acc, out, splits + 1, D=d, REP=rep, REP_P=merge_rows,
+                              CHUNK=max(64 // merge_rows, 1), num_warps=num_warps)
     return out
 
 
