@@ -41,9 +41,9 @@ Two kernels:
      and value read from its codes or its window by the rule above. Every program writes its (m, l, acc).
   2. combine: grid (B*H,). Merges the partials, divides by l and writes (B, Hq, d) in q's dtype.
 Keys stored before RoPE (KIVI*, `rope=(cos, sin)`): each quantized key is rotated to its position in the kernel,
-rotate-half style, from the key and the same key with its halves swapped (its codes, scales and zeros read a second
-time at channel (j + d/2) % d), with the cos/sin rows of its position; the caller gives the sink and the windows
-rotated.
+rotate-half style, from the key and the same key with its halves swapped (whole groups: in registers; the tail's
+single slots: their codes, scales and zeros read a second time at channel (j + d/2) % d), with the cos/sin rows of
+its position; the caller gives the sink and the windows rotated.
 """
 
 from __future__ import annotations
@@ -115,20 +115,27 @@ def _rotate(k, k_turned, cos_ptr, sin_ptr, pos, live, D: tl.constexpr):
 
 
 @triton.jit
+def _turn(k, D: tl.constexpr):
+    """k (BLOCK, D) with its channels' halves swapped (RoPE's rotate-half partner), in registers."""
+    BLOCK: tl.constexpr = k.shape[0]
+    halves = tl.permute(tl.reshape(k, (BLOCK, 2, D // 2), can_reorder=False), (0, 2, 1))   # (BLOCK, D/2, 2)
+    first, second = tl.split(halves)                                                    # (BLOCK, D/2) each
+    return tl.reshape(tl.permute(tl.join(second, first), (0, 2, 1)), (BLOCK, D), can_reorder=False)
+
+
+@triton.jit
 def _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
-                FAST: tl.constexpr, ASM: tl.constexpr, CON: tl.constexpr, TURN: tl.constexpr, KT: tl.constexpr,
-                CG: tl.constexpr):
+                FAST: tl.constexpr, ASM: tl.constexpr, CON: tl.constexpr, KT: tl.constexpr, CG: tl.constexpr):
     """Keys of the GS whole groups of 32 tokens from group t (tokens n), one scale and zero per (group, channel),
-    or with KT per (token, group of CG channels): (32*GS, D) in the codes' dtype, halves swapped with TURN."""
+    or with KT per (token, group of CG channels): (32*GS, D) in the codes' dtype."""
     BLOCK_N: tl.constexpr = GS * 32
     if KT:
         k = _values(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON, 0), ks_ptr, kz_ptr, n, live, D, CG)
     else:
         g = tl.arange(0, GS)
-        ch = (tl.arange(0, D) + TURN * (D // 2)) % D
-        per_ch = (t + g)[:, None] * D + ch[None, :]                                    # (GS, D)
+        per_ch = (t + g)[:, None] * D + tl.arange(0, D)[None, :]                      # (GS, D)
         live_g = (t + g < stop)[:, None]
-        x = tl.reshape(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON, TURN), (GS, 32, D), can_reorder=False)
+        x = tl.reshape(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON, 0), (GS, 32, D), can_reorder=False)
         scale = tl.load(ks_ptr + per_ch, mask=live_g, other=0).to(x.dtype)
         zero = tl.load(kz_ptr + per_ch, mask=live_g, other=0).to(x.dtype)
         k = tl.reshape(x * scale[:, None, :] + zero[:, None, :], (BLOCK_N, D), can_reorder=False)
@@ -187,10 +194,9 @@ def _quantized(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos_ptr, sin_p
     for t in range(start, stop, GS):
         n = t * 32 + tl.arange(0, BLOCK_N)
         live = n < n_both
-        k = _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D, KB, GS, FAST, AK, CK, 0, KT, CG)
+        k = _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D, KB, GS, FAST, AK, CK, KT, CG)
         if ROPE:                                 # keys stored before RoPE: slot u sits at position n_sink + u
-            turned = _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D, KB, GS, FAST, AK, CK, 1, KT, CG)
-            k = _rotate(k, turned, cos_ptr, sin_ptr, tl.load(len_ptr + 3) + n, live, D)
+            k = _rotate(k, _turn(k, D), cos_ptr, sin_ptr, tl.load(len_ptr + 3) + n, live, D)
         v = _values(_codes(vc_ptr, n, live, D, VB, FAST, AV, CV, 0), vs_ptr, vz_ptr, n, live, D, CG)
         m, l, acc = _online(q, _dot_dtype(k.to(q.dtype)), v.to(q.dtype), live, m, l, acc, qk_scale)
     return m, l, acc
