@@ -107,7 +107,18 @@ class XQuantCLOptions:
 def accumulate(acc: Tensor | None, delta: QTensor | Tensor, up: Tensor | None) -> Tensor:
     """X̂_i = X̂_{i-1} + ΔX̂_i U_kvᵀ: dequantize a layer's cached rows (B, N, w), up-project them (GQA:
     up = U_kvᵀ (r_kv, hidden); MHA: None) and add them to the accumulator (None at the base layer).
-    (B, N, hidden) fp32; GQA's up-projection goes through xquant.rematerialize (the fused kernel on a GPU)."""
+    (B, N, hidden) fp32. On a GPU with 16-bit factors the rows are dequantized once and one cuBLAS call multiplies
+    them and adds the product to the accumulator in place, in fp32 (addmm with out_dtype); elsewhere the
+    up-projection goes through xquant.rematerialize, rounded to the factors' dtype, and is added."""
+    if up is not None and acc is not None and acc.is_cuda and acc.is_contiguous() and up.dtype != torch.float32 \
+            and isinstance(delta, QTensor):
+        from kvzoo.kernels.xquant_remat import REMAT_BITS, dequant_rows
+
+        if delta.bits in REMAT_BITS:
+            x = dequant_rows(delta, up.dtype)                                               # (B, N, r_kv)
+            rows = acc.view(-1, acc.shape[-1])                   # X̂_{i-1}, handed on by the previous layer: no one
+            torch.addmm(rows, x.view(-1, x.shape[-1]), up, out_dtype=torch.float32, out=rows)   # reads it after
+            return acc
     x = dequantize_latent(delta, None, torch.float32) if up is None else rematerialize(delta, None, up)
     return x if acc is None else acc + x
 
