@@ -61,9 +61,11 @@ up-projections (fp32 in an fp32 model or with up_dtype=float32).
 Static step (`decode_static`, for kvzoo/graphs.py's whole-step CUDA graph): the same decode with fixed
 shapes and the length L in a device tensor. The token's rows go into each stream's window row L - Nq by an
 index write; attention runs over every allocated slot (all Nmax quantized slots and all R + G window rows,
-rematerialized, through dequant_matmul on a GPU) plus the token's exact k, v, a key masked where it is not
+rematerialized by rematerialize_rows: on a GPU each stream's rows dequantized in one pass and multiplied by
+cuBLAS, the keys then rotated by one Triton pass) plus the token's exact k, v, a key masked where it is not
 live yet (slot >= Nq, window row >= L - Nq) or the step's mask forbids its slot (padding, sliding window);
-where X U_k and X U_v have different windows (the paper's), the key weights move to the value rows by slot.
+where X U_k and X U_v have different windows (the paper's), the value latents are gathered into the key rows'
+order by slot before they are multiplied, and one SDPA runs over K and V.
 The host's counters only pick the phase: "flush" when the token fills a stream's window, whose oldest group is
 then quantized into slots [Nq, Nq + G) at the device-held Nq and the rest moved down; "recent" otherwise.
 
