@@ -353,19 +353,21 @@ class XQuantCache(WholeStep, LayerCache):
     def static_scratch(self) -> tuple[Tensor, ...]:
         return self.store.scratch()
 
-    def _static_keys(self, step: StaticStep, name: str) -> tuple[Tensor, Tensor]:
+    def _static_keys(self, step: StaticStep, name: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The step's keys are the K stream's allocated rows (WindowedStore.static_rows), then the new token exact.
-        From the device-held length L = step.slot: (RoPE positions of the keys (B, K + 1), mask (B, 1, 1, K + 1):
-        a key may be attended where its row is live, is not the token's own row (the token's exact k comes last)
-        and the step's mask allows its slot). Shared by every layer of the step."""
-        key = ("xquant", name, self.store.windows[name], self.store.codecs[name].capacity)
+        From the device-held length L = step.slot: (RoPE positions of the keys (B, K + 1), SDPA's additive mask
+        (B, 1, 1, K + 1) in `dtype`: 0 where a key may be attended, that is where its row is live, is not the
+        token's own row (the token's exact k comes last) and the step's mask allows its slot, -inf elsewhere).
+        Shared by every layer of the step."""
+        key = ("xquant", name, self.store.windows[name], self.store.codecs[name].capacity, dtype)
         if key not in step.derived:
             L = step.slot
             slots, live = self.store.static_rows(step, name)
             slots, live = torch.cat([slots, L]), torch.cat([live & (slots != L), torch.ones_like(L, dtype=torch.bool)])
             mask = step.mask.index_select(-1, slots.clamp_max(self.max_len - 1)) & live          # (B, 1, 1, K + 1)
             ids = (slots[None, :] + (step.ids - L)).clamp_min(0)           # (B, K + 1): slot - pad, as in decode
-            step.derived[key] = (ids, mask)
+            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            step.derived[key] = (ids, bias)
         return step.derived[key]
 
     def _value_rows(self, step: StaticStep, k_name: str, v_name: str) -> Tensor:
@@ -386,16 +388,22 @@ class XQuantCache(WholeStep, LayerCache):
         st = self.store
         st.write_token_at(self.length, step, self._rows(x))               # rows (B, 1, width) into window row r
         (k_name, up_k), (v_name, up_v) = self._sources()
-        ids, mask = self._static_keys(step, k_name)
+        ids, bias = self._static_keys(step, k_name, q.dtype)
         n_kv = self.attn.n_kv_heads
+        shared = step.derived                                             # made by the first layer, used by all
+        if ("xquant q tables", q.dtype) not in shared:
+            shared[("xquant q tables", q.dtype)] = self.attn.rope.cos_sin(step.ids, q.dtype)
 
         def rows(name: str, up: Tensor, token: Tensor, order: Tensor | None) -> Tensor:
             """(B, n_kv, K + 1, hd): every allocated row of stream `name` rematerialized (in K's row order: `order`,
             None for K itself), then the token's exact row."""
             codec, window = st.codecs[name], st.recent(name)
             n, w = codec.capacity, window.shape[1]
-            src = torch.arange(n + w + 1, device=up.device) if order is None else order
-            out = heads(rematerialize_rows(codec.held(n), codec.held_first(n), window, up, src), n_kv, k.dtype)
+            if order is None:                                             # K's own rows, in order
+                if ("xquant rows", n + w + 1) not in shared:
+                    shared[("xquant rows", n + w + 1)] = torch.arange(n + w + 1, device=up.device)
+                order = shared[("xquant rows", n + w + 1)]
+            out = heads(rematerialize_rows(codec.held(n), codec.held_first(n), window, up, order), n_kv, k.dtype)
             out[:, :, -1:] = token
             return out
 
@@ -404,7 +412,8 @@ class XQuantCache(WholeStep, LayerCache):
             step.derived[key] = self.attn.rope.cos_sin(ids, k.dtype)
         keys = rotate_keys(self.attn, rows(k_name, up_k, k, None), step.derived[key])    # (B, n_kv, K + 1, hd)
         values = rows(v_name, up_v, v, self._value_rows(step, k_name, v_name) if v_name != k_name else None)
-        out = F.scaled_dot_product_attention(self.attn.rope.apply(q, step.ids), keys, values, attn_mask=mask,
+        out = F.scaled_dot_product_attention(self.attn.rope.apply_tables(q, *shared[("xquant q tables", q.dtype)]), keys,
+                                             values, attn_mask=bias,
                                              enable_gqa=q.shape[1] != n_kv)
         st.flush_at(self.length, step)
         return out
