@@ -122,11 +122,9 @@ def dequantize_latent(latent: QTensor | Tensor, first: Tensor | None, dtype: tor
     return x if first is None else torch.cat([first.to(dtype), x], dim=-1)
 
 
-def rematerialize(latent: QTensor | Tensor, first: Tensor | None, up: Tensor, fused: bool | None = None,
-                  out: Tensor | None = None) -> Tensor:
+def rematerialize(latent: QTensor | Tensor, first: Tensor | None, up: Tensor, fused: bool | None = None) -> Tensor:
     """K or V (flat heads, before RoPE) from cached rows: dequantize (B, N, c) and multiply by the
-    up-projection `up` (c, n_kv*hd) -> (B, N, n_kv*hd) in up's dtype, written into `out` when given (a slice of
-    a larger buffer). This is all XQuant adds to a KV cache's decode step. Packed codes on a GPU (or with
+    up-projection `up` (c, n_kv*hd) -> (B, N, n_kv*hd) in up's dtype. This is all XQuant adds to a KV cache's decode step. Packed codes on a GPU (or with
     fused=True: the Triton interpreter in tests) go through kvzoo.kernels.xquant_remat.dequant_matmul (16-bit
     factors: the rows dequantized once, then cuBLAS; fp32 factors: one fused kernel); exact rows take the torch
     path."""
@@ -137,11 +135,9 @@ def rematerialize(latent: QTensor | Tensor, first: Tensor | None, up: Tensor, fu
 
         if latent.bits in REMAT_BITS:
             if first is None:
-                return dequant_matmul(latent, up, out=out)
-            rows = dequant_matmul(latent, up[1:], out=out)
-            return rows.add_(first.to(up.dtype) @ up[:1])                                # channel 0 kept exact
-    rows = dequantize_latent(latent, first, up.dtype) @ up
-    return rows if out is None else out.copy_(rows)
+                return dequant_matmul(latent, up)
+            return dequant_matmul(latent, up[1:]).add_(first.to(up.dtype) @ up[:1])        # channel 0 kept exact
+    return dequantize_latent(latent, first, up.dtype) @ up
 
 
 def rematerialize_rows(latent: QTensor | Tensor, first: Tensor | None, window: Tensor, up: Tensor, src: Tensor,

@@ -99,9 +99,9 @@ def test_whole_step_through_the_kernel(gqa, monkeypatch, spec):
     pytest.importorskip("triton")
     calls = []
 
-    def fused(latent, first, up, fused=None, out=None):
+    def fused(latent, first, up, fused=None):
         calls.append(latent)
-        return rematerialize(latent, first, up, fused=True, out=out)
+        return rematerialize(latent, first, up, fused=True)
 
     def fused_rows(latent, first, window, up, src, fused=None):
         calls.append(latent)
