@@ -22,10 +22,11 @@ def main() -> None:
                              "statistics taken from them, not scored (default min(256, seq_len / 8))")
     parser.add_argument("--batch-size", type=int, default=1, help="windows run side by side")
     parser.add_argument("--prefill-chunk", type=int, default=None,
-                        help="streaming mode: prefill this many tokens at a time (chunked prefill)")
+                        help="streaming and graph modes: prefill this many tokens at a time (chunked prefill)")
     parser.add_argument("--mode", choices=MODES, default="simulated",
                         help="simulated: each token sees the cache as token-by-token decoding would (the papers' "
-                             "protocol); streaming: prefill the prompt, then decode the rest token by token")
+                             "protocol); streaming: prefill the prompt, then decode the rest token by token; graph: "
+                             "as streaming, through the CUDA-graph step that generation and bench_decode run")
     parser.add_argument("--json", default=None, help="also write the result to this JSON file")
     parser.add_argument("--overwrite", action="store_true", help="let --json replace an existing file")
     args = parser.parse_args()

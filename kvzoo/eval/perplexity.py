@@ -8,7 +8,9 @@ exp(mean over windows). P is one default for every strategy, `default_prompt(L)`
 L = 2048), and is printed with every result. Every window is a forward through a fresh cache: in "simulated"
 mode (the papers' protocol) every token sees the cache as token-by-token decoding would have shown it; in
 "streaming" mode a real prefill of the prompt is followed by token-by-token decoding through the packed
-storage. The cache's bytes after the window are reported beside the fp16 cache's bytes for the same tokens.
+storage; "graph" mode decodes those tokens through the step that generation and bench_decode replay
+(`kvzoo.graphs.decoder`: a CUDA graph of the whole step where the strategy has one, with its fused kernels,
+else the piecewise step), so its perplexity checks the fast path against "streaming". The cache's bytes after the window are reported beside the fp16 cache's bytes for the same tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from kvzoo.cache.base import CacheSpec, fp16_kv_nbytes
+from kvzoo.graphs import decoder
 from kvzoo.models.llama import Transformer
 
 
@@ -30,7 +33,7 @@ def default_prompt(seq_len: int) -> int:
     return min(256, seq_len // 8)
 
 
-MODES = ("simulated", "streaming")
+MODES = ("simulated", "streaming", "graph")
 # keyword -> the option of scripts/perplexity.py that sets it, to name it in check_args' messages
 FLAGS = {key: "--" + key.replace("_", "-") for key in ("seq_len", "max_windows", "prompt", "batch_size",
                                                         "prefill_chunk", "mode")}
@@ -52,8 +55,8 @@ def check_args(seq_len: int, max_windows: int | None = None, prompt: int | None 
         raise ValueError(f"{name['batch_size']} must be >= 1, got {batch_size}")
     if mode not in MODES:
         raise ValueError(f"unknown {name['mode']} {mode!r}; accepted: {', '.join(MODES)}")
-    if prefill_chunk is not None and mode != "streaming":
-        raise ValueError(f"{name['prefill_chunk']} applies to streaming mode only; {name['mode']} is {mode}")
+    if prefill_chunk is not None and mode == "simulated":
+        raise ValueError(f"{name['prefill_chunk']} applies to streaming and graph modes only; {name['mode']} is {mode}")
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"{name['prefill_chunk']} must be >= 1, got {prefill_chunk}")
     return prompt
@@ -89,9 +92,10 @@ def perplexity(model: Transformer, token_ids: list[int] | torch.Tensor, seq_len:
                prefill_chunk: int | None = None, progress: bool = True) -> PerplexityResult:
     """mode "simulated": one teacher-forced forward per window, the first `prompt` tokens read exact. mode
     "streaming": a real prefill of the prompt (at least one token), then every further token decoded one at a
-    time through the packed storage (teacher-forced). Predictions of tokens max(prompt, 1)..L-1 are scored.
+    time through the packed storage (teacher-forced). mode "graph": as "streaming", the decode steps through
+    kvzoo.graphs.decoder (CUDA graphs and the strategies' static steps on a GPU). Predictions of tokens max(prompt, 1)..L-1 are scored.
     prompt defaults to default_prompt(seq_len). `batch_size` windows run side by side. prefill_chunk
-    (streaming): prefill that many tokens at a time (chunked prefill)."""
+    (streaming, graph): prefill that many tokens at a time (chunked prefill)."""
     if isinstance(cache, str):
         cache = CacheSpec.parse(cache)
     prompt = check_args(seq_len, max_windows, prompt, batch_size, prefill_chunk, mode)
@@ -109,14 +113,18 @@ def perplexity(model: Transformer, token_ids: list[int] | torch.Tensor, seq_len:
     for w in tqdm(range(0, windows, batch_size), desc=f"perplexity ({cache.name}, {mode})", disable=not progress):
         n = min(batch_size, windows - w)
         tokens = ids[w * seq_len:(w + n) * seq_len].view(n, seq_len).to(model.device)   # (n, L)
-        kv = model.new_cache(cache, batch_size=n, max_len=seq_len, mode=mode,
+        kv = model.new_cache(cache, batch_size=n, max_len=seq_len, mode="simulated" if mode == "simulated" else "streaming",
                              prompt=prompt if mode == "simulated" else 0)
         if mode == "simulated":
             logits = model(tokens, kv)                                                   # (n, L, V)
         else:
             step = prefill_chunk or first
             steps = [model(tokens[:, a:min(a + step, first)], kv) for a in range(0, first, step)]
-            steps += [model(tokens[:, t:t + 1], kv) for t in range(first, seq_len)]
+            if mode == "streaming":
+                steps += [model(tokens[:, t:t + 1], kv) for t in range(first, seq_len)]
+            else:
+                step_fn = decoder(model, kv)      # its logits (n, V) are a buffer the next step overwrites
+                steps += [step_fn(tokens[:, t]).unsqueeze(1).clone() for t in range(first, seq_len)]
             logits = torch.cat(steps, dim=1)
         loss = F.cross_entropy(logits[:, first - 1:-1].float().flatten(0, 1), tokens[:, first:].flatten(),
                                reduction="none")

@@ -40,8 +40,21 @@ def test_perplexity_streaming_with_chunks(model):  # noqa: F811
     one = perplexity(model, ids, seq_len=48, mode="streaming", prompt=32, progress=False)
     chunked = perplexity(model, ids, seq_len=48, mode="streaming", prompt=32, prefill_chunk=10, progress=False)
     assert chunked.perplexity == pytest.approx(one.perplexity, rel=1e-5)
-    with pytest.raises(ValueError, match="prefill_chunk applies to streaming mode"):
+    with pytest.raises(ValueError, match="prefill_chunk applies to streaming and graph modes"):
         perplexity(model, ids, seq_len=48, prefill_chunk=8, progress=False)
+
+
+@pytest.mark.parametrize("name", ["fp16", "kivi", "squat-pre-g8", "xquant", "alignedkv", "innerq"])
+@torch.no_grad()
+def test_perplexity_graph_mode_equals_streaming(model, name):  # noqa: F811
+    """Graph mode decodes through kvzoo.graphs.decoder (on a CPU the same static steps, run eagerly): the same
+    perplexity and bytes as streaming, the whole-step graph (fp16, kivi) and the piecewise one alike."""
+    ids = torch.randint(0, 97, (96,), generator=torch.Generator().manual_seed(14))
+    kw = dict(seq_len=48, prompt=16, batch_size=2, prefill_chunk=8, progress=False)
+    streaming = perplexity(model, ids, cache=LOSSY[name], mode="streaming", **kw)
+    graph = perplexity(model, ids, cache=LOSSY[name], mode="graph", **kw)
+    assert graph.perplexity == pytest.approx(streaming.perplexity, rel=1e-6)
+    assert graph.kv_nbytes == streaming.kv_nbytes
 
 
 def test_generate_refuses_a_bad_chunk():

@@ -384,7 +384,7 @@ def test_list_caches_flag(monkeypatch, capsys):
     ("perplexity.py", ["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     ("perplexity.py", ["--prompt", "-1"], "--prompt must be in [0, --seq-len=2048), got -1"),
     ("perplexity.py", ["--seq-len", "64", "--prompt", "64"], "--prompt must be in [0, --seq-len=64), got 64"),
-    ("perplexity.py", ["--prefill-chunk", "8"], "--prefill-chunk applies to streaming mode only; --mode is simulated"),
+    ("perplexity.py", ["--prefill-chunk", "8"], "--prefill-chunk applies to streaming and graph modes only; --mode is simulated"),
     ("perplexity.py", ["--mode", "streaming", "--prefill-chunk", "0"], "--prefill-chunk must be >= 1, got 0"),
     ("needle.py", ["--lengths", "0,1024"], "--lengths must be token counts >= 1, got [0, 1024]"),
     ("needle.py", ["--prefill-chunk", "0"], "--prefill-chunk must be >= 1, got 0"),
