@@ -81,7 +81,7 @@ def _dequant_tile(codes_ptr, scale_ptr, zero_ptr, rows, live_m, k0, R, WORDS, GR
 
 
 @triton.jit
-def _remat_kernel(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_ptr, M, R, N_OUT, WORDS, ROWS_PER_BATCH, s_ob, s_on,
+def _remat_kernel(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_ptr, M, R, N_OUT, WORDS,
                   GROUP: tl.constexpr, BITS: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_ZERO: tl.constexpr,
                   FP32: tl.constexpr, PRECISION: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -99,8 +99,7 @@ def _remat_kernel(codes_ptr, scale_ptr, zero_ptr, w_ptr, out_ptr, M, R, N_OUT, W
             acc += tl.dot(x, w, input_precision=PRECISION)
         else:
             acc += tl.dot(x.to(w.dtype), w)
-    at = (rows // ROWS_PER_BATCH) * s_ob + (rows % ROWS_PER_BATCH) * s_on        # row m of batch row m // N
-    tl.store(out_ptr + at[:, None] + n[None, :], acc.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + rows[:, None] * N_OUT + n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=live_m[:, None] & live_n[None, :])
 
 
@@ -227,10 +226,8 @@ _FITTING: dict[tuple, tuple[int, int, int]] = {}     # (device, dtype, bits, lay
 
 
 def dequant_matmul(q: QTensor, weight: Tensor, block_m: int = 64, block_n: int | None = None, block_k: int = 64,
-                   num_warps: int = 4, num_stages: int = 3, out: Tensor | None = None,
-                   two_pass: bool | None = None) -> Tensor:
-    """dequant(q) @ weight, (..., N, r) @ (r, n_out) -> (..., N, n_out) in weight's dtype, written into `out`
-    when given (its rows may be strided: a slice of a larger buffer, at most one leading dim unless contiguous).
+                   num_warps: int = 4, num_stages: int = 3, two_pass: bool | None = None) -> Tensor:
+    """dequant(q) @ weight, (..., N, r) @ (r, n_out) -> (..., N, n_out) in weight's dtype.
     two_pass (default on a GPU: fp16/bf16 weights, and 3-bit codes, whose spilling codes the fused kernel reads
     slowly) dequantizes the rows once (dequant_rows) and multiplies them with torch.mm (cuBLAS); otherwise one
     fused kernel, whose every output tile dequantizes its rows again (fp32 weights: tf32x3 dots, which cuBLAS
@@ -245,24 +242,14 @@ def dequant_matmul(q: QTensor, weight: Tensor, block_m: int = 64, block_n: int |
     check_runnable(_remat_kernel, weight.device)
     r, n_out = weight.shape
     rows = q.codes.numel() // max(q.codes.shape[-1], 1)                 # M = prod(leading dims) * N
-    if out is None:
-        out = torch.empty(*q.shape[:-1], n_out, dtype=weight.dtype, device=weight.device)
-    elif (tuple(out.shape) != (*q.shape[:-1], n_out) or out.dtype != weight.dtype or out.device != weight.device
-          or out.stride(-1) != 1 or (out.dim() > 3 and not out.is_contiguous())):
-        raise ValueError(f"out must be a {weight.dtype} tensor {(*q.shape[:-1], n_out)} on {weight.device} with unit "
-                         f"column stride (contiguous past one leading dim), got {out.dtype} {tuple(out.shape)}")
+    out = torch.empty(*q.shape[:-1], n_out, dtype=weight.dtype, device=weight.device)
     if rows == 0 or n_out == 0:
         return out
-    N, s_on = q.shape[-2], out.stride(-2)
     if two_pass is None:
         two_pass = weight.is_cuda and (weight.dtype != torch.float32 or 32 % q.bits != 0)
     if two_pass:
-        x = dequant_rows(q, weight.dtype).view(-1, N, r)                  # (batch rows, N, r)
-        by_row = out if out.dim() == 3 else out.reshape(-1, N, n_out)    # a view: contiguous past one leading dim
-        for b in range(x.shape[0]):
-            torch.mm(x[b], weight, out=by_row[b])
+        torch.mm(dequant_rows(q, weight.dtype).view(rows, r), weight, out=out.view(rows, n_out))
         return out
-    s_ob = out.stride(0) if out.dim() == 3 else N * s_on                # row m at (m // N) * s_ob + (m % N) * s_on
     codes, scale = q.codes.contiguous(), q.scale.contiguous()
     zero = q.zero.contiguous() if q.zero is not None else scale        # never read when symmetric
     asked = (block_m, block_n or (256 if n_out > 192 else 128), num_stages)
@@ -272,7 +259,6 @@ def dequant_matmul(q: QTensor, weight: Tensor, block_m: int = 64, block_n: int |
         grid = (triton.cdiv(rows, bm), triton.cdiv(n_out, bn))
         try:
             _remat_kernel[grid](codes, scale, zero, weight.contiguous(), out, rows, r, n_out, codes.shape[-1],
-                                N, s_ob, s_on,
                                 GROUP=q.group_size, BITS=q.bits, PER_TOKEN=q.axis == -1, HAS_ZERO=q.zero is not None,
                                 FP32=weight.dtype == torch.float32,
                                 PRECISION="tf32x3" if weight.is_cuda else "ieee",
