@@ -61,11 +61,12 @@ up-projections (fp32 in an fp32 model or with up_dtype=float32).
 Static step (`decode_static`, for kvzoo/graphs.py's whole-step CUDA graph): the same decode with fixed
 shapes and the length L in a device tensor. The token's rows go into each stream's window row L - Nq by an
 index write; attention runs over every allocated slot (all Nmax quantized slots and all R + G window rows,
-rematerialized by rematerialize_rows: on a GPU each stream's rows dequantized in one pass and multiplied by
-cuBLAS, the keys then rotated by one Triton pass) plus the token's exact k, v, a key masked where it is not
-live yet (slot >= Nq, window row >= L - Nq) or the step's mask forbids its slot (padding, sliding window);
-where X U_k and X U_v have different windows (the paper's), the value latents are gathered into the key rows'
-order by slot before they are multiplied, and one SDPA runs over K and V.
+the keys rematerialized from their rows (latent_rows: on a GPU each stream's rows dequantized in one pass,
+then cuBLAS; the keys then rotated by one Triton pass) plus the token's exact k, v, a key masked where it is
+not live yet (slot >= Nq, window row >= L - Nq) or the step's mask forbids its slot (padding, sliding window).
+Values are not rematerialized: the softmax weighs the value latents (gathered into the key rows' order by slot
+where X U_k and X U_v have different windows, the paper's) and the (Hq, c) result is projected by each head's
+slice of up_v (weighed_attention), which saves V's (K × c) · (c × n_kv·hd) product and its round trip.
 The host's counters only pick the phase: "flush" when the token fills a stream's window, whose oldest group is
 then quantized into slots [Nq, Nq + G) at the device-held Nq and the rest moved down; "recent" otherwise.
 
@@ -79,7 +80,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from kvzoo.cache.base import Chunk, LayerCache, Positions, StaticStep, register
@@ -140,30 +140,61 @@ def rematerialize(latent: QTensor | Tensor, first: Tensor | None, up: Tensor, fu
     return dequantize_latent(latent, first, up.dtype) @ up
 
 
-def rematerialize_rows(latent: QTensor | Tensor, first: Tensor | None, window: Tensor, up: Tensor, src: Tensor,
-                       fused: bool | None = None) -> Tensor:
-    """K or V (flat heads, before RoPE) of a static step's rows in a chosen order: the stream's stored rows
-    (B, N, c) then its window rows (B, W, c), row i of the result from row src[i] (S,) of that list, zeros where
-    src[i] >= N + W (the token's row, written after); (B, S, n_kv*hd) in up's dtype. Packed codes on a GPU (or with
-    fused=True, the interpreter in tests) are gathered and dequantized in one pass
-    (kvzoo.kernels.xquant_remat.dequant_gather) and multiplied once; otherwise torch dequantizes, concatenates and
-    gathers."""
+def latent_rows(latent: QTensor | Tensor, first: Tensor | None, window: Tensor, src: Tensor, dtype: torch.dtype,
+                fused: bool | None = None) -> Tensor:
+    """A static step's cached rows in a chosen order, dequantized: the stream's stored rows (B, N, c) then its window
+    rows (B, W, c), row i of the result from row src[i] (S,) of that list, zeros where src[i] >= N + W (the token's
+    row); (B, S, c) in `dtype`. Packed codes on a GPU (or with fused=True, the interpreter in tests) are gathered
+    and dequantized in one pass (kvzoo.kernels.xquant_remat.dequant_gather); otherwise torch dequantizes,
+    concatenates and gathers."""
     if fused is None:
         fused = isinstance(latent, QTensor) and latent.codes.is_cuda
-    B, c = window.shape[0], up.shape[0]
+    B, c = window.shape[0], window.shape[-1]
     if fused and isinstance(latent, QTensor):
         from kvzoo.kernels.xquant_remat import REMAT_BITS, dequant_gather
 
         if latent.bits in REMAT_BITS:
             rest = window if first is None else window[..., 1:]
-            x = dequant_gather(latent, rest, src, up.dtype)                                # (B, S, c or c - 1)
+            x = dequant_gather(latent, rest, src, dtype)                                   # (B, S, c or c - 1)
             if first is not None:                                                          # channel 0 kept exact
-                head = torch.cat([first.to(up.dtype), window[..., :1].to(up.dtype),
-                                  up.new_zeros(B, 1, 1)], dim=1)                            # (B, N + W + 1, 1)
+                head = torch.cat([first.to(dtype), window[..., :1].to(dtype), x.new_zeros(B, 1, 1)], dim=1)
                 x = torch.cat([head.index_select(1, src.clamp_max(head.shape[1] - 1)), x], dim=-1)
-            return x @ up
-    rows = torch.cat([dequantize_latent(latent, first, up.dtype), window.to(up.dtype), up.new_zeros(B, 1, c)], dim=1)
-    return rows.index_select(1, src.clamp_max(rows.shape[1] - 1)) @ up
+            return x
+    rows = torch.cat([dequantize_latent(latent, first, dtype), window.to(dtype),
+                      window.new_zeros(B, 1, c, dtype=dtype)], dim=1)                    # (B, N + W + 1, c)
+    return rows.index_select(1, src.clamp_max(rows.shape[1] - 1))
+
+
+def weighed_attention(q: Tensor, keys: Tensor, bias: Tensor, rows: Tensor, up_v: Tensor, v: Tensor) -> Tensor:
+    """A static step's attention with values weighed from their latent rows instead of rematerialized:
+    a query head's output Σ_t p_t (row_t · up_v) = (Σ_t p_t row_t) · up_v, two small products in place of V's
+    (K × c) · (c × n_kv·hd) rematerialization and its round trip through memory.
+
+    q (B, Hq, 1, hd) after RoPE; keys (B, n_kv, K + 1, hd) after RoPE, a view of a (B, K + 1, n_kv·hd) buffer (as
+    `heads` makes it), the token's own key last; bias (B, 1, 1, K + 1) additive (0 or -inf); rows (B, K + 1, c)
+    the value latents in the key rows' order, the last (the token's) zero; up_v (c, n_kv·hd); v (B, n_kv, 1, hd) the
+    token's exact value. Scores and softmax in fp32 (on a GPU the scores by kvzoo.kernels.scores, reading the
+    keys' buffer as it is); the weighed rows in rows' dtype. Returns (B, Hq, 1, hd) in v's dtype."""
+    (B, Hq, _, d), H = q.shape, keys.shape[1]
+    rep, K = Hq // H, keys.shape[2]
+    if q.is_cuda:
+        from kvzoo.kernels.scores import gqa_scores
+
+        scores = gqa_scores(q.reshape(B, Hq, d), keys.transpose(1, 2).reshape(B, K, H * d), d ** -0.5)
+    else:
+        scores = (q.float().view(B, H, rep, d) @ keys.float().transpose(-1, -2)).view(B, Hq, K) * d ** -0.5
+    p = (scores + bias.view(B, 1, K)).softmax(dim=-1)                                # (B, Hq, K + 1)
+    mixed = torch.bmm(p.to(rows.dtype), rows)                                        # (B, Hq, c): Σ_t p_t row_t
+    by_head = mixed.view(B, H, rep, -1).transpose(0, 1).reshape(H, B * rep, -1)     # (H, B·rep, c)
+    up = up_v.unflatten(1, (H, d)).transpose(0, 1)                                   # (H, c, hd), a view
+    out = torch.bmm(by_head.to(up.dtype), up).view(H, B, rep, d).transpose(0, 1)    # (B, H, rep, hd)
+    own = p[..., -1].view(B, H, rep, 1) * v.float()                                  # the token's exact value
+    return (out.float() + own).reshape(B, Hq, 1, d).to(v.dtype)
+
+
+def _aligned(rows: int) -> int:
+    """rows rounded up to a multiple of 8 (16-byte rows of 16-bit values along a product's inner dimension)."""
+    return -(-rows // 8) * 8
 
 
 def heads(flat: Tensor, n_heads: int, dtype: torch.dtype) -> Tensor:
@@ -350,16 +381,20 @@ class XQuantCache(WholeStep, LayerCache):
         return self.store.scratch()
 
     def _static_keys(self, step: StaticStep, name: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """The step's keys are the K stream's allocated rows (WindowedStore.static_rows), then the new token exact.
-        From the device-held length L = step.slot: (RoPE positions of the keys (B, K + 1), SDPA's additive mask
-        (B, 1, 1, K + 1) in `dtype`: 0 where a key may be attended, that is where its row is live, is not the
-        token's own row (the token's exact k comes last) and the step's mask allows its slot, -inf elsewhere).
+        """The step's keys are the K stream's allocated rows (WindowedStore.static_rows), dead rows up to a multiple
+        of 8 (aligned rows for cuBLAS's fast kernels: 76 µs against 25 for the values' product at 32K on an H100),
+        then the new token exact. From the device-held length L = step.slot: (RoPE positions of the keys (B, K + 1),
+        the additive mask (B, 1, 1, K + 1) in `dtype`: 0 where a key may be attended, that is where its row is live,
+        is not the token's own row (the token's exact k comes last) and the step's mask allows its slot, -inf
+        elsewhere), K + 1 a multiple of 8.
         Shared by every layer of the step."""
         key = ("xquant", name, self.store.windows[name], self.store.codecs[name].capacity, dtype)
         if key not in step.derived:
             L = step.slot
             slots, live = self.store.static_rows(step, name)
-            slots, live = torch.cat([slots, L]), torch.cat([live & (slots != L), torch.ones_like(L, dtype=torch.bool)])
+            pad = _aligned(slots.numel() + 1) - slots.numel() - 1                          # dead rows before the token's
+            slots = torch.cat([slots, L.expand(pad), L])
+            live = torch.cat([live & (slots[:-pad - 1] != L), live.new_zeros(pad), torch.ones_like(L, dtype=torch.bool)])
             mask = step.mask.index_select(-1, slots.clamp_max(self.max_len - 1)) & live          # (B, 1, 1, K + 1)
             ids = (slots[None, :] + (step.ids - L)).clamp_min(0)           # (B, K + 1): slot - pad, as in decode
             bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
@@ -367,20 +402,22 @@ class XQuantCache(WholeStep, LayerCache):
         return step.derived[key]
 
     def _value_rows(self, step: StaticStep, k_name: str, v_name: str) -> Tensor:
-        """(K + 1,): the value row holding each key row's slot (WindowedStore.row_map), then the token's row."""
+        """(K + 1,): the value row holding each key row's slot (WindowedStore.row_map), then zero rows: the dead rows
+        of _static_keys and the token's."""
         key = ("xquant value rows", k_name, v_name)
         if key not in step.derived:
             by_slot = self.store.row_map(step, k_name, v_name)
-            token = self.store.codecs[v_name].capacity + self.store.recent(v_name).shape[1]
-            step.derived[key] = torch.cat([by_slot, by_slot.new_full((1,), token)])
+            token = self.store.codecs[v_name].capacity + self.store.recent(v_name).shape[1]     # a zero row
+            step.derived[key] = torch.cat([by_slot, by_slot.new_full((_aligned(by_slot.numel() + 1) - by_slot.numel(),),
+                                                                      token)])
         return step.derived[key]
 
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
-        """decode with fixed shapes: the token's rows into each stream's window row; K and V rematerialized from
-        every allocated row (rematerialize_rows), V's latent rows gathered into K's row order by slot
-        (WindowedStore.row_map) where X U_k and X U_v hold their slots differently, the token's exact k, v last;
-        one SDPA over them with the step's mask (dead rows and the token's own row masked); then each stream the
-        token filled quantizes its window's oldest group into slots [Nq, Nq + G)."""
+        """decode with fixed shapes: the token's rows into each stream's window row; K rematerialized from every
+        allocated row (latent_rows, then up_k), the token's exact k last; V's latent rows in K's row order by slot
+        (WindowedStore.row_map) where X U_k and X U_v hold their slots differently, weighed by the softmax and then
+        projected (weighed_attention), the step's mask applied (dead rows and the token's own row masked); then each
+        stream the token filled quantizes its window's oldest group into slots [Nq, Nq + G)."""
         st = self.store
         st.write_token_at(self.length, step, self._rows(x))               # rows (B, 1, width) into window row r
         (k_name, up_k), (v_name, up_v) = self._sources()
@@ -390,26 +427,27 @@ class XQuantCache(WholeStep, LayerCache):
         if ("xquant q tables", q.dtype) not in shared:
             shared[("xquant q tables", q.dtype)] = self.attn.rope.cos_sin(step.ids, q.dtype)
 
-        def rows(name: str, up: Tensor, token: Tensor, order: Tensor | None) -> Tensor:
-            """(B, n_kv, K + 1, hd): every allocated row of stream `name` rematerialized (in K's row order: `order`,
-            None for K itself), then the token's exact row."""
+        def rows(name: str, dtype: torch.dtype, order: Tensor | None) -> Tensor:
+            """(B, K + 1, c): every allocated row of stream `name` dequantized (in K's row order: `order`, None for K
+            itself), then zero rows (the dead rows of _static_keys and the token's)."""
             codec, window = st.codecs[name], st.recent(name)
             n, w = codec.capacity, window.shape[1]
-            if order is None:                                             # K's own rows, in order
-                if ("xquant rows", n + w + 1) not in shared:
-                    shared[("xquant rows", n + w + 1)] = torch.arange(n + w + 1, device=up.device)
-                order = shared[("xquant rows", n + w + 1)]
-            out = heads(rematerialize_rows(codec.held(n), codec.held_first(n), window, up, order), n_kv, k.dtype)
-            out[:, :, -1:] = token
-            return out
+            if order is None:                                             # K's own rows, in order, then zero rows
+                count = _aligned(n + w + 1)
+                if ("xquant rows", count) not in shared:
+                    shared[("xquant rows", count)] = torch.arange(count, device=window.device)
+                order = shared[("xquant rows", count)]
+            return latent_rows(codec.held(n), codec.held_first(n), window, order, dtype)
 
         key = ("xquant rope tables", k_name, k.dtype)                    # RoPE of every key row: once per step
         if key not in step.derived:
             step.derived[key] = self.attn.rope.cos_sin(ids, k.dtype)
-        keys = rotate_keys(self.attn, rows(k_name, up_k, k, None), step.derived[key])    # (B, n_kv, K + 1, hd)
-        values = rows(v_name, up_v, v, self._value_rows(step, k_name, v_name) if v_name != k_name else None)
-        out = F.scaled_dot_product_attention(self.attn.rope.apply_tables(q, *shared[("xquant q tables", q.dtype)]), keys,
-                                             values, attn_mask=bias,
-                                             enable_gqa=q.shape[1] != n_kv)
+        k_rows = rows(k_name, up_k.dtype, None)
+        keys = heads(k_rows @ up_k, n_kv, k.dtype)                        # (B, n_kv, K + 1, hd)
+        keys[:, :, -1:] = k
+        keys = rotate_keys(self.attn, keys, step.derived[key])
+        v_rows = k_rows if v_name == k_name else rows(v_name, up_v.dtype, self._value_rows(step, k_name, v_name))
+        q = self.attn.rope.apply_tables(q, *shared[("xquant q tables", q.dtype)])
+        out = weighed_attention(q, keys, bias, v_rows, up_v, v)
         st.flush_at(self.length, step)
         return out

@@ -103,13 +103,13 @@ def test_whole_step_through_the_kernel(gqa, monkeypatch, spec):
         calls.append(latent)
         return rematerialize(latent, first, up, fused=True)
 
-    def fused_rows(latent, first, window, up, src, fused=None):
+    def fused_rows(latent, first, window, src, dtype, fused=None):
         calls.append(latent)
-        return rematerialize_rows(latent, first, window, up, src, fused=True)
+        return latent_rows(latent, first, window, src, dtype, fused=True)
 
-    rematerialize, rematerialize_rows = xq.rematerialize, xq.rematerialize_rows
+    rematerialize, latent_rows = xq.rematerialize, xq.latent_rows
     monkeypatch.setattr(xq, "rematerialize", fused)
-    monkeypatch.setattr(xq, "rematerialize_rows", fused_rows)
+    monkeypatch.setattr(xq, "latent_rows", fused_rows)
     monkeypatch.setattr(xcl, "rematerialize", fused)
     eager, static, _ = decode_both(gqa, spec, None)
     assert any(isinstance(latent, xq.QTensor) for latent in calls)

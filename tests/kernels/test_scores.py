@@ -1,0 +1,43 @@
+"""The GQA scores kernel (kvzoo/kernels/scores.py) against its torch reference, under the Triton interpreter on CPU
+(compiled on CUDA with TRITON_INTERPRET=0)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kvzoo.kernels.scores import gqa_scores, gqa_scores_ref  # noqa: E402
+
+DEVICE = "cpu" if os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on", "yes") else "cuda"
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("H,rep", [(1, 1), (2, 3), (3, 4)])
+def test_matches_reference_on_a_strided_view(dtype, tol, H, rep):
+    """Keys as XQuant's static step holds them: rows [0, K) of a longer (B, K + 5, H*d) buffer; K = 200, not a multiple
+    of the block; 1, 3 and 4 query heads per KV head."""
+    g = torch.Generator().manual_seed(H * 10 + rep)
+    B, K, d = 2, 200, 32
+    q = torch.randn(B, H * rep, d, generator=g).to(DEVICE, dtype)
+    buf = torch.randn(B, K + 5, H * d, generator=g).to(DEVICE, dtype)
+    keys = buf[:, :K]
+    got = gqa_scores(q, keys, 0.25)
+    assert got.shape == (B, H * rep, K) and got.dtype == torch.float32
+    want = gqa_scores_ref(q, keys, 0.25)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_bad_input_is_named():
+    q = torch.randn(1, 4, 32).to(DEVICE)
+    with pytest.raises(ValueError, match="keys must be"):
+        gqa_scores(q, torch.randn(1, 10, 48).to(DEVICE), 1.0)               # 48 is not a multiple of d
+    with pytest.raises(ValueError, match="keys must be"):
+        gqa_scores(q, torch.randn(1, 10, 96).to(DEVICE), 1.0)               # 3 KV heads for 4 query heads
+    with pytest.raises(ValueError, match="keys must be"):
+        gqa_scores(q, torch.randn(1, 10, 64).to(DEVICE).half(), 1.0)        # dtype differs
+    with pytest.raises(ValueError, match="q must be"):
+        gqa_scores(q[0], torch.randn(1, 10, 64).to(DEVICE), 1.0)
