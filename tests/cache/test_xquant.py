@@ -359,3 +359,26 @@ def test_base_layer_beyond_the_model(mha):
     cache = mha.new_cache("xquant-cl:base_layer=4", 1, 16)
     with pytest.raises(ValueError, match="base_layer=4 is not a layer of this 4-layer model; accepted: 0 to 3"):
         mha(tokens(batch=1, length=4), cache)
+
+
+@pytest.mark.parametrize("n_kv,rep", [(1, 1), (2, 3), (3, 4)])
+def test_weighed_attention_equals_attention_over_rematerialized_values(n_kv, rep):
+    """The static step's attention, values weighed from their latent rows then projected per head, equals softmax
+    attention over V = rows · up_v with the token's exact value last and masked rows ignored."""
+    from kvzoo.cache.xquant import heads, weighed_attention
+
+    g = torch.Generator().manual_seed(n_kv * 10 + rep)
+    B, K, c, d = 2, 24, 40, 16
+    q = torch.randn(B, n_kv * rep, 1, d, generator=g)
+    keys = heads(torch.randn(B, K, n_kv * d, generator=g), n_kv, torch.float32)      # a view, as the step holds it
+    rows = torch.randn(B, K, c, generator=g)
+    rows[:, -1] = 0                                                                  # the token's row
+    up_v = torch.randn(c, n_kv * d, generator=g)
+    v = torch.randn(B, n_kv, 1, d, generator=g)
+    live = torch.rand(B, 1, 1, K, generator=g) > 0.3
+    live[..., -1] = True
+    bias = torch.zeros(B, 1, 1, K).masked_fill(~live, float("-inf"))
+    values = heads(rows @ up_v, n_kv, torch.float32).clone()                         # (B, n_kv, K, d)
+    values[:, :, -1:] = v
+    want = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=live, enable_gqa=rep > 1)
+    torch.testing.assert_close(weighed_attention(q, keys, bias, rows, up_v, v), want, rtol=1e-5, atol=1e-5)
