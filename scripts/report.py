@@ -81,7 +81,9 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=16, help="windows per dataset")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch-size", type=int, default=1, help="windows run side by side")
-    parser.add_argument("--mode", choices=MODES, default="simulated")
+    parser.add_argument("--mode", choices=MODES, default="simulated",
+                        help="simulated (the papers' protocol), streaming (token-by-token decode) or graph (streaming "
+                             "through the CUDA-graph step the benchmarks time); see scripts/perplexity.py")
     parser.add_argument("--prompt", type=int, default=None,
                         help="tokens of each window that are the prompt: prefilled exact, statistics taken from them, "
                              "not scored (default min(256, seq_len / 8), the same for every row)")

@@ -124,7 +124,8 @@ def dequantize_latent(latent: QTensor | Tensor, first: Tensor | None, dtype: tor
 
 def rematerialize(latent: QTensor | Tensor, first: Tensor | None, up: Tensor, fused: bool | None = None) -> Tensor:
     """K or V (flat heads, before RoPE) from cached rows: dequantize (B, N, c) and multiply by the
-    up-projection `up` (c, n_kv*hd) -> (B, N, n_kv*hd) in up's dtype. This is all XQuant adds to a KV cache's decode step. Packed codes on a GPU (or with
+    up-projection `up` (c, n_kv*hd) -> (B, N, n_kv*hd) in up's dtype. This is all XQuant adds to a KV cache's
+    decode step. Packed codes on a GPU (or with
     fused=True: the Triton interpreter in tests) go through kvzoo.kernels.xquant_remat.dequant_matmul (16-bit
     factors: the rows dequantized once, then cuBLAS; fp32 factors: one fused kernel); exact rows take the torch
     path."""
@@ -382,7 +383,7 @@ class XQuantCache(WholeStep, LayerCache):
 
     def _static_keys(self, step: StaticStep, name: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The step's keys are the K stream's allocated rows (WindowedStore.static_rows), dead rows up to a multiple
-        of 8 (aligned rows for cuBLAS's fast kernels: 76 µs against 25 for the values' product at 32K on an H100),
+        of 8 (aligned rows for cuBLAS's fast kernels: 76 µs against 30 for the values' product at 32K on an H100),
         then the new token exact. From the device-held length L = step.slot: (RoPE positions of the keys (B, K + 1),
         the additive mask (B, 1, 1, K + 1) in `dtype`: 0 where a key may be attended, that is where its row is live,
         is not the token's own row (the token's exact k comes last) and the step's mask allows its slot, -inf
@@ -392,9 +393,9 @@ class XQuantCache(WholeStep, LayerCache):
         if key not in step.derived:
             L = step.slot
             slots, live = self.store.static_rows(step, name)
-            pad = _aligned(slots.numel() + 1) - slots.numel() - 1                          # dead rows before the token's
+            pad = _aligned(slots.numel() + 1) - slots.numel() - 1            # dead rows before the token's
+            live = torch.cat([live & (slots != L), live.new_zeros(pad), torch.ones_like(L, dtype=torch.bool)])
             slots = torch.cat([slots, L.expand(pad), L])
-            live = torch.cat([live & (slots[:-pad - 1] != L), live.new_zeros(pad), torch.ones_like(L, dtype=torch.bool)])
             mask = step.mask.index_select(-1, slots.clamp_max(self.max_len - 1)) & live          # (B, 1, 1, K + 1)
             ids = (slots[None, :] + (step.ids - L)).clamp_min(0)           # (B, K + 1): slot - pad, as in decode
             bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
@@ -408,8 +409,8 @@ class XQuantCache(WholeStep, LayerCache):
         if key not in step.derived:
             by_slot = self.store.row_map(step, k_name, v_name)
             token = self.store.codecs[v_name].capacity + self.store.recent(v_name).shape[1]     # a zero row
-            step.derived[key] = torch.cat([by_slot, by_slot.new_full((_aligned(by_slot.numel() + 1) - by_slot.numel(),),
-                                                                      token)])
+            zeros = _aligned(by_slot.numel() + 1) - by_slot.numel()                         # dead rows, the token's
+            step.derived[key] = torch.cat([by_slot, by_slot.new_full((zeros,), token)])
         return step.derived[key]
 
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:

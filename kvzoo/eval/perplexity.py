@@ -10,7 +10,8 @@ mode (the papers' protocol) every token sees the cache as token-by-token decodin
 "streaming" mode a real prefill of the prompt is followed by token-by-token decoding through the packed
 storage; "graph" mode decodes those tokens through the step that generation and bench_decode replay
 (`kvzoo.graphs.decoder`: a CUDA graph of the whole step where the strategy has one, with its fused kernels,
-else the piecewise step), so its perplexity checks the fast path against "streaming". The cache's bytes after the window are reported beside the fp16 cache's bytes for the same tokens.
+else the piecewise step), so its perplexity checks the fast path against "streaming". The cache's bytes after
+the window are reported beside the fp16 cache's bytes for the same tokens.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def perplexity(model: Transformer, token_ids: list[int] | torch.Tensor, seq_len:
     """mode "simulated": one teacher-forced forward per window, the first `prompt` tokens read exact. mode
     "streaming": a real prefill of the prompt (at least one token), then every further token decoded one at a
     time through the packed storage (teacher-forced). mode "graph": as "streaming", the decode steps through
-    kvzoo.graphs.decoder (CUDA graphs and the strategies' static steps on a GPU). Predictions of tokens max(prompt, 1)..L-1 are scored.
+    kvzoo.graphs.decoder (CUDA graphs and the strategies' static steps on a GPU). Predictions of tokens
+    max(prompt, 1)..L-1 are scored.
     prompt defaults to default_prompt(seq_len). `batch_size` windows run side by side. prefill_chunk
     (streaming, graph): prefill that many tokens at a time (chunked prefill)."""
     if isinstance(cache, str):
@@ -113,9 +115,10 @@ def perplexity(model: Transformer, token_ids: list[int] | torch.Tensor, seq_len:
     for w in tqdm(range(0, windows, batch_size), desc=f"perplexity ({cache.name}, {mode})", disable=not progress):
         n = min(batch_size, windows - w)
         tokens = ids[w * seq_len:(w + n) * seq_len].view(n, seq_len).to(model.device)   # (n, L)
-        kv = model.new_cache(cache, batch_size=n, max_len=seq_len, mode="simulated" if mode == "simulated" else "streaming",
-                             prompt=prompt if mode == "simulated" else 0)
-        if mode == "simulated":
+        simulated = mode == "simulated"                              # graph mode decodes a streaming cache
+        kv = model.new_cache(cache, batch_size=n, max_len=seq_len, mode="simulated" if simulated else "streaming",
+                             prompt=prompt if simulated else 0)
+        if simulated:
             logits = model(tokens, kv)                                                   # (n, L, V)
         else:
             step = prefill_chunk or first

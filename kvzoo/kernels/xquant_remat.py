@@ -13,7 +13,8 @@ r as one bit stream (kvzoo.cache.kvquant.pack): channel j sits at bits (j*b) % 3
 3-bit code may spill into the next word (the kernels read both words of such a code).
 
 Two ways (dequant_matmul picks): fp16/bf16 weights on a GPU take two passes, the rows dequantized once into
-a (..., N, r) buffer in the weight's dtype (_dequant_kernel) and multiplied by cuBLAS (one torch.mm); fp32 weights (up_dtype=float32) take one fused kernel (_remat_kernel), so the dequantized rows
+a (..., N, r) buffer in the weight's dtype (_dequant_kernel) and multiplied by cuBLAS (one torch.mm); fp32
+weights (up_dtype=float32) take one fused kernel (_remat_kernel), so the dequantized rows
 never reach device memory but every output tile dequantizes its rows again.
 
 Fused kernel tiling: a program computes a (BLOCK_M, BLOCK_N) tile of out, looping over r in BLOCK_K steps; each step

@@ -42,6 +42,8 @@ def test_perplexity_streaming_with_chunks(model):  # noqa: F811
     assert chunked.perplexity == pytest.approx(one.perplexity, rel=1e-5)
     with pytest.raises(ValueError, match="prefill_chunk applies to streaming and graph modes"):
         perplexity(model, ids, seq_len=48, prefill_chunk=8, progress=False)
+    with pytest.raises(ValueError, match="unknown mode 'eager'; accepted: simulated, streaming, graph"):
+        perplexity(model, ids, seq_len=48, mode="eager", progress=False)
 
 
 @pytest.mark.parametrize("name", ["fp16", "kivi", "squat-pre-g8", "xquant", "alignedkv", "innerq"])
