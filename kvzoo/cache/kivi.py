@@ -260,21 +260,14 @@ class KIVICache(WholeStep, LayerCache):
     def _attend_fused(self, q: Tensor, step: StaticStep) -> Tensor:
         """q (B, Hq, 1, d) after RoPE over every stored slot and the token, in one fused kernel
         (kvzoo/kernels/outer_attention.py): each slot's key and value from its codes or its stream's window.
-        KIVI*: the kernel rotates the quantized keys; the sink's and the key window's are rotated here."""
+        KIVI*: the kernel rotates every key, stored before RoPE, to its position."""
         from kvzoo.kernels.outer_attention import outer_decode_attention
 
         st, kc, vc = self.store, self.store.codecs["k"], self.store.codecs["v"]
-        lengths, k_sink, k_recent, rope = self._static_lengths(step), st.sink("k"), st.recent("k"), None
-        if self.pre_rope:
-            rope = self._rope_tables(step, q.dtype)
-            S, rows = self.opts.sink, k_recent.shape[2]
-            # key window row j holds slot S + n_k + j (rows past the live ones are never read)
-            at = (S + lengths[0] + torch.arange(rows, device=q.device)).clamp_max(self.max_len - 1)
-            k_sink = self.attn.rope.rotate(k_sink, rope[0][:S], rope[1][:S])
-            k_recent = self.attn.rope.rotate(k_recent, rope[0].index_select(0, at), rope[1].index_select(0, at))
+        rope = self._rope_tables(step, q.dtype) if self.pre_rope else None
         out = outer_decode_attention(q[:, :, 0], kc.codes, kc.scale, kc.zero, vc.codes, vc.scale, vc.zero,
-                                     self.opts.bits, k_recent, st.recent("v"), lengths, k_sink=k_sink,
-                                     v_sink=st.sink("v"), rope=rope)
+                                     self.opts.bits, st.recent("k"), st.recent("v"), self._static_lengths(step),
+                                     k_sink=st.sink("k"), v_sink=st.sink("v"), rope=rope)
         return out[:, :, None]                                                  # (B, Hq, 1, d)
 
     def _rope_tables(self, step: StaticStep, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

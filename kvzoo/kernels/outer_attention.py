@@ -40,10 +40,11 @@ Two kernels:
      of each KV head takes the sink, then the tail's slots past the quantized ones 32 at a time, each slot's key
      and value read from its codes or its window by the rule above. Every program writes its (m, l, acc).
   2. combine: grid (B*H,). Merges the partials, divides by l and writes (B, Hq, d) in q's dtype.
-Keys stored before RoPE (KIVI*, `rope=(cos, sin)`): each quantized key is rotated to its position in the kernel,
-rotate-half style, from the key and the same key with its halves swapped (whole groups: in registers; the tail's
-single slots: their codes, scales and zeros read a second time at channel (j + d/2) % d), with the cos/sin rows of
-its position; the caller gives the sink and the windows rotated.
+Keys stored before RoPE (KIVI*, `rope=(cos, sin)`): every key, quantized or exact (the sink, the key window), is
+rotated to its position in the kernel: sink row i to position i, tail slot u to n_sink + u. The kernel unpacks
+each key's two channel halves as separate tiles, rotates them in fp32 ([lo, hi] -> [lo cos - hi sin,
+hi cos + lo sin], rotate-half style) and takes the scores as two dots of d/2 channels, so no key is unpacked twice
+or moved between halves; it reads the first half of each cos/sin row (a rotate-half table repeats its frequencies).
 """
 
 from __future__ import annotations
@@ -66,95 +67,104 @@ GROUPS_PER_STEP = 4          # groups of 32 tokens per step of the split kernel 
 PROGRAMS_PER_SM = 2          # split-K sizing: programs per SM of the device
 SPLIT_WARPS = None           # warps of the split kernel; None: num_warps
 SPLIT_STAGES = 3             # software-pipelining depth of the split kernel's token loop
+ROPE_GROUPS_PER_STEP = 4     # the same two settings where the kernel rotates keys stored before RoPE (KIVI*)
+ROPE_STAGES = 2
 FAST_PATH = True             # fp16/bf16 models on a GPU: codes unpacked as half2 in inline PTX
 OUTER_BITS = (2, 4, 8)       # code widths of either stream
 
 
 @triton.jit
-def _words(c_ptr, n, live, D: tl.constexpr, BITS: tl.constexpr, TURN: tl.constexpr):
-    """Code words of tokens n (BLOCK,): (BLOCK, W), word j of a token, or with TURN word (j + W/2) % W (the
-    channels' halves swapped, for RoPE's rotate-half)."""
+def _words(c_ptr, n, live, D: tl.constexpr, BITS: tl.constexpr, PART: tl.constexpr, PARTS: tl.constexpr):
+    """Code words of tokens n (BLOCK,) holding channel part PART of PARTS equal parts (PARTS = 1: every channel;
+    2: RoPE's rotate-half halves): (BLOCK, W / PARTS), W = D * BITS / 32 words a token."""
     W: tl.constexpr = D * BITS // 32
-    w = (tl.arange(0, W) + TURN * (W // 2)) % W
-    return tl.load(c_ptr + n[:, None] * W + w[None, :], mask=live[:, None], other=0)
+    WP: tl.constexpr = W // PARTS
+    return tl.load(c_ptr + n[:, None] * W + PART * WP + tl.arange(0, WP)[None, :], mask=live[:, None], other=0)
 
 
 @triton.jit
-def _exact_codes(c_ptr, n, live, D: tl.constexpr, BITS: tl.constexpr, TURN: tl.constexpr):
-    """Codes of tokens n (BLOCK,) as exact fp32 values (BLOCK, D) in channel order (halves swapped with TURN)."""
+def _exact_codes(c_ptr, n, live, D: tl.constexpr, BITS: tl.constexpr, PART: tl.constexpr, PARTS: tl.constexpr):
+    """Codes of tokens n (BLOCK,), channel part PART of PARTS, as exact fp32 values (BLOCK, D / PARTS)."""
     c = tl.arange(0, 32 // BITS)
-    x = unpack_codes(_words(c_ptr, n, live, D, BITS, TURN)[:, :, None], (c * BITS)[None, None, :], BITS)
-    return tl.reshape(x, (n.shape[0], D))
+    x = unpack_codes(_words(c_ptr, n, live, D, BITS, PART, PARTS)[:, :, None], (c * BITS)[None, None, :], BITS)
+    return tl.reshape(x, (n.shape[0], D // PARTS))
 
 
 @triton.jit
 def _codes(c_ptr, n, live, D: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
-           CON: tl.constexpr, TURN: tl.constexpr):
-    """Codes of tokens n (BLOCK,) as exact values (BLOCK, D) in channel order (halves swapped with TURN): fp16
-    unpacked by inline PTX (FAST), or fp32."""
+           CON: tl.constexpr, PART: tl.constexpr, PARTS: tl.constexpr):
+    """Codes of tokens n (BLOCK,), channel part PART of PARTS, as exact values (BLOCK, D / PARTS) in channel order:
+    fp16 unpacked by inline PTX (FAST), or fp32."""
     CPW: tl.constexpr = 32 // BITS
     if FAST:
-        o = tl.inline_asm_elementwise(ASM, CON, [_words(c_ptr, n, live, D, BITS, TURN)],
+        o = tl.inline_asm_elementwise(ASM, CON, [_words(c_ptr, n, live, D, BITS, PART, PARTS)],
                                       dtype=(tl.float16,) * CPW, is_pure=True, pack=2)
         x = join_codes(o, BITS)
     else:
-        x = _exact_codes(c_ptr, n, live, D, BITS, TURN)
+        x = _exact_codes(c_ptr, n, live, D, BITS, PART, PARTS)
     return x
 
 
 @triton.jit
-def _rotate(k, k_turned, cos_ptr, sin_ptr, pos, live, D: tl.constexpr):
-    """RoPE (rotate-half) of keys k (BLOCK, D) at positions pos (BLOCK,), k_turned the same keys with their halves
-    swapped; cos, sin tables (positions, D). fp32."""
-    d = tl.arange(0, D)
-    at = pos[:, None] * D + d[None, :]
+def _rotated_scores(q_lo, q_hi, k_lo, k_hi, cos_ptr, sin_ptr, pos, live, D: tl.constexpr):
+    """Scores (REP_P, BLOCK) of the query rows against keys rotated by RoPE (rotate-half) to positions pos (BLOCK,):
+    the queries' and the keys' channel halves (., D/2) each, rotated in fp32 as
+    [lo, hi] -> [lo * cos - hi * sin, hi * cos + lo * sin]. A rotate-half table repeats its frequencies in both
+    halves, so only the first half of each cos, sin row (positions, D) is read."""
+    E: tl.constexpr = D // 2
+    at = pos[:, None] * D + tl.arange(0, E)[None, :]
     cos = tl.load(cos_ptr + at, mask=live[:, None], other=0).to(tl.float32)
     sin = tl.load(sin_ptr + at, mask=live[:, None], other=0).to(tl.float32)
-    sign = tl.where(d < D // 2, -1.0, 1.0)
-    return k.to(tl.float32) * cos + k_turned.to(tl.float32) * sign[None, :] * sin
+    lo, hi = k_lo.to(tl.float32), k_hi.to(tl.float32)
+    r_lo = (lo * cos - hi * sin).to(q_lo.dtype)
+    r_hi = (hi * cos + lo * sin).to(q_hi.dtype)
+    s = tl.dot(q_lo, tl.trans(r_lo), input_precision="ieee")
+    return tl.dot(q_hi, tl.trans(r_hi), s, input_precision="ieee")
 
 
 @triton.jit
-def _turn(k, D: tl.constexpr):
-    """k (BLOCK, D) with its channels' halves swapped (RoPE's rotate-half partner), in registers."""
-    BLOCK: tl.constexpr = k.shape[0]
-    halves = tl.permute(tl.reshape(k, (BLOCK, 2, D // 2), can_reorder=False), (0, 2, 1))   # (BLOCK, D/2, 2)
-    first, second = tl.split(halves)                                                    # (BLOCK, D/2) each
-    return tl.reshape(tl.permute(tl.join(second, first), (0, 2, 1)), (BLOCK, D), can_reorder=False)
+def _halves(x, D: tl.constexpr):
+    """x (R, D) as its channel halves (R, D/2) each."""
+    R: tl.constexpr = x.shape[0]
+    return tl.split(tl.permute(tl.reshape(x, (R, 2, D // 2), can_reorder=False), (0, 2, 1)))
 
 
 @triton.jit
 def _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
-                FAST: tl.constexpr, ASM: tl.constexpr, CON: tl.constexpr, KT: tl.constexpr, CG: tl.constexpr):
+                FAST: tl.constexpr, ASM: tl.constexpr, CON: tl.constexpr, KT: tl.constexpr, CG: tl.constexpr,
+                PART: tl.constexpr, PARTS: tl.constexpr):
     """Keys of the GS whole groups of 32 tokens from group t (tokens n), one scale and zero per (group, channel),
-    or with KT per (token, group of CG channels): (32*GS, D) in the codes' dtype."""
+    or with KT per (token, group of CG channels, PARTS = 1): (32*GS, D / PARTS) in the codes' dtype, channel part
+    PART of PARTS."""
     BLOCK_N: tl.constexpr = GS * 32
+    C: tl.constexpr = D // PARTS
     if KT:
-        k = _values(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON, 0), ks_ptr, kz_ptr, n, live, D, CG)
+        k = _values(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON, 0, 1), ks_ptr, kz_ptr, n, live, D, CG)
     else:
         g = tl.arange(0, GS)
-        per_ch = (t + g)[:, None] * D + tl.arange(0, D)[None, :]                      # (GS, D)
+        per_ch = (t + g)[:, None] * D + PART * C + tl.arange(0, C)[None, :]           # (GS, C)
         live_g = (t + g < stop)[:, None]
-        x = tl.reshape(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON, 0), (GS, 32, D), can_reorder=False)
+        x = tl.reshape(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON, PART, PARTS), (GS, 32, C),
+                       can_reorder=False)
         scale = tl.load(ks_ptr + per_ch, mask=live_g, other=0).to(x.dtype)
         zero = tl.load(kz_ptr + per_ch, mask=live_g, other=0).to(x.dtype)
-        k = tl.reshape(x * scale[:, None, :] + zero[:, None, :], (BLOCK_N, D), can_reorder=False)
+        k = tl.reshape(x * scale[:, None, :] + zero[:, None, :], (BLOCK_N, C), can_reorder=False)
     return k
 
 
 @triton.jit
-def _token_keys(kc_ptr, ks_ptr, kz_ptr, u, live, D: tl.constexpr, BITS: tl.constexpr, TURN: tl.constexpr,
-                KT: tl.constexpr, CG: tl.constexpr):
-    """Keys of tokens u (BLOCK,), any slots, each with its group's scale and zero (KT: per token): (BLOCK, D)
-    fp32, halves swapped with TURN."""
+def _token_keys(kc_ptr, ks_ptr, kz_ptr, u, live, D: tl.constexpr, BITS: tl.constexpr, KT: tl.constexpr,
+                CG: tl.constexpr, PART: tl.constexpr, PARTS: tl.constexpr):
+    """Keys of tokens u (BLOCK,), any slots, each with its group's scale and zero (KT: per token, PARTS = 1):
+    (BLOCK, D / PARTS) fp32, channel part PART of PARTS."""
+    C: tl.constexpr = D // PARTS
     if KT:
-        k = _values(_exact_codes(kc_ptr, u, live, D, BITS, 0), ks_ptr, kz_ptr, u, live, D, CG)
+        k = _values(_exact_codes(kc_ptr, u, live, D, BITS, 0, 1), ks_ptr, kz_ptr, u, live, D, CG)
     else:
-        ch = (tl.arange(0, D) + TURN * (D // 2)) % D
-        per_ch = (u // 32)[:, None] * D + ch[None, :]
+        per_ch = (u // 32)[:, None] * D + PART * C + tl.arange(0, C)[None, :]
         scale = tl.load(ks_ptr + per_ch, mask=live[:, None], other=0).to(tl.float32)
         zero = tl.load(kz_ptr + per_ch, mask=live[:, None], other=0).to(tl.float32)
-        k = _exact_codes(kc_ptr, u, live, D, BITS, TURN) * scale + zero
+        k = _exact_codes(kc_ptr, u, live, D, BITS, PART, PARTS) * scale + zero
     return k
 
 
@@ -171,10 +181,9 @@ def _values(codes, vs_ptr, vz_ptr, n, live, D: tl.constexpr, CG: tl.constexpr):
 
 
 @triton.jit
-def _online(q, k, v, live, m, l, acc, qk_scale):
-    """One step of the online softmax in base 2: keys k (BLOCK, D) and values v (BLOCK, D) in the dots' dtype,
-    dead tokens masked out of the scores."""
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale                   # (REP_P, BLOCK)
+def _online_scores(s, v, live, m, l, acc):
+    """One step of the online softmax in base 2: scores s (REP_P, BLOCK) already scaled, values v (BLOCK, D) in
+    the dots' dtype, dead tokens masked out of the scores."""
     s = tl.where(live[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.math.exp2(m - m_new)
@@ -183,10 +192,16 @@ def _online(q, k, v, live, m, l, acc, qk_scale):
 
 
 @triton.jit
-def _quantized(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos_ptr, sin_ptr, len_ptr, start, PER_SPLIT, m, l,
-               acc, qk_scale, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, GS: tl.constexpr,
-               FAST: tl.constexpr, AK: tl.constexpr, CK: tl.constexpr, AV: tl.constexpr, CV: tl.constexpr,
-               ROPE: tl.constexpr, KT: tl.constexpr, CG: tl.constexpr):
+def _online(q, k, v, live, m, l, acc, qk_scale):
+    """_online_scores with the scores of q (REP_P, D) against keys k (BLOCK, D)."""
+    return _online_scores(tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale, v, live, m, l, acc)
+
+
+@triton.jit
+def _quantized(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos_ptr, sin_ptr, len_ptr, start,
+               PER_SPLIT, m, l, acc, qk_scale, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
+               GS: tl.constexpr, FAST: tl.constexpr, AK: tl.constexpr, CK: tl.constexpr, AV: tl.constexpr,
+               CV: tl.constexpr, ROPE: tl.constexpr, KT: tl.constexpr, CG: tl.constexpr):
     """The online softmax over the groups [start, start + PER_SPLIT) of the slots quantized in both streams."""
     BLOCK_N: tl.constexpr = GS * 32
     n_both = tl.minimum(tl.load(len_ptr), tl.load(len_ptr + 1))
@@ -194,18 +209,52 @@ def _quantized(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos_ptr, sin_p
     for t in range(start, stop, GS):
         n = t * 32 + tl.arange(0, BLOCK_N)
         live = n < n_both
-        k = _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D, KB, GS, FAST, AK, CK, KT, CG)
         if ROPE:                                 # keys stored before RoPE: slot u sits at position n_sink + u
-            k = _rotate(k, _turn(k, D), cos_ptr, sin_ptr, tl.load(len_ptr + 3) + n, live, D)
-        v = _values(_codes(vc_ptr, n, live, D, VB, FAST, AV, CV, 0), vs_ptr, vz_ptr, n, live, D, CG)
-        m, l, acc = _online(q, _dot_dtype(k.to(q.dtype)), v.to(q.dtype), live, m, l, acc, qk_scale)
+            k_lo = _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D, KB, GS, FAST, AK, CK, KT, CG, 0, 2)
+            k_hi = _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D, KB, GS, FAST, AK, CK, KT, CG, 1, 2)
+            s = _rotated_scores(q_lo, q_hi, k_lo, k_hi, cos_ptr, sin_ptr, tl.load(len_ptr + 3) + n, live, D)
+        else:
+            k = _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D, KB, GS, FAST, AK, CK, KT, CG, 0, 1)
+            s = tl.dot(q, tl.trans(_dot_dtype(k.to(q.dtype))), input_precision="ieee")
+        v = _values(_codes(vc_ptr, n, live, D, VB, FAST, AV, CV, 0, 1), vs_ptr, vz_ptr, n, live, D, CG)
+        m, l, acc = _online_scores(s * qk_scale, v.to(q.dtype), live, m, l, acc)
     return m, l, acc
 
 
 @triton.jit
-def _tail(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_ptr, vw_ptr, cos_ptr, sin_ptr,
-          len_ptr, m, l, acc, qk_scale, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, BLOCK: tl.constexpr,
-          ROPE: tl.constexpr, KT: tl.constexpr, CG: tl.constexpr):
+def _rotated_sink(q_lo, q_hi, kw_ptr, vw_ptr, n_sink, cos_ptr, sin_ptr, m, l, acc, qk_scale, D: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """The online softmax over the sink's n_sink exact rows, keys stored before RoPE and rotated to positions
+    0 .. n_sink - 1 (KIVI*'s sink; _attend_window for keys stored rotated)."""
+    E: tl.constexpr = D // 2
+    e = tl.arange(0, E)
+    for w0 in range(0, n_sink, BLOCK):
+        w = w0 + tl.arange(0, BLOCK)
+        live = w < n_sink
+        k_lo = tl.load(kw_ptr + w[:, None] * D + e[None, :], mask=live[:, None], other=0)
+        k_hi = tl.load(kw_ptr + w[:, None] * D + E + e[None, :], mask=live[:, None], other=0)
+        s = _rotated_scores(q_lo, q_hi, k_lo, k_hi, cos_ptr, sin_ptr, w, live, D)
+        v = _dot_dtype(tl.load(vw_ptr + w[:, None] * D + tl.arange(0, D)[None, :], mask=live[:, None], other=0))
+        m, l, acc = _online_scores(s * qk_scale, v, live, m, l, acc)
+    return m, l, acc
+
+
+@triton.jit
+def _tail_key_part(kc_ptr, ks_ptr, kz_ptr, kr_ptr, u, n_k, live, coded, D: tl.constexpr, KB: tl.constexpr,
+                   KT: tl.constexpr, CG: tl.constexpr, PART: tl.constexpr, PARTS: tl.constexpr):
+    """Keys of tail slots u (BLOCK,), channel part PART of PARTS, fp32: from the codes where `coded`, else row
+    u - n_k of the key window."""
+    C: tl.constexpr = D // PARTS
+    k = _token_keys(kc_ptr, ks_ptr, kz_ptr, u, coded, D, KB, KT, CG, PART, PARTS)
+    at = (u - n_k)[:, None] * D + PART * C + tl.arange(0, C)[None, :]
+    exact = tl.load(kr_ptr + at, mask=(live & ~coded)[:, None], other=0)
+    return tl.where(coded[:, None], k, exact.to(tl.float32))
+
+
+@triton.jit
+def _tail(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_ptr, vw_ptr, cos_ptr,
+          sin_ptr, len_ptr, m, l, acc, qk_scale, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
+          BLOCK: tl.constexpr, ROPE: tl.constexpr, KT: tl.constexpr, CG: tl.constexpr):
     """The online softmax over the sink, then over the tail's slots past those quantized in both streams, BLOCK
     at a time, each slot's key and value from its codes or its window (module docstring)."""
     d = tl.arange(0, D)
@@ -213,22 +262,27 @@ def _tail(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_
     n_v = tl.load(len_ptr + 1)
     n_tail = tl.load(len_ptr + 2)
     n_sink = tl.load(len_ptr + 3)
-    m, l, acc = _attend_window(q, kw_ptr, vw_ptr, n_sink, m, l, acc, qk_scale, D, BLOCK)
+    if ROPE:
+        m, l, acc = _rotated_sink(q_lo, q_hi, kw_ptr, vw_ptr, n_sink, cos_ptr, sin_ptr, m, l, acc, qk_scale, D,
+                                  BLOCK)
+    else:
+        m, l, acc = _attend_window(q, kw_ptr, vw_ptr, n_sink, m, l, acc, qk_scale, D, BLOCK)
     for u0 in range(tl.minimum(n_k, n_v), n_tail, BLOCK):
         u = u0 + tl.arange(0, BLOCK)
         live = u < n_tail
         coded = live & (u < n_k)                                   # key from its codes, else from the key window
-        k = _token_keys(kc_ptr, ks_ptr, kz_ptr, u, coded, D, KB, 0, KT, CG)
-        if ROPE:
-            k = _rotate(k, _token_keys(kc_ptr, ks_ptr, kz_ptr, u, coded, D, KB, 1, KT, CG), cos_ptr, sin_ptr,
-                        n_sink + u, coded, D)
-        exact = tl.load(kr_ptr + (u - n_k)[:, None] * D + d[None, :], mask=(live & ~coded)[:, None], other=0)
-        k = _dot_dtype(tl.where(coded[:, None], k, exact.to(tl.float32)).to(q.dtype))
+        if ROPE:                                                   # slot u at position n_sink + u
+            k_lo = _tail_key_part(kc_ptr, ks_ptr, kz_ptr, kr_ptr, u, n_k, live, coded, D, KB, KT, CG, 0, 2)
+            k_hi = _tail_key_part(kc_ptr, ks_ptr, kz_ptr, kr_ptr, u, n_k, live, coded, D, KB, KT, CG, 1, 2)
+            s = _rotated_scores(q_lo, q_hi, k_lo, k_hi, cos_ptr, sin_ptr, n_sink + u, live, D)
+        else:
+            k = _tail_key_part(kc_ptr, ks_ptr, kz_ptr, kr_ptr, u, n_k, live, coded, D, KB, KT, CG, 0, 1)
+            s = tl.dot(q, tl.trans(_dot_dtype(k.to(q.dtype))), input_precision="ieee")
         coded = live & (u < n_v)                                   # value from its codes, else the value window
-        v = _values(_exact_codes(vc_ptr, u, coded, D, VB, 0), vs_ptr, vz_ptr, u, coded, D, CG)
+        v = _values(_exact_codes(vc_ptr, u, coded, D, VB, 0, 1), vs_ptr, vz_ptr, u, coded, D, CG)
         exact = tl.load(vr_ptr + (u - n_v)[:, None] * D + d[None, :], mask=(live & ~coded)[:, None], other=0)
         v = _dot_dtype(tl.where(coded[:, None], v, exact.to(tl.float32)).to(q.dtype))
-        m, l, acc = _online(q, k, v, live, m, l, acc, qk_scale)
+        m, l, acc = _online_scores(s * qk_scale, v, live, m, l, acc)
     return m, l, acc
 
 
@@ -252,17 +306,18 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
     live_r = r < REP
     d = tl.arange(0, D)
     q = _dot_dtype(tl.load(q_ptr + (kv * REP + r[:, None]) * D + d[None, :], mask=live_r[:, None], other=0))
+    q_lo, q_hi = _halves(q, D)                   # read only by ROPE's rotated scores
     m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((REP_P,), dtype=tl.float32)
     acc = tl.zeros((REP_P, D), dtype=tl.float32)
     if split == tl.num_programs(1) - 1:          # the last program: the sink and the tail
-        m, l, acc = _tail(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr + head * s_kr,
+        m, l, acc = _tail(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr + head * s_kr,
                           vr_ptr + head * s_vr, kw_ptr + head * s_kw, vw_ptr + head * s_vw, cos_ptr, sin_ptr, len_ptr,
                           m, l, acc, qk_scale, D, KB, VB, BLOCK, ROPE, KT, CG)
     else:
-        m, l, acc = _quantized(q, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos_ptr, sin_ptr, len_ptr,
-                               split * PER_SPLIT, PER_SPLIT, m, l, acc, qk_scale, D, KB, VB, GS, FAST, AK, CK, AV, CV,
-                               ROPE, KT, CG)
+        m, l, acc = _quantized(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos_ptr, sin_ptr,
+                               len_ptr, split * PER_SPLIT, PER_SPLIT, m, l, acc, qk_scale, D, KB, VB, GS, FAST, AK,
+                               CK, AV, CV, ROPE, KT, CG)
     rows = (kv * REP + r) * tl.num_programs(1) + split
     tl.store(m_ptr + rows, m, mask=live_r)
     tl.store(l_ptr + rows, l, mask=live_r)
@@ -304,8 +359,8 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     n_sink], an int32 device tensor (4,) (CUDA graphs) or four ints, with n_k <= N_k, n_v <= N_v, the tail's
     window slots within the windows' rows and n_sink within the sink's.
     rope: (cos, sin) tables (P, d) in q's dtype (row p: position p, rotate-half layout) for keys quantized before
-    RoPE (KIVI*): quantized slot u is rotated to position n_sink + u in the kernel, P >= n_sink + n_k; the sink
-    and window keys are given rotated.
+    RoPE (KIVI*): every key is rotated in the kernel, sink row i to position i and tail slot u to n_sink + u,
+    P >= n_sink + n_tail; the sink's and the key window's rows are given before RoPE, as stored.
     sm_scale defaults to 1/sqrt(d); num_splits (split-K over the slots quantized in both streams) to enough
     programs to fill the device."""
     v_bits = bits if v_bits is None else v_bits
@@ -354,8 +409,8 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
             raise ValueError("rope must be a pair of tables (cos, sin), each (positions, d)")
         for name, t in zip(("rope cos", "rope sin"), rope):
             check_tensor(t, name, (rope[0].shape[0], d), (q.dtype,), dev)
-        if not isinstance(lengths, Tensor) and lengths[3] + lengths[0] > rope[0].shape[0]:
-            raise ValueError(f"rope tables hold {rope[0].shape[0]} positions; the keys need {lengths[3] + lengths[0]}")
+        if not isinstance(lengths, Tensor) and lengths[3] + lengths[2] > rope[0].shape[0]:
+            raise ValueError(f"rope tables hold {rope[0].shape[0]} positions; the keys need {lengths[3] + lengths[2]}")
     if not isinstance(lengths, Tensor):
         if len(lengths) != 4 or lengths[0] > N_k or lengths[1] > N_v:
             raise ValueError(f"lengths must be [n_k <= {N_k}, n_v <= {N_v}, n_tail, n_sink], got {lengths}")
@@ -370,9 +425,7 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
         return out
     fast = FAST_PATH and unpacks_in_ptx(q)
     n_groups = -(-min(N_k, N_v) // GROUP)                  # runs of 32 slots; a partial last run is masked
-    # keys rotated in the kernel (two key tiles and the cos/sin tiles per step): 2 groups per step and one stage,
-    # the setting timed at the Llama-3.1-8B shape
-    max_gs, stages = (max(1, GROUPS_PER_STEP // 2), 1) if rope is not None else (GROUPS_PER_STEP, SPLIT_STAGES)
+    max_gs, stages = (ROPE_GROUPS_PER_STEP, ROPE_STAGES) if rope is not None else (GROUPS_PER_STEP, SPLIT_STAGES)
     splits, per_split, gs = _plan_splits(n_groups, B * H, dev, num_splits, max_gs, PROGRAMS_PER_SM) \
         if n_groups else (0, 0, 1)
     # one partial per split over the quantized slots, and the last for the sink and the tail
@@ -418,11 +471,11 @@ def outer_decode_attention_ref(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_ze
     else:
         k_q = per_token(k_codes, k_scale, k_zero, bits, n_k)
     v_q = per_token(v_codes, v_scale, v_zero, bits if v_bits is None else v_bits, n_v)
-    if rope is not None:                       # quantized slot u at position n_sink + u, rotate-half
-        cos, sin = (t[n_sink:n_sink + n_k].float() for t in rope)
-        k_q = k_q * cos + torch.cat([-k_q[..., d // 2:], k_q[..., :d // 2]], dim=-1) * sin
     sink = [] if k_sink is None else [(k_sink[:, :, :n_sink].float(), v_sink[:, :, :n_sink].float())]
     keys = torch.cat([s[0] for s in sink] + [k_q, k_recent[:, :, :n_tail - n_k].float()], dim=2)
+    if rope is not None:                       # key i (sink rows, then the tail's slots) at position i, rotate-half
+        cos, sin = (t[:keys.shape[2]].float() for t in rope)
+        keys = keys * cos + torch.cat([-keys[..., d // 2:], keys[..., :d // 2]], dim=-1) * sin
     values = torch.cat([s[1] for s in sink] + [v_q, v_recent[:, :, :n_tail - n_v].float()], dim=2)
     scale = 1 / math.sqrt(d) if sm_scale is None else sm_scale
     qh = q.view(B, H, Hq // H, d).float()

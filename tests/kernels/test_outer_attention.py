@@ -167,8 +167,8 @@ def rope_tables(positions: int, d: int, dtype):
     (2, 64, torch.float32, (128, 90, 130, 4)), (4, 128, torch.float16, (96, 96, 120, 2)),
     (2, 128, torch.bfloat16, (64, 95, 96, 0)), (2, 64, torch.float16, (32, 5, 40, 3))], ids=name)
 def test_keys_stored_before_rope_are_rotated_in_the_kernel(bits, d, dtype, lengths):
-    """KIVI*: quantized slot u's key, stored before RoPE, is rotated to position n_sink + u (RotaryEmbedding's
-    rotate-half) inside the kernel."""
+    """KIVI*: every key is stored before RoPE and rotated inside the kernel (RotaryEmbedding's rotate-half): sink
+    row i to position i, tail slot u (quantized or in the key window) to n_sink + u."""
     from kvzoo.models.llama import RotaryEmbedding
 
     codes, (k_rec, v_rec), (k_sink, v_sink) = cache(1, 2, 128, 96, d, bits, dtype, seed=bits)
@@ -180,10 +180,10 @@ def test_keys_stored_before_rope_are_rotated_in_the_kernel(bits, d, dtype, lengt
                  dtype)
     n_k, n_sink = lengths[0], lengths[3]
     k_all = dequant_outer(codes[0], codes[1], codes[2], bits, -2)[:, :, :n_k]
-    rotated = RotaryEmbedding.rotate(k_all, cos[n_sink:n_sink + n_k].float(), sin[n_sink:n_sink + n_k].float())
     n_v, n_tail = lengths[1], lengths[2]
     v_all = dequant_outer(codes[3], codes[4], codes[5], bits, -1)
-    keys = torch.cat([k_sink[:, :, :n_sink].float(), rotated, k_rec[:, :, :n_tail - n_k].float()], dim=2)
+    keys = torch.cat([k_sink[:, :, :n_sink].float(), k_all, k_rec[:, :, :n_tail - n_k].float()], dim=2)
+    keys = RotaryEmbedding.rotate(keys, cos[:n_sink + n_tail].float(), sin[:n_sink + n_tail].float())
     values = torch.cat([v_sink[:, :, :n_sink].float(), v_all[:, :, :n_v], v_rec[:, :, :n_tail - n_v].float()], dim=2)
     qh = q.float().view(1, 2, 4, d)
     p = torch.softmax(qh @ keys.transpose(-1, -2) / math.sqrt(d), dim=-1)
