@@ -193,6 +193,24 @@ def weighed_attention(q: Tensor, keys: Tensor, bias: Tensor, rows: Tensor, up_v:
     return (out.float() + own).reshape(B, Hq, 1, d).to(v.dtype)
 
 
+def static_key_rows(step: StaticStep, slots: Tensor, live: Tensor, max_len: int, dtype: torch.dtype
+                    ) -> tuple[Tensor, Tensor]:
+    """A static step's key rows: the cached rows (the slot each holds, slots (K0,), and whether it holds one yet,
+    live (K0,)), dead rows up to a multiple of 8 (aligned rows for cuBLAS's fast kernels: 76 µs against 30 for the
+    values' product at 32K on an H100), then the new token exact. From the device-held length L = step.slot:
+    (RoPE positions of the keys (B, K + 1), the additive mask (B, 1, 1, K + 1) in `dtype`: 0 where a key may be
+    attended, that is where its row is live, is not the token's own row (the token's exact k comes last) and the
+    step's mask allows its slot, -inf elsewhere), K + 1 = _aligned(K0 + 1)."""
+    L = step.slot
+    pad = _aligned(slots.numel() + 1) - slots.numel() - 1                  # dead rows before the token's
+    live = torch.cat([live & (slots != L), live.new_zeros(pad), torch.ones_like(L, dtype=torch.bool)])
+    slots = torch.cat([slots, L.expand(pad), L])
+    mask = step.mask.index_select(-1, slots.clamp_max(max_len - 1)) & live                 # (B, 1, 1, K + 1)
+    ids = (slots[None, :] + (step.ids - L)).clamp_min(0)                   # (B, K + 1): slot - pad, as in decode
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return ids, bias
+
+
 def _aligned(rows: int) -> int:
     """rows rounded up to a multiple of 8 (16-byte rows of 16-bit values along a product's inner dimension)."""
     return -(-rows // 8) * 8
@@ -382,24 +400,10 @@ class XQuantCache(WholeStep, LayerCache):
         return self.store.scratch()
 
     def _static_keys(self, step: StaticStep, name: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """The step's keys are the K stream's allocated rows (WindowedStore.static_rows), dead rows up to a multiple
-        of 8 (aligned rows for cuBLAS's fast kernels: 76 µs against 30 for the values' product at 32K on an H100),
-        then the new token exact. From the device-held length L = step.slot: (RoPE positions of the keys (B, K + 1),
-        the additive mask (B, 1, 1, K + 1) in `dtype`: 0 where a key may be attended, that is where its row is live,
-        is not the token's own row (the token's exact k comes last) and the step's mask allows its slot, -inf
-        elsewhere), K + 1 a multiple of 8.
-        Shared by every layer of the step."""
+        """static_key_rows over the K stream's allocated rows (WindowedStore.static_rows); shared by every layer."""
         key = ("xquant", name, self.store.windows[name], self.store.codecs[name].capacity, dtype)
         if key not in step.derived:
-            L = step.slot
-            slots, live = self.store.static_rows(step, name)
-            pad = _aligned(slots.numel() + 1) - slots.numel() - 1            # dead rows before the token's
-            live = torch.cat([live & (slots != L), live.new_zeros(pad), torch.ones_like(L, dtype=torch.bool)])
-            slots = torch.cat([slots, L.expand(pad), L])
-            mask = step.mask.index_select(-1, slots.clamp_max(self.max_len - 1)) & live          # (B, 1, 1, K + 1)
-            ids = (slots[None, :] + (step.ids - L)).clamp_min(0)           # (B, K + 1): slot - pad, as in decode
-            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-            step.derived[key] = (ids, bias)
+            step.derived[key] = static_key_rows(step, *self.store.static_rows(step, name), self.max_len, dtype)
         return step.derived[key]
 
     def _value_rows(self, step: StaticStep, k_name: str, v_name: str) -> Tensor:

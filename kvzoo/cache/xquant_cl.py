@@ -57,9 +57,11 @@ fp32 rounding.
 Static step (`decode_static`, for kvzoo/graphs.py's whole-step CUDA graph): the accumulator has a fixed
 shape when it covers every slot. The base and delta layers write the token's per-token row at the
 device-held slot (index writes; no window, so one phase), rebuild X̂ over all max_len slots (B, max_len,
-hidden) and rematerialize K and V from all of it, the token's own slot replaced by its exact k, v and the
-slots not yet written (which hold zeros or stale rows, finite either way) masked by the step's mask.
-The layers before the base are plain XQuant and take its static step, with its window's phases.
+hidden) and rematerialize K from all of it. V is never rematerialized: a head's output over the rows is
+(Σ_t p_t X̂_t) W_v, so the softmax weighs X̂'s rows and the head's slice of W_v projects the (hidden,) result
+(xquant.weighed_attention). The token's own slot is masked and its exact k, v come last; the slots not yet
+written (zeros or stale rows, finite either way) are masked by the step's mask. The layers before the base
+are plain XQuant and take its static step, with its window's phases.
 
 Tensor parallelism (kvzoo/models/tp.py): the base layer's X and the accumulator are the whole hidden width on
 every rank (replicated); a GQA delta's basis U_kv is the SVD of the rank's own [W_k | W_v] rows.
@@ -72,12 +74,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvzoo.cache.base import CacheSpec, Chunk, LayerCache, Positions, StaticStep, attend, register
+from kvzoo.cache.base import CacheSpec, Chunk, LayerCache, Positions, StaticStep, register
 from kvzoo.cache.kvquant import QTensor
 from kvzoo.cache.store import GroupCodec, Window, WindowedStore, check_policy, token_group
 from kvzoo.cache.xquant import (XQuantCache, XQuantOptions, check_latent_bits, check_up_dtype, check_window,
                                 decode_attention, dequantize_latent, heads, rematerialize, rope_stored_keys,
-                                rotate_keys, svd_factors)
+                                rotate_keys, static_key_rows, svd_factors, weighed_attention)
 from kvzoo.graphs import WholeStep
 
 
@@ -255,22 +257,32 @@ class XQuantCLCache(WholeStep, LayerCache):
         super().advance()
 
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
-        """decode with fixed shapes: the token's base row or delta written at step.slot, the accumulator
-        rebuilt over every slot (B, max_len, hidden) and K, V rematerialized from all of it, the token's
-        own slot replaced by its exact k, v, the slots not yet written masked by step.mask."""
+        """decode with fixed shapes: the token's base row or delta written at step.slot and the accumulator rebuilt
+        over every slot (B, max_len, hidden), then xquant.static_key_rows' layout: those rows, dead rows up to a
+        multiple of 8 and the token's. K is rematerialized from the rows (the token's exact k last) and rotated;
+        V is not: the softmax weighs the rows and each head's slice of W_v projects the result
+        (xquant.weighed_attention), the token's exact v added with its own weight. The token's stored slot and the
+        slots not yet written are masked."""
         self._check_base()
         if self.role == "xquant":
             return self.plain.decode_static(x, q, k, v, step)
-        keys, values = self._kv(self._advance(x, step.slot))                   # (B, H, max_len, hd) each
-        keys.index_copy_(2, step.slot, k)                                       # fresh tensors: no copy
-        values.index_copy_(2, step.slot, v)
-        key = ("xquant-cl rope tables", keys.dtype)                            # RoPE of every slot: once per step
+        acc = self._advance(x, step.slot)                                      # (B, max_len, hidden) fp32
+        key = ("xquant-cl keys", self.max_len, q.dtype)                       # shared by every layer
         if key not in step.derived:
             slots = torch.arange(self.max_len, device=q.device)
-            ids = (slots[None, :] + (step.ids - step.slot)).clamp_min(0)       # (B, max_len): slot - pad
-            step.derived[key] = self.attn.rope.cos_sin(ids, keys.dtype)
-        return attend(self.attn.rope.apply(q, step.ids), rotate_keys(self.attn, keys, step.derived[key]), values,
-                      step.mask)
+            ids, bias = static_key_rows(step, slots, slots < step.slot, self.max_len, q.dtype)
+            step.derived[key] = (bias, self.attn.rope.cos_sin(ids, k.dtype), self.attn.rope.cos_sin(step.ids, q.dtype))
+        bias, k_tables, q_tables = step.derived[key]
+        B, N, hidden = acc.shape
+        dtype = self.attn.k_proj.weight.dtype
+        rows = torch.empty(B, bias.shape[-1], hidden, dtype=dtype, device=acc.device)      # (B, K + 1, hidden)
+        rows[:, :N] = acc
+        rows[:, N:] = 0                                                                     # dead rows, the token's
+        keys = heads(self.attn.k_proj(rows), self.attn.n_kv_heads, k.dtype)                # (B, H, K + 1, hd)
+        keys[:, :, -1:] = k
+        keys = rotate_keys(self.attn, keys, k_tables)
+        return weighed_attention(self.attn.rope.apply_tables(q, *q_tables), keys, bias, rows,
+                                 self.attn.v_proj.weight.t(), v)
 
     # ---- bytes -------------------------------------------------------------------------------------
     def nbytes(self) -> int:
