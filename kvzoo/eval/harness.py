@@ -44,7 +44,6 @@ request alone; the KV line then covers the requests run this time).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +51,8 @@ from tqdm import tqdm
 
 from kvzoo.cache.base import CacheSpec, fp16_kv_nbytes
 from kvzoo.eval.perplexity import default_prompt
-from kvzoo.generate import generate, prefill
+from kvzoo.eval.requests import KVReport, generate_requests
+from kvzoo.generate import prefill
 
 try:
     from lm_eval.api.model import LM
@@ -63,22 +63,6 @@ except ImportError as err:
                       "pip install \"lm_eval>=0.4.5\" (or bash scripts/install.sh)") from err
 
 log = logging.getLogger("lm_eval.models.kvzoo")     # under lm-eval's logger: shown where its own lines are
-
-
-@dataclass
-class KVReport:
-    """KV bytes held at the end of each scored row, summed over the requests of one kind."""
-
-    rows: int = 0
-    nbytes: int = 0
-    fp16_nbytes: int = 0
-
-    def add(self, nbytes: int, fp16: int, rows: int) -> None:
-        self.rows, self.nbytes, self.fp16_nbytes = self.rows + rows, self.nbytes + nbytes, self.fp16_nbytes + fp16
-
-    @property
-    def ratio(self) -> float:
-        return self.nbytes / self.fp16_nbytes if self.fp16_nbytes else float("nan")
 
 
 @register_model("kvzoo")
@@ -222,34 +206,11 @@ class KvzooLM(LM):
 
     # ---- generate_until ---------------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        groups: dict[str, list[int]] = {}
-        for i, r in enumerate(requests):
-            groups.setdefault(repr(sorted(r.args[1].items())), []).append(i)
-        out = [""] * len(requests)
-        bar = tqdm(total=len(requests), desc=f"generate_until ({self.spec})", disable=disable_tqdm)
-        for rows in groups.values():
-            kwargs = dict(requests[rows[0]].args[1])
-            until = kwargs.pop("until", None) or []
-            until = [until] if isinstance(until, str) else list(until)
-            max_new = int(kwargs.pop("max_gen_toks", 256))
-            sampled = bool(kwargs.pop("do_sample", False))
-            temperature = float(kwargs.pop("temperature", 0.0)) if sampled else 0.0
-            top_p, top_k = kwargs.pop("top_p", None), kwargs.pop("top_k", None)
-            for a in range(0, len(rows), self.batch_size):
-                batch = rows[a:a + self.batch_size]
-                prompts = [self.tokenizer.encode(requests[i].args[0]) for i in batch]
-                room = self.max_length - max_new
-                prompts = [p[-room:] if room > 0 else p[-1:] for p in prompts]          # the context's end fits
-                gen = generate(self.model, self.tokenizer, prompts, max_new_tokens=max_new, temperature=temperature,
-                               top_p=top_p if sampled else None, top_k=top_k if sampled else None,
-                               cache=self.spec, stop=until, prefill_chunk=self.prefill_chunk)
-                report = self.kv_report.setdefault("generate_until", KVReport())
-                report.add(gen.cache_nbytes, gen.fp16_nbytes, len(batch))
-                for i, text in zip(batch, gen.texts):
-                    out[i] = text
-                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
-                bar.update(len(batch))
-        bar.close()
+        report = self.kv_report.setdefault("generate_until", KVReport())
+        out = generate_requests(self.model, self.tokenizer, self.spec, [r.args for r in requests], self.batch_size,
+                                self.max_length, report, self.prefill_chunk,
+                                lambda i, text: self.cache_hook.add_partial("generate_until", requests[i].args, text),
+                                disable_tqdm)
         self._log("generate_until")
         return out
 

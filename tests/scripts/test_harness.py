@@ -173,14 +173,14 @@ def test_a_stopped_run_resumes_from_lm_evals_response_cache(loaded, tmp_path, mo
     its first batch keeps that batch, and the run again computes only the rest."""
     from lm_eval.api.model import CachingLM
 
-    import kvzoo.eval.harness as harness_module
+    import kvzoo.eval.requests as requests_module
 
     args = [("Q: What is the capital of France?\nA:", {"until": ["\n"], "max_gen_toks": 8}),
             ("Q: What is the capital of Italy?\nA:", {"until": ["\n"], "max_gen_toks": 8}),
             ("Count: one, two, three,", {"until": ["five"], "max_gen_toks": 8})]
     want = lm(loaded, batch_size=2).generate_until(requests("generate_until", args), disable_tqdm=True)
     db = str(tmp_path / "responses.db")
-    real, calls = harness_module.generate, []
+    real, calls = requests_module.generate, []
 
     def stopping(*a, **kw):                     # the second batch is stopped (the user's ^C)
         calls.append(len(a[2]))
@@ -188,7 +188,7 @@ def test_a_stopped_run_resumes_from_lm_evals_response_cache(loaded, tmp_path, mo
             raise KeyboardInterrupt
         return real(*a, **kw)
 
-    monkeypatch.setattr(harness_module, "generate", stopping)
+    monkeypatch.setattr(requests_module, "generate", stopping)
     with pytest.raises(KeyboardInterrupt):
         CachingLM(lm(loaded, batch_size=2), db).generate_until(requests("generate_until", args))
     calls.clear()
@@ -258,3 +258,61 @@ def test_script_without_lm_eval_says_how_to_install():
     assert proc.stderr.strip().splitlines() == [
         'error: kvzoo.eval.harness needs EleutherAI\'s lm-evaluation-harness: pip install "lm_eval>=0.4.5" '
         '(or bash scripts/install.sh)']
+
+
+def split_run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/harness_split.py", *args], capture_output=True, text=True,
+                          cwd=Path(__file__).parents[2])
+
+
+@pytest.mark.slow
+def test_split_run_answers_as_the_harness_model_does(loaded, tmp_path):
+    """scripts/harness_split.py: GSM8K requests recorded, answered by `generate` (two rows a batch, a quantized
+    cache) and filled into a response cache give, through the harness's CachingLM, the kvzoo model's own answers,
+    and the harness scores them without generating."""
+    from lm_eval.api.model import CachingLM
+
+    requests_json, answers_json, db = tmp_path / "requests.json", tmp_path / "answers.json", tmp_path / "cache"
+    proc = split_run("record", "--tasks", "kvzoo_gsm8k_cot", "--limit", "3", "--gen_kwargs", "max_gen_toks=6",
+                     "--out", str(requests_json))
+    assert proc.returncode == 0, proc.stderr
+    proc = split_run("generate", str(requests_json), "--cache", QUANTIZED, "--device", "cpu", "--batch_size", "2",
+                     "--out", str(answers_json))
+    assert proc.returncode == 0, proc.stderr
+    answers = json.loads(answers_json.read_text())
+    assert answers["dtype"] == "float32" and 0 < answers["kv_ratio"] < 2
+    proc = split_run("fill", str(answers_json), "--use_cache", str(db))
+    assert proc.returncode == 0, proc.stderr
+
+    recorded = json.loads(requests_json.read_text())["requests"]
+    instances = requests("generate_until", [(r["context"], r["gen_kwargs"]) for r in recorded])
+    direct = lm(loaded, QUANTIZED, batch_size=2)
+    want = direct.generate_until(instances, disable_tqdm=True)
+    assert want == [answers["answers"][r["key"]] for r in recorded]
+    assert direct.kv_report["generate_until"].ratio == pytest.approx(answers["kv_ratio"])
+
+    harness = lm(loaded, QUANTIZED, batch_size=2)
+    def generate_until(reqs, disable_tqdm=False):
+        assert not reqs, "the harness generated an answer it had in its cache"
+        return []
+
+    harness.generate_until = generate_until
+    assert CachingLM(harness, f"{db}_rank0.db").generate_until(instances) == want      # the file --use_cache opens
+    out = simple_evaluate(model=harness, tasks=["kvzoo_gsm8k_cot"], limit=3, gen_kwargs="max_gen_toks=6",
+                          use_cache=str(db), task_manager=TaskManager(include_path=str(task_dir())))
+    assert "exact_match,strict-match" in out["results"]["kvzoo_gsm8k_cot"]
+
+
+def test_split_run_errors(tmp_path):
+    """Files of the wrong kind, and a response cache holding other answers, are named in one line."""
+    (tmp_path / "x.json").write_text("{}")
+    proc = split_run("generate", str(tmp_path / "x.json"), "--device", "cpu", "--out", str(tmp_path / "a.json"))
+    assert proc.returncode == 2 and "holds no requests; give a JSON file `record` wrote" in proc.stderr
+    proc = split_run("fill", str(tmp_path / "x.json"), "--use_cache", str(tmp_path / "c"))
+    assert proc.returncode == 2 and "holds no answers; give a JSON file `generate` wrote" in proc.stderr
+    for text in ("one", "two"):
+        (tmp_path / f"{text}.json").write_text(json.dumps({"answers": {"k": text}}))
+        proc = split_run("fill", str(tmp_path / f"{text}.json"), "--use_cache", str(tmp_path / "c"))
+    assert proc.returncode == 2 and "already holds other answers for 1 of these requests" in proc.stderr
+    proc = split_run("generate", str(tmp_path / "missing.json"), "--device", "cpu", "--out", str(tmp_path / "a.json"))
+    assert proc.returncode == 2 and "missing.json" in proc.stderr
