@@ -82,7 +82,12 @@ class GraphDecoder:
 
     A strategy whose step differs with its host-side counters (InnerQ: a token joins the sink window, joins
     the recent window, or fills it and a group is quantized) names the difference `static_phase()`; one graph
-    is recorded per phase, when first needed, and the host picks which to replay."""
+    is recorded per phase, when first needed, and the host picks which to replay.
+
+    The host work between two steps is kept short, since the GPU waits for it: the step advances its device-held
+    slot itself (the host writes it only when the cache's length moved another way), and the next step's phase
+    is worked out right after a replay is launched, while the GPU runs it. A phase is a function of the tokens
+    stored, so it is kept with the length it was worked out for."""
 
     def __init__(self, model, cache: ModelCache, pad: Tensor | None = None):
         _check_streaming(cache)
@@ -98,25 +103,39 @@ class GraphDecoder:
         self.slot = torch.zeros(1, dtype=torch.long, device=device)            # (1,) static input
         self.pad = (pad if pad is not None else torch.zeros(B, dtype=torch.long, device=device)).clone()
         self.padded = padded
-        self.scratch = tuple(t for layer in cache.layers for t in layer.static_scratch())
+        # the slot is advanced by the step: a capture's warm-up run restores it with the strategies' scratch
+        self.scratch = (self.slot, *(t for layer in cache.layers for t in layer.static_scratch()))
         self.steps: dict[tuple[str, ...], _Captured] = {}
+        self.slot_holds: int | None = None                                      # the length self.slot holds
+        self.next_phase: tuple[int, tuple[str, ...]] | None = None              # (length, phase) worked out ahead
 
     def _step(self) -> Tensor:
         step = StaticStep.make(self.slot, self.pad, self.cache.max_len, self.model.cfg.sliding_window, self.padded)
-        return self.model.decode_static(self.token, self.cache, step)
+        logits = self.model.decode_static(self.token, self.cache, step)
+        self.slot.add_(1)
+        return logits
+
+    def _phase(self) -> tuple[str, ...]:
+        length = self.cache.length
+        if self.next_phase is None or self.next_phase[0] != length:
+            self.next_phase = length, tuple(layer.static_phase() for layer in self.cache.layers)
+        return self.next_phase[1]
 
     @torch.inference_mode()
     def __call__(self, token: Tensor) -> Tensor:
         _check_room(self.cache)
         self.token.copy_(token.view(-1, 1))
-        self.slot.fill_(self.cache.length)
-        phase = tuple(layer.static_phase() for layer in self.cache.layers)
+        if self.slot_holds != self.cache.length:
+            self.slot.fill_(self.cache.length)
+        phase = self._phase()
         if phase not in self.steps:
             self.steps[phase] = _Captured(self._step, None, self.scratch)
         logits = self.steps[phase](self.token.is_cuda)
         self.cache.length += 1
+        self.slot_holds = self.cache.length
         for layer in self.cache.layers:
             layer.advance()
+        self._phase()                               # the next step's, while the GPU runs this one
         return logits
 
 
