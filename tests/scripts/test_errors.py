@@ -260,7 +260,7 @@ def test_the_layout():
     """Entry points in scripts/, every paper's reproduction in repro/<paper>/; no script edits the module search
     path (they import the installed kvzoo, repro modules their siblings as repro.<paper>....)."""
     assert set(entry_points()) == {"chat.py", "perplexity.py", "report.py", "needle.py", "bench_decode.py",
-                                   "bench_kernels.py", "harness.py"}
+                                   "bench_kernels.py", "harness.py", "harness_split.py"}
     papers = {name.split(".")[1] for name in reproductions()}
     assert papers == {"alignedkv", "squat", "xquant", "kvpareto"}
     for paper in papers:
@@ -281,6 +281,10 @@ def test_every_script_builds_its_command_line():
         # the cache one of its --model_args
         if name == "harness.py":
             assert "usage: lm-eval" in out.stdout
+        elif name == "harness_split.py":                 # subcommands; `generate` takes the one cache
+            out = subprocess.run(command(name) + ["generate", "--help"], capture_output=True, text=True, timeout=60,
+                                 cwd=REPO)
+            assert out.returncode == 0 and "--cache" in out.stdout, out.stderr
         elif not (name.startswith("bench_") or name.endswith(".bench") or name in OWN_QUANTIZERS):
             assert "--cache" in out.stdout, name
 
