@@ -316,3 +316,26 @@ def test_split_run_errors(tmp_path):
     assert proc.returncode == 2 and "already holds other answers for 1 of these requests" in proc.stderr
     proc = split_run("generate", str(tmp_path / "missing.json"), "--device", "cpu", "--out", str(tmp_path / "a.json"))
     assert proc.returncode == 2 and "missing.json" in proc.stderr
+    (tmp_path / "r.json").write_text(json.dumps({"requests": []}))
+    proc = split_run("generate", str(tmp_path / "r.json"), "--device", "cpu", "--batch_size", "0",
+                     "--out", str(tmp_path / "a.json"))
+    assert proc.returncode == 2 and "--batch_size must be >= 1, got 0" in proc.stderr
+    proc = split_run("generate", str(tmp_path / "r.json"), "--device", "cpu", "--cache", "nope",
+                     "--out", str(tmp_path / "a.json"))
+    assert proc.returncode == 2 and "nope" in proc.stderr
+    proc = split_run("record", "--tasks", "kvzoo_wikitext", "--limit", "1", "--out", str(tmp_path / "w.json"))
+    assert proc.returncode == 2 and "record takes generation tasks (generate_until)" in proc.stderr
+    proc = split_run("record", "--tasks", "kvzoo_gsm8k_cot", "--limit", "1", "--gen_kwargs", "do_sample=True",
+                     "--out", str(tmp_path / "s.json"))
+    assert proc.returncode == 2 and "record takes greedy generation only" in proc.stderr
+    assert not any((tmp_path / f).exists() for f in ("a.json", "w.json", "s.json"))
+
+
+def test_split_record_without_lm_eval_says_how_to_install(tmp_path):
+    code = ("import sys, runpy; sys.modules['lm_eval'] = None; sys.argv = ['harness_split.py', 'record', '--tasks', "
+            f"'x', '--out', {str(tmp_path / 'r.json')!r}]; runpy.run_path('scripts/harness_split.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        'error: record needs EleutherAI\'s lm-evaluation-harness: pip install "lm_eval>=0.4.5" (or bash '
+        'scripts/install.sh)']
