@@ -31,12 +31,14 @@ Two kernels:
   1. split: grid (B*H, splits + 1). A program owns a run of 32-token groups of one KV head, the slots quantized in
      both streams (u < min(n_k, n_v)), and serves its rep query rows (padded to REP_P >= 16 for the tensor cores).
      A step takes GS groups (32*GS tokens): key codes unpacked and scaled per (group, channel) (per (token, group
-     of G channels) with key_groups="token"), one tl.dot for the scores (REP_P, 32*GS), an online softmax in base 2
-     (running max m, sum l, output acc), value codes scaled per (token, group of G channels), one tl.dot for the
-     output. On a GPU with an fp16/bf16 model the codes are unpacked into half2 registers by inline PTX
-     (quant_matvec.unpack_asm) and scale and zero (fp16, as stored)
-     applied in fp16 by one fused multiply-add, rounded once; the dots take fp16 (a bf16 query is converted), as
-     flash attention's do. fp32 models (and the interpreter) use fp32 codes and exact fp32 dots. The last program
+     of G channels) with key_groups="token"), one tl.dot for the scores, an online softmax in base 2 (running max
+     m, sum l, output acc), value codes scaled per (token, group of G channels), one tl.dot for the output. The
+     dequantized tiles are the dots' first operand, keys (32*GS, d) · qᵀ and valuesᵀ (d, 32*GS) · pᵀ: their 32*GS
+     or d rows fill the tensor-core tile where the REP_P query rows, mostly padding, do not (10% faster on an H100
+     at 32K-128K than q · keysᵀ and p · values; keys stored before RoPE keep that orientation, which was as fast).
+     On a GPU with an fp16/bf16 model the codes are unpacked into half2 registers by inline PTX
+     (quant_matvec.unpack_asm) and scale and zero (fp16, as stored) applied in fp16 by one fused multiply-add,
+     rounded once; the dots take fp16 (a bf16 query is converted), as flash attention's do. fp32 models (and the interpreter) use fp32 codes and exact fp32 dots. The last program
      of each KV head takes the sink, then the tail's slots past the quantized ones 32 at a time, each slot's key
      and value read from its codes or its window by the rule above. Every program writes its (m, l, acc).
   2. combine: grid (B*H,). Merges the partials, divides by l and writes (B, Hq, d) in q's dtype.
@@ -192,6 +194,17 @@ def _online_scores(s, v, live, m, l, acc):
 
 
 @triton.jit
+def _online_scores_t(s, v, live, m, l, acc):
+    """_online_scores with the values (BLOCK, D) as the dot's first operand: accᵀ (D, REP_P) += vᵀ · pᵀ."""
+    s = tl.where(live[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.math.exp2(m - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    pv = tl.dot(tl.trans(v), tl.trans(p.to(v.dtype)), input_precision="ieee")
+    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.trans(pv)
+
+
+@triton.jit
 def _online(q, k, v, live, m, l, acc, qk_scale):
     """_online_scores with the scores of q (REP_P, D) against keys k (BLOCK, D)."""
     return _online_scores(tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale, v, live, m, l, acc)
@@ -215,9 +228,14 @@ def _quantized(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, co
             s = _rotated_scores(q_lo, q_hi, k_lo, k_hi, cos_ptr, sin_ptr, tl.load(len_ptr + 3) + n, live, D)
         else:
             k = _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D, KB, GS, FAST, AK, CK, KT, CG, 0, 1)
-            s = tl.dot(q, tl.trans(_dot_dtype(k.to(q.dtype))), input_precision="ieee")
+            # the dequantized tile as the first operand, (32*GS, D) · (D, REP_P): 32*GS rows fill the tensor-core
+            # tile where REP_P (mostly padding) does not
+            s = tl.trans(tl.dot(_dot_dtype(k.to(q.dtype)), tl.trans(q), input_precision="ieee"))
         v = _values(_codes(vc_ptr, n, live, D, VB, FAST, AV, CV, 0, 1), vs_ptr, vz_ptr, n, live, D, CG)
-        m, l, acc = _online_scores(s * qk_scale, v.to(q.dtype), live, m, l, acc)
+        if ROPE:
+            m, l, acc = _online_scores(s * qk_scale, v.to(q.dtype), live, m, l, acc)
+        else:
+            m, l, acc = _online_scores_t(s * qk_scale, v.to(q.dtype), live, m, l, acc)
     return m, l, acc
 
 
