@@ -19,6 +19,16 @@ before each one (a decode step finds a layer's cache cold). Bandwidth is the byt
 (inputs, not outputs) divided by its latency. Before timing, every kernel is checked against its torch
 reference on real quantized data; a mismatch stops the run.
 
+    python scripts/bench_kernels.py --floors --out results/kernels/floors   # every fused attention vs its floor
+
+--floors: every fused decode attention kvzoo runs in its graph step, on the Llama-3.1-8B heads at 32K and 128K
+tokens, batch 1 and 32, each against the read floor of the bytes it reads (the issue's target: at least 70%):
+InnerQ-2 (asymmetric and hybrid groups), KIVI-2's outer layout (SQuat's too), KIVI*'s (keys rotated in the
+kernel), KV Pareto's per-token groups (8-bit, groups of 32) and int8's (groups of d), all with a 128-token exact
+window, and AlignedKV's planes (aligned_decode: its two kernels and the torch softmax, top-k and estimate between
+them), whose bytes are those its levels read (from random Gaussian keys and values: the bits read depend on the
+data), and fp16 SDPA for scale.
+
 Writes OUT.json and OUT.md (GPU, versions, settings, tables); refuses to replace them without --overwrite.
 """
 
@@ -29,6 +39,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch import Tensor
 from tqdm import tqdm
 
 from timing import Timer, copy_bandwidth, output_paths, require_compiled_gpu
@@ -78,6 +89,8 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/kernels", help="output path without suffix: OUT.json, OUT.md")
     parser.add_argument("--quick", action="store_true", help=f"N in {QUICK_N} instead of {FULL_N[0]}..{FULL_N[-1]}")
+    parser.add_argument("--floors", action="store_true",
+                        help="every fused attention at 32K/128K, batch 1 and 32, against its read floor")
     parser.add_argument("--runs", type=int, default=100, help="timed replays per latency (median; at least 100)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed replays first")
     parser.add_argument("--overwrite", action="store_true", help="replace existing OUT.json / OUT.md")
@@ -237,6 +250,154 @@ def measure(model: str, N: int, timer: Timer, gen: torch.Generator) -> list[dict
     return rows
 
 
+FLOOR_SHAPES = [(1, 32768), (1, 131072), (32, 32768), (32, 131072)]      # (batch, tokens)
+FLOOR_TARGET = 0.70
+
+
+def aligned_planes(B: int, H: int, N: int, d: int, block: int, gen: torch.Generator):
+    """AlignedKV's planes (kvzoo/kernels/alignedkv_attention.py layouts) of random Gaussian keys and values, one
+    row at a time (a whole fp16 batch and its int32 temporaries would not fit), and those keys and values."""
+    from kvzoo.cache.alignedkv import exponent, split_planes
+
+    NB = N // block
+    k_hi = torch.empty(B, H, NB, d, block, dtype=torch.uint8, device=DEVICE)
+    k_mid, k_lo = (torch.empty(B, H, NB, d, block // 2, dtype=torch.uint8, device=DEVICE) for _ in range(2))
+    v_hi = torch.empty(B, H, N, d, dtype=torch.uint8, device=DEVICE)
+    v_mid, v_lo = (torch.empty(B, H, N, d // 2, dtype=torch.uint8, device=DEVICE) for _ in range(2))
+    k_exp = torch.empty(B, H, NB, d, dtype=torch.int8, device=DEVICE)
+    v_exp = torch.empty(B, H, N, dtype=torch.int8, device=DEVICE)
+    for b in range(B):
+        k, v = torch.randn(2, H, N, d, device=DEVICE, generator=gen).half()
+        blocks = k.view(H, NB, block, d).transpose(-1, -2)                            # (H, NB, d, block)
+        k_hi[b], k_mid[b], k_lo[b] = split_planes(blocks)
+        v_hi[b], v_mid[b], v_lo[b] = split_planes(v)
+        k_exp[b] = exponent(blocks.abs().amax(-1)).to(torch.int8)
+        v_exp[b] = exponent(v.abs().amax(-1)).to(torch.int8)
+    return (k_hi, k_mid, k_lo, k_exp, v_hi, v_mid, v_lo, v_exp)
+
+
+def aligned_read_bytes(q: Tensor, planes, topk: int, min_bits: int, block: int) -> int:
+    """Bytes AlignedKV's kernels read for q over the planes: each element's high byte, its middle nibble at 12
+    bits and up, its low nibble at 16 (the levels of kvzoo.cache.alignedkv's reference, row by row), the
+    exponents and q."""
+    from kvzoo.cache.alignedkv import estimate_output, join_planes, key_levels, value_levels
+
+    k_hi, k_mid, k_lo, k_exp, v_hi, v_mid, v_lo, v_exp = planes
+    B, H, NB, d, _ = k_hi.shape
+    bits = 0
+    for b in range(B):
+        qb = q[b:b + 1, :, None]                                                      # (1, Hq, 1, d)
+        k = join_planes(k_hi[b], k_mid[b], k_lo[b]).transpose(-1, -2).reshape(1, H, NB * block, d)
+        v = join_planes(v_hi[b], v_mid[b], v_lo[b])[None]                            # (1, H, N, d)
+        G = q.shape[1] // H
+        scores = torch.einsum("bhgd,bhnd->bhgn", qb.view(1, H, G, d).float(), k.float()) * d ** -0.5
+        p = scores.softmax(-1).view(1, H * G, 1, -1)
+        o_est = estimate_output(p, v[:, :, None], topk)
+        # each level read once per block and channel for keys, per element for values
+        bits += int(key_levels(qb, k_exp[b:b + 1], min_bits).sum(dtype=torch.int64)) * block
+        bits += int(value_levels(p, o_est, v_exp[b:b + 1], min_bits).sum(dtype=torch.int64))
+    return bits // 8 + nbytes(q, k_exp, v_exp)
+
+
+def floor_cases(B: int, N: int, gen: torch.Generator):
+    """(name, launch, bytes read) of every fused attention over B rows x N tokens of the 8B heads, one at a time:
+    each case's buffers are built when it is reached and dropped after it (at batch 32 and 128K some hold 17 GB)."""
+    from kvzoo.cache.alignedkv import AlignedKVOptions
+    from kvzoo.kernels import alignedkv_attention as al, innerq_attention as att, outer_attention as oa
+
+    H, d, Hq = MODELS["Llama 3.1-8B"]
+    n_q = N - WINDOW
+    q = torch.randn(B, Hq, d, device=DEVICE, generator=gen).half()
+    k_win, v_win = torch.randn(2, B, H, WINDOW, d, device=DEVICE, generator=gen).half()
+    lengths = torch.tensor([n_q, n_q, N, 0], dtype=torch.int32, device=DEVICE)
+
+    def words(bits):
+        return torch.randint(-2 ** 31, 2 ** 31, (B, H, n_q, d * bits // 32), dtype=torch.int32, device=DEVICE,
+                             generator=gen)
+
+    def halves(shape):
+        return (torch.rand(shape, device=DEVICE, generator=gen) * 0.1).half()
+
+    def masks(shape):
+        return torch.randint(-2 ** 31, 2 ** 31, shape, dtype=torch.int32, device=DEVICE, generator=gen)
+
+    def slots(shape):                                   # fp32 zero points (finite), as InnerQ's slots hold them
+        return torch.randn(shape, device=DEVICE, generator=gen).view(torch.int32)
+
+    def innerq(hybrid):
+        k_mask, v_mask = (masks((B, H, d // 32, n_q // 32)), masks((B, H, n_q // 32, d // 32))) if hybrid else \
+            (None, None)
+        args = (q, words(BITS), halves((B, H, n_q, d // 32)), slots((B, H, n_q, d // 32)), k_mask,
+                words(BITS), halves((B, H, n_q // 32, d)), slots((B, H, n_q // 32, d)), v_mask, k_win, v_win, BITS)
+        return lambda: att.innerq_decode_attention(*args), nbytes(*args[:-1])
+
+    def outer(rotated):
+        codes = (words(BITS), halves((B, H, n_q // 32, d)), halves((B, H, n_q // 32, d)),
+                 words(BITS), halves((B, H, n_q, d // 32)), halves((B, H, n_q, d // 32)))
+        tables = (torch.randn(N, d, device=DEVICE, generator=gen).half(),) * 2 if rotated else None
+        read = nbytes(q, *codes, k_win, v_win) + (nbytes(tables[0]) // 2 if rotated else 0)   # cos, sin: half rows
+        return lambda: oa.outer_decode_attention(q, *codes, BITS, k_win, v_win, lengths, rope=tables), read
+
+    def token(group):
+        k_codes, v_codes = words(8), words(8)
+        scales = [halves((B, H, n_q, d // group)) for _ in range(4)]
+        codes = (k_codes, scales[0], scales[1], v_codes, scales[2], scales[3])
+        return lambda: oa.outer_decode_attention(q, *codes, 8, k_win, v_win, lengths, key_groups="token",
+                                                 group=group), nbytes(q, *codes, k_win, v_win)
+
+    def aligned():
+        opts = AlignedKVOptions()
+        planes = aligned_planes(B, H, N - opts.block, d, opts.block, gen)
+        tail_k, tail_v = k_win[:, :, :opts.block], v_win[:, :, :opts.block]
+        read = aligned_read_bytes(q, planes, opts.topk, opts.min_bits, opts.block) + nbytes(tail_k, tail_v)
+        return lambda: al.aligned_decode(q, *planes, planes[0].shape[2], tail_k, tail_v, opts.topk,
+                                         opts.min_bits), read
+
+    def sdpa():
+        k16, v16 = torch.randn(2, B, H, N, d, device=DEVICE, generator=gen).half()
+        return lambda: F.scaled_dot_product_attention(q[:, :, None], k16, v16, enable_gqa=True), nbytes(q, k16, v16)
+
+    yield ("InnerQ-2 asymmetric", *innerq(False))
+    yield ("InnerQ-2 hybrid", *innerq(True))
+    yield ("KIVI-2, SQuat (outer)", *outer(False))
+    yield ("KIVI*-2 (keys rotated in the kernel)", *outer(True))
+    yield ("KV Pareto k8v8 (per-token groups of 32)", *token(32))
+    yield ("int8 (per-token groups of d)", *token(d))
+    yield ("AlignedKV (planes; aligned_decode)", *aligned())
+    yield ("fp16 SDPA", *sdpa())
+
+
+def measure_floors(timer: Timer, gen: torch.Generator) -> list[dict]:
+    rows = []
+    for B, N in tqdm(FLOOR_SHAPES, desc="shapes"):
+        for name, launch, read in floor_cases(B, N, gen):
+            ms, floor = timer(launch), timer(read_floor(read))
+            del launch
+            torch.cuda.empty_cache()
+            rows.append({"batch": B, "N": N, "kernel": name, "bytes": read, "ms": ms, "floor_ms": floor,
+                         "GBps": read / ms / 1e6, "share": floor / ms})
+            print(f"batch {B}, N {N}, {name}: {ms * 1e3:.1f} us, floor {floor * 1e3:.1f} us, "
+                  f"{floor / ms:.0%} of the floor", flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def floors_markdown(rows: list[dict], meta: dict) -> str:
+    out = [f"# Fused decode attention against its read floor ({meta['gpu']})", "",
+           f"torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}; Llama-3.1-8B heads (8 KV heads of "
+           f"128, 32 query heads); {WINDOW}-token exact window; median of {meta['runs']} CUDA-graph replays after "
+           f"{meta['warmup']}, L2 flushed before each. Floor: a kernel that only reads the same number of bytes. "
+           f"Device-to-device copy of 1 GiB: {meta['copy_GBps']:.0f} GB/s (bytes read + written). Target: at least "
+           f"{FLOOR_TARGET:.0%} of the floor.", "",
+           "| batch | tokens | kernel | MB read | floor (µs) | kernel (µs) | GB/s | share of floor | target |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        met = "" if r["kernel"] == "fp16 SDPA" else ("met" if r["share"] >= FLOOR_TARGET else "NO")
+        out.append(f"| {r['batch']} | {r['N']} | {r['kernel']} | {r['bytes'] / 1e6:.1f} | {r['floor_ms'] * 1e3:.1f} | "
+                   f"{r['ms'] * 1e3:.1f} | {r['GBps']:.0f} | {r['share']:.0%} | {met} |")
+    return "\n".join(out) + "\n"
+
+
 def cell(row: dict) -> str:
     return f"{row['ms']:.4f} ({row['GBps']:.0f})"
 
@@ -274,16 +435,24 @@ def main() -> None:
     meta["copy_GBps"] = copy_bandwidth(DEVICE, args.runs, args.warmup)
     sanity = {model: sanity_check(*MODELS[model]) for model in tqdm(MODELS, desc="checking kernels")}
     timer, gen = Timer(args.runs, args.warmup), torch.Generator(device=DEVICE).manual_seed(0)
+    if args.floors:
+        rows = measure_floors(timer, gen)
+        write(paths, {**meta, "sanity_max_rel_error": sanity, "target_share": FLOOR_TARGET, "rows": rows},
+              floors_markdown(rows, meta))
+        return
     rows = []
     tasks = [(model, n) for model in MODELS for n in (QUICK_N if args.quick else FULL_N)]
     for model, n in tqdm(tasks, desc="timing"):
         rows += measure(model, n, timer, gen)
         torch.cuda.empty_cache()
-    text = markdown(rows, meta)
+    write(paths, {**meta, "sanity_max_rel_error": sanity, "rows": rows}, markdown(rows, meta))
+
+
+def write(paths, record: dict, text: str) -> None:
     print(text)
     for path in paths:
         path.parent.mkdir(parents=True, exist_ok=True)
-    paths[0].write_text(json.dumps({**meta, "sanity_max_rel_error": sanity, "rows": rows}, indent=1) + "\n")
+    paths[0].write_text(json.dumps(record, indent=1) + "\n")
     paths[1].write_text(text)
     print(f"wrote {paths[0]} and {paths[1]}")
 
