@@ -29,6 +29,10 @@ window, and AlignedKV's planes (aligned_decode: its two kernels and the torch so
 them), whose bytes are those its levels read (from random Gaussian keys and values: the bits read depend on the
 data), and fp16 SDPA for scale.
 
+--stages: where the 2-bit outer kernel's time goes, on the same shapes: its split kernel's loop with the
+tensor-core dots and the online softmax left out (the codes of both streams unpacked and scaled as the kernel does,
+summed into registers so nothing is dead), at 4 and 8 warps, against the whole kernel and the read floor.
+
 Writes OUT.json and OUT.md (GPU, versions, settings, tables); refuses to replace them without --overwrite.
 """
 
@@ -42,6 +46,7 @@ import triton.language as tl
 from torch import Tensor
 from tqdm import tqdm
 
+from kvzoo.kernels import outer_attention as outer
 from timing import Timer, copy_bandwidth, output_paths, require_compiled_gpu
 
 MODELS = {                      # name: (KV heads, head_dim, query heads)
@@ -91,6 +96,8 @@ def parse_args():
     parser.add_argument("--quick", action="store_true", help=f"N in {QUICK_N} instead of {FULL_N[0]}..{FULL_N[-1]}")
     parser.add_argument("--floors", action="store_true",
                         help="every fused attention at 32K/128K, batch 1 and 32, against its read floor")
+    parser.add_argument("--stages", action="store_true",
+                        help="the 2-bit outer kernel's unpacking alone against the whole kernel and the floor")
     parser.add_argument("--runs", type=int, default=100, help="timed replays per latency (median; at least 100)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed replays first")
     parser.add_argument("--overwrite", action="store_true", help="replace existing OUT.json / OUT.md")
@@ -398,6 +405,80 @@ def floors_markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+@triton.jit
+def _unpack_only_kernel(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, out_ptr, N, PER_SPLIT, D: tl.constexpr,
+                        GS: tl.constexpr, ASM: tl.constexpr, CON: tl.constexpr):
+    """The outer split kernel's loop over one KV head's groups [split * PER_SPLIT, + PER_SPLIT) without its dots and
+    softmax: each step's keys and values unpacked and scaled by outer_attention's own helpers, summed into a
+    register tile, and one sum stored a program."""
+    head = tl.program_id(0).to(tl.int64)
+    W: tl.constexpr = D // 16
+    kc_ptr += head * N * W
+    vc_ptr += head * N * W
+    ks_ptr += head * (N // 32) * D
+    kz_ptr += head * (N // 32) * D
+    vs_ptr += head * N * (D // 32)
+    vz_ptr += head * N * (D // 32)
+    start = tl.program_id(1) * PER_SPLIT
+    stop = tl.minimum(start + PER_SPLIT, N // 32)
+    tile = tl.zeros((GS * 32, D), tl.float16)
+    for t in range(start, stop, GS):
+        n = t * 32 + tl.arange(0, GS * 32)
+        live = n < N
+        k = outer._group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D, 2, GS, True, ASM, CON, False, 32, 0, 1)
+        v = outer._values(outer._codes(vc_ptr, n, live, D, 2, True, ASM, CON, 0, 1), vs_ptr, vz_ptr, n, live, D, 32)
+        tile += k + v
+    tl.store(out_ptr + head * tl.num_programs(1) + tl.program_id(1), tl.sum(tile.to(tl.float32)))
+
+
+def measure_stages(timer: Timer, gen: torch.Generator) -> list[dict]:
+    from kvzoo.kernels import outer_attention as oa
+    from kvzoo.kernels.innerq_attention import _plan_splits
+    from kvzoo.kernels.quant_matvec import unpack_asm
+
+    H, d, Hq = MODELS["Llama 3.1-8B"]
+    asm, con = unpack_asm(BITS)
+    rows = []
+    for B, N in tqdm(FLOOR_SHAPES, desc="shapes"):
+        codes = [torch.randint(-2 ** 31, 2 ** 31, (B, H, N, d * BITS // 32), dtype=torch.int32, device=DEVICE,
+                               generator=gen) for _ in range(2)]
+        k_sz = [(torch.rand(B, H, N // 32, d, device=DEVICE, generator=gen) * 0.1).half() for _ in range(2)]
+        v_sz = [(torch.rand(B, H, N, d // 32, device=DEVICE, generator=gen) * 0.1).half() for _ in range(2)]
+        q = torch.randn(B, Hq, d, device=DEVICE, generator=gen).half()
+        empty = torch.zeros(B, H, 0, d, device=DEVICE).half()
+        lengths = torch.tensor([N, N, N, 0], dtype=torch.int32, device=DEVICE)
+        args = (codes[0], *k_sz, codes[1], *v_sz)
+        read = nbytes(q, *args)
+        splits, per_split, gs = _plan_splits(N // 32, B * H, torch.device(DEVICE), None, oa.GROUPS_PER_STEP,
+                                             oa.PROGRAMS_PER_SM)
+        out = torch.empty(B * H * splits, device=DEVICE)
+        times = {"read floor": timer(read_floor(read)),
+                 "fused kernel": timer(lambda: oa.outer_decode_attention(q, *args, BITS, empty, empty, lengths))}
+        for warps in (4, 8):
+            times[f"unpack and scale only, {warps} warps"] = timer(
+                lambda warps=warps: _unpack_only_kernel[(B * H, splits)](*args, out, N, per_split, D=d, GS=gs, ASM=asm,
+                                                                         CON=con, num_warps=warps,
+                                                                         num_stages=oa.SPLIT_STAGES))
+        for name, ms in times.items():
+            rows.append({"batch": B, "N": N, "stage": name, "bytes": read, "ms": ms,
+                         "share": times["read floor"] / ms})
+            print(f"batch {B}, N {N}, {name}: {ms * 1e3:.1f} us, {times['read floor'] / ms:.0%} of the floor",
+                  flush=True)
+        del codes, k_sz, v_sz, args
+        torch.cuda.empty_cache()
+    return rows
+
+
+def stages_markdown(rows: list[dict], meta: dict) -> str:
+    out = [f"# The 2-bit outer kernel's unpacking against the whole kernel ({meta['gpu']})", "",
+           f"torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}; Llama-3.1-8B heads, 2-bit keys "
+           f"(per-channel groups of 32 tokens) and values (per-token groups of 32 channels), every slot quantized; "
+           f"median of {meta['runs']} CUDA-graph replays after {meta['warmup']}, L2 flushed before each.", "",
+           "| batch | tokens | stage | µs | share of the read floor |", "|---|---|---|---|---|"]
+    out += [f"| {r['batch']} | {r['N']} | {r['stage']} | {r['ms'] * 1e3:.1f} | {r['share']:.0%} |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
 def cell(row: dict) -> str:
     return f"{row['ms']:.4f} ({row['GBps']:.0f})"
 
@@ -435,6 +516,10 @@ def main() -> None:
     meta["copy_GBps"] = copy_bandwidth(DEVICE, args.runs, args.warmup)
     sanity = {model: sanity_check(*MODELS[model]) for model in tqdm(MODELS, desc="checking kernels")}
     timer, gen = Timer(args.runs, args.warmup), torch.Generator(device=DEVICE).manual_seed(0)
+    if args.stages:
+        rows = measure_stages(timer, gen)
+        write(paths, {**meta, "sanity_max_rel_error": sanity, "rows": rows}, stages_markdown(rows, meta))
+        return
     if args.floors:
         rows = measure_floors(timer, gen)
         write(paths, {**meta, "sanity_max_rel_error": sanity, "target_share": FLOOR_TARGET, "rows": rows},
