@@ -94,10 +94,11 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/kernels", help="output path without suffix: OUT.json, OUT.md")
     parser.add_argument("--quick", action="store_true", help=f"N in {QUICK_N} instead of {FULL_N[0]}..{FULL_N[-1]}")
-    parser.add_argument("--floors", action="store_true",
-                        help="every fused attention at 32K/128K, batch 1 and 32, against its read floor")
-    parser.add_argument("--stages", action="store_true",
-                        help="the 2-bit outer kernel's unpacking alone against the whole kernel and the floor")
+    table = parser.add_mutually_exclusive_group()
+    table.add_argument("--floors", action="store_true",
+                       help="every fused attention at 32K/128K, batch 1 and 32, against its read floor")
+    table.add_argument("--stages", action="store_true",
+                       help="the 2-bit outer kernel's unpacking alone against the whole kernel and the floor")
     parser.add_argument("--runs", type=int, default=100, help="timed replays per latency (median; at least 100)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed replays first")
     parser.add_argument("--overwrite", action="store_true", help="replace existing OUT.json / OUT.md")
