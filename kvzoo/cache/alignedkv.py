@@ -256,6 +256,57 @@ def aligned_attention(q: Tensor, k16: Tensor, v16: Tensor, k_exp: Tensor, v_exp:
 
 
 # ----------------------------------------------------------------------------------------------------
+# One decode token into the planes, at a device-held slot (the static step's torch path and the reference of
+# kvzoo/kernels/alignedkv_attention.py's aligned_token)
+# ----------------------------------------------------------------------------------------------------
+def block_keys(k_hi: Tensor, k_mid: Tensor, k_lo: Tensor, n: Tensor) -> Tensor:
+    """fp16 keys of block n, a device tensor (1,): (B, H, 1, d, BT), channel-major as stored."""
+    return join_planes(*(t.index_select(2, n) for t in (k_hi, k_mid, k_lo)))
+
+
+def token_tail(planes: tuple[Tensor, ...], k: Tensor, v: Tensor, L: Tensor) -> tuple[Tensor, Tensor]:
+    """The block being filled when the token k, v (B, H, 1, d) arrives at slot L (a device tensor (1,)), exact,
+    (B, H, BT, d) each: the stored slots before L, the token's own k, v at L (at the model's precision), the
+    stored keys after it (p = 0 there) and zero values (slots left from an earlier sequence could hold anything).
+    planes: k_hi, k_mid, k_lo, k_exp, v_hi, v_mid, v_lo, v_exp."""
+    k_hi, k_mid, k_lo, _, v_hi, v_mid, v_lo, _ = planes
+    BT = k_hi.shape[-1]
+    n_full = torch.div(L, BT, rounding_mode="floor")
+    slots = (n_full * BT + torch.arange(BT, device=k.device))[:, None]                   # (BT, 1)
+    keys = block_keys(k_hi, k_mid, k_lo, n_full).transpose(-1, -2).flatten(2, 3)         # (B, H, BT, d)
+    values = join_planes(*(t.index_select(2, slots[:, 0]) for t in (v_hi, v_mid, v_lo)))
+    tail_k = torch.where(slots == L, k, keys.to(k.dtype))
+    tail_v = torch.where(slots < L, values.to(v.dtype), torch.where(slots == L, v, 0))
+    return tail_k, tail_v
+
+
+def store_token(planes: tuple[Tensor, ...], k: Tensor, v: Tensor, L: Tensor, close: bool) -> None:
+    """The token (k, v (B, H, 1, d)) into the planes at slot L (a device tensor (1,)), in place: its key's high
+    bytes, its key nibbles merged into the bytes they share with the block's neighbouring token, its value rows
+    and rowmax exponent; with `close` (the token completes its block) the block's colmax exponents."""
+    k_hi, k_mid, k_lo, k_exp, v_hi, v_mid, v_lo, v_exp = planes
+    B, H, _, d = k.shape
+    BT = k_hi.shape[-1]
+    n_full = torch.div(L, BT, rounding_mode="floor")
+    t = L - n_full * BT                                                  # (1,) the token's place in its block
+    rows = n_full * d + torch.arange(d, device=k.device)                 # (d,) its block's channel rows
+    bits = fp16_bits(k[:, :, 0])                                         # (B, H, d)
+    k_hi.view(B, H, -1).index_copy_(2, rows * BT + t, (bits >> 8).to(torch.uint8))   # (B, H, NB*d*BT)
+    odd = t % 2 == 1                                                     # the high nibble of its byte
+    for plane, nibble in ((k_mid, (bits >> 4) & 0xF), (k_lo, bits & 0xF)):
+        flat, at = plane.view(B, H, -1), rows * (BT // 2) + t // 2        # (B, H, NB*d*BT/2), (d,)
+        byte = flat.index_select(2, at).to(torch.int32)                   # (B, H, d)
+        merged = torch.where(odd, (byte & 0x0F) | (nibble << 4), (byte & 0xF0) | nibble)
+        flat.index_copy_(2, at, merged.to(torch.uint8))
+    v16 = v.to(torch.float16)
+    for plane, part in zip((v_hi, v_mid, v_lo), split_planes(v16)):
+        plane.index_copy_(2, L, part)                                    # (B, H, 1, d or d/2) into row L
+    v_exp.index_copy_(2, L, exponent(v16.abs().amax(-1)).to(torch.int8))
+    if close:
+        k_exp.index_copy_(2, n_full, exponent(block_keys(k_hi, k_mid, k_lo, n_full).abs().amax(-1)).to(torch.int8))
+
+
+# ----------------------------------------------------------------------------------------------------
 # The cache
 # ----------------------------------------------------------------------------------------------------
 @register("alignedkv")
@@ -500,66 +551,35 @@ class AlignedKVCache(WholeStep, LayerCache):
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
         """decode's attention at the device-held slot L = step.slot, with fixed shapes and no host sync: every
         stored slot is scored, the complete blocks (n_full = L // BT of them) read aligned, the block being filled
-        and the token exact, the rest masked; then the token is written into the planes in place (and, in phase
-        'close', its block's colmax exponents). No read statistics: counting them would sync."""
+        and the token exact, the rest masked; the token is written into the planes in place (and, in phase
+        'close', its block's colmax exponents): on CUDA by one kernel that also reads the block being filled, before
+        the attention (which reads only the blocks before it aligned), elsewhere after the torch reference. No read
+        statistics: counting them would sync."""
         q, k = self.attn.rope(q, k, step.ids)
         n_full, mask = self._static_slots(step)
         L, o = step.slot, self.opts
+        close = self.static_phase() == "close"
         if self._static_fused():
-            from kvzoo.kernels.alignedkv_attention import aligned_decode_static
+            from kvzoo.kernels.alignedkv_attention import aligned_decode_static, aligned_token
 
-            out = aligned_decode_static(q[:, :, 0], self.k_hi, self.k_mid, self.k_lo, self.k_exp, self.v_hi,
-                                        self.v_mid, self.v_lo, self.v_exp, n_full, *self._static_tail(k, v, L, n_full),
-                                        mask[:, 0, 0], o.topk, o.min_bits)
-            out = out.to(q.dtype)[:, :, None]                                             # (B, Hq, 1, d)
-        else:
-            S = self.v_exp.shape[2]
-            stored_k, stored_v = self._stored_keys(0, S), self._stored_values(S)          # (B, H, S, d) fp16
-            new = (torch.arange(S, device=q.device) == L)[:, None]                       # (S, 1): the token's slot
-            exact_k = torch.where(new, k, stored_k.to(k.dtype))[:, :, None]              # (B, H, 1, S, d)
-            exact_v = torch.where(new, v, stored_v.to(v.dtype))[:, :, None]
-            out = aligned_attention(q, stored_k, stored_v, self.k_exp, self.v_exp, exact_k, exact_v, n_full * o.block,
-                                    mask, o.block, o.topk, o.min_bits)
-        self._store_static(k, v, L, n_full)
-        if self.static_phase() == "close":
-            self.k_exp.index_copy_(2, n_full, exponent(self._block_keys(n_full).abs().amax(-1)).to(torch.int8))
+            # the token's block is read exact, and only the complete blocks before it aligned: storing the token
+            # (and, closing its block, the block's colmax exponents) first changes nothing the kernels read
+            tail = aligned_token(self._planes(), k, v, L, close)
+            out = aligned_decode_static(q[:, :, 0], *self._planes(), n_full, *tail, mask[:, 0, 0], o.topk,
+                                        o.min_bits)
+            return out.to(q.dtype)[:, :, None]                                            # (B, Hq, 1, d)
+        S = self.v_exp.shape[2]
+        stored_k, stored_v = self._stored_keys(0, S), self._stored_values(S)              # (B, H, S, d) fp16
+        new = (torch.arange(S, device=q.device) == L)[:, None]                           # (S, 1): the token's slot
+        exact_k = torch.where(new, k, stored_k.to(k.dtype))[:, :, None]                  # (B, H, 1, S, d)
+        exact_v = torch.where(new, v, stored_v.to(v.dtype))[:, :, None]
+        out = aligned_attention(q, stored_k, stored_v, self.k_exp, self.v_exp, exact_k, exact_v, n_full * o.block,
+                                mask, o.block, o.topk, o.min_bits)
+        store_token(self._planes(), k, v, L, close)
         return out
 
-    def _block_keys(self, n: Tensor) -> Tensor:
-        """fp16 keys of block n, a device tensor (1,): (B, H, 1, d, BT), channel-major as stored."""
-        return join_planes(*(t.index_select(2, n) for t in (self.k_hi, self.k_mid, self.k_lo)))
-
-    def _static_tail(self, k: Tensor, v: Tensor, L: Tensor, n_full: Tensor) -> tuple[Tensor, Tensor]:
-        """The block being filled, exact, (B, H, BT, d) each: stored slots before L, the token's own k, v at L, and
-        zero values after it (slots left from an earlier sequence could hold anything)."""
-        BT = self.opts.block
-        slots = (n_full * BT + torch.arange(BT, device=k.device))[:, None]                   # (BT, 1)
-        keys = self._block_keys(n_full).transpose(-1, -2).flatten(2, 3)                      # (B, H, BT, d)
-        values = join_planes(*(t.index_select(2, slots[:, 0]) for t in (self.v_hi, self.v_mid, self.v_lo)))
-        tail_k = torch.where(slots == L, k, keys.to(k.dtype))
-        tail_v = torch.where(slots < L, values.to(v.dtype), torch.where(slots == L, v, 0))
-        return tail_k, tail_v
-
-    def _store_static(self, k: Tensor, v: Tensor, L: Tensor, n_full: Tensor) -> None:
-        """The token (k, v (B, H, 1, d)) into the planes at the device-held slot L, in place: its key's high bytes,
-        its key nibbles merged into the bytes they share with the block's neighbouring token, its value rows and
-        rowmax exponent."""
-        B, H, _, d = k.shape
-        BT = self.opts.block
-        t = L - n_full * BT                                                  # (1,) the token's place in its block
-        rows = n_full * d + torch.arange(d, device=k.device)                 # (d,) its block's channel rows
-        bits = fp16_bits(k[:, :, 0])                                         # (B, H, d)
-        self.k_hi.view(B, H, -1).index_copy_(2, rows * BT + t, (bits >> 8).to(torch.uint8))   # (B, H, NB*d*BT)
-        odd = t % 2 == 1                                                     # the high nibble of its byte
-        for plane, nibble in ((self.k_mid, (bits >> 4) & 0xF), (self.k_lo, bits & 0xF)):
-            flat, at = plane.view(B, H, -1), rows * (BT // 2) + t // 2        # (B, H, NB*d*BT/2), (d,)
-            byte = flat.index_select(2, at).to(torch.int32)                   # (B, H, d)
-            merged = torch.where(odd, (byte & 0x0F) | (nibble << 4), (byte & 0xF0) | nibble)
-            flat.index_copy_(2, at, merged.to(torch.uint8))
-        v16 = v.to(torch.float16)
-        for plane, part in zip((self.v_hi, self.v_mid, self.v_lo), split_planes(v16)):
-            plane.index_copy_(2, L, part)                                    # (B, H, 1, d or d/2) into row L
-        self.v_exp.index_copy_(2, L, exponent(v16.abs().amax(-1)).to(torch.int8))
+    def _planes(self) -> tuple[Tensor, ...]:
+        return self.k_hi, self.k_mid, self.k_lo, self.k_exp, self.v_hi, self.v_mid, self.v_lo, self.v_exp
 
     # ---- bookkeeping -------------------------------------------------------------------------------
     def nbytes(self) -> int:

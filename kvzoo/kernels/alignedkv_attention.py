@@ -45,6 +45,11 @@ at stride 2).
                 (BLOCK_N, d/2) fp32 accumulator per half and sums over tokens once at the end; 1 < G < 16
                 sums each head's products over the tile; G >= 16 uses tl.dot. The partials
                 (B*H, splits, G, d) are summed by torch.
+    aligned_token grid (B*H,): the static step's token, one program per KV head: reads the block being filled
+                (its key planes channel-major, its value rows), writes the exact tail (B, H, BT, d) with the token's
+                own k, v at its slot, then writes the token into the planes (its key nibbles merged into the bytes
+                it shares with its neighbour) and, closing a block, the block's colmax exponents: one launch in
+                place of the torch reference's (kvzoo.cache.alignedkv.token_tail, store_token) hundred-odd.
 aligned_decode writes the tail scores into the aligned scores' buffer (no concatenation) and scales in place.
 aligned_decode_static is the same step with fixed shapes for CUDA graphs (the cache's decode_static): given `live`,
 an int32 device tensor, both kernels read the count of complete blocks / aligned tokens from it (the grid sized by
@@ -61,7 +66,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvzoo.cache.alignedkv import DIFF_FOR_8, DIFF_FOR_12, LEVELS, join_planes, key_levels, read_levels, value_levels
+from kvzoo.cache.alignedkv import (DIFF_FOR_8, DIFF_FOR_12, LEVELS, join_planes, key_levels, read_levels, store_token,
+                                   token_tail, value_levels)
 from kvzoo.kernels.quant_matvec import check_runnable, check_tensor, head_rows, split_groups, target_programs
 
 _D8 = tl.constexpr(DIFF_FOR_8)
@@ -212,6 +218,111 @@ def _pv_kernel(p_ptr, o_ptr, hi_ptr, mid_ptr, lo_ptr, exp_ptr, part_ptr, len_ptr
     out = part_ptr + ((row * tl.num_programs(1) + split) * G + g[:, None]) * D + 2 * c[None, :]
     tl.store(out, acc_even, mask=live_g[:, None])
     tl.store(out + 1, acc_odd, mask=live_g[:, None])
+
+
+@triton.jit
+def _fp16_of(hi, mid, lo):
+    """fp16 values from their high byte and middle and low nibbles (int32)."""
+    return ((hi << 8) | (mid << 4) | lo).to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _merge_nibble(plane_ptr, at, nibble, odd):
+    """Write nibble (int32) into the high (odd) or low half of the bytes at `at`, keeping the other half."""
+    old = tl.load(plane_ptr + at).to(tl.int32)
+    tl.store(plane_ptr + at, tl.where(odd, (old & 0x0F) | (nibble << 4), (old & 0xF0) | nibble).to(tl.uint8))
+
+
+@triton.jit
+def _token_kernel(k_ptr, v_ptr, khi_ptr, kmid_ptr, klo_ptr, kexp_ptr, vhi_ptr, vmid_ptr, vlo_ptr, vexp_ptr, tk_ptr,
+                  tv_ptr, slot_ptr, NB, D: tl.constexpr, BT: tl.constexpr, CLOSE: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)                 # b*H + KV head
+    L = tl.load(slot_ptr).to(tl.int64)
+    nb = L // BT                                       # the block being filled
+    t = L - nb * BT                                    # the token's place in it
+    c = tl.arange(0, D)
+    j = tl.arange(0, BT)
+    # the block's keys, channel-major (D, BT), and the token's
+    krow = (bh * NB + nb) * D + c                                                     # (D,) the block's rows
+    half = krow[:, None] * (BT // 2) + (j // 2)[None, :]
+    shift = ((j % 2) * 4)[None, :]                                                    # token 2i: the low nibble
+    keys = _fp16_of(tl.load(khi_ptr + krow[:, None] * BT + j[None, :]).to(tl.int32),
+                    (tl.load(kmid_ptr + half).to(tl.int32) >> shift) & 0xF,
+                    (tl.load(klo_ptr + half).to(tl.int32) >> shift) & 0xF)             # (D, BT)
+    k = tl.load(k_ptr + bh * D + c)                                                   # (D,) the model's dtype
+    k16 = k.to(tl.float16)
+    at_t = (j == t)[None, :]
+    tl.store(tk_ptr + (bh * BT + j[None, :]) * D + c[:, None], tl.where(at_t, k[:, None], keys.to(k.dtype)))
+    # the block's values, token-major (BT, D): stored before the token, the token's own, zero after
+    vrow = bh * NB * BT + nb * BT + j                                                 # (BT,) value rows
+    vhalf = vrow[:, None] * (D // 2) + (c // 2)[None, :]
+    vshift = ((c % 2) * 4)[None, :]                                                   # channel 2i: the low nibble
+    values = _fp16_of(tl.load(vhi_ptr + vrow[:, None] * D + c[None, :]).to(tl.int32),
+                      (tl.load(vmid_ptr + vhalf).to(tl.int32) >> vshift) & 0xF,
+                      (tl.load(vlo_ptr + vhalf).to(tl.int32) >> vshift) & 0xF)         # (BT, D)
+    v = tl.load(v_ptr + bh * D + c)
+    tail_v = tl.where((j < t)[:, None], values.to(v.dtype), tl.where((j == t)[:, None], v[None, :], 0))
+    tl.store(tv_ptr + (bh * BT + j[:, None]) * D + c[None, :], tail_v)
+    if CLOSE:                                          # the token completes the block: its colmax exponents
+        colmax = tl.max(tl.where(at_t, tl.abs(k16.to(tl.float32))[:, None], tl.abs(keys.to(tl.float32))), 1)
+        tl.store(kexp_ptr + krow, _exponent(colmax).to(tl.int8))
+    tl.debug_barrier()                                 # every byte the block shares is read before it changes
+    # the token into the planes
+    kb = k16.to(tl.uint16, bitcast=True).to(tl.int32)                                 # (D,)
+    tl.store(khi_ptr + krow * BT + t, (kb >> 8).to(tl.uint8))
+    odd = t % 2 == 1
+    _merge_nibble(kmid_ptr, krow * (BT // 2) + t // 2, (kb >> 4) & 0xF, odd)
+    _merge_nibble(klo_ptr, krow * (BT // 2) + t // 2, kb & 0xF, odd)
+    row = bh * NB * BT + L
+    v16 = v.to(tl.float16)
+    tl.store(vhi_ptr + row * D + c, (v16.to(tl.uint16, bitcast=True).to(tl.int32) >> 8).to(tl.uint8))
+    c2 = tl.arange(0, D // 2)
+    e = tl.arange(0, 2)
+    pair = tl.load(v_ptr + bh * D + 2 * c2[:, None] + e[None, :]).to(tl.float16)    # (D/2, 2) channels 2i, 2i+1
+    pb = pair.to(tl.uint16, bitcast=True).to(tl.int32)
+    tl.store(vmid_ptr + row * (D // 2) + c2, tl.sum(((pb >> 4) & 0xF) << (4 * e)[None, :], 1).to(tl.uint8))
+    tl.store(vlo_ptr + row * (D // 2) + c2, tl.sum((pb & 0xF) << (4 * e)[None, :], 1).to(tl.uint8))
+    tl.store(vexp_ptr + row, _exponent(tl.max(tl.abs(v16.to(tl.float32)), 0)).to(tl.int8))
+
+
+def aligned_token(planes: tuple[Tensor, ...], k: Tensor, v: Tensor, slot: Tensor, close: bool) -> tuple[Tensor, Tensor]:
+    """The static step's token k, v (B, H, 1, d) at slot `slot` (a device tensor (1,) int64) into the planes
+    (k_hi, k_mid, k_lo, k_exp, v_hi, v_mid, v_lo, v_exp, in place; close: the token completes its block, whose
+    colmax exponents are recorded), and the exact tail of the block it lands in, (B, H, BT, d) each in k's and v's
+    dtype (kvzoo.cache.alignedkv.token_tail). One launch; aligned_token_ref is the torch reference."""
+    k_hi, k_mid, k_lo, k_exp, v_hi, v_mid, v_lo, v_exp = planes
+    B, H, NB, d, BT = k_hi.shape
+    dev = k_hi.device
+    check_runnable(_token_kernel, dev)
+    for name, t in (("k", k), ("v", v)):
+        check_tensor(t, name, (B, H, 1, d), (torch.float16, torch.bfloat16, torch.float32), dev)
+    check_tensor(slot, "slot", (1,), (torch.int64,), dev)
+    if d & (d - 1) or BT & (BT - 1) or BT < 2:
+        raise ValueError(f"aligned_token needs a power-of-two head_dim and block, got {d} and {BT}")
+    for name, t, shape, dtype in (("k_hi", k_hi, (B, H, NB, d, BT), torch.uint8),
+                                  ("k_mid", k_mid, (B, H, NB, d, BT // 2), torch.uint8),
+                                  ("k_lo", k_lo, (B, H, NB, d, BT // 2), torch.uint8),
+                                  ("k_exp", k_exp, (B, H, NB, d), torch.int8),
+                                  ("v_hi", v_hi, (B, H, NB * BT, d), torch.uint8),
+                                  ("v_mid", v_mid, (B, H, NB * BT, d // 2), torch.uint8),
+                                  ("v_lo", v_lo, (B, H, NB * BT, d // 2), torch.uint8),
+                                  ("v_exp", v_exp, (B, H, NB * BT), torch.int8)):
+        check_tensor(t, name, shape, (dtype,), dev)
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (the planes are written in place)")
+    tail_k = torch.empty(B, H, BT, d, dtype=k.dtype, device=dev)
+    tail_v = torch.empty(B, H, BT, d, dtype=v.dtype, device=dev)
+    _token_kernel[(B * H,)](k.contiguous(), v.contiguous(), k_hi, k_mid, k_lo, k_exp, v_hi, v_mid, v_lo, v_exp,
+                            tail_k, tail_v, slot, NB, D=d, BT=BT, CLOSE=close)
+    return tail_k, tail_v
+
+
+def aligned_token_ref(planes: tuple[Tensor, ...], k: Tensor, v: Tensor, slot: Tensor,
+                      close: bool) -> tuple[Tensor, Tensor]:
+    """aligned_token in torch: the tail read before the token is stored (kvzoo.cache.alignedkv)."""
+    tail = token_tail(planes, k, v, slot)
+    store_token(planes, k, v, slot, close)
+    return tail
 
 
 def _check_common(name: str, t: Tensor, dims: int, min_bits: int) -> None:

@@ -185,3 +185,28 @@ def test_decode_static_equals_decode(n_full, W):
     with pytest.raises(ValueError, match="mask has shape"):
         aligned_decode_static(q, *k_planes, *v_planes, torch.tensor([n_full], device=DEVICE), tail_k, tail_v,
                               mask[:, :8], 8, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize("t", [0, 5, 6, 15])
+def test_token_matches_reference(t, dtype):
+    """The static step's token kernel: the block's exact tail and the planes after the token is written (its key
+    nibbles shared with the even or odd neighbour; t = 15 closes the block of 16 and records its colmax exponents)
+    bit for bit as the torch reference (kvzoo.cache.alignedkv.token_tail, store_token)."""
+    from kvzoo.kernels.alignedkv_attention import aligned_token, aligned_token_ref
+
+    BT, d, NB = 16, 32, 3
+    g = torch.Generator().manual_seed(t)
+    keys = outliers(torch.randn(B, H, NB * BT, d, generator=g), g).half().to(DEVICE)
+    values = torch.randn(B, H, NB * BT, d, generator=g).half().to(DEVICE)
+    planes = (*key_planes(keys, BT), *(p.contiguous() for p in value_planes(values)))
+    k, v = (torch.randn(B, H, 1, d, generator=g).to(DEVICE, dtype) for _ in range(2))
+    slot = torch.tensor([BT + t], device=DEVICE)                                   # block 1, place t
+    want_planes = tuple(p.clone() for p in planes)
+    got = aligned_token(planes, k, v, slot, close=t == BT - 1)
+    want = aligned_token_ref(want_planes, k, v, slot, close=t == BT - 1)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for a, b in zip(planes, want_planes):
+        assert torch.equal(a, b)
+    assert t == BT - 1 or torch.equal(planes[3], key_planes(keys, BT)[3])          # exponents move only on close
