@@ -529,15 +529,15 @@ def aligned_decode_static(q: Tensor, k_hi: Tensor, k_mid: Tensor, k_lo: Tensor, 
 
 
 @triton.jit
-def _estimate_kernel(p_ptr, idx_ptr, vhi_ptr, vmid_ptr, vlo_ptr, tail_ptr, na_ptr, out_ptr, N, W,
-                     G: tl.constexpr, K: tl.constexpr, K_P: tl.constexpr, D: tl.constexpr):
+def _estimate_kernel(p_ptr, idx_ptr, vhi_ptr, vmid_ptr, vlo_ptr, tail_ptr, na_ptr, out_ptr, NA_INT, N, W,
+                     G: tl.constexpr, K: tl.constexpr, K_P: tl.constexpr, D: tl.constexpr, DYN: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)                # b*Hq + query head
     kv = row // G                                      # b*H + its KV head
     i = tl.arange(0, K_P)
     live = i < K
     p = tl.load(p_ptr + row * K + i, mask=live, other=0)                             # (K_P,) fp32
     idx = tl.load(idx_ptr + row * K + i, mask=live, other=0)                         # (K_P,) slots
-    NA = tl.load(na_ptr).to(tl.int64)                  # the slots stored in the planes
+    NA = _live(na_ptr, NA_INT, DYN).to(tl.int64)
     c = tl.arange(0, D)
     rows = kv * N + tl.maximum(tl.minimum(idx, NA - 1), 0)                            # stored slots: planes
     half = rows[:, None] * (D // 2) + (c // 2)[None, :]
@@ -558,10 +558,10 @@ def _estimate(p: Tensor, v_hi: Tensor, v_mid: Tensor, v_lo: Tensor, tail_v: Tens
     H, W, d = tail_v.shape[1], tail_v.shape[2], tail_v.shape[-1]
     top_p, idx = p.topk(min(topk, S), dim=-1)                                         # (B, Hq, k)
     out = torch.empty(B, Hq, d, dtype=torch.float32, device=p.device)
-    na = NA if isinstance(NA, Tensor) else torch.tensor([NA], dtype=torch.int64, device=p.device)
-    _estimate_kernel[(B * Hq,)](top_p.contiguous(), idx.contiguous(), v_hi, v_mid, v_lo, tail_v.contiguous(), na,
-                                out, v_hi.shape[2], W, G=Hq // H, K=top_p.shape[-1],
-                                K_P=triton.next_power_of_2(top_p.shape[-1]), D=d)
+    dyn = isinstance(NA, Tensor)
+    _estimate_kernel[(B * Hq,)](top_p.contiguous(), idx.contiguous(), v_hi, v_mid, v_lo, tail_v.contiguous(),
+                                NA if dyn else p, out, 0 if dyn else NA, v_hi.shape[2], W, G=Hq // H,
+                                K=top_p.shape[-1], K_P=triton.next_power_of_2(top_p.shape[-1]), D=d, DYN=dyn)
     return out
 
 
