@@ -528,45 +528,8 @@ def aligned_decode_static(q: Tensor, k_hi: Tensor, k_mid: Tensor, k_lo: Tensor, 
     return out + torch.einsum("bhgw,bhwd->bhgd", p_tail, tail_v.float()).reshape(B, Hq, d)
 
 
-@triton.jit
-def _estimate_kernel(p_ptr, idx_ptr, vhi_ptr, vmid_ptr, vlo_ptr, tail_ptr, na_ptr, out_ptr, NA_INT, N, W,
-                     G: tl.constexpr, K: tl.constexpr, K_P: tl.constexpr, D: tl.constexpr, DYN: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)                # b*Hq + query head
-    kv = row // G                                      # b*H + its KV head
-    i = tl.arange(0, K_P)
-    live = i < K
-    p = tl.load(p_ptr + row * K + i, mask=live, other=0)                             # (K_P,) fp32
-    idx = tl.load(idx_ptr + row * K + i, mask=live, other=0)                         # (K_P,) slots
-    NA = _live(na_ptr, NA_INT, DYN).to(tl.int64)
-    c = tl.arange(0, D)
-    rows = kv * N + tl.maximum(tl.minimum(idx, NA - 1), 0)                            # stored slots: planes
-    half = rows[:, None] * (D // 2) + (c // 2)[None, :]
-    shift = ((c % 2) * 4)[None, :]
-    stored = _fp16_of(tl.load(vhi_ptr + rows[:, None] * D + c[None, :]).to(tl.int32),
-                      (tl.load(vmid_ptr + half).to(tl.int32) >> shift) & 0xF,
-                      (tl.load(vlo_ptr + half).to(tl.int32) >> shift) & 0xF).to(tl.float32)   # (K_P, D)
-    tail = kv * W + tl.maximum(tl.minimum(idx - NA, W - 1), 0)                        # the exact tail's rows
-    exact = tl.load(tail_ptr + tail[:, None] * D + c[None, :]).to(tl.float32)
-    vals = tl.where((idx < NA)[:, None], stored, exact)
-    tl.store(out_ptr + row * D + c, tl.sum(p[:, None] * vals, 0))
-
-
 def _estimate(p: Tensor, v_hi: Tensor, v_mid: Tensor, v_lo: Tensor, tail_v: Tensor, NA: int | Tensor,
               topk: int) -> Tensor:
-    """_estimate_ref with the gather and the weighted sum in one kernel (the top-k stays torch's)."""
-    B, Hq, S = p.shape
-    H, W, d = tail_v.shape[1], tail_v.shape[2], tail_v.shape[-1]
-    top_p, idx = p.topk(min(topk, S), dim=-1)                                         # (B, Hq, k)
-    out = torch.empty(B, Hq, d, dtype=torch.float32, device=p.device)
-    dyn = isinstance(NA, Tensor)
-    _estimate_kernel[(B * Hq,)](top_p.contiguous(), idx.contiguous(), v_hi, v_mid, v_lo, tail_v.contiguous(),
-                                NA if dyn else p, out, 0 if dyn else NA, v_hi.shape[2], W, G=Hq // H,
-                                K=top_p.shape[-1], K_P=triton.next_power_of_2(top_p.shape[-1]), D=d, DYN=dyn)
-    return out
-
-
-def _estimate_ref(p: Tensor, v_hi: Tensor, v_mid: Tensor, v_lo: Tensor, tail_v: Tensor, NA: int | Tensor,
-                  topk: int) -> Tensor:
     """O_est (B, Hq, d): each head's top-k probabilities times their exact values, gathered from the planes
     (slots < NA) or the exact tail (slots NA + [0, W)), without copying the cache. NA is an int or a device tensor
     (1,); a slot past the tail (p = 0, picked only where fewer than topk slots are attended) reads its last row."""
