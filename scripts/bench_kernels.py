@@ -46,7 +46,7 @@ import triton.language as tl
 from torch import Tensor
 from tqdm import tqdm
 
-from kvzoo.kernels import outer_attention as outer
+from kvzoo.kernels import outer_attention
 from timing import Timer, copy_bandwidth, output_paths, require_compiled_gpu
 
 MODELS = {                      # name: (KV heads, head_dim, query heads)
@@ -311,7 +311,7 @@ def floor_cases(B: int, N: int, gen: torch.Generator):
     """(name, launch, bytes read) of every fused attention over B rows x N tokens of the 8B heads, one at a time:
     each case's buffers are built when it is reached and dropped after it (at batch 32 and 128K some hold 17 GB)."""
     from kvzoo.cache.alignedkv import AlignedKVOptions
-    from kvzoo.kernels import alignedkv_attention as al, innerq_attention as att, outer_attention as oa
+    from kvzoo.kernels import alignedkv_attention as al, innerq_attention as att
 
     H, d, Hq = MODELS["Llama 3.1-8B"]
     n_q = N - WINDOW
@@ -344,13 +344,13 @@ def floor_cases(B: int, N: int, gen: torch.Generator):
                  words(BITS), halves((B, H, n_q, d // 32)), halves((B, H, n_q, d // 32)))
         tables = (torch.randn(N, d, device=DEVICE, generator=gen).half(),) * 2 if rotated else None
         read = nbytes(q, *codes, k_win, v_win) + (nbytes(tables[0]) // 2 if rotated else 0)   # cos, sin: half rows
-        return lambda: oa.outer_decode_attention(q, *codes, BITS, k_win, v_win, lengths, rope=tables), read
+        return lambda: outer_attention.outer_decode_attention(q, *codes, BITS, k_win, v_win, lengths, rope=tables), read
 
     def token(group):
         k_codes, v_codes = words(8), words(8)
         scales = [halves((B, H, n_q, d // group)) for _ in range(4)]
         codes = (k_codes, scales[0], scales[1], v_codes, scales[2], scales[3])
-        return lambda: oa.outer_decode_attention(q, *codes, 8, k_win, v_win, lengths, key_groups="token",
+        return lambda: outer_attention.outer_decode_attention(q, *codes, 8, k_win, v_win, lengths, key_groups="token",
                                                  group=group), nbytes(q, *codes, k_win, v_win)
 
     def aligned():
@@ -375,6 +375,14 @@ def floor_cases(B: int, N: int, gen: torch.Generator):
     yield ("fp16 SDPA", *sdpa())
 
 
+def add_row(rows: list[dict], B: int, N: int, column: str, name: str, ms: float, floor: float, read: int) -> None:
+    """One timed kernel (or stage) `name` against the read floor of its `read` bytes, printed as it comes."""
+    rows.append({"batch": B, "N": N, column: name, "bytes": read, "ms": ms, "floor_ms": floor,
+                 "GBps": read / ms / 1e6, "share": floor / ms})
+    print(f"batch {B}, N {N}, {name}: {ms * 1e3:.1f} us, floor {floor * 1e3:.1f} us, {floor / ms:.0%} of the floor",
+          flush=True)
+
+
 def measure_floors(timer: Timer, gen: torch.Generator) -> list[dict]:
     rows = []
     for B, N in tqdm(FLOOR_SHAPES, desc="shapes"):
@@ -382,21 +390,23 @@ def measure_floors(timer: Timer, gen: torch.Generator) -> list[dict]:
             ms, floor = timer(launch), timer(read_floor(read))
             del launch
             torch.cuda.empty_cache()
-            rows.append({"batch": B, "N": N, "kernel": name, "bytes": read, "ms": ms, "floor_ms": floor,
-                         "GBps": read / ms / 1e6, "share": floor / ms})
-            print(f"batch {B}, N {N}, {name}: {ms * 1e3:.1f} us, floor {floor * 1e3:.1f} us, "
-                  f"{floor / ms:.0%} of the floor", flush=True)
+            add_row(rows, B, N, "kernel", name, ms, floor, read)
         torch.cuda.empty_cache()
     return rows
 
 
+def header(meta: dict, title: str, setting: str) -> list[str]:
+    """A table's title and the line of versions and settings above it."""
+    return [f"# {title} ({meta['gpu']})", "",
+            f"torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}; Llama-3.1-8B heads; {setting}; "
+            f"median of {meta['runs']} CUDA-graph replays after {meta['warmup']}, L2 flushed before each.", ""]
+
+
 def floors_markdown(rows: list[dict], meta: dict) -> str:
-    out = [f"# Fused decode attention against its read floor ({meta['gpu']})", "",
-           f"torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}; Llama-3.1-8B heads (8 KV heads of "
-           f"128, 32 query heads); {WINDOW}-token exact window; median of {meta['runs']} CUDA-graph replays after "
-           f"{meta['warmup']}, L2 flushed before each. Floor: a kernel that only reads the same number of bytes. "
-           f"Device-to-device copy of 1 GiB: {meta['copy_GBps']:.0f} GB/s (bytes read + written). Target: at least "
-           f"{FLOOR_TARGET:.0%} of the floor.", "",
+    out = header(meta, "Fused decode attention against its read floor",
+                 f"{WINDOW}-token exact window. Floor: a kernel that only reads the same number of bytes. "
+                 f"Device-to-device copy of 1 GiB: {meta['copy_GBps']:.0f} GB/s (bytes read + written). Target: at "
+                 f"least {FLOOR_TARGET:.0%} of the floor") + [
            "| batch | tokens | kernel | MB read | floor (µs) | kernel (µs) | GB/s | share of floor | target |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -426,14 +436,15 @@ def _unpack_only_kernel(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, out_ptr,
     for t in range(start, stop, GS):
         n = t * 32 + tl.arange(0, GS * 32)
         live = n < N
-        k = outer._group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D, 2, GS, True, ASM, CON, False, 32, 0, 1)
-        v = outer._values(outer._codes(vc_ptr, n, live, D, 2, True, ASM, CON, 0, 1), vs_ptr, vz_ptr, n, live, D, 32)
+        k = outer_attention._group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D, 2, GS, True, ASM, CON, False,
+                                        32, 0, 1)
+        codes = outer_attention._codes(vc_ptr, n, live, D, 2, True, ASM, CON, 0, 1)
+        v = outer_attention._values(codes, vs_ptr, vz_ptr, n, live, D, 32)
         tile += k + v
     tl.store(out_ptr + head * tl.num_programs(1) + tl.program_id(1), tl.sum(tile.to(tl.float32)))
 
 
 def measure_stages(timer: Timer, gen: torch.Generator) -> list[dict]:
-    from kvzoo.kernels import outer_attention as oa
     from kvzoo.kernels.innerq_attention import _plan_splits
     from kvzoo.kernels.quant_matvec import unpack_asm
 
@@ -450,32 +461,29 @@ def measure_stages(timer: Timer, gen: torch.Generator) -> list[dict]:
         lengths = torch.tensor([N, N, N, 0], dtype=torch.int32, device=DEVICE)
         args = (codes[0], *k_sz, codes[1], *v_sz)
         read = nbytes(q, *args)
-        splits, per_split, gs = _plan_splits(N // 32, B * H, torch.device(DEVICE), None, oa.GROUPS_PER_STEP,
-                                             oa.PROGRAMS_PER_SM)
+        splits, per_split, gs = _plan_splits(N // 32, B * H, torch.device(DEVICE), None,
+                                             outer_attention.GROUPS_PER_STEP, outer_attention.PROGRAMS_PER_SM)
         out = torch.empty(B * H * splits, device=DEVICE)
         times = {"read floor": timer(read_floor(read)),
-                 "fused kernel": timer(lambda: oa.outer_decode_attention(q, *args, BITS, empty, empty, lengths))}
+                 "fused kernel": timer(lambda: outer_attention.outer_decode_attention(q, *args, BITS, empty, empty,
+                                                                                     lengths))}
         for warps in (4, 8):
             times[f"unpack and scale only, {warps} warps"] = timer(
                 lambda warps=warps: _unpack_only_kernel[(B * H, splits)](*args, out, N, per_split, D=d, GS=gs, ASM=asm,
                                                                          CON=con, num_warps=warps,
-                                                                         num_stages=oa.SPLIT_STAGES))
+                                                                         num_stages=outer_attention.SPLIT_STAGES))
         for name, ms in times.items():
-            rows.append({"batch": B, "N": N, "stage": name, "bytes": read, "ms": ms,
-                         "share": times["read floor"] / ms})
-            print(f"batch {B}, N {N}, {name}: {ms * 1e3:.1f} us, {times['read floor'] / ms:.0%} of the floor",
-                  flush=True)
+            add_row(rows, B, N, "stage", name, ms, times["read floor"], read)
         del codes, k_sz, v_sz, args
         torch.cuda.empty_cache()
     return rows
 
 
 def stages_markdown(rows: list[dict], meta: dict) -> str:
-    out = [f"# The 2-bit outer kernel's unpacking against the whole kernel ({meta['gpu']})", "",
-           f"torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}; Llama-3.1-8B heads, 2-bit keys "
-           f"(per-channel groups of 32 tokens) and values (per-token groups of 32 channels), every slot quantized; "
-           f"median of {meta['runs']} CUDA-graph replays after {meta['warmup']}, L2 flushed before each.", "",
-           "| batch | tokens | stage | µs | share of the read floor |", "|---|---|---|---|---|"]
+    out = header(meta, "The 2-bit outer kernel's unpacking against the whole kernel",
+                 "2-bit keys (per-channel groups of 32 tokens) and values (per-token groups of 32 channels), every "
+                 "slot quantized") + ["| batch | tokens | stage | µs | share of the read floor |",
+                                      "|---|---|---|---|---|"]
     out += [f"| {r['batch']} | {r['N']} | {r['stage']} | {r['ms'] * 1e3:.1f} | {r['share']:.0%} |" for r in rows]
     return "\n".join(out) + "\n"
 

@@ -38,9 +38,10 @@ Two kernels:
      at 32K-128K than q · keysᵀ and p · values; keys stored before RoPE keep that orientation, which was as fast).
      On a GPU with an fp16/bf16 model the codes are unpacked into half2 registers by inline PTX
      (quant_matvec.unpack_asm) and scale and zero (fp16, as stored) applied in fp16 by one fused multiply-add,
-     rounded once; the dots take fp16 (a bf16 query is converted), as flash attention's do. fp32 models (and the interpreter) use fp32 codes and exact fp32 dots. The last program
-     of each KV head takes the sink, then the tail's slots past the quantized ones 32 at a time, each slot's key
-     and value read from its codes or its window by the rule above. Every program writes its (m, l, acc).
+     rounded once; the dots take fp16 (a bf16 query is converted), as flash attention's do. fp32 models (and the
+     interpreter) use fp32 codes and exact fp32 dots. The last program of each KV head takes the sink, then the
+     tail's slots past the quantized ones 32 at a time, each slot's key and value read from its codes or its window
+     by the rule above. Every program writes its (m, l, acc).
   2. combine: grid (B*H,). Merges the partials, divides by l and writes (B, Hq, d) in q's dtype.
 Keys stored before RoPE (KIVI*, `rope=(cos, sin)`): every key, quantized or exact (the sink, the key window), is
 rotated to its position in the kernel: sink row i to position i, tail slot u to n_sink + u. The kernel unpacks
