@@ -1,0 +1,68 @@
+"""scripts/bench_kernels.py's --floors cases and tables (the benchmark itself times on a CUDA GPU): every case
+builds and runs at a small shape on the tests' device (a CPU: the Triton interpreter, tests/conftest.py), and
+AlignedKV's bytes are what its levels read."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def bench_module():
+    """scripts/bench_kernels.py with scripts/ first on the module search path, as `python scripts/bench_kernels.py`
+    has it (it imports its sibling scripts/timing.py), its tensors on the tests' device."""
+    scripts = Path(__file__).parents[2] / "scripts"
+    spec = importlib.util.spec_from_file_location("bench_kernels", scripts / "bench_kernels.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(scripts))
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(scripts))
+    bench.DEVICE = DEVICE
+    return bench
+
+
+def test_every_floor_case_runs():
+    bench = bench_module()
+    cases = list(bench.floor_cases(1, 1024, torch.Generator(device=DEVICE).manual_seed(0)))
+    assert [name for name, _, _ in cases] == [
+        "InnerQ-2 asymmetric", "InnerQ-2 hybrid", "KIVI-2, SQuat (outer)", "KIVI*-2 (keys rotated in the kernel)",
+        "KV Pareto k8v8 (per-token groups of 32)", "int8 (per-token groups of d)", "AlignedKV (planes; aligned_decode)",
+        "fp16 SDPA"]
+    read = {}
+    for name, launch, n_bytes in cases:
+        out = launch()
+        assert out.shape[-1] == 128 and bool(torch.isfinite(out.float()).all()), name
+        read[name] = n_bytes
+    q, kv = 32 * 128 * 2, 8 * 1024 * 128 * 2                     # fp16 query rows; one fp16 stream
+    assert read["fp16 SDPA"] == q + 2 * kv
+    assert read["KIVI-2, SQuat (outer)"] < read["InnerQ-2 asymmetric"] < read["int8 (per-token groups of d)"]
+    exponents = 8 * 1024 // 64 * 128 + 8 * 1024                   # at most one a block and channel, one a token
+    assert read["AlignedKV (planes; aligned_decode)"] <= 2 * kv + q + exponents
+
+
+def test_aligned_bytes_follow_the_levels():
+    """At min_bits = 16 every element is read whole (2 bytes); at 8 some read 1 or 1.5."""
+    bench = bench_module()
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    planes = bench.aligned_planes(1, 2, 256, 32, 64, gen)
+    q = torch.randn(1, 4, 32, device=DEVICE, generator=gen).half()
+    extra = bench.nbytes(q, planes[3], planes[7])                 # q and the exponents
+    whole = bench.aligned_read_bytes(q, planes, 32, 16, 64)
+    assert whole == 2 * (2 * 2 * 256 * 32) + extra
+    assert extra + whole // 2 < bench.aligned_read_bytes(q, planes, 32, 8, 64) < whole
+
+
+def test_floor_table_marks_the_target():
+    bench = bench_module()
+    meta = {"gpu": "GPU", "torch": "t", "triton": "tr", "cuda": "c", "runs": 100, "warmup": 20, "copy_GBps": 2000.0}
+    rows = []
+    for name, share in (("a", 0.75), ("b", 0.5), ("fp16 SDPA", 0.95)):
+        bench.add_row(rows, 1, 1024, "kernel", name, 1.0, share, 10 ** 6)
+    table = bench.floors_markdown(rows, meta)
+    assert "| 1 | 1024 | a | 1.0 | 750.0 | 1000.0 | 1 | 75% | met |" in table
+    assert "| b |" in table and "| 50% | NO |" in table and "| 95% |  |" in table
