@@ -179,21 +179,10 @@ def test_cuda_graph_equals_eager(model):
 
 
 def bench_module():
-    """scripts/bench_decode.py, loaded with scripts/ first on the module search path as `python
-    scripts/bench_decode.py` has it: it imports its sibling helper scripts/timing.py as `timing`."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+    """scripts/bench_decode.py, as `python scripts/bench_decode.py` loads it."""
+    from tests.scripts.scripts_module import load
 
-    scripts = Path(__file__).parents[2] / "scripts"
-    spec = importlib.util.spec_from_file_location("bench_decode", scripts / "bench_decode.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(scripts))
-    try:
-        spec.loader.exec_module(bench)
-    finally:
-        sys.path.remove(str(scripts))
-    return bench
+    return load("bench_decode")
 
 
 def test_bench_decode_plot(tmp_path):

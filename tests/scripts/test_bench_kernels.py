@@ -2,26 +2,16 @@
 builds and runs at a small shape on the tests' device (a CPU: the Triton interpreter, tests/conftest.py), and
 AlignedKV's bytes are what its levels read."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
+
+from tests.scripts.scripts_module import load
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def bench_module():
-    """scripts/bench_kernels.py with scripts/ first on the module search path, as `python scripts/bench_kernels.py`
-    has it (it imports its sibling scripts/timing.py), its tensors on the tests' device."""
-    scripts = Path(__file__).parents[2] / "scripts"
-    spec = importlib.util.spec_from_file_location("bench_kernels", scripts / "bench_kernels.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(scripts))
-    try:
-        spec.loader.exec_module(bench)
-    finally:
-        sys.path.remove(str(scripts))
+    """scripts/bench_kernels.py, its tensors on the tests' device."""
+    bench = load("bench_kernels")
     bench.DEVICE = DEVICE
     return bench
 
