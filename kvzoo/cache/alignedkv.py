@@ -45,7 +45,8 @@ The static step (`decode_static`, captured whole in a CUDA graph by kvzoo/graphs
 shapes and no host sync: the slot L is a device tensor, every stored slot is scored (the complete blocks
 aligned by the kernels, which read how many there are from a device tensor; the block being filled and the
 token exact; unwritten slots, padding and a sliding window masked by StaticStep.mask), and the token is
-written into the planes in place at L (its key nibbles merged into the bytes they share with a neighbour).
+written into the planes in place at L (its key nibbles merged into the bytes they share with a neighbour; on CUDA
+one kernel, aligned_token, reads the block being filled and writes the token).
 One graph per phase: 'close' when the token completes a block and its colmax exponents are recorded, 'fill'
 otherwise. On CPU the same step runs the torch reference over the whole buffer (how tests hold it to decode).
 
