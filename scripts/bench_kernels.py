@@ -131,30 +131,31 @@ def nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def synthetic_inner(H: int, N: int, d: int, gen: torch.Generator):
-    """Random codes, fp16 scales and fp32 zero points (as slots) in the inner layout: latency does not
+def synthetic_inner(H: int, N: int, d: int, gen: torch.Generator, B: int = 1):
+    """Random codes, fp16 scales and fp32 zero points (as slots) in the inner layout, B rows: latency does not
     depend on the values, and random data spares quantizing gigabytes."""
     def codes():
-        return torch.randint(-2 ** 31, 2 ** 31, (1, H, N, d * BITS // 32), dtype=torch.int32, device=DEVICE,
+        return torch.randint(-2 ** 31, 2 ** 31, (B, H, N, d * BITS // 32), dtype=torch.int32, device=DEVICE,
                              generator=gen)
 
     def groups(shape):
         scale = (torch.rand(shape, device=DEVICE, generator=gen) * 0.1).half()
         return scale, torch.randn(shape, device=DEVICE, generator=gen).view(torch.int32)
 
-    return (codes(), *groups((1, H, N, d // 32))), (codes(), *groups((1, H, N // 32, d)))
+    return (codes(), *groups((B, H, N, d // 32))), (codes(), *groups((B, H, N // 32, d)))
 
 
-def synthetic_outer(H: int, N: int, d: int, gen: torch.Generator):
+def synthetic_outer(H: int, N: int, d: int, gen: torch.Generator, B: int = 1):
+    """The same in KIVI's outer layout: keys per channel (groups of 32 tokens), values per token."""
     def codes():
-        return torch.randint(-2 ** 31, 2 ** 31, (1, H, N, d * BITS // 32), dtype=torch.int32, device=DEVICE,
+        return torch.randint(-2 ** 31, 2 ** 31, (B, H, N, d * BITS // 32), dtype=torch.int32, device=DEVICE,
                              generator=gen)
 
     def groups(shape):
         return (torch.rand(shape, device=DEVICE, generator=gen) * 0.1).half(), \
             torch.randn(shape, device=DEVICE, generator=gen).half()
 
-    return (codes(), *groups((1, H, N // 32, d))), (codes(), *groups((1, H, N, d // 32)))
+    return (codes(), *groups((B, H, N // 32, d))), (codes(), *groups((B, H, N, d // 32)))
 
 
 def sanity_check(H: int, d: int, Hq: int) -> dict:
@@ -329,19 +330,16 @@ def floor_cases(B: int, N: int, gen: torch.Generator):
     def masks(shape):
         return torch.randint(-2 ** 31, 2 ** 31, shape, dtype=torch.int32, device=DEVICE, generator=gen)
 
-    def slots(shape):                                   # fp32 zero points (finite), as InnerQ's slots hold them
-        return torch.randn(shape, device=DEVICE, generator=gen).view(torch.int32)
-
     def innerq(hybrid):
         k_mask, v_mask = (masks((B, H, d // 32, n_q // 32)), masks((B, H, n_q // 32, d // 32))) if hybrid else \
             (None, None)
-        args = (q, words(BITS), halves((B, H, n_q, d // 32)), slots((B, H, n_q, d // 32)), k_mask,
-                words(BITS), halves((B, H, n_q // 32, d)), slots((B, H, n_q // 32, d)), v_mask, k_win, v_win, BITS)
+        keys, values = synthetic_inner(H, n_q, d, gen, B)
+        args = (q, *keys, k_mask, *values, v_mask, k_win, v_win, BITS)
         return lambda: att.innerq_decode_attention(*args), nbytes(*args[:-1])
 
     def outer(rotated):
-        codes = (words(BITS), halves((B, H, n_q // 32, d)), halves((B, H, n_q // 32, d)),
-                 words(BITS), halves((B, H, n_q, d // 32)), halves((B, H, n_q, d // 32)))
+        keys, values = synthetic_outer(H, n_q, d, gen, B)
+        codes = (*keys, *values)
         tables = (torch.randn(N, d, device=DEVICE, generator=gen).half(),) * 2 if rotated else None
         read = nbytes(q, *codes, k_win, v_win) + (nbytes(tables[0]) // 2 if rotated else 0)   # cos, sin: half rows
         return lambda: outer_attention.outer_decode_attention(q, *codes, BITS, k_win, v_win, lengths, rope=tables), read
@@ -452,14 +450,11 @@ def measure_stages(timer: Timer, gen: torch.Generator) -> list[dict]:
     asm, con = unpack_asm(BITS)
     rows = []
     for B, N in tqdm(FLOOR_SHAPES, desc="shapes"):
-        codes = [torch.randint(-2 ** 31, 2 ** 31, (B, H, N, d * BITS // 32), dtype=torch.int32, device=DEVICE,
-                               generator=gen) for _ in range(2)]
-        k_sz = [(torch.rand(B, H, N // 32, d, device=DEVICE, generator=gen) * 0.1).half() for _ in range(2)]
-        v_sz = [(torch.rand(B, H, N, d // 32, device=DEVICE, generator=gen) * 0.1).half() for _ in range(2)]
+        keys, values = synthetic_outer(H, N, d, gen, B)
         q = torch.randn(B, Hq, d, device=DEVICE, generator=gen).half()
         empty = torch.zeros(B, H, 0, d, device=DEVICE).half()
         lengths = torch.tensor([N, N, N, 0], dtype=torch.int32, device=DEVICE)
-        args = (codes[0], *k_sz, codes[1], *v_sz)
+        args = (*keys, *values)
         read = nbytes(q, *args)
         splits, per_split, gs = _plan_splits(N // 32, B * H, torch.device(DEVICE), None,
                                              outer_attention.GROUPS_PER_STEP, outer_attention.PROGRAMS_PER_SM)
@@ -474,7 +469,7 @@ def measure_stages(timer: Timer, gen: torch.Generator) -> list[dict]:
                                                                          num_stages=outer_attention.SPLIT_STAGES))
         for name, ms in times.items():
             add_row(rows, B, N, "stage", name, ms, times["read floor"], read)
-        del codes, k_sz, v_sz, args
+        del keys, values, args
         torch.cuda.empty_cache()
     return rows
 

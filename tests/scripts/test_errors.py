@@ -330,6 +330,7 @@ def test_new_script_options_refuse_bad_values(script, args, message):
     ("bench_decode.py", ["--max-context", "100"], "--max-context must be >= 1024"),
     ("bench_decode.py", ["--weights", "w3"], "argument --weights: invalid choice: 'w3'"),
     ("repro.kvpareto.bench", ["--rows", "0"], "--rows and --runs must be >= 1"),
+    ("bench_kernels.py", ["--floors", "--stages"], "argument --stages: not allowed with argument --floors"),
 ])
 def test_gpu_benchmarks_refuse_bad_values_before_looking_for_a_gpu(script, args, message):
     """The GPU benchmarks check their options first, so a bad value is named on any machine."""
