@@ -11,15 +11,25 @@ weight): groups of G consecutive input channels of one output row share an fp16 
 so a weight costs 0.5 + 4/G bytes (0.53125 at G = 128). G must be a multiple of 8, so that a word of codes
 never straddles two groups, and divide K.
 
-Two kernels. The group kernel (decode and small batches: M <= 16 rows, G a power of two >= 16, AWQ's 128)
-multiplies the raw codes: within a group, sum_k x[k] (c[k] s + z) = s (x . c) + z sum_k x[k], so a step of
+Three kernels. The one-row kernel (decode at batch 1: M = 1, G a power of two >= 16) sums on CUDA cores in
+the order the codes are unpacked: code j of word w of a step is channel 8w + j, so x is loaded in that order
+(eight strided (W,) vectors, W words per row and step) and no unpacked code is moved between threads. A step of
+block_k channels (whole groups) takes a (BLOCK_N, W) tile of words, its codes as exact fp16/bf16 values
+(inline PTX; exact fp32 in the interpreter and for fp32 x), products with x summed in fp32 per word, then per
+group, where the group's scale and zero are applied as s (x . c) + z sum_k x[k]. The next step's words, scales
+and zeros are loaded before this step's sums (register double-buffering), so a program always has a load in
+flight.
+
+The group kernel (M <= 16 rows, G a power of two >= 16, AWQ's 128) multiplies the raw codes on tensor cores:
+within a group, sum_k x[k] (c[k] s + z) = s (x . c) + z sum_k x[k], so a step of
 one group unpacks a (BLOCK_N, G/8) tile of words into exact fp16/bf16 codes (inline PTX on CUDA: a code OR-ed
 into the mantissa of a power of two, half2 at a time; quant_matvec.unpack_asm), takes (BLOCK_N, G) codes times
 the (G, BLOCK_M) tile of x on tensor cores with fp32 accumulation, and applies the group's scale and zero to
-that (BLOCK_N, BLOCK_M) product in fp32. The tile is computed transposed (outputs x rows), so a few rows of x
-pad only the narrow side of the tensor-core tile (16 rows). Split-K runs inside the kernel: each of a tile's
+that (BLOCK_N, BLOCK_M) product in fp32; the next group's operands are loaded before this one's product. The
+tile is computed transposed (outputs x rows), so a few rows of x
+pad only the narrow side of the tensor-core tile (16 rows). Split-K runs inside both kernels: each of a tile's
 splits stores its fp32 partial sums, and the last to finish (a per-tile counter) adds them in split order,
-rounds once, and resets the counter, so a call is one launch. Against the reference (below) it differs by the
+rounds once, and resets the counter, so a call is one launch. Against the reference (below) they differ by the
 reference's rounding of each dequantized weight to x's dtype, and the summation order.
 
 The general kernel (prefill rows, other group sizes, explicit tiles with block_k > 0) follows the reference's
@@ -138,11 +148,87 @@ def _w4a16_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, STEPS
 
 
 @triton.jit
+def _codes_step(codes_ptr, scale_ptr, zero_ptr, cols, live_n, g, g_end, words_per_row, groups_per_row,
+                GROUP: tl.constexpr, GPS: tl.constexpr):
+    """Groups g .. g + GPS - 1 of BLOCK_N weight rows: words (BLOCK_N, GPS*G/8), scale and zero (BLOCK_N, GPS)
+    as stored (groups at or past g_end masked to 0)."""
+    KW: tl.constexpr = GROUP // 8
+    wi = tl.arange(0, GPS * KW)
+    gi = tl.arange(0, GPS)
+    words = tl.load(codes_ptr + cols[:, None] * words_per_row + (g * KW + wi)[None, :],
+                    mask=live_n[:, None] & (g + wi // KW < g_end)[None, :], other=0)
+    meta = cols[:, None] * groups_per_row + (g + gi)[None, :]
+    live = live_n[:, None] & (g + gi < g_end)[None, :]
+    return words, tl.load(scale_ptr + meta, mask=live, other=0), tl.load(zero_ptr + meta, mask=live, other=0)
+
+
+@triton.jit
+def _store_splits(acc, out, part, live, PLANE, split, SPLIT: tl.constexpr, count_ptr, tile):
+    """Store a tile's fp32 sums at out, in out's dtype. Split over K: each split stores its partial sums in its
+    plane of part; the last split of the tile to finish (a per-tile counter) adds all of them in split order (the
+    same sum whichever finishes last), rounds once, and resets the counter."""
+    if SPLIT == 1:
+        tl.store(out, acc.to(out.dtype.element_ty), mask=live)
+    else:
+        tl.store(part + split * PLANE, acc, mask=live)
+        tl.debug_barrier()                           # every thread's partial is written before the count
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            for other in range(SPLIT):
+                total += tl.load(part + other * PLANE, mask=live, other=0, cache_modifier=".cg")
+            tl.store(out, total.to(out.dtype.element_ty), mask=live)
+            tl.atomic_xchg(count_ptr + tile, 0)
+
+
+@triton.jit
+def _w4a16_gemv_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr, count_ptr, N, K,
+                       GROUPS_PER_SPLIT, GROUP: tl.constexpr, GPS: tl.constexpr, SPLIT: tl.constexpr,
+                       FAST: tl.constexpr, ASM: tl.constexpr, CON: tl.constexpr, BLOCK_N: tl.constexpr):
+    KW: tl.constexpr = GROUP // 8                    # words of codes per weight row per group
+    W: tl.constexpr = GPS * KW                       # words per weight row per step
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    live_n = n < N
+    cols = n.to(tl.int64)
+    words_per_row = K // 8
+    groups_per_row = K // GROUP
+    wi = tl.arange(0, W)
+    kk = tl.arange(0, GPS * GROUP)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    g_first = split * GROUPS_PER_SPLIT
+    g_end = tl.minimum(g_first + GROUPS_PER_SPLIT, groups_per_row)
+    words, scale, zero = _codes_step(codes_ptr, scale_ptr, zero_ptr, cols, live_n, g_first, g_end, words_per_row,
+                                     groups_per_row, GROUP, GPS)
+    for g in range(g_first, g_end, GPS):
+        # the next step's codes are loaded before this step's sums
+        words_n, scale_n, zero_n = _codes_step(codes_ptr, scale_ptr, zero_ptr, cols, live_n, g + GPS, g_end,
+                                               words_per_row, groups_per_row, GROUP, GPS)
+        live_k = g + kk // GROUP < g_end
+        xg = tl.load(x_ptr + g * GROUP + kk, mask=live_k, other=0).to(tl.float32)       # (GPS*G,)
+        x_sum = tl.sum(tl.reshape(xg, (GPS, GROUP)), 1)                                  # (GPS,) per group
+        live_w = g + wi // KW < g_end
+        part = tl.zeros((BLOCK_N, W), dtype=tl.float32)                                # x . c per word
+        if FAST:        # codes as exact half2 values in PTX: output j is code j of each word
+            o = tl.inline_asm_elementwise(ASM, CON, [words], dtype=(x_ptr.dtype.element_ty,) * 8, is_pure=True,
+                                          pack=2)
+            for j in tl.static_range(8):
+                xj = tl.load(x_ptr + g * GROUP + wi * 8 + j, mask=live_w, other=0).to(tl.float32)  # (W,)
+                part += o[j].to(tl.float32) * xj[None, :]
+        else:
+            for j in tl.static_range(8):
+                xj = tl.load(x_ptr + g * GROUP + wi * 8 + j, mask=live_w, other=0).to(tl.float32)  # (W,)
+                part += unpack_codes(words, 4 * j, 4) * xj[None, :]
+        per_group = tl.sum(tl.reshape(part, (BLOCK_N, GPS, KW)), 2)                     # (BLOCK_N, GPS)
+        acc += tl.sum(per_group * scale.to(tl.float32) + zero.to(tl.float32) * x_sum[None, :], 1)
+        words, scale, zero = words_n, scale_n, zero_n
+    _store_splits(acc, out_ptr + cols, part_ptr + cols, live_n, N, split, SPLIT, count_ptr, tl.program_id(0))
+
+
+@triton.jit
 def _w4a16_group_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr, count_ptr, M, N, K, PLANE,
                         GROUPS_PER_SPLIT, GROUP: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
                         FAST: tl.constexpr, ASM: tl.constexpr, CON: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    KW: tl.constexpr = GROUP // 8                    # words of codes per weight row per group
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     split = tl.program_id(2)
@@ -152,17 +238,21 @@ def _w4a16_group_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr
     rows = m.to(tl.int64)
     words_per_row = K // 8
     groups_per_row = K // GROUP
-    wi = tl.arange(0, KW)
     kk = tl.arange(0, GROUP)
     shifts = (tl.arange(0, 8) * 4)[None, None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)                              # out transposed
     g_first = split * GROUPS_PER_SPLIT
     g_end = tl.minimum(g_first + GROUPS_PER_SPLIT, groups_per_row)
+    xt = tl.load(x_ptr + rows[None, :] * K + (g_first * GROUP + kk)[:, None],
+                 mask=live_m[None, :] & (g_first * GROUP + kk < g_end * GROUP)[:, None], other=0)  # (GROUP, BLOCK_M)
+    words, scale, zero = _codes_step(codes_ptr, scale_ptr, zero_ptr, cols, live_n, g_first, g_end, words_per_row,
+                                     groups_per_row, GROUP, 1)                        # (BLOCK_N, G/8), (BLOCK_N, 1)
     for g in range(g_first, g_end):
-        xt = tl.load(x_ptr + rows[None, :] * K + (g * GROUP + kk)[:, None],
-                     mask=live_m[None, :], other=0)                                    # (GROUP, BLOCK_M)
-        words = tl.load(codes_ptr + cols[:, None] * words_per_row + (g * KW + wi)[None, :],
-                        mask=live_n[:, None], other=0)                                 # (BLOCK_N, KW)
+        # the next group's operands are loaded before this group's product
+        xt_n = tl.load(x_ptr + rows[None, :] * K + ((g + 1) * GROUP + kk)[:, None],
+                       mask=live_m[None, :] & ((g + 1) * GROUP + kk < g_end * GROUP)[:, None], other=0)
+        words_n, scale_n, zero_n = _codes_step(codes_ptr, scale_ptr, zero_ptr, cols, live_n, g + 1, g_end,
+                                               words_per_row, groups_per_row, GROUP, 1)
         if FAST:        # codes as exact half2 values in PTX
             o = tl.inline_asm_elementwise(ASM, CON, [words], dtype=(xt.dtype,) * 8, is_pure=True, pack=2)
             c = join_codes(o, 4)                                                       # (BLOCK_N, GROUP)
@@ -174,27 +264,11 @@ def _w4a16_group_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr
         else:
             d = tl.dot(c, xt)
         # sum_k x[k] (c[k] scale + zero) = scale * (x . c) + zero * sum_k x[k], per row and group
-        scale = tl.load(scale_ptr + cols * groups_per_row + g, mask=live_n, other=0).to(tl.float32)
-        zero = tl.load(zero_ptr + cols * groups_per_row + g, mask=live_n, other=0).to(tl.float32)
-        acc += scale[:, None] * d + zero[:, None] * tl.sum(xt.to(tl.float32), 0)[None, :]
-    out = out_ptr + rows[None, :] * N + cols[:, None]
-    live = live_n[:, None] & live_m[None, :]
-    if SPLIT == 1:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=live)
-    else:
-        # split-K inside the kernel: each split stores its fp32 partial sums; the last split of a tile to finish
-        # (a per-tile counter) adds all of them in split order (the same sum whichever finishes last), rounds
-        # once, and resets the counter
-        part = part_ptr + rows[None, :] * N + cols[:, None]                           # split 0's plane
-        tl.store(part + split * PLANE, acc, mask=live)
-        tl.debug_barrier()                           # every thread's partial is written before the count
-        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for other in range(SPLIT):
-                total += tl.load(part + other * PLANE, mask=live, other=0, cache_modifier=".cg")
-            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=live)
-            tl.atomic_xchg(count_ptr + tile, 0)
+        acc += scale.to(tl.float32) * d + zero.to(tl.float32) * tl.sum(xt.to(tl.float32), 0)[None, :]
+        xt, words, scale, zero = xt_n, words_n, scale_n, zero_n
+    tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    _store_splits(acc, out_ptr + rows[None, :] * N + cols[:, None], part_ptr + rows[None, :] * N + cols[:, None],
+                  live_n[:, None] & live_m[None, :], PLANE, split, SPLIT, count_ptr, tile)
 
 
 def _check(x: Tensor, w: W4Weight) -> None:
@@ -217,7 +291,8 @@ def _check(x: Tensor, w: W4Weight) -> None:
 class Tiles:
     """A launch configuration: rows BLOCK_M (0: by M), outputs BLOCK_N, channels BLOCK_K per step (0: the group
     kernel, one group per step), split_k (K divided among that many programs; 0: enough programs to fill the
-    GPU)."""
+    GPU). gemv: the one-row kernel (one row of x), block_k channels (a power-of-two number of whole groups, at
+    least one) per step."""
 
     block_m: int = 0
     block_n: int = 64
@@ -225,11 +300,13 @@ class Tiles:
     split_k: int = 0
     num_warps: int = 4
     num_stages: int = 3
+    gemv: bool = False
 
 
 GEMV_ROWS = 4                                   # up to this many rows, the broadcast (non-tl.dot) path
 GROUP_ROWS = 16                                 # up to this many rows, the group kernel (groups of >= 16)
 # The winners of repro/kvpareto/bench.py's sweeps on an H100 (results/kvpareto/):
+ONE_ROW = Tiles(block_n=32, block_k=256, num_warps=2, num_stages=1, gemv=True)  # M = 1, G a power of two >= 16
 GROUPED = Tiles(block_n=64, block_k=0, num_stages=3)                  # M <= GROUP_ROWS, G a power of two >= 16
 DECODE_LONG_K = Tiles(block_n=16, block_k=512)                        # M <= GEMV_ROWS, K >= 2048, other G
 DECODE = Tiles(block_n=32, block_k=128, num_warps=8)                  # M <= GEMV_ROWS, small K, other G
@@ -243,6 +320,8 @@ def grouped_ok(group_size: int) -> bool:
 
 
 def default_tiles(M: int, K: int, group_size: int = 128) -> Tiles:
+    if M == 1 and grouped_ok(group_size):
+        return ONE_ROW if group_size <= ONE_ROW.block_k else Tiles(**{**vars(ONE_ROW), "block_k": group_size})
     if M <= GROUP_ROWS and grouped_ok(group_size):
         return GROUPED
     if M <= GEMV_ROWS:
@@ -257,10 +336,11 @@ def _sm_count(device: torch.device) -> int:
 
 
 # split-K sizing, programs per multiprocessor: the general kernel's two keep the memory system busy; the group
-# kernel's four per SM (the most its registers allow), of at least two groups each, load the device evenly
-# (results/kvpareto/w4a16-8b-h100.md)
+# kernel's four per SM (the most its registers allow), of at least two groups each, load the device evenly; the
+# one-row kernel's eight (two warps each), of at least two steps each (results/kvpareto/w4a16-8b-h100.md)
 PROGRAMS_PER_SM = 2
 GROUPED_PROGRAMS_PER_SM = 4
+ONE_ROW_PROGRAMS_PER_SM = 8
 
 
 _COUNTERS: dict[torch.device, Tensor] = {}
@@ -273,6 +353,27 @@ def _counters(device: torch.device, n: int) -> Tensor:
     if c is None or c.numel() < n:
         c = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     return c
+
+
+def _one_row(x2: Tensor, w: W4Weight, t: Tiles) -> Tensor:
+    """The one-row kernel on x2 (1, K) -> (1, N): codes times x summed on CUDA cores in unpacking order, split
+    over K inside the kernel."""
+    K = x2.shape[1]
+    N, G = w.shape[0], w.group_size
+    per_step = t.block_k // G                                           # groups per step
+    tiles_n = triton.cdiv(N, t.block_n)
+    steps = triton.cdiv(K // G, per_step)
+    split = t.split_k or max(1, min(steps // 2, ONE_ROW_PROGRAMS_PER_SM * _sm_count(x2.device) // tiles_n))
+    per_split = triton.cdiv(steps, split)
+    split = triton.cdiv(steps, per_split)                               # no empty splits
+    out = torch.empty(1, N, dtype=x2.dtype, device=x2.device)
+    part = torch.empty(split, 1, N, dtype=torch.float32, device=x2.device) if split > 1 else out
+    asm, con = unpack_asm(4, x2.dtype == torch.bfloat16)
+    _w4a16_gemv_kernel[(tiles_n, split)](
+        x2, w.codes, w.scale, w.zero, out, part, _counters(x2.device, tiles_n), N, K, per_split * per_step,
+        GROUP=G, GPS=per_step, SPLIT=split, FAST=unpacks_in_ptx(x2), ASM=asm, CON=con, BLOCK_N=t.block_n,
+        num_warps=t.num_warps, num_stages=t.num_stages)
+    return out
 
 
 def _grouped(x2: Tensor, w: W4Weight, t: Tiles) -> Tensor:
@@ -312,9 +413,17 @@ def w4a16_matmul(x: Tensor, w: W4Weight, tiles: Tiles | None = None) -> Tensor:
     if t.block_k == 0 and not grouped_ok(w.group_size):
         raise ValueError(f"the group kernel (block_k = 0) needs a group size that is a power of two >= 16, "
                          f"got {w.group_size}")
+    if t.gemv:
+        if M != 1:
+            raise ValueError(f"the one-row kernel (gemv tiles) takes one row of x, got {M}")
+        if not grouped_ok(w.group_size) or t.block_k < w.group_size or t.block_k & (t.block_k - 1):
+            raise ValueError(f"the one-row kernel needs a group size that is a power of two >= 16 and block_k a "
+                             f"power-of-two multiple of it, got group {w.group_size}, block_k {t.block_k}")
     if not (M and N):
         return torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     codes, scale, zero = w.codes.contiguous(), w.scale.contiguous(), w.zero.contiguous()
+    if t.gemv:
+        return _one_row(x2, W4Weight(codes, scale, zero, w.group_size, w.shape), t).reshape(*x.shape[:-1], N)
     if t.block_k == 0:
         return _grouped(x2, W4Weight(codes, scale, zero, w.group_size, w.shape), t).reshape(*x.shape[:-1], N)
     dot = M > GEMV_ROWS or t.block_m > GEMV_ROWS

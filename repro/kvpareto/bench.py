@@ -36,11 +36,13 @@ LAYERS = {            # model: (group, [(name, N, K)])
 
 
 def candidates(M: int) -> list[Tiles]:
-    """The sweep: group-kernel tiles up to GROUP_ROWS rows (split-K by 1 to 16), general-kernel tl.dot tiles
-    (BLOCK_M by M) above."""
+    """The sweep: one-row kernel tiles at one row (split-K by the default rule), group-kernel tiles up to
+    GROUP_ROWS rows (split-K by 1 to 16), general-kernel tl.dot tiles (BLOCK_M by M) above."""
+    one_row = [Tiles(block_n=n, block_k=k, num_warps=w, num_stages=1, gemv=True) for n in (32, 64)
+               for k in (256, 512) for w in (1, 2, 4)] if M == 1 else []
     if M <= GROUP_ROWS:
-        return [Tiles(block_n=n, block_k=0, split_k=k, num_stages=s) for n in (32, 64) for k in (1, 2, 4, 8, 16)
-                for s in (3, 4)]
+        return one_row + [Tiles(block_n=n, block_k=0, split_k=k, num_stages=s) for n in (32, 64)
+                          for k in (1, 2, 4, 8, 16) for s in (3, 4)]
     sizes = [64, 128]
     return [Tiles(block_m=m, block_n=n, block_k=k, num_stages=s) for m in sizes for n in (64, 128)
             for k in (64, 128) for s in (3, 4)]

@@ -11,7 +11,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 import kvzoo.kernels.w4a16 as w4a16  # noqa: E402
-from kvzoo.kernels.w4a16 import (GROUPED, Tiles, W4Weight, default_tiles, quantize_weight, w4a16_matmul,  # noqa: E402
+from kvzoo.kernels.w4a16 import (GROUPED, ONE_ROW, Tiles, W4Weight, default_tiles, quantize_weight, w4a16_matmul,  # noqa: E402
                                  w4a16_matmul_ref)
 
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on", "yes") else "cuda"
@@ -93,19 +93,39 @@ def test_group_kernel_split_k(m, split, group):
         assert not w4a16._COUNTERS[x.device].any()
 
 
+@pytest.mark.parametrize("block_k,split,group,k", [(256, 0, 128, 1280), (256, 3, 64, 576), (128, 2, 128, 640),
+                                                   (512, 0, 64, 1088), (64, 5, 16, 160)])
+def test_one_row_kernel(block_k, split, group, k):
+    """The one-row kernel: steps of one, two or four groups (the last partly past K: K/G = 9, 17 or 10 groups),
+    split over K inside the kernel (the default split and 2, 3 or 5 programs), N not a multiple of the tile;
+    a second call gives the same bits and leaves every counter at zero."""
+    w = weight(40, k, group, seed=block_k + split)
+    tiles = Tiles(block_n=32, block_k=block_k, split_k=split, num_warps=2, num_stages=1, gemv=True)
+    dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if DEVICE == "cuda" else ())
+    for dtype in dtypes:
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).to(DEVICE, dtype)
+        check(x, w, TOL[dtype], tiles)
+        assert torch.equal(w4a16_matmul(x, w, tiles), w4a16_matmul(x, w, tiles))
+        assert not w4a16._COUNTERS[x.device].any()
+
+
 def test_routing():
-    """The group kernel for up to 16 rows at power-of-two groups >= 16; the general kernel otherwise."""
-    assert default_tiles(1, 4096, 128) == default_tiles(16, 4096, 32) == GROUPED
+    """One row: the one-row kernel (a step of 256 channels, or one group if larger); up to 16 rows the group
+    kernel; both at power-of-two groups >= 16. The general kernel otherwise."""
+    assert default_tiles(1, 4096, 128) == default_tiles(1, 576, 64) == ONE_ROW
+    assert default_tiles(1, 4096, 512) == Tiles(**{**vars(ONE_ROW), "block_k": 512})
+    assert default_tiles(2, 4096, 128) == default_tiles(16, 4096, 32) == GROUPED
     assert default_tiles(17, 4096, 128).block_k > 0 and default_tiles(1, 4096, 8).block_k > 0
-    assert default_tiles(1, 4096, 96).block_k > 0
+    assert default_tiles(1, 4096, 96).block_k > 0 and not default_tiles(1, 4096, 96).gemv
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="compiles the group kernel at Llama-3.1-8B's layer shapes (a GPU)")
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)])
 def test_8b_layer_shapes(n, k):
-    """The default tiles at the shapes the benchmarks use (bf16 x, G = 128): q/o, k/v, gate/up and down."""
+    """The default tiles at the shapes the benchmarks use (bf16 x, G = 128): q/o, k/v, gate/up and down; the
+    one-row kernel at M = 1, the group kernel at 4 and 16."""
     w = quantize_weight(torch.randn(n, k, device=DEVICE) * 0.02, 128)
-    for m in (1, 16):
+    for m in (1, 4, 16):
         x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
         check(x, w, TOL[torch.bfloat16])
 
@@ -160,6 +180,10 @@ def test_bad_input_is_named():
         w4a16_matmul(x, bad)
     with pytest.raises(ValueError, match="power of two >= 16"):
         w4a16_matmul(torch.randn(4, 192).to(DEVICE), weight(16, 192, 48, seed=6), Tiles(block_k=0))
+    with pytest.raises(ValueError, match="one row of x, got 4"):
+        w4a16_matmul(x, w, ONE_ROW)
+    with pytest.raises(ValueError, match="power-of-two multiple of it, got group 128, block_k 384"):
+        w4a16_matmul(x[:1], w, Tiles(block_k=384, gemv=True))
     bad = W4Weight(w.codes, w.scale.float(), w.zero, 128, w.shape)
     with pytest.raises(ValueError, match="scale has dtype"):
         w4a16_matmul(x, bad)
