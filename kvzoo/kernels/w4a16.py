@@ -15,12 +15,14 @@ Three kernels. The one-row kernel (decode at batch 1: M = 1, G a power of two >=
 the order the codes are unpacked: code j of word w of a step is channel 8w + j, so x is loaded in that order
 (eight strided (W,) vectors, W words per row and step) and no unpacked code is moved between threads. A step of
 block_k channels (whole groups) takes a (BLOCK_N, W) tile of words, its codes as exact fp16/bf16 values
-(inline PTX; exact fp32 in the interpreter and for fp32 x), products with x summed in fp32 per word, then per
-group, where the group's scale and zero are applied as s (x . c) + z sum_k x[k]. The next step's words, scales
+(inline PTX; exact fp32 in the interpreter and for fp32 x), products with x summed in fp32 per word; each word's
+sum is scaled by its group's scale and kept per word until the end of the loop, with z sum_k x[k] per group:
+sum_k x[k] (c[k] s + z) = s (x . c) + z sum_k x[k]. The next step's words, scales
 and zeros are loaded before this step's sums (register double-buffering), so a program always has a load in
 flight.
 
-The group kernel (M <= 16 rows, G a power of two >= 16, AWQ's 128) multiplies the raw codes on tensor cores:
+The group kernel (2-16 rows by default, any M <= 16 with its tiles; G a power of two >= 16, AWQ's 128) multiplies
+the raw codes on tensor cores:
 within a group, sum_k x[k] (c[k] s + z) = s (x . c) + z sum_k x[k], so a step of
 one group unpacks a (BLOCK_N, G/8) tile of words into exact fp16/bf16 codes (inline PTX on CUDA: a code OR-ed
 into the mantissa of a power of two, half2 at a time; quant_matvec.unpack_asm), takes (BLOCK_N, G) codes times
@@ -194,7 +196,8 @@ def _w4a16_gemv_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr,
     groups_per_row = K // GROUP
     wi = tl.arange(0, W)
     kk = tl.arange(0, GPS * GROUP)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)                                     # zero * sum(x) terms
+    acc_w = tl.zeros((BLOCK_N, W), dtype=tl.float32)                                 # scale * (x . c) per word
     g_first = split * GROUPS_PER_SPLIT
     g_end = tl.minimum(g_first + GROUPS_PER_SPLIT, groups_per_row)
     words, scale, zero = _codes_step(codes_ptr, scale_ptr, zero_ptr, cols, live_n, g_first, g_end, words_per_row,
@@ -218,9 +221,13 @@ def _w4a16_gemv_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr,
             for j in tl.static_range(8):
                 xj = tl.load(x_ptr + g * GROUP + wi * 8 + j, mask=live_w, other=0).to(tl.float32)  # (W,)
                 part += unpack_codes(words, 4 * j, 4) * xj[None, :]
-        per_group = tl.sum(tl.reshape(part, (BLOCK_N, GPS, KW)), 2)                     # (BLOCK_N, GPS)
-        acc += tl.sum(per_group * scale.to(tl.float32) + zero.to(tl.float32) * x_sum[None, :], 1)
+        # scale each word's sum by its group's scale, (BLOCK_N, GPS) -> (BLOCK_N, GPS, KW) -> (BLOCK_N, W); the sum
+        # across words (across threads) waits until after the loop
+        word_scale = tl.reshape(tl.broadcast_to(scale.to(tl.float32)[:, :, None], (BLOCK_N, GPS, KW)), (BLOCK_N, W))
+        acc_w += part * word_scale
+        acc += tl.sum(zero.to(tl.float32) * x_sum[None, :], 1)
         words, scale, zero = words_n, scale_n, zero_n
+    acc += tl.sum(acc_w, 1)
     _store_splits(acc, out_ptr + cols, part_ptr + cols, live_n, N, split, SPLIT, count_ptr, tl.program_id(0))
 
 
@@ -306,7 +313,7 @@ class Tiles:
 GEMV_ROWS = 4                                   # up to this many rows, the broadcast (non-tl.dot) path
 GROUP_ROWS = 16                                 # up to this many rows, the group kernel (groups of >= 16)
 # The winners of repro/kvpareto/bench.py's sweeps on an H100 (results/kvpareto/):
-ONE_ROW = Tiles(block_n=32, block_k=256, num_warps=2, num_stages=1, gemv=True)  # M = 1, G a power of two >= 16
+ONE_ROW = Tiles(block_n=16, block_k=256, num_warps=1, num_stages=1, gemv=True)  # M = 1, G a power of two >= 16
 GROUPED = Tiles(block_n=64, block_k=0, num_stages=3)                  # M <= GROUP_ROWS, G a power of two >= 16
 DECODE_LONG_K = Tiles(block_n=16, block_k=512)                        # M <= GEMV_ROWS, K >= 2048, other G
 DECODE = Tiles(block_n=32, block_k=128, num_warps=8)                  # M <= GEMV_ROWS, small K, other G
@@ -337,10 +344,10 @@ def _sm_count(device: torch.device) -> int:
 
 # split-K sizing, programs per multiprocessor: the general kernel's two keep the memory system busy; the group
 # kernel's four per SM (the most its registers allow), of at least two groups each, load the device evenly; the
-# one-row kernel's eight (two warps each), of at least two steps each (results/kvpareto/w4a16-8b-h100.md)
+# one-row kernel's sixteen (one warp each), of at least two steps each (results/kvpareto/w4a16-8b-h100.md)
 PROGRAMS_PER_SM = 2
 GROUPED_PROGRAMS_PER_SM = 4
-ONE_ROW_PROGRAMS_PER_SM = 8
+ONE_ROW_PROGRAMS_PER_SM = 16
 
 
 _COUNTERS: dict[torch.device, Tensor] = {}

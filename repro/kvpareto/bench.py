@@ -38,7 +38,7 @@ LAYERS = {            # model: (group, [(name, N, K)])
 def candidates(M: int) -> list[Tiles]:
     """The sweep: one-row kernel tiles at one row (split-K by the default rule), group-kernel tiles up to
     GROUP_ROWS rows (split-K by 1 to 16), general-kernel tl.dot tiles (BLOCK_M by M) above."""
-    one_row = [Tiles(block_n=n, block_k=k, num_warps=w, num_stages=1, gemv=True) for n in (32, 64)
+    one_row = [Tiles(block_n=n, block_k=k, num_warps=w, num_stages=1, gemv=True) for n in (16, 32, 64)
                for k in (256, 512) for w in (1, 2, 4)] if M == 1 else []
     if M <= GROUP_ROWS:
         return one_row + [Tiles(block_n=n, block_k=0, split_k=k, num_stages=s) for n in (32, 64)
