@@ -50,6 +50,9 @@ at stride 2).
                 own k, v at its slot, then writes the token into the planes (its key nibbles merged into the bytes
                 it shares with its neighbour) and, closing a block, the block's colmax exponents: one launch in
                 place of the torch reference's (kvzoo.cache.alignedkv.token_tail, store_token) hundred-odd.
+    _estimate_kernel grid (B*Hq,): O_est, one program per query head: the top-k slots' exact values gathered from
+                the planes (slots < NA, all three planes joined) or the exact tail, times their probabilities and
+                summed (the top-k itself is torch's; _estimate_ref is the torch gather).
 aligned_decode writes the tail scores into the aligned scores' buffer (no concatenation) and scales in place.
 aligned_decode_static is the same step with fixed shapes for CUDA graphs (the cache's decode_static): given `live`,
 an int32 device tensor, both kernels read the count of complete blocks / aligned tokens from it (the grid sized by
@@ -528,8 +531,48 @@ def aligned_decode_static(q: Tensor, k_hi: Tensor, k_mid: Tensor, k_lo: Tensor, 
     return out + torch.einsum("bhgw,bhwd->bhgd", p_tail, tail_v.float()).reshape(B, Hq, d)
 
 
+@triton.jit
+def _estimate_kernel(p_ptr, idx_ptr, vhi_ptr, vmid_ptr, vlo_ptr, tail_ptr, na_ptr, out_ptr, N, W,
+                     G: tl.constexpr, K: tl.constexpr, K_P: tl.constexpr, D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)                # b*Hq + query head
+    kv = row // G                                      # b*H + its KV head
+    i = tl.arange(0, K_P)
+    live = i < K
+    p = tl.load(p_ptr + row * K + i, mask=live, other=0)                             # (K_P,) fp32
+    idx = tl.load(idx_ptr + row * K + i, mask=live, other=0)                         # (K_P,) slots
+    NA = tl.load(na_ptr).to(tl.int64)                  # the slots stored in the planes
+    c = tl.arange(0, D)
+    in_planes = (live & (idx < NA))[:, None]           # (K_P, 1): a stored slot, else the tail's
+    rows = kv * N + tl.maximum(tl.minimum(idx, NA - 1), 0)                            # stored slots: planes
+    half = rows[:, None] * (D // 2) + (c // 2)[None, :]
+    shift = ((c % 2) * 4)[None, :]
+    stored = _fp16_of(tl.load(vhi_ptr + rows[:, None] * D + c[None, :], mask=in_planes, other=0).to(tl.int32),
+                      (tl.load(vmid_ptr + half, mask=in_planes, other=0).to(tl.int32) >> shift) & 0xF,
+                      (tl.load(vlo_ptr + half, mask=in_planes, other=0).to(tl.int32) >> shift) & 0xF
+                      ).to(tl.float32)                                                 # (K_P, D)
+    tail = kv * W + tl.maximum(tl.minimum(idx - NA, W - 1), 0)                        # the exact tail's rows
+    exact = tl.load(tail_ptr + tail[:, None] * D + c[None, :], mask=live[:, None] & ~in_planes,
+                    other=0).to(tl.float32)
+    vals = tl.where((idx < NA)[:, None], stored, exact)
+    tl.store(out_ptr + row * D + c, tl.sum(p[:, None] * vals, 0))
+
+
 def _estimate(p: Tensor, v_hi: Tensor, v_mid: Tensor, v_lo: Tensor, tail_v: Tensor, NA: int | Tensor,
               topk: int) -> Tensor:
+    """_estimate_ref with the gather and the weighted sum in one kernel (the top-k stays torch's)."""
+    B, Hq, S = p.shape
+    H, W, d = tail_v.shape[1], tail_v.shape[2], tail_v.shape[-1]
+    top_p, idx = p.topk(min(topk, S), dim=-1)                                         # (B, Hq, k)
+    out = torch.empty(B, Hq, d, dtype=torch.float32, device=p.device)
+    na = NA if isinstance(NA, Tensor) else torch.full((1,), NA, dtype=torch.int64, device=p.device)
+    _estimate_kernel[(B * Hq,)](top_p.contiguous(), idx.contiguous(), v_hi, v_mid, v_lo, tail_v.contiguous(), na,
+                                out, v_hi.shape[2], W, G=Hq // H, K=top_p.shape[-1],
+                                K_P=triton.next_power_of_2(top_p.shape[-1]), D=d)
+    return out
+
+
+def _estimate_ref(p: Tensor, v_hi: Tensor, v_mid: Tensor, v_lo: Tensor, tail_v: Tensor, NA: int | Tensor,
+                  topk: int) -> Tensor:
     """O_est (B, Hq, d): each head's top-k probabilities times their exact values, gathered from the planes
     (slots < NA) or the exact tail (slots NA + [0, W)), without copying the cache. NA is an int or a device tensor
     (1,); a slot past the tail (p = 0, picked only where fewer than topk slots are attended) reads its last row."""

@@ -210,3 +210,20 @@ def test_token_matches_reference(t, dtype):
     for a, b in zip(planes, want_planes):
         assert torch.equal(a, b)
     assert t == BT - 1 or torch.equal(planes[3], key_planes(keys, BT)[3])          # exponents move only on close
+
+
+@pytest.mark.parametrize("NA", [0, 16, 48, torch.tensor([32])])
+def test_estimate_matches_reference(NA):
+    """O_est in one kernel (gather of the top-k slots' exact values from the planes or the tail, weighted sum)
+    against the torch gathers, with the count of stored slots given as an int or a device tensor."""
+    from kvzoo.kernels.alignedkv_attention import _estimate, _estimate_ref
+
+    g = torch.Generator().manual_seed(7)
+    G, d, S, W = 3, 32, 64, 16
+    values = outliers(torch.randn(B, H, S, d, generator=g), g).half().to(DEVICE)
+    v_hi, v_mid, v_lo, _ = value_planes(values)
+    tail_v = torch.randn(B, H, W, d, generator=g).to(DEVICE)
+    p = torch.softmax(torch.randn(B, H * G, S + W, generator=g) * 3, -1).to(DEVICE)
+    NA = NA.to(DEVICE) if isinstance(NA, torch.Tensor) else NA
+    got = _estimate(p, v_hi, v_mid, v_lo, tail_v, NA, 8)
+    torch.testing.assert_close(got, _estimate_ref(p, v_hi, v_mid, v_lo, tail_v, NA, 8), rtol=1e-6, atol=1e-6)
