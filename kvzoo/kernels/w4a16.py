@@ -21,7 +21,7 @@ sum_k x[k] (c[k] s + z) = s (x . c) + z sum_k x[k]. The next step's words, scale
 and zeros are loaded before this step's sums (register double-buffering), so a program always has a load in
 flight.
 
-The group kernel (2-16 rows by default, any M <= 16 with its tiles; G a power of two >= 16, AWQ's 128) multiplies
+The group kernel (2-64 rows by default, any M with its tiles; G a power of two >= 16, AWQ's 128) multiplies
 the raw codes on tensor cores:
 within a group, sum_k x[k] (c[k] s + z) = s (x . c) + z sum_k x[k], so a step of
 one group unpacks a (BLOCK_N, G/8) tile of words into exact fp16/bf16 codes (inline PTX on CUDA: a code OR-ed
@@ -311,7 +311,7 @@ class Tiles:
 
 
 GEMV_ROWS = 4                                   # up to this many rows, the broadcast (non-tl.dot) path
-GROUP_ROWS = 16                                 # up to this many rows, the group kernel (groups of >= 16)
+GROUP_ROWS = 64                                 # up to this many rows, the group kernel (groups of >= 16)
 # The winners of repro/kvpareto/bench.py's sweeps on an H100 (results/kvpareto/):
 ONE_ROW = Tiles(block_n=16, block_k=256, num_warps=1, num_stages=1, gemv=True)  # M = 1, G a power of two >= 16
 GROUPED = Tiles(block_n=64, block_k=0, num_stages=3)                  # M <= GROUP_ROWS, G a power of two >= 16
@@ -343,7 +343,8 @@ def _sm_count(device: torch.device) -> int:
 
 
 # split-K sizing, programs per multiprocessor: the general kernel's two keep the memory system busy; the group
-# kernel's four per SM (the most its registers allow), of at least two groups each, load the device evenly; the
+# kernel's four per SM (the most its registers allow; two for tiles of more than 16 rows), of at least two groups
+# each, load the device evenly; the
 # one-row kernel's sixteen (one warp each), of at least two steps each (results/kvpareto/w4a16-8b-h100.md)
 PROGRAMS_PER_SM = 2
 GROUPED_PROGRAMS_PER_SM = 4
@@ -392,7 +393,8 @@ def _grouped(x2: Tensor, w: W4Weight, t: Tiles) -> Tensor:
     block_m = t.block_m or max(16, triton.next_power_of_2(M))
     tiles_mn = triton.cdiv(N, t.block_n) * triton.cdiv(M, block_m)
     groups = K // G
-    split = t.split_k or max(1, min(groups // 2, GROUPED_PROGRAMS_PER_SM * _sm_count(x2.device) // tiles_mn))
+    per_sm = GROUPED_PROGRAMS_PER_SM if block_m <= 16 else GROUPED_PROGRAMS_PER_SM // 2   # larger tiles: fewer
+    split = t.split_k or max(1, min(groups // 2, per_sm * _sm_count(x2.device) // tiles_mn))
     per_split = triton.cdiv(groups, split)
     split = triton.cdiv(groups, per_split)                              # no empty splits
     out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)

@@ -36,9 +36,10 @@ def weight(n, k, group, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
 @pytest.mark.parametrize("group", [128, 64])
 @pytest.mark.parametrize("n,k", [(48, 256), (96, 384)])
-@pytest.mark.parametrize("m", [1, 3, 5, 70])
+@pytest.mark.parametrize("m", [1, 3, 5, 40, 70])
 def test_matches_reference(m, n, k, group, dtype):
-    """M = 1, 3 and 5 (the group kernel, a 16-row tile) and 70 (the general kernel's prefill tile, partial);
+    """M = 1 (the one-row kernel), 3 and 5 (the group kernel, a 16-row tile), 40 (its 64-row tile) and 70 (the
+    general kernel's prefill tile, partial);
     N not a multiple of the tile."""
     w = weight(n, k, group, seed=m + n + group)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
@@ -110,12 +111,12 @@ def test_one_row_kernel(block_k, split, group, k):
 
 
 def test_routing():
-    """One row: the one-row kernel (a step of 256 channels, or one group if larger); up to 16 rows the group
+    """One row: the one-row kernel (a step of 256 channels, or one group if larger); up to 64 rows the group
     kernel; both at power-of-two groups >= 16. The general kernel otherwise."""
     assert default_tiles(1, 4096, 128) == default_tiles(1, 576, 64) == ONE_ROW
     assert default_tiles(1, 4096, 512) == Tiles(**{**vars(ONE_ROW), "block_k": 512})
-    assert default_tiles(2, 4096, 128) == default_tiles(16, 4096, 32) == GROUPED
-    assert default_tiles(17, 4096, 128).block_k > 0 and default_tiles(1, 4096, 8).block_k > 0
+    assert default_tiles(2, 4096, 128) == default_tiles(64, 4096, 32) == GROUPED
+    assert default_tiles(65, 4096, 128).block_k > 0 and default_tiles(1, 4096, 8).block_k > 0
     assert default_tiles(1, 4096, 96).block_k > 0 and not default_tiles(1, 4096, 96).gemv
 
 
@@ -123,9 +124,9 @@ def test_routing():
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)])
 def test_8b_layer_shapes(n, k):
     """The default tiles at the shapes the benchmarks use (bf16 x, G = 128): q/o, k/v, gate/up and down; the
-    one-row kernel at M = 1, the group kernel at 4 and 16."""
+    one-row kernel at M = 1, the group kernel at 4, 16 and 64."""
     w = quantize_weight(torch.randn(n, k, device=DEVICE) * 0.02, 128)
-    for m in (1, 4, 16):
+    for m in (1, 4, 16, 64):
         x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
         check(x, w, TOL[torch.bfloat16])
 
