@@ -112,13 +112,18 @@ HF_CACHES = ("fp16", "quanto:2", "quanto:4")
 
 # --targets: the decode-speed targets, each (what, context, batch (0: the largest batch that fits), the caches it
 # names (a spec with its defaults; None: every kvzoo cache but fp16), measure ("tokens/s": at least `bound` x fp16's;
-# "ms/token": at most `bound` x fp16's), bound), checked against fp16's row of the same model, context, batch and step
+# "ms/token": at most `bound` x fp16's; "w4 speedup": a `NAME w4` row (--weights w4-rtn) at least `bound` x faster
+# than fp16's row of NAME, the model at its own weights, merged from two runs), bound), checked against fp16's row of
+# the same model (for "w4 speedup", NAME), context, batch and step
+W4_LABEL = " w4"                                 # the label of a model run with --weights w4-rtn: NAME + W4_LABEL
 TARGETS = (
     ("32K, largest batch: tokens/s >= 3x fp16", 32768, 0, ("innerq:bits=2", "kivi:bits=2", "squat"), "tokens/s", 3.0),
     ("128K, batch 1: InnerQ-2 ms/token <= 0.75x fp16", 131072, 1, ("innerq:bits=2",), "ms/token", 0.75),
     ("128K, batch 1: KIVI-2 ms/token <= 0.8x fp16", 131072, 1, ("kivi:bits=2",), "ms/token", 0.8),
     ("32K, batch 1: ms/token <= 1.05x fp16", 32768, 1, None, "ms/token", 1.05),
     ("32K, batch 1: XQuant(-CL) ms/token <= 2x fp16", 32768, 1, ("xquant", "xquant-cl"), "ms/token", 2.0),
+    ("128K, batch 1: 4-bit weights + InnerQ-2 >= 3x faster than 16-bit weights + fp16", 131072, 1,
+     ("innerq:bits=2",), "w4 speedup", 3.0),
 )
 NO_TARGET_BELOW = ("xquant", "xquant-cl")     # held to the 2x target, not the 1.05x one
 PROBE_TOKENS = 64   # prompt of a largest-context probe
@@ -672,7 +677,7 @@ def main() -> None:
     how += f"; a device copy moves {copy_bandwidth(args.device):.0f} GB/s (read + written)"
     keep = Rows(paths[0], gpu, how)
     for name in args.models:
-        label = name + ("" if shard is None else f" tp{shard.world}") + (" w4" if args.weights == "w4-rtn" else "")
+        label = name + ("" if shard is None else f" tp{shard.world}") + (W4_LABEL if args.weights == "w4-rtn" else "")
         if args.caches:
             model = build(name, args.device, dtype, shard)
             if args.weights == "w4-rtn":
@@ -773,18 +778,23 @@ def target_lines(rows: list[dict]) -> list[str]:
     for what, context, batch, caches, measure, bound in TARGETS:
         named = None if caches is None else {spec(c) for c in caches}
         found = False
+        w4 = measure == "w4 speedup"
         for r in timed:
-            if r["context"] != context or key(r)[3] != batch or r["cache"] == "fp16" or key(r) not in fp16:
+            if w4 and not r["model"].endswith(W4_LABEL):
+                continue
+            at = (r["model"].removesuffix(W4_LABEL), *key(r)[1:]) if w4 else key(r)   # the fp16 row it is held to
+            if r["context"] != context or key(r)[3] != batch or r["cache"] == "fp16" or at not in fp16:
                 continue
             name = spec(r["cache"])
             if named is not None and name not in named or named is None and name.split(":")[0] in NO_TARGET_BELOW:
                 continue
-            base = fp16[key(r)]
+            base = fp16[at]
             ratio = (r["tokens_per_s"] / base["tokens_per_s"] if measure == "tokens/s"
-                     else r["decode_ms"] / base["decode_ms"])
-            met = ratio >= bound if measure == "tokens/s" else ratio <= bound
+                     else base["decode_ms"] / r["decode_ms"] if w4 else r["decode_ms"] / base["decode_ms"])
+            at_least = measure != "ms/token"
+            met = ratio >= bound if at_least else ratio <= bound
             out.append(f"| {what} | {r['model']} | {r.get('step')} | `{r['cache']}` | {ratio:.2f}x | "
-                       f"{'>=' if measure == 'tokens/s' else '<='} {bound}x | {'yes' if met else 'NO'} |")
+                       f"{'>=' if at_least else '<='} {bound}x | {'yes' if met else 'NO'} |")
             found = True
         if not found:
             out.append(f"| {what} | | | | no row measures it | | |")

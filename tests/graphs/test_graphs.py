@@ -337,6 +337,25 @@ def test_bench_decode_targets_compare_each_named_cache_with_fp16():
     assert "1.05x fp16 | m | graph | `xquant`" not in text                      # held to its own 2x target
     assert "`innerq:bits=2` | 3.50x | >= 3.0x | yes |" in text                   # (70 / 50) / (14 / 35)
     assert "128K, batch 1: InnerQ-2 ms/token <= 0.75x fp16 | | | | no row measures it |" in text
+    assert "4-bit weights + InnerQ-2 >= 3x faster than 16-bit weights + fp16 | | | | no row measures it |" in text
+
+
+def test_bench_decode_w4_target_holds_4bit_rows_to_the_16bit_fp16_row():
+    """The 4-bit-weights target: a `NAME w4` InnerQ-2 row against fp16's row of NAME at its own weights (rows
+    merged from two runs); the w4 rows' own fp16 row serves the other targets."""
+    bench = bench_module()
+
+    def row(model, cache, ms):
+        return {"model": model, "impl": "kvzoo", "cache": cache, "context": 131072, "batch": 1, "step": "graph",
+                "decode_ms": ms, "tokens_per_s": 1e3 / ms}
+
+    rows = [row("m", "fp16", 15.0), row("m w4", "fp16", 12.0), row("m w4", "innerq:bits=2", 12.5),
+            row("m", "innerq:bits=2", 16.0)]
+    text = "\n".join(bench.target_lines(rows))
+    assert "16-bit weights + fp16 | m w4 | graph | `innerq:bits=2` | 1.20x | >= 3.0x | NO |" in text   # 15 / 12.5
+    assert "16-bit weights + fp16 | m | graph" not in text
+    assert "InnerQ-2 ms/token <= 0.75x fp16 | m w4 | graph | `innerq:bits=2` | 1.04x | <= 0.75x | NO |" in text
+    assert "InnerQ-2 ms/token <= 0.75x fp16 | m | graph | `innerq:bits=2` | 1.07x | <= 0.75x | NO |" in text
 
 
 def test_bench_decode_rows_give_the_bandwidth_they_read(model):
