@@ -120,7 +120,7 @@ def test_routing():
     assert default_tiles(1, 4096, 96).block_k > 0 and not default_tiles(1, 4096, 96).gemv
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="compiles the group kernel at Llama-3.1-8B's layer shapes (a GPU)")
+@pytest.mark.skipif(DEVICE != "cuda", reason="compiles the W4A16 kernels at Llama-3.1-8B's layer shapes (a GPU)")
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)])
 def test_8b_layer_shapes(n, k):
     """The default tiles at the shapes the benchmarks use (bf16 x, G = 128): q/o, k/v, gate/up and down; the
