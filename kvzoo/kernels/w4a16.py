@@ -11,28 +11,26 @@ weight): groups of G consecutive input channels of one output row share an fp16 
 so a weight costs 0.5 + 4/G bytes (0.53125 at G = 128). G must be a multiple of 8, so that a word of codes
 never straddles two groups, and divide K.
 
-Three kernels. The one-row kernel (decode at batch 1: M = 1, G a power of two >= 16) sums on CUDA cores in
-the order the codes are unpacked: code j of word w of a step is channel 8w + j, so x is loaded in that order
-(eight strided (W,) vectors, W words per row and step) and no unpacked code is moved between threads. A step of
-block_k channels (whole groups) takes a (BLOCK_N, W) tile of words, its codes as exact fp16/bf16 values
-(inline PTX; exact fp32 in the interpreter and for fp32 x), products with x summed in fp32 per word; each word's
-sum is scaled by its group's scale and kept per word until the end of the loop, with z sum_k x[k] per group:
-sum_k x[k] (c[k] s + z) = s (x . c) + z sum_k x[k]. The next step's words, scales
-and zeros are loaded before this step's sums (register double-buffering), so a program always has a load in
-flight.
+Three kernels. The one-row kernel (decode at batch 1: M = 1, G a power of two >= 16) sums on CUDA cores in the order
+the codes are unpacked: code j of word w of a step is channel 8w + j, so x is loaded in that order (eight strided
+(W,) vectors, W words per row and step) and no unpacked code is moved between threads. A step of block_k channels
+(whole groups) takes a (BLOCK_N, W) tile of words, its codes as exact fp16/bf16 values (inline PTX; exact fp32 in
+the interpreter and for fp32 x), products with x summed in fp32 per word; each word's sum is scaled by its group's
+scale and kept per word until the end of the loop, with z sum_k x[k] per group: sum_k x[k] (c[k] s + z) = s (x . c)
++ z sum_k x[k]. The next step's words, scales and zeros are loaded before this step's sums (register double-
+buffering), so a program always has a load in flight.
 
-The group kernel (2-64 rows by default, any M with its tiles; G a power of two >= 16, AWQ's 128) multiplies
-the raw codes on tensor cores:
-within a group, sum_k x[k] (c[k] s + z) = s (x . c) + z sum_k x[k], so a step of
-one group unpacks a (BLOCK_N, G/8) tile of words into exact fp16/bf16 codes (inline PTX on CUDA: a code OR-ed
-into the mantissa of a power of two, half2 at a time; quant_matvec.unpack_asm), takes (BLOCK_N, G) codes times
-the (G, BLOCK_M) tile of x on tensor cores with fp32 accumulation, and applies the group's scale and zero to
-that (BLOCK_N, BLOCK_M) product in fp32; the next group's operands are loaded before this one's product. The
-tile is computed transposed (outputs x rows), so a few rows of x
-pad only the narrow side of the tensor-core tile (16 rows). Split-K runs inside both kernels: each of a tile's
-splits stores its fp32 partial sums, and the last to finish (a per-tile counter) adds them in split order,
-rounds once, and resets the counter, so a call is one launch. Against the reference (below) they differ by the
-reference's rounding of each dequantized weight to x's dtype, and the summation order.
+The group kernel (2-64 rows by default, any M with its tiles; G a power of two >= 16, AWQ's 128) multiplies the raw
+codes on tensor cores: within a group, sum_k x[k] (c[k] s + z) = s (x . c) + z sum_k x[k], so a step of one group
+unpacks a (BLOCK_N, G/8) tile of words into exact fp16/bf16 codes (inline PTX on CUDA: a code OR-ed into the
+mantissa of a power of two, half2 at a time; quant_matvec.unpack_asm), takes (BLOCK_N, G) codes times the (G,
+BLOCK_M) tile of x on tensor cores with fp32 accumulation, and applies the group's scale and zero to that (BLOCK_N,
+BLOCK_M) product in fp32; the next group's operands are loaded before this one's product. The tile is computed
+transposed (outputs x rows), so a few rows of x pad only the narrow side of the tensor-core tile (16 rows). Split-K
+runs inside both kernels: each of a tile's splits stores its fp32 partial sums, and the last to finish (a per-tile
+counter) adds them in split order, rounds once, and resets the counter, so a call is one launch. Against the
+reference (below) they differ by the reference's rounding of each dequantized weight to x's dtype, and the summation
+order.
 
 The general kernel (prefill rows, other group sizes, explicit tiles with block_k > 0) follows the reference's
 rounding: each weight is dequantized in fp32 (code * scale + zero), rounded to x's dtype (a no-op for fp32),
