@@ -565,6 +565,7 @@ def _estimate(p: Tensor, v_hi: Tensor, v_mid: Tensor, v_lo: Tensor, tail_v: Tens
     top_p, idx = p.topk(min(topk, S), dim=-1)                                         # (B, Hq, k)
     out = torch.empty(B, Hq, d, dtype=torch.float32, device=p.device)
     na = NA if isinstance(NA, Tensor) else torch.full((1,), NA, dtype=torch.int64, device=p.device)
+    v_hi, v_mid, v_lo = (t.contiguous() for t in (v_hi, v_mid, v_lo))                # (B, H, N, .) rows
     _estimate_kernel[(B * Hq,)](top_p.contiguous(), idx.contiguous(), v_hi, v_mid, v_lo, tail_v.contiguous(), na,
                                 out, v_hi.shape[2], W, G=Hq // H, K=top_p.shape[-1],
                                 K_P=triton.next_power_of_2(top_p.shape[-1]), D=d)

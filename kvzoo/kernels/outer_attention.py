@@ -34,8 +34,9 @@ Two kernels:
      of G channels) with key_groups="token"), one tl.dot for the scores, an online softmax in base 2 (running max
      m, sum l, output acc), value codes scaled per (token, group of G channels), one tl.dot for the output. The
      dequantized tiles are the dots' first operand, keys (32*GS, d) · qᵀ and valuesᵀ (d, 32*GS) · pᵀ: their 32*GS
-     or d rows fill the tensor-core tile where the REP_P query rows, mostly padding, do not (10% faster on an H100
-     at 32K-128K than q · keysᵀ and p · values; keys stored before RoPE keep that orientation, faster for them).
+     or d rows fill the tensor-core tile where the REP_P query rows, mostly padding, do not (faster on an H100 at
+     32K-128K than q · keysᵀ and p · values, docs/decode.md; keys stored before RoPE keep that orientation, faster
+     for them).
      On a GPU with an fp16/bf16 model the codes are unpacked into half2 registers by inline PTX
      (quant_matvec.unpack_asm) and scale and zero (fp16, as stored) applied in fp16 by one fused multiply-add,
      rounded once; the dots take fp16 (a bf16 query is converted), as flash attention's do. fp32 models (and the

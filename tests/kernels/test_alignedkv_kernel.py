@@ -227,3 +227,20 @@ def test_estimate_matches_reference(NA):
     NA = NA.to(DEVICE) if isinstance(NA, torch.Tensor) else NA
     got = _estimate(p, v_hi, v_mid, v_lo, tail_v, NA, 8)
     torch.testing.assert_close(got, _estimate_ref(p, v_hi, v_mid, v_lo, tail_v, NA, 8), rtol=1e-6, atol=1e-6)
+
+
+def test_estimate_reads_strided_planes():
+    """O_est over value planes that are a slice of a larger buffer (not contiguous across heads) equals O_est over
+    the same planes contiguous."""
+    from kvzoo.kernels.alignedkv_attention import _estimate
+
+    g = torch.Generator().manual_seed(8)
+    G, d, S, W = 3, 32, 64, 16
+    values = outliers(torch.randn(B, H, S + 32, d, generator=g), g).half().to(DEVICE)
+    wide = value_planes(values)[:3]                                                  # (B, H, S + 32, .) each
+    sliced = [t[:, :, :S] for t in wide]
+    assert not sliced[0].is_contiguous()
+    tail_v = torch.randn(B, H, W, d, generator=g).to(DEVICE)
+    p = torch.softmax(torch.randn(B, H * G, S + W, generator=g) * 3, -1).to(DEVICE)
+    got = _estimate(p, *sliced, tail_v, 48, 8)
+    torch.testing.assert_close(got, _estimate(p, *(t.contiguous() for t in sliced), tail_v, 48, 8), rtol=0, atol=0)
