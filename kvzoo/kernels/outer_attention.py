@@ -150,9 +150,11 @@ def _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D: tl.constexpr, BITS:
         live_g = (t + g < stop)[:, None]
         x = tl.reshape(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON, PART, PARTS), (GS, 32, C),
                        can_reorder=False)
-        scale = tl.load(ks_ptr + per_ch, mask=live_g, other=0).to(x.dtype)
-        zero = tl.load(kz_ptr + per_ch, mask=live_g, other=0).to(x.dtype)
-        k = tl.reshape(x * scale[:, None, :] + zero[:, None, :], (BLOCK_N, C), can_reorder=False)
+        # scale and zero loaded as (GS, 1, C), in the codes' own rank: broadcasting a (GS, C) load instead costs
+        # a round trip through shared memory every step (docs/decode.md)
+        scale = tl.load(ks_ptr + per_ch[:, None, :], mask=live_g[:, None, :], other=0).to(x.dtype)
+        zero = tl.load(kz_ptr + per_ch[:, None, :], mask=live_g[:, None, :], other=0).to(x.dtype)
+        k = tl.reshape(x * scale + zero, (BLOCK_N, C), can_reorder=False)
     return k
 
 
@@ -178,10 +180,10 @@ def _values(codes, vs_ptr, vz_ptr, n, live, D: tl.constexpr, CG: tl.constexpr):
     groups of CG sharing a scale and zero; dead tokens 0."""
     BLOCK: tl.constexpr = n.shape[0]
     x = tl.reshape(codes, (BLOCK, D // CG, CG), can_reorder=False)
-    per_group = n[:, None] * (D // CG) + tl.arange(0, D // CG)[None, :]                  # (BLOCK, D/CG)
-    scale = tl.load(vs_ptr + per_group, mask=live[:, None], other=0).to(x.dtype)
-    zero = tl.load(vz_ptr + per_group, mask=live[:, None], other=0).to(x.dtype)
-    return tl.reshape(x * scale[:, :, None] + zero[:, :, None], (BLOCK, D), can_reorder=False)
+    per_group = (n[:, None] * (D // CG) + tl.arange(0, D // CG)[None, :])[:, :, None]     # (BLOCK, D/CG, 1): as keys
+    scale = tl.load(vs_ptr + per_group, mask=live[:, None, None], other=0).to(x.dtype)
+    zero = tl.load(vz_ptr + per_group, mask=live[:, None, None], other=0).to(x.dtype)
+    return tl.reshape(x * scale + zero, (BLOCK, D), can_reorder=False)
 
 
 @triton.jit
@@ -232,7 +234,8 @@ def _quantized(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, co
             k = _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D, KB, GS, FAST, AK, CK, KT, CG, 0, 1)
             # the dequantized tile as the first operand, (32*GS, D) · (D, REP_P): 32*GS rows fill the tensor-core
             # tile where REP_P (mostly padding) does not
-            s = tl.trans(tl.dot(_dot_dtype(k.to(q.dtype)), tl.trans(q), input_precision="ieee"))
+            k = k.to(q.dtype) if FAST else _dot_dtype(k.to(q.dtype))      # FAST: fp16 already, nothing to clamp
+            s = tl.trans(tl.dot(k, tl.trans(q), input_precision="ieee"))
         v = _values(_codes(vc_ptr, n, live, D, VB, FAST, AV, CV, 0, 1), vs_ptr, vz_ptr, n, live, D, CG)
         if ROPE:
             m, l, acc = _online_scores(s * qk_scale, v.to(q.dtype), live, m, l, acc)

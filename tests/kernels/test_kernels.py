@@ -16,7 +16,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from kvzoo.cache.kvquant import pack_sym_mask, quantize, quantize_unified  # noqa: E402
-from kvzoo.kernels.innerq_attention import innerq_decode_attention, innerq_decode_attention_ref  # noqa: E402
+from kvzoo.kernels.innerq_attention import innerq_decode_attention, innerq_decode_attention_ref, whole_waves  # noqa: E402,E501
 from kvzoo.kernels.quant_matvec import (pv_inner, pv_inner_ref, pv_outer, pv_outer_ref, qk_inner,  # noqa: E402
                                         qk_inner_ref, qk_outer, qk_outer_ref)
 from kvzoo.kernels.quantize_pack import quantize_inner, quantize_inner_ref  # noqa: E402
@@ -208,6 +208,19 @@ def test_fused_attention_reads_live_lengths_from_the_device(bits, dtype, mode, l
                                          sink_k[:, :, :w], sink_v[:, :, :w], bits, k_win2=res_k[:, :, :w2],
                                          v_win2=res_v[:, :, :w2], mask_upto=mask_upto, q_scale=q_scale)
     assert_close(sliced, want, dtype)
+
+
+@pytest.mark.parametrize("rows,splits", [(8, 33), (256, 2), (384, 2), (536, 6), (632, 5), (64, 8), (80, 6)])
+def test_split_count_fills_whole_waves(rows, splits):
+    """An H100's 264 program slots (132 SMs, 2 programs each): no split count up to twice one wave's takes fewer
+    waves per split."""
+    assert whole_waves(rows, 264, 10_000) == splits
+    one_wave = -(-264 // rows)
+    assert all(-(-rows * s // 264) / s >= -(-rows * splits // 264) / splits for s in range(1, 2 * one_wave + 5))
+
+
+def test_split_count_is_capped_by_the_groups():
+    assert whole_waves(8, 264, 5) <= 5 and whole_waves(632, 264, 1) == 1 and whole_waves(1, 4, 0) == 1
 
 
 def test_fused_attention_scale_and_peaked_softmax():
