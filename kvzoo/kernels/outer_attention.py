@@ -136,24 +136,26 @@ def _halves(x, D: tl.constexpr):
 @triton.jit
 def _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
                 FAST: tl.constexpr, ASM: tl.constexpr, CON: tl.constexpr, KT: tl.constexpr, CG: tl.constexpr,
-                PART: tl.constexpr, PARTS: tl.constexpr):
+                PART: tl.constexpr, PARTS: tl.constexpr, R3: tl.constexpr = False):
     """Keys of the GS whole groups of 32 tokens from group t (tokens n), one scale and zero per (group, channel),
     or with KT per (token, group of CG channels, PARTS = 1): (32*GS, D / PARTS) in the codes' dtype, channel part
     PART of PARTS."""
     BLOCK_N: tl.constexpr = GS * 32
     C: tl.constexpr = D // PARTS
     if KT:
-        k = _values(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON, 0, 1), ks_ptr, kz_ptr, n, live, D, CG)
+        k = _values(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON, 0, 1), ks_ptr, kz_ptr, n, live, D, CG, R3)
     else:
         g = tl.arange(0, GS)
         per_ch = (t + g)[:, None] * D + PART * C + tl.arange(0, C)[None, :]           # (GS, C)
         live_g = (t + g < stop)[:, None]
         x = tl.reshape(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON, PART, PARTS), (GS, 32, C),
                        can_reorder=False)
-        # scale and zero loaded as (GS, 1, C), in the codes' own rank: broadcasting a (GS, C) load instead costs
-        # a round trip through shared memory every step (docs/decode.md)
-        scale = tl.load(ks_ptr + per_ch[:, None, :], mask=live_g[:, None, :], other=0).to(x.dtype)
-        zero = tl.load(kz_ptr + per_ch[:, None, :], mask=live_g[:, None, :], other=0).to(x.dtype)
+        if R3:   # loaded as (GS, 1, C), in the codes' rank (module docstring, "Scales")
+            scale = tl.load(ks_ptr + per_ch[:, None, :], mask=live_g[:, None, :], other=0).to(x.dtype)
+            zero = tl.load(kz_ptr + per_ch[:, None, :], mask=live_g[:, None, :], other=0).to(x.dtype)
+        else:
+            scale = tl.load(ks_ptr + per_ch, mask=live_g, other=0).to(x.dtype)[:, None, :]
+            zero = tl.load(kz_ptr + per_ch, mask=live_g, other=0).to(x.dtype)[:, None, :]
         k = tl.reshape(x * scale + zero, (BLOCK_N, C), can_reorder=False)
     return k
 
@@ -175,14 +177,18 @@ def _token_keys(kc_ptr, ks_ptr, kz_ptr, u, live, D: tl.constexpr, BITS: tl.const
 
 
 @triton.jit
-def _values(codes, vs_ptr, vz_ptr, n, live, D: tl.constexpr, CG: tl.constexpr):
+def _values(codes, vs_ptr, vz_ptr, n, live, D: tl.constexpr, CG: tl.constexpr, R3: tl.constexpr = False):
     """Codes (BLOCK, D) of tokens n (BLOCK,) dequantized: (BLOCK, D) in the codes' dtype, each token's channels in
-    groups of CG sharing a scale and zero; dead tokens 0."""
+    groups of CG sharing a scale and zero; dead tokens 0. R3: scales loaded in the codes' rank."""
     BLOCK: tl.constexpr = n.shape[0]
     x = tl.reshape(codes, (BLOCK, D // CG, CG), can_reorder=False)
-    per_group = (n[:, None] * (D // CG) + tl.arange(0, D // CG)[None, :])[:, :, None]     # (BLOCK, D/CG, 1): as keys
-    scale = tl.load(vs_ptr + per_group, mask=live[:, None, None], other=0).to(x.dtype)
-    zero = tl.load(vz_ptr + per_group, mask=live[:, None, None], other=0).to(x.dtype)
+    per_group = n[:, None] * (D // CG) + tl.arange(0, D // CG)[None, :]                  # (BLOCK, D/CG)
+    if R3:
+        scale = tl.load(vs_ptr + per_group[:, :, None], mask=live[:, None, None], other=0).to(x.dtype)
+        zero = tl.load(vz_ptr + per_group[:, :, None], mask=live[:, None, None], other=0).to(x.dtype)
+    else:
+        scale = tl.load(vs_ptr + per_group, mask=live[:, None], other=0).to(x.dtype)[:, :, None]
+        zero = tl.load(vz_ptr + per_group, mask=live[:, None], other=0).to(x.dtype)[:, :, None]
     return tl.reshape(x * scale + zero, (BLOCK, D), can_reorder=False)
 
 
@@ -231,12 +237,14 @@ def _quantized(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, co
             k_hi = _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D, KB, GS, FAST, AK, CK, KT, CG, 1, 2)
             s = _rotated_scores(q_lo, q_hi, k_lo, k_hi, cos_ptr, sin_ptr, tl.load(len_ptr + 3) + n, live, D)
         else:
-            k = _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D, KB, GS, FAST, AK, CK, KT, CG, 0, 1)
+            k = _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D, KB, GS, FAST, AK, CK, KT, CG, 0, 1,
+                            not KT)
             # the dequantized tile as the first operand, (32*GS, D) · (D, REP_P): 32*GS rows fill the tensor-core
             # tile where REP_P (mostly padding) does not
             k = k.to(q.dtype) if FAST else _dot_dtype(k.to(q.dtype))      # FAST: fp16 already, nothing to clamp
             s = tl.trans(tl.dot(k, tl.trans(q), input_precision="ieee"))
-        v = _values(_codes(vc_ptr, n, live, D, VB, FAST, AV, CV, 0, 1), vs_ptr, vz_ptr, n, live, D, CG)
+        v = _values(_codes(vc_ptr, n, live, D, VB, FAST, AV, CV, 0, 1), vs_ptr, vz_ptr, n, live, D, CG,
+                    not (ROPE or KT))
         if ROPE:
             m, l, acc = _online_scores(s * qk_scale, v.to(q.dtype), live, m, l, acc)
         else:
