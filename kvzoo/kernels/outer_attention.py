@@ -49,6 +49,13 @@ rotated to its position in the kernel: sink row i to position i, tail slot u to 
 each key's two channel halves as separate tiles, rotates them in fp32 ([lo, hi] -> [lo cos - hi sin,
 hi cos + lo sin], rotate-half style) and takes the scores as two dots of d/2 channels, so no key is unpacked twice
 or moved between halves; it reads the first half of each cos/sin row (a rotate-half table repeats its frequencies).
+
+Scales. On an H100 the split kernel is bound by shared memory, not DRAM: the unpacked tiles reach the tensor cores
+through it. With per-channel keys and no RoPE (KIVI, SQuat) each step's scales and zeros are loaded in the rank of the
+code tiles they multiply, (GS, 1, d) for keys and (32*GS, d/G, 1) for values: loaded as (GS, d) and (32*GS, d/G)
+and broadcast, Triton moves them into the tiles' layout through shared memory every step, about a third of the
+kernel's shared-memory traffic (128K batch 1: 131 -> 118 us; 32K batch 32: 921 -> 799 us; docs/decode.md). KV
+Pareto, int8 and KIVI* keep the broadcast loads, which compile to a faster kernel for them.
 """
 
 from __future__ import annotations
@@ -150,7 +157,7 @@ def _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D: tl.constexpr, BITS:
         live_g = (t + g < stop)[:, None]
         x = tl.reshape(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON, PART, PARTS), (GS, 32, C),
                        can_reorder=False)
-        if R3:   # loaded as (GS, 1, C), in the codes' rank (module docstring, "Scales")
+        if R3:   # loaded as (GS, 1, C), in the codes' rank (module docstring, Scales)
             scale = tl.load(ks_ptr + per_ch[:, None, :], mask=live_g[:, None, :], other=0).to(x.dtype)
             zero = tl.load(kz_ptr + per_ch[:, None, :], mask=live_g[:, None, :], other=0).to(x.dtype)
         else:
