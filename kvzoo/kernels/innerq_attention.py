@@ -118,6 +118,17 @@ def _dot_dtype(q):
 
 
 @triton.jit
+def softmax_step(s, m, l):
+    """One step of the online softmax in base 2 over scores s (R, BLOCK), already scaled and masked (-inf), with the
+    running max m and sum l (R,): (m_new, l_new, alpha, p), alpha rescaling the earlier output and p the step's
+    weights."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.math.exp2(m - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    return m_new, l * alpha + tl.sum(p, 1), alpha, p
+
+
+@triton.jit
 def _live(len_ptr, COUNT, i: tl.constexpr, DYN: tl.constexpr):
     """How many entries are live: COUNT, or with DYN entry i of the device tensor `lengths` (CUDA graphs)."""
     if DYN:
@@ -219,12 +230,7 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
                 zero = tl.where(sym, 0.0, zero)
             k = tl.reshape(x * scale + zero, (BLOCK_N, D), can_reorder=False).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale                # (REP_P, BLOCK_N), base 2
-        s = tl.where(live[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.math.exp2(m - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        m = m_new
+        m, l, alpha, p = softmax_step(tl.where(live[None, :], s, float("-inf")), m, l)
         # values: each run of 32 tokens is one group per channel: (GS, 32, D) codes, (GS, 1, D) scale/slot
         vw = tl.load(vc_ptr + n[:, None] * W + w[None, :], mask=live[:, None], other=0)
         vg = t + g
@@ -314,12 +320,8 @@ def _split_kernel_g1(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_p
             zero = tl.where(sym, 0.0, zero)
         k = tl.reshape(x * scale + zero, (32, D), can_reorder=False).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale                # (REP_P, 32), base 2
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.math.exp2(m - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
+        m, l, alpha, p = softmax_step(s, m, l)
         p_sum = tl.sum(p, 1)
-        l = l * alpha + p_sum
-        m = m_new
         # values: the 32 tokens are one group per channel; scale/zero apply after the dot
         vx = unpack_codes(tl.load(vc_ptr + n[:, None] * W + w[None, :])[:, :, None], shifts, BITS)
         v_slot = tl.load(vz_ptr + t * D + channel)                      # (W, CPW)
@@ -350,14 +352,9 @@ def _attend_window(q, kw_ptr, vw_ptr, WIN, m, l, acc, qk_scale, D: tl.constexpr,
         window = (w0 + j)[:, None] * D + d[None, :]
         k = _dot_dtype(tl.load(kw_ptr + window, mask=live_w[:, None], other=0))
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        s = tl.where(live_w[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.math.exp2(m - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
+        m, l, alpha, p = softmax_step(tl.where(live_w[None, :], s, float("-inf")), m, l)
         v = _dot_dtype(tl.load(vw_ptr + window, mask=live_w[:, None], other=0))
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m = m_new
     return m, l, acc
 
 

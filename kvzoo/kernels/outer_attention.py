@@ -69,7 +69,7 @@ from torch import Tensor
 
 from kvzoo.cache.kvquant import QTensor, dequantize
 from kvzoo.kernels.innerq_attention import (BLOCK_W, LOG2E, _attend_window, _dot_dtype, _plan_splits,
-                                            merge_splits)
+                                            merge_splits, softmax_step)
 from kvzoo.kernels.quant_matvec import (GROUP, check_head_dim, check_runnable, check_tensor,
                                         dequant_outer, head_rows, join_codes, unpack_asm, unpack_codes,
                                         unpacks_in_ptx)
@@ -203,22 +203,16 @@ def _values(codes, vs_ptr, vz_ptr, n, live, D: tl.constexpr, CG: tl.constexpr, R
 def _online_scores(s, v, live, m, l, acc):
     """One step of the online softmax in base 2: scores s (REP_P, BLOCK) already scaled, values v (BLOCK, D) in
     the dots' dtype, dead tokens masked out of the scores."""
-    s = tl.where(live[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.math.exp2(m - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
-    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    m, l, alpha, p = softmax_step(tl.where(live[None, :], s, float("-inf")), m, l)
+    return m, l, acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
 
 
 @triton.jit
 def _online_scores_t(s, v, live, m, l, acc):
     """_online_scores with the values (BLOCK, D) as the dot's first operand: accᵀ (D, REP_P) += vᵀ · pᵀ."""
-    s = tl.where(live[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.math.exp2(m - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
+    m, l, alpha, p = softmax_step(tl.where(live[None, :], s, float("-inf")), m, l)
     pv = tl.dot(tl.trans(v), tl.trans(p.to(v.dtype)), input_precision="ieee")
-    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.trans(pv)
+    return m, l, acc * alpha[:, None] + tl.trans(pv)
 
 
 @triton.jit
