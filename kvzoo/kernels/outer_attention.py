@@ -143,21 +143,21 @@ def _halves(x, D: tl.constexpr):
 @triton.jit
 def _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
                 FAST: tl.constexpr, ASM: tl.constexpr, CON: tl.constexpr, KT: tl.constexpr, CG: tl.constexpr,
-                PART: tl.constexpr, PARTS: tl.constexpr, R3: tl.constexpr = False):
+                PART: tl.constexpr, PARTS: tl.constexpr, IN_RANK: tl.constexpr = False):
     """Keys of the GS whole groups of 32 tokens from group t (tokens n), one scale and zero per (group, channel),
     or with KT per (token, group of CG channels, PARTS = 1): (32*GS, D / PARTS) in the codes' dtype, channel part
     PART of PARTS."""
     BLOCK_N: tl.constexpr = GS * 32
     C: tl.constexpr = D // PARTS
     if KT:
-        k = _values(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON, 0, 1), ks_ptr, kz_ptr, n, live, D, CG, R3)
+        k = _values(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON, 0, 1), ks_ptr, kz_ptr, n, live, D, CG, IN_RANK)
     else:
         g = tl.arange(0, GS)
         per_ch = (t + g)[:, None] * D + PART * C + tl.arange(0, C)[None, :]           # (GS, C)
         live_g = (t + g < stop)[:, None]
         x = tl.reshape(_codes(kc_ptr, n, live, D, BITS, FAST, ASM, CON, PART, PARTS), (GS, 32, C),
                        can_reorder=False)
-        if R3:   # loaded as (GS, 1, C), in the codes' rank (module docstring, Scales)
+        if IN_RANK:   # loaded as (GS, 1, C), in the codes' rank (module docstring, Scales)
             scale = tl.load(ks_ptr + per_ch[:, None, :], mask=live_g[:, None, :], other=0).to(x.dtype)
             zero = tl.load(kz_ptr + per_ch[:, None, :], mask=live_g[:, None, :], other=0).to(x.dtype)
         else:
@@ -184,13 +184,14 @@ def _token_keys(kc_ptr, ks_ptr, kz_ptr, u, live, D: tl.constexpr, BITS: tl.const
 
 
 @triton.jit
-def _values(codes, vs_ptr, vz_ptr, n, live, D: tl.constexpr, CG: tl.constexpr, R3: tl.constexpr = False):
+def _values(codes, vs_ptr, vz_ptr, n, live, D: tl.constexpr, CG: tl.constexpr, IN_RANK: tl.constexpr = False):
     """Codes (BLOCK, D) of tokens n (BLOCK,) dequantized: (BLOCK, D) in the codes' dtype, each token's channels in
-    groups of CG sharing a scale and zero; dead tokens 0. R3: scales loaded in the codes' rank."""
+    groups of CG sharing a scale and zero; dead tokens 0. IN_RANK: scales loaded in the codes' rank (module
+    docstring, Scales)."""
     BLOCK: tl.constexpr = n.shape[0]
     x = tl.reshape(codes, (BLOCK, D // CG, CG), can_reorder=False)
     per_group = n[:, None] * (D // CG) + tl.arange(0, D // CG)[None, :]                  # (BLOCK, D/CG)
-    if R3:
+    if IN_RANK:
         scale = tl.load(vs_ptr + per_group[:, :, None], mask=live[:, None, None], other=0).to(x.dtype)
         zero = tl.load(vz_ptr + per_group[:, :, None], mask=live[:, None, None], other=0).to(x.dtype)
     else:
