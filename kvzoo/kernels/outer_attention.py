@@ -54,7 +54,7 @@ Scales. On an H100 the split kernel is bound by shared memory, not DRAM: the unp
 through it. With per-channel keys and no RoPE (KIVI, SQuat) each step's scales and zeros are loaded in the rank of the
 code tiles they multiply, (GS, 1, d) for keys and (32*GS, d/G, 1) for values: loaded as (GS, d) and (32*GS, d/G)
 and broadcast, Triton moves them into the tiles' layout through shared memory every step, about a third of the
-kernel's shared-memory traffic (128K batch 1: 131 -> 118 us; 32K batch 32: 921 -> 799 us; docs/decode.md). KV
+kernel's shared-memory traffic (128K batch 1: 131 -> 118 us; 32K batch 32: 911 -> 799 us; docs/decode.md). KV
 Pareto, int8 and KIVI* keep the broadcast loads, which compile to a faster kernel for them.
 """
 
@@ -229,6 +229,7 @@ def _quantized(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, co
                CV: tl.constexpr, ROPE: tl.constexpr, KT: tl.constexpr, CG: tl.constexpr):
     """The online softmax over the groups [start, start + PER_SPLIT) of the slots quantized in both streams."""
     BLOCK_N: tl.constexpr = GS * 32
+    IN_RANK: tl.constexpr = not (ROPE or KT)     # per-channel keys, no RoPE: scales in the codes' rank (Scales)
     n_both = tl.minimum(tl.load(len_ptr), tl.load(len_ptr + 1))
     stop = tl.minimum(start + PER_SPLIT, (n_both + 31) // 32)              # every step's first token is live
     for t in range(start, stop, GS):
@@ -240,13 +241,12 @@ def _quantized(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, co
             s = _rotated_scores(q_lo, q_hi, k_lo, k_hi, cos_ptr, sin_ptr, tl.load(len_ptr + 3) + n, live, D)
         else:
             k = _group_keys(kc_ptr, ks_ptr, kz_ptr, t, n, live, stop, D, KB, GS, FAST, AK, CK, KT, CG, 0, 1,
-                            not KT)
+                            IN_RANK)
             # the dequantized tile as the first operand, (32*GS, D) · (D, REP_P): 32*GS rows fill the tensor-core
             # tile where REP_P (mostly padding) does not
             k = k.to(q.dtype) if FAST else _dot_dtype(k.to(q.dtype))      # FAST: fp16 already, nothing to clamp
             s = tl.trans(tl.dot(k, tl.trans(q), input_precision="ieee"))
-        v = _values(_codes(vc_ptr, n, live, D, VB, FAST, AV, CV, 0, 1), vs_ptr, vz_ptr, n, live, D, CG,
-                    not (ROPE or KT))
+        v = _values(_codes(vc_ptr, n, live, D, VB, FAST, AV, CV, 0, 1), vs_ptr, vz_ptr, n, live, D, CG, IN_RANK)
         if ROPE:
             m, l, acc = _online_scores(s * qk_scale, v.to(q.dtype), live, m, l, acc)
         else:

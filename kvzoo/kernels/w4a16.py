@@ -342,8 +342,8 @@ def _sm_count(device: torch.device) -> int:
 
 # split-K sizing, programs per multiprocessor: the general kernel's two keep the memory system busy; the group
 # kernel's four per SM (the most its registers allow; two for tiles of more than 16 rows), of at least two groups
-# each, load the device evenly; the
-# one-row kernel's sixteen (one warp each), of at least two steps each (results/kvpareto/w4a16-8b-h100.md)
+# each, load the device evenly; the one-row kernel's sixteen (one warp each), of at least two steps each
+# (results/kvpareto/w4a16-8b-h100.md)
 PROGRAMS_PER_SM = 2
 GROUPED_PROGRAMS_PER_SM = 4
 ONE_ROW_PROGRAMS_PER_SM = 16
