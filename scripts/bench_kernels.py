@@ -46,7 +46,7 @@ import triton.language as tl
 from torch import Tensor
 from tqdm import tqdm
 
-from kvzoo.kernels import outer_attention
+from kvzoo.kernels import outer_attention, outer_hopper
 from timing import Timer, copy_bandwidth, output_paths, require_compiled_gpu
 
 MODELS = {                      # name: (KV heads, head_dim, query heads)
@@ -99,6 +99,8 @@ def parse_args():
                        help="every fused attention at 32K/128K, batch 1 and 32, against its read floor")
     table.add_argument("--stages", action="store_true",
                        help="the 2-bit outer kernel's unpacking alone against the whole kernel and the floor")
+    parser.add_argument("--cases", nargs="+", metavar="TEXT",
+                        help="--floors: only the kernels whose name holds one of these (e.g. outer SDPA)")
     parser.add_argument("--runs", type=int, default=100, help="timed replays per latency (median; at least 100)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed replays first")
     parser.add_argument("--overwrite", action="store_true", help="replace existing OUT.json / OUT.md")
@@ -309,8 +311,8 @@ def aligned_read_bytes(q: Tensor, planes, topk: int, min_bits: int, block: int) 
 
 
 def floor_cases(B: int, N: int, gen: torch.Generator):
-    """(name, launch, bytes read) of every fused attention over B rows x N tokens of the 8B heads, one at a time:
-    each case's buffers are built when it is reached and dropped after it (at batch 32 and 128K some hold 17 GB)."""
+    """(name, build) of every fused attention over B rows x N tokens of the 8B heads; build() makes the case's
+    buffers and returns (launch, bytes read): one case at a time (at batch 32 and 128K some hold 17 GB)."""
     from kvzoo.cache.alignedkv import AlignedKVOptions
     from kvzoo.kernels import alignedkv_attention as al, innerq_attention as att
 
@@ -337,12 +339,18 @@ def floor_cases(B: int, N: int, gen: torch.Generator):
         args = (q, *keys, k_mask, *values, v_mask, k_win, v_win, BITS)
         return lambda: att.innerq_decode_attention(*args), nbytes(*args[:-1])
 
-    def outer(rotated):
+    def outer(rotated, hopper=True):
         keys, values = synthetic_outer(H, n_q, d, gen, B)
         codes = (*keys, *values)
         tables = (torch.randn(N, d, device=DEVICE, generator=gen).half(),) * 2 if rotated else None
         read = nbytes(q, *codes, k_win, v_win) + (nbytes(tables[0]) // 2 if rotated else 0)   # cos, sin: half rows
-        return lambda: outer_attention.outer_decode_attention(q, *codes, BITS, k_win, v_win, lengths, rope=tables), read
+
+        def launch():                            # captured into the timer's graph with the kernel chosen here
+            outer_hopper.ENABLED = hopper
+            out = outer_attention.outer_decode_attention(q, *codes, BITS, k_win, v_win, lengths, rope=tables)
+            outer_hopper.ENABLED = True
+            return out
+        return launch, read
 
     def token(group):
         k_codes, v_codes = words(8), words(8)
@@ -363,14 +371,15 @@ def floor_cases(B: int, N: int, gen: torch.Generator):
         k16, v16 = torch.randn(2, B, H, N, d, device=DEVICE, generator=gen).half()
         return lambda: F.scaled_dot_product_attention(q[:, :, None], k16, v16, enable_gqa=True), nbytes(q, k16, v16)
 
-    yield ("InnerQ-2 asymmetric", *innerq(False))
-    yield ("InnerQ-2 hybrid", *innerq(True))
-    yield ("KIVI-2, SQuat (outer)", *outer(False))
-    yield ("KIVI*-2 (keys rotated in the kernel)", *outer(True))
-    yield ("KV Pareto k8v8 (per-token groups of 32)", *token(32))
-    yield ("int8 (per-token groups of d)", *token(d))
-    yield ("AlignedKV (planes; aligned_decode)", *aligned())
-    yield ("fp16 SDPA", *sdpa())
+    yield "InnerQ-2 asymmetric", lambda: innerq(False)
+    yield "InnerQ-2 hybrid", lambda: innerq(True)
+    yield "KIVI-2, SQuat (outer)", lambda: outer(False)
+    yield "KIVI-2, SQuat (outer, Triton kernel only)", lambda: outer(False, hopper=False)
+    yield "KIVI*-2 (keys rotated in the kernel)", lambda: outer(True)
+    yield "KV Pareto k8v8 (per-token groups of 32)", lambda: token(32)
+    yield "int8 (per-token groups of d)", lambda: token(d)
+    yield "AlignedKV (planes; aligned_decode)", aligned
+    yield "fp16 SDPA", sdpa
 
 
 def add_row(rows: list[dict], B: int, N: int, column: str, name: str, ms: float, floor: float, read: int) -> None:
@@ -381,10 +390,13 @@ def add_row(rows: list[dict], B: int, N: int, column: str, name: str, ms: float,
           flush=True)
 
 
-def measure_floors(timer: Timer, gen: torch.Generator) -> list[dict]:
+def measure_floors(timer: Timer, gen: torch.Generator, cases: list[str] | None) -> list[dict]:
     rows = []
     for B, N in tqdm(FLOOR_SHAPES, desc="shapes"):
-        for name, launch, read in floor_cases(B, N, gen):
+        for name, build in floor_cases(B, N, gen):
+            if cases and not any(c.lower() in name.lower() for c in cases):
+                continue
+            launch, read = build()
             ms, floor = timer(launch), timer(read_floor(read))
             del launch
             torch.cuda.empty_cache()
@@ -525,7 +537,7 @@ def main() -> None:
         write(paths, {**meta, "sanity_max_rel_error": sanity, "rows": rows}, stages_markdown(rows, meta))
         return
     if args.floors:
-        rows = measure_floors(timer, gen)
+        rows = measure_floors(timer, gen, args.cases)
         write(paths, {**meta, "sanity_max_rel_error": sanity, "target_share": FLOOR_TARGET, "rows": rows},
               floors_markdown(rows, meta))
         return

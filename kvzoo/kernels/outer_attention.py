@@ -68,6 +68,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kvzoo.cache.kvquant import QTensor, dequantize
+from kvzoo.kernels import outer_hopper
 from kvzoo.kernels.innerq_attention import (BLOCK_W, LOG2E, _attend_window, _dot_dtype, _plan_splits,
                                             merge_splits, softmax_step)
 from kvzoo.kernels.quant_matvec import (GROUP, check_head_dim, check_runnable, check_tensor,
@@ -321,7 +322,7 @@ def _tail(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
 
 @triton.jit
 def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_ptr, vw_ptr, cos_ptr,
-                  sin_ptr, m_ptr, l_ptr, acc_ptr, len_ptr, PER_SPLIT, qk_scale,
+                  sin_ptr, m_ptr, l_ptr, acc_ptr, len_ptr, PER_SPLIT, SPLIT0, qk_scale,
                   s_kc, s_ks, s_kz, s_vc, s_vs, s_vz, s_kr, s_vr, s_kw, s_vw,
                   D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
                   GS: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, AK: tl.constexpr, CK: tl.constexpr,
@@ -334,7 +335,8 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
     vc_ptr += head * s_vc
     vs_ptr += head * s_vs
     vz_ptr += head * s_vz
-    split = tl.program_id(1)
+    split = tl.program_id(1) + SPLIT0            # SPLIT0 > 0: the quantized columns are another kernel's
+    n_cols = tl.num_programs(1) + SPLIT0
     r = tl.arange(0, REP_P)
     live_r = r < REP
     d = tl.arange(0, D)
@@ -343,7 +345,7 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
     m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((REP_P,), dtype=tl.float32)
     acc = tl.zeros((REP_P, D), dtype=tl.float32)
-    if split == tl.num_programs(1) - 1:          # the last program: the sink and the tail
+    if split == n_cols - 1:                      # the last program: the sink and the tail
         m, l, acc = _tail(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr + head * s_kr,
                           vr_ptr + head * s_vr, kw_ptr + head * s_kw, vw_ptr + head * s_vw, cos_ptr, sin_ptr, len_ptr,
                           m, l, acc, qk_scale, D, KB, VB, BLOCK, ROPE, KT, CG)
@@ -351,7 +353,7 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
         m, l, acc = _quantized(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos_ptr, sin_ptr,
                                len_ptr, split * PER_SPLIT, PER_SPLIT, m, l, acc, qk_scale, D, KB, VB, GS, FAST, AK,
                                CK, AV, CV, ROPE, KT, CG)
-    rows = (kv * REP + r) * tl.num_programs(1) + split
+    rows = (kv * REP + r) * n_cols + split
     tl.store(m_ptr + rows, m, mask=live_r)
     tl.store(l_ptr + rows, l, mask=live_r)
     tl.store(acc_ptr + rows[:, None] * D + d[None, :], acc, mask=live_r[:, None])
@@ -470,7 +472,12 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
                (torch.zeros(1, dtype=q.dtype if t is None else t.dtype, device=dev), 0)
                for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_recent, v_recent, k_sink, v_sink)]
     cos, sin = (t.contiguous() for t in rope) if rope is not None else (q, q)       # q: never read
-    _split_kernel[(B * H, splits + 1)](q, *(t for t, _ in buffers), cos, sin, m, l, acc, lengths, per_split, qk_scale,
+    split0 = 0
+    if splits and outer_hopper.eligible(q, bits, v_bits, channel, rope, group, rep, gs, B * H * n_groups):
+        outer_hopper.quantized_splits(q, buffers[:6], m, l, acc, lengths, per_split, splits, qk_scale, group)
+        split0 = splits                          # the Triton kernel runs the last column only
+    _split_kernel[(B * H, splits + 1 - split0)](q, *(t for t, _ in buffers), cos, sin, m, l, acc, lengths, per_split,
+                                       split0, qk_scale,
                                        *(s for _, s in buffers), D=d, KB=bits, VB=v_bits, REP=rep, REP_P=rep_p,
                                        GS=gs, BLOCK=BLOCK_W, FAST=fast, AK=unpack_asm(bits)[0],
                                        CK=unpack_asm(bits)[1], AV=unpack_asm(v_bits)[0], CV=unpack_asm(v_bits)[1],

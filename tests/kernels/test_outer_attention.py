@@ -216,3 +216,45 @@ def test_bad_rope_tables_name_the_problem():
         outer_decode_attention(*args, rope=(cos, sin.half()))
     with pytest.raises(ValueError, match="rope tables hold 50 positions"):
         outer_decode_attention(*args, rope=(cos[:50], sin[:50]))
+
+
+HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+
+
+# (d, dtype, rep, B, N, lengths): KIVI's windows (keys quantized past values), partial steps and groups, a short
+# run (5 groups), 16 query rows, with and without a sink
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
+@pytest.mark.parametrize("d,dtype,rep,B,N,lengths", [
+    (128, torch.float16, 4, 2, 1024, (1024, 1000, 1030, 4)), (64, torch.bfloat16, 3, 3, 800, (800, 777, 810, 0)),
+    (128, torch.bfloat16, 1, 1, 160, (160, 129, 160, 2)), (64, torch.float16, 16, 1, 4096, (4096, 4095, 4100, 4))],
+    ids=name)
+def test_hopper_kernel_matches_reference_and_triton_kernel(d, dtype, rep, B, N, lengths, monkeypatch):
+    from kvzoo.kernels import outer_hopper
+    H = 2
+    codes, (k_rec, v_rec), (k_sink, v_sink) = cache(B, H, N, N, d, 2, dtype, seed=d + rep)
+    q = torch.randn(B, H * rep, d, generator=torch.Generator().manual_seed(rep)).to(DEVICE, dtype)
+    args = (q, *codes, 2, k_rec, v_rec, torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
+    calls = []
+    monkeypatch.setattr(outer_hopper, "MIN_GROUP_ROWS", 0)
+    run = outer_hopper.quantized_splits
+    monkeypatch.setattr(outer_hopper, "quantized_splits", lambda *a: calls.append(1) or run(*a))
+    got = outer_decode_attention(*args, k_sink=k_sink, v_sink=v_sink, num_splits=2)
+    assert calls, "the Gluon kernel was not taken"
+    assert_close(got, outer_decode_attention_ref(*args, k_sink=k_sink, v_sink=v_sink), dtype)
+    monkeypatch.setattr(outer_hopper, "ENABLED", False)
+    assert_close(got, outer_decode_attention(*args, k_sink=k_sink, v_sink=v_sink, num_splits=2), dtype)
+    assert len(calls) == 1
+
+
+def test_hopper_kernel_is_not_taken_off_its_layout():
+    """4-bit codes, keys rotated in the kernel, per-token keys, short runs, small work, and anything off an H100:
+    the Triton kernel serves them."""
+    from kvzoo.kernels import outer_hopper
+    q = torch.zeros(1, 4, 128, dtype=torch.float16, device=DEVICE)
+    big = 1 << 20
+    assert not outer_hopper.eligible(q, 4, 4, True, None, 32, 4, 4, big)
+    assert not outer_hopper.eligible(q, 2, 2, True, (q, q), 32, 4, 4, big)
+    assert not outer_hopper.eligible(q, 2, 2, False, None, 32, 4, 4, big)
+    assert not outer_hopper.eligible(q, 2, 2, True, None, 32, 4, 2, big)
+    assert not outer_hopper.eligible(q, 2, 2, True, None, 32, 4, 4, outer_hopper.MIN_GROUP_ROWS - 1)
+    assert outer_hopper.eligible(q, 2, 2, True, None, 32, 4, 4, big) == HOPPER

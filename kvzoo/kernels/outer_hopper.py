@@ -1,0 +1,233 @@
+"""The quantized runs of outer_attention's split kernel for KIVI's and SQuat's layout on Hopper (sm_90), in Gluon:
+2-bit keys in per-channel groups of 32 tokens, 2-bit values in per-token groups of G channels (G a multiple of 16),
+head_dim 64 or 128, no RoPE in the kernel, an fp16/bf16 model. The sink and the windows stay with the Triton
+split kernel, which runs the last program; both write the same (m, l, acc) partials, merged by its combine kernel.
+
+    grid (B*H, splits): program (kv head, split) attends its rep query rows (REP_P = 16 rows, padding past rep)
+    over the groups [split * PER_SPLIT, ...) of the slots quantized in both streams, 128 tokens a step.
+
+Bytes read are those of the Triton kernel (outer_attention's module docstring). What differs is how the
+dequantized tiles reach the tensor cores. Gluon lets the kernel choose every layout (Triton chooses them itself):
+  - A step's code words are loaded so that a warp owns one key group (32 tokens) and each quarter warp, eight
+    consecutive tokens of one word: its 16-byte stores of eight channels land in eight distinct bank groups of
+    the swizzled tile (no bank conflicts), and a thread's key scales and zeros are those of one group.
+  - The tiles are stored once into NVMMA-swizzled shared memory, keys (128 tokens, d) and values (128 tokens, d),
+    and wgmma reads them from there, the values through a transposed descriptor (accᵀ (d, REP_P) += Vᵀ · pᵀ,
+    scores transposed, (128, REP_P) = K · qᵀ). The Triton kernel stores the same tiles and loads them back into
+    registers; its transposed values take one 16-bit store per element.
+  - Logical channel order. One lop3 on a word gives code slots a and a + 8 as a half2 (quant_matvec.unpack_asm);
+    the kernel keeps that pair as logical channels (2a, 2a + 1) of its word, c' = 16 w + 2 a + b for real channel
+    16 w + a + 8 b (_real), so no unpacked register is re-paired. The scores are a sum over channels, unchanged
+    when the keys and the query take the same order (the query is loaded in it); the output channels are written
+    back to their real places; a value group of G channels (whole words) keeps its members.
+  - Next step's words and scales are loaded before this step's work; the output product runs asynchronously
+    while the next keys are unpacked. Past the live slots a load reads the last live slot (its score is masked
+    to -inf, so it adds nothing), and no load is masked.
+Numerics are the Triton kernel's: codes exact in fp16, scale and zero applied by one fp16 FMA, fp16 tiles, fp32
+products and softmax.
+
+On one H100 (Llama-3.1-8B heads, rep 4, kernel alone, L2 flushed; `.prof`-free reproduction:
+`python scripts/bench_kernels.py --outer-hopper`): 32K batch 79 1,923 -> 1,589 us, batch 32 813 -> 665 us,
+128K batch 1 112 -> 94 us (docs/decode.md).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
+                                                              warpgroup_mma_wait)
+
+from kvzoo.kernels.quant_matvec import unpacks_in_ptx
+
+ENABLED = True               # False: every call takes the Triton kernel (comparisons, bisecting)
+MIN_GROUP_ROWS = 16384       # fewer (KV rows x groups of 32 slots): one Triton launch beats this kernel + the tail's
+TOKENS, N_WARPS, N_ROWS = 128, 4, 16
+BLOCK = gl.constexpr(TOKENS)         # tokens a step: four warps, one key group each
+WARPS = gl.constexpr(N_WARPS)
+ROWS = gl.constexpr(N_ROWS)          # query rows a program serves (the wgmma's N)
+
+PAIR_ASM = gl.constexpr("\n".join(
+    ["{", ".reg .b32 t, magic;", "mov.b32 magic, 0x64006400;"]
+    + sum(([f"shr.b32 t, $8, {2 * a};" if a else "mov.b32 t, $8;", "lop3.b32 t, t, 0x00030003, magic, 0xEA;",
+            f"sub.f16x2 ${a}, t, magic;"] for a in range(8)), [])
+    + ["}"]))
+PAIR_CON = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 2))
+
+
+@gluon.jit
+def _unpack(words, LP: gl.constexpr):
+    """(R, W) 2-bit code words -> (R, 16 W) exact fp16 codes in logical channel order c' = 16 w + 2 a + b (slot
+    a + 8 b of word w). Each word enters the PTX twice (pack=2 over a pair axis) and leaves as 8 half2 registers."""
+    R: gl.constexpr = words.shape[0]
+    W: gl.constexpr = words.shape[1]
+    pairs = gl.expand_dims(words, 2) + gl.zeros([R, W, 2], gl.int32, LP)           # (R, W, 2): the word twice
+    o = gl.inline_asm_elementwise(PAIR_ASM, PAIR_CON, [pairs], dtype=(gl.float16,) * 8, is_pure=True, pack=2)
+    x = gl.join(gl.join(gl.join(o[0], o[4]), gl.join(o[2], o[6])), gl.join(gl.join(o[1], o[5]), gl.join(o[3], o[7])))
+    x = gl.permute(x, (0, 1, 3, 4, 5, 2))                                           # (R, W, a2, a1, a0, b)
+    return gl.reshape(x, (R, W * 16))
+
+
+@gluon.jit
+def _real(c):
+    """The real channel of logical channel c' = 16 w + 2 a + b: 16 w + a + 8 b."""
+    return (c // 16) * 16 + (c % 16) // 2 + 8 * (c % 2)
+
+
+@gluon.jit
+def _logical(x, L3: gl.constexpr):
+    """(GS, D) per-channel key scales in real order -> logical order, (GS, 1, D) in the key tile's layout L3 (the
+    same threads hold them in both layouts: the conversion moves registers only)."""
+    GS: gl.constexpr = x.shape[0]
+    D: gl.constexpr = x.shape[1]
+    x = gl.reshape(gl.permute(gl.reshape(x, (GS, D // 16, 2, 8)), (0, 1, 3, 2)), (GS, D))
+    return gl.expand_dims(gl.convert_layout(x, gl.SliceLayout(1, L3)), 1)
+
+
+@gluon.jit
+def _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t, last, n, w, gr, cr, nv, gv,
+              D: gl.constexpr, CG: gl.constexpr, L3: gl.constexpr):
+    """Step t's code words (BLOCK, W) and scales: keys' (GS, 1, D) in logical order, values' (BLOCK, D/CG, 1).
+    Slots past `last` (the last live one) read `last`."""
+    W: gl.constexpr = D // 16
+    kw = gl.load(kc_ptr + gl.minimum(t * 32 + n, last)[:, None] * W + w[None, :])
+    vw = gl.load(vc_ptr + gl.minimum(t * 32 + n, last)[:, None] * W + w[None, :])
+    at = gl.minimum(t + gr, last // 32)[:, None] * D + cr[None, :]                  # (GS, D), real order
+    ks = _logical(gl.load(ks_ptr + at), L3)
+    kz = _logical(gl.load(kz_ptr + at), L3)
+    atv = gl.minimum(t * 32 + nv, last)[:, None, None] * (D // CG) + gv[None, :, None]
+    return kw, vw, ks, kz, gl.load(vs_ptr + atv), gl.load(vz_ptr + atv)
+
+
+@gluon.jit
+def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, l_ptr, acc_ptr, len_ptr,
+                      PER_SPLIT, N_COLS, qk_scale, s_kc, s_ks, s_kz, s_vc, s_vs, s_vz,
+                      D: gl.constexpr, REP: gl.constexpr, CG: gl.constexpr, LP: gl.constexpr, KSL: gl.constexpr):
+    GS: gl.constexpr = BLOCK // 32
+    W: gl.constexpr = D // 16
+    LW: gl.constexpr = gl.SliceLayout(2, LP)                        # words (BLOCK, W)
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, ROWS, 16])
+    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    TILE: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    PS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
+    # the layouts the unpacked key (GS, 32, D) and value (BLOCK, D/CG, CG) tiles come in (traced; no code)
+    L3: gl.constexpr = gl.reshape(_unpack(gl.zeros([BLOCK, W], gl.int32, LW), LP), (GS, 32, D)).type.layout
+    LV3: gl.constexpr = gl.reshape(_unpack(gl.zeros([BLOCK, W], gl.int32, LW), LP), (BLOCK, D // CG, CG)).type.layout
+
+    kv = gl.program_id(0)                        # b * H + h
+    head = kv.to(gl.int64)
+    kc_ptr += head * s_kc
+    ks_ptr += head * s_ks
+    kz_ptr += head * s_kz
+    vc_ptr += head * s_vc
+    vs_ptr += head * s_vs
+    vz_ptr += head * s_vz
+    split = gl.program_id(1)
+
+    # the query rows in logical channel order, fp16 (a bf16 query clamped to the fp16 range, as the Triton kernel)
+    rq = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LQ))
+    dq = _real(gl.arange(0, D, layout=gl.SliceLayout(0, LQ)))
+    q = gl.load(q_ptr + (kv * REP + rq[:, None]) * D + dq[None, :], mask=(rq < REP)[:, None], other=0)
+    q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
+    q_s = gl.allocate_shared_memory(gl.float16, [ROWS, D], TILE, q)
+    k_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
+    v_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
+    p_s = gl.allocate_shared_memory(gl.float16, [BLOCK, ROWS], PS)
+
+    m = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+    l = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(0, MMA))
+    acc = warpgroup_mma_init(gl.zeros([D, ROWS], gl.float32, layout=MMA))            # accᵀ
+
+    n_both = gl.minimum(gl.load(len_ptr), gl.load(len_ptr + 1))
+    start = split * PER_SPLIT
+    stop = gl.minimum(start + PER_SPLIT, (n_both + 31) // 32)
+    last = gl.maximum(gl.minimum(n_both, stop * 32) - 1, 0)
+    n = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, LW))
+    w = gl.arange(0, W, layout=gl.SliceLayout(0, LW))
+    gr = gl.arange(0, GS, layout=gl.SliceLayout(1, KSL))
+    cr = gl.arange(0, D, layout=gl.SliceLayout(0, KSL))
+    nv = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, gl.SliceLayout(2, LV3)))
+    gv = gl.arange(0, D // CG, layout=gl.SliceLayout(0, gl.SliceLayout(2, LV3)))
+    ns = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA))
+    kw, vw, ks, kz, vs, vz = _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, start, last, n, w, gr, cr,
+                                       nv, gv, D, CG, L3)
+    for t in range(start, stop, GS):
+        nxt = _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t + GS, last, n, w, gr, cr, nv, gv, D, CG, L3)
+        xk = gl.reshape(_unpack(kw, LP), (GS, 32, D))
+        k_s.store(gl.reshape(xk * ks + kz, (BLOCK, D)))
+        fence_async_shared()
+        s = warpgroup_mma(k_s, q_s.permute((1, 0)), gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA))
+        xv = gl.reshape(_unpack(vw, LP), (BLOCK, D // CG, CG))
+        acc_v = warpgroup_mma_wait(0, deps=[acc])                 # the previous output product: v_s, p_s free
+        v_s.store(gl.reshape(xv * vs + vz, (BLOCK, D)))            # stored while the softmax runs
+        # the online softmax in base 2 over this step's tokens, scores transposed (BLOCK, ROWS)
+        s = gl.where((t * 32 + ns < n_both)[:, None], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m, gl.max(s, axis=0))
+        alpha = gl.exp2(m - m_new)
+        p = gl.exp2(s - m_new[None, :])
+        l = l * alpha + gl.sum(p, axis=0)
+        m = m_new
+        p_s.store(p.to(gl.float16))
+        fence_async_shared()
+        acc = warpgroup_mma(v_s.permute((1, 0)), p_s, acc_v * alpha[None, :], is_async=True)
+        kw, vw, ks, kz, vs, vz = nxt
+    acc = warpgroup_mma_wait(0, deps=[acc])
+
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
+    live_r = r < REP
+    rows = (kv * REP + r) * N_COLS + split
+    gl.store(m_ptr + rows, m, mask=live_r)
+    gl.store(l_ptr + rows, l, mask=live_r)
+    d = _real(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)))
+    gl.store(acc_ptr + rows[None, :] * D + d[:, None], acc, mask=live_r[None, :])
+
+
+@functools.cache
+def _layouts(d: int) -> tuple[gl.DistributedLinearLayout, gl.DistributedLinearLayout]:
+    """(LP, KSL) for head_dim d, W = d/16 words a token, four warps:
+    LP, the words' (BLOCK, W, 2) layout: lanes 8 consecutive tokens x 4 words, registers the pair axis, word + 4
+    (W = 8), token + 8 and + 16; warps the four 32-token groups.
+    KSL, the key scales' (4, d) load: a thread's 16 channels of each of its words, eight consecutive a vector."""
+    word4 = d == 128
+    lp = gl.DistributedLinearLayout([[0, 0, 1]] + ([[0, 4, 0]] if word4 else []) + [[8, 0, 0], [16, 0, 0]],
+                                    [[1, 0, 0], [2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0]],
+                                    [[32, 0, 0], [64, 0, 0]], [], [TOKENS, d // 16, 2])
+    ksl = gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8]] + ([[0, 64]] if word4 else []),
+                                     [[0, 0], [0, 0], [0, 0], [0, 16], [0, 32]], [[1, 0], [2, 0]], [], [TOKENS // 32, d])
+    return lp, ksl
+
+
+@functools.cache
+def _is_hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def eligible(q: Tensor, bits: int, v_bits: int, channel: bool, rope, group: int, rep: int, gs: int,
+             group_rows: int) -> bool:
+    """Whether outer_decode_attention's quantized runs take this kernel: enabled, an sm_90 GPU with the inline-PTX
+    path (fp16/bf16, compiled), 2-bit keys in per-channel groups and 2-bit values in groups of whole words, no
+    RoPE in the kernel, head_dim 64 or 128, at most 16 query rows a KV head, steps of four groups, and at least
+    MIN_GROUP_ROWS (KV rows x groups) of work: below it the extra launch costs more than the kernel saves
+    (Llama-3.1-8B heads, batch 1: 40.7 us with the Triton kernel alone at 32K, 8,192 group rows; 118 -> 108 us at
+    128K, 32,768)."""
+    d = q.shape[-1]
+    return (ENABLED and unpacks_in_ptx(q) and _is_hopper(q.device.index or 0) and bits == 2 and v_bits == 2
+            and channel and rope is None and d in (64, 128) and group % 16 == 0 and rep <= N_ROWS
+            and gs == TOKENS // 32 and group_rows >= MIN_GROUP_ROWS)
+
+
+def quantized_splits(q: Tensor, buffers: list[tuple[Tensor, int]], m: Tensor, l: Tensor, acc: Tensor,
+                     lengths: Tensor, per_split: int, splits: int, qk_scale: float, group: int) -> None:
+    """Write the (m, l, acc) partials of columns [0, splits) (outer_decode_attention's buffers, splits + 1 columns)
+    for q (B, Hq, d) contiguous; buffers: outer_decode_attention's (tensor, head stride) pairs of the key and value
+    codes, scales and zeros, in that order."""
+    B, Hq, d = q.shape
+    H = buffers[0][0].shape[1]
+    lp, ksl = _layouts(d)
+    _quantized_kernel[(B * H, splits)](q, *(t for t, _ in buffers), m, l, acc, lengths, per_split, splits + 1,
+                                       qk_scale, *(s for _, s in buffers), D=d, REP=Hq // H, CG=group, LP=lp,
+                                       KSL=ksl, num_warps=N_WARPS)
