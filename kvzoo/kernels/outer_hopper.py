@@ -34,6 +34,7 @@ On one H100 (Llama-3.1-8B heads, rep 4, kernel alone, L2 flushed; `.prof`-free r
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import Tensor
@@ -44,8 +45,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from kvzoo.kernels.quant_matvec import unpacks_in_ptx
 
-ENABLED = True               # False: every call takes the Triton kernel (comparisons, bisecting)
-MIN_GROUP_ROWS = 16384       # fewer (KV rows x groups of 32 slots): one Triton launch beats this kernel + the tail's
+KERNELS = ("auto", "triton", "gluon")
+CHOICE = os.environ.get("KVZOO_OUTER_KERNEL", "auto")
+if CHOICE not in KERNELS:
+    raise ValueError(f"KVZOO_OUTER_KERNEL must be one of {KERNELS}, got {CHOICE!r}")
+ENABLED = CHOICE != "triton"  # False: every call takes the Triton kernel (comparisons, bisecting)
+# fewer (KV rows x groups of 32 slots): one Triton launch beats this kernel + the tail's ("gluon": none fewer)
+MIN_GROUP_ROWS = 0 if CHOICE == "gluon" else 16384
 TOKENS, N_WARPS, N_ROWS = 128, 4, 16
 BLOCK = gl.constexpr(TOKENS)         # tokens a step: four warps, one key group each
 WARPS = gl.constexpr(N_WARPS)
