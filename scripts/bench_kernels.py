@@ -27,7 +27,9 @@ InnerQ-2 (asymmetric and hybrid groups), KIVI-2's outer layout (SQuat's too), KI
 kernel), KV Pareto's per-token groups (8-bit, groups of 32) and int8's (groups of d), all with a 128-token exact
 window, and AlignedKV's planes (aligned_decode: its two kernels and the torch softmax, top-k and estimate between
 them), whose bytes are those its levels read (from random Gaussian keys and values: the bits read depend on the
-data), and fp16 SDPA for scale.
+data), and fp16 SDPA for scale. On an H100 KIVI-2's row takes the Gluon kernel of kvzoo/kernels/outer_hopper.py for
+its quantized runs; a second row times the Triton kernel alone. --cases keeps the kernels whose name holds one of
+the given texts.
 
 --stages: where the 2-bit outer kernel's time goes, on the same shapes: its split kernel's loop with the
 tensor-core dots and the online softmax left out (the codes of both streams unpacked and scaled as the kernel does,

@@ -43,6 +43,9 @@ Two kernels:
      interpreter) use fp32 codes and exact fp32 dots. The last program of each KV head takes the sink, then the
      tail's slots past the quantized ones 32 at a time, each slot's key and value read from its codes or its window
      by the rule above. Every program writes its (m, l, acc).
+     On an H100, KIVI's and SQuat's 2-bit layout (per-channel keys, no RoPE in the kernel) with enough work runs
+     its quantized columns in the Gluon kernel of kvzoo/kernels/outer_hopper.py, and this kernel runs only the last
+     program (SPLIT0: the first column this launch owns).
   2. combine: grid (B*H,). Merges the partials, divides by l and writes (B, Hq, d) in q's dtype.
 Keys stored before RoPE (KIVI*, `rope=(cos, sin)`): every key, quantized or exact (the sink, the key window), is
 rotated to its position in the kernel: sink row i to position i, tail slot u to n_sink + u. The kernel unpacks

@@ -3,7 +3,7 @@
 head_dim 64 or 128, no RoPE in the kernel, an fp16/bf16 model. The sink and the windows stay with the Triton
 split kernel, which runs the last program; both write the same (m, l, acc) partials, merged by its combine kernel.
 
-    grid (B*H, splits): program (kv head, split) attends its rep query rows (REP_P = 16 rows, padding past rep)
+    grid (B*H, splits): program (kv head, split) attends its rep query rows (ROWS = 16, padding past rep)
     over the groups [split * PER_SPLIT, ...) of the slots quantized in both streams, 128 tokens a step.
 
 Bytes read are those of the Triton kernel (outer_attention's module docstring). What differs is how the
@@ -26,9 +26,12 @@ dequantized tiles reach the tensor cores. Gluon lets the kernel choose every lay
 Numerics are the Triton kernel's: codes exact in fp16, scale and zero applied by one fp16 FMA, fp16 tiles, fp32
 products and softmax.
 
-On one H100 (Llama-3.1-8B heads, rep 4, kernel alone, L2 flushed; `.prof`-free reproduction:
-`python scripts/bench_kernels.py --outer-hopper`): 32K batch 79 1,923 -> 1,589 us, batch 32 813 -> 665 us,
-128K batch 1 112 -> 94 us (docs/decode.md).
+Speed (Llama-3.1-8B heads, rep 4, one H100, L2 flushed; docs/decode.md, "KIVI's and SQuat's quantized runs in
+Gluon"): the whole operation at 32K, batch 32 takes 699 us against the Triton kernel's 827, at 128K, batch 1 108
+against 118 (`python scripts/bench_kernels.py --floors --cases "outer)" "Triton kernel only"`). Below
+MIN_GROUP_ROWS of work (32K, batch 1: 45.6 against 40.7 us) the second launch costs more than the kernel saves,
+and the Triton kernel runs alone. KVZOO_OUTER_KERNEL=triton|gluon|auto (default) overrides the choice: triton
+never takes this kernel, gluon takes it wherever the layout allows.
 """
 
 from __future__ import annotations
