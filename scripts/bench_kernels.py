@@ -48,7 +48,7 @@ import triton.language as tl
 from torch import Tensor
 from tqdm import tqdm
 
-from kvzoo.kernels import outer_attention, outer_hopper
+from kvzoo.kernels import outer_attention
 from timing import Timer, copy_bandwidth, output_paths, require_compiled_gpu
 
 MODELS = {                      # name: (KV heads, head_dim, query heads)
@@ -348,9 +348,13 @@ def floor_cases(B: int, N: int, gen: torch.Generator):
         read = nbytes(q, *codes, k_win, v_win) + (nbytes(tables[0]) // 2 if rotated else 0)   # cos, sin: half rows
 
         def launch():                            # captured into the timer's graph with the kernel chosen here
-            outer_hopper.ENABLED = hopper
+            gluon = outer_attention.outer_hopper             # None: a Triton without Gluon
+            enabled = gluon and gluon.ENABLED
+            if gluon:
+                gluon.ENABLED = hopper and enabled
             out = outer_attention.outer_decode_attention(q, *codes, BITS, k_win, v_win, lengths, rope=tables)
-            outer_hopper.ENABLED = True
+            if gluon:
+                gluon.ENABLED = enabled
             return out
         return launch, read
 
@@ -392,11 +396,16 @@ def add_row(rows: list[dict], B: int, N: int, column: str, name: str, ms: float,
           flush=True)
 
 
+def wanted(name: str, cases: list[str] | None) -> bool:
+    """Whether --cases keeps kernel `name`: no --cases, or one of them in its name (case-insensitive)."""
+    return not cases or any(c.lower() in name.lower() for c in cases)
+
+
 def measure_floors(timer: Timer, gen: torch.Generator, cases: list[str] | None) -> list[dict]:
     rows = []
     for B, N in tqdm(FLOOR_SHAPES, desc="shapes"):
         for name, build in floor_cases(B, N, gen):
-            if cases and not any(c.lower() in name.lower() for c in cases):
+            if not wanted(name, cases):
                 continue
             launch, read = build()
             ms, floor = timer(launch), timer(read_floor(read))

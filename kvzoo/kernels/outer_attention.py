@@ -71,12 +71,16 @@ import triton.language as tl
 from torch import Tensor
 
 from kvzoo.cache.kvquant import QTensor, dequantize
-from kvzoo.kernels import outer_hopper
 from kvzoo.kernels.innerq_attention import (BLOCK_W, LOG2E, _attend_window, _dot_dtype, _plan_splits,
                                             merge_splits, softmax_step)
 from kvzoo.kernels.quant_matvec import (GROUP, check_head_dim, check_runnable, check_tensor,
                                         dequant_outer, head_rows, join_codes, unpack_asm, unpack_codes,
                                         unpacks_in_ptx)
+
+try:
+    from kvzoo.kernels import outer_hopper
+except ImportError:          # a Triton without Gluon's Hopper API (older releases): the Triton kernel serves all
+    outer_hopper = None
 
 GROUPS_PER_STEP = 4          # groups of 32 tokens per step of the split kernel (128 tokens)
 PROGRAMS_PER_SM = 2          # split-K sizing: programs per SM of the device
@@ -476,7 +480,8 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
                for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_recent, v_recent, k_sink, v_sink)]
     cos, sin = (t.contiguous() for t in rope) if rope is not None else (q, q)       # q: never read
     split0 = 0
-    if splits and outer_hopper.eligible(q, bits, v_bits, channel, rope, group, rep, gs, B * H * n_groups):
+    if splits and outer_hopper and outer_hopper.eligible(q, bits, v_bits, channel, rope, group, rep, gs,
+                                                          B * H * n_groups):
         outer_hopper.quantized_splits(q, buffers[:6], m, l, acc, lengths, per_split, splits, qk_scale, group)
         split0 = splits                          # the Triton kernel runs the last column only
     _split_kernel[(B * H, splits + 1 - split0)](q, *(t for t, _ in buffers), cos, sin, m, l, acc, lengths, per_split,

@@ -206,7 +206,8 @@ def _layouts(d: int) -> tuple[gl.DistributedLinearLayout, gl.DistributedLinearLa
                                     [[1, 0, 0], [2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0]],
                                     [[32, 0, 0], [64, 0, 0]], [], [TOKENS, d // 16, 2])
     ksl = gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8]] + ([[0, 64]] if word4 else []),
-                                     [[0, 0], [0, 0], [0, 0], [0, 16], [0, 32]], [[1, 0], [2, 0]], [], [TOKENS // 32, d])
+                                     [[0, 0], [0, 0], [0, 0], [0, 16], [0, 32]], [[1, 0], [2, 0]], [],
+                                     [TOKENS // 32, d])
     return lp, ksl
 
 

@@ -229,7 +229,7 @@ HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
     (128, torch.bfloat16, 1, 1, 160, (160, 129, 160, 2)), (64, torch.float16, 16, 1, 4096, (4096, 4095, 4100, 4))],
     ids=name)
 def test_hopper_kernel_matches_reference_and_triton_kernel(d, dtype, rep, B, N, lengths, monkeypatch):
-    from kvzoo.kernels import outer_hopper
+    outer_hopper = pytest.importorskip("kvzoo.kernels.outer_hopper")
     H = 2
     codes, (k_rec, v_rec), (k_sink, v_sink) = cache(B, H, N, N, d, 2, dtype, seed=d + rep)
     q = torch.randn(B, H * rep, d, generator=torch.Generator().manual_seed(rep)).to(DEVICE, dtype)
@@ -249,7 +249,7 @@ def test_hopper_kernel_matches_reference_and_triton_kernel(d, dtype, rep, B, N, 
 def test_hopper_kernel_is_not_taken_off_its_layout():
     """4-bit codes, keys rotated in the kernel, per-token keys, short runs, small work, and anything off an H100:
     the Triton kernel serves them."""
-    from kvzoo.kernels import outer_hopper
+    outer_hopper = pytest.importorskip("kvzoo.kernels.outer_hopper")
     q = torch.zeros(1, 4, 128, dtype=torch.float16, device=DEVICE)
     big = 1 << 20
     assert not outer_hopper.eligible(q, 4, 4, True, None, 32, 4, 4, big)

@@ -19,12 +19,13 @@ def bench_module():
 def test_every_floor_case_runs():
     bench = bench_module()
     cases = list(bench.floor_cases(1, 1024, torch.Generator(device=DEVICE).manual_seed(0)))
-    assert [name for name, _, _ in cases] == [
-        "InnerQ-2 asymmetric", "InnerQ-2 hybrid", "KIVI-2, SQuat (outer)", "KIVI*-2 (keys rotated in the kernel)",
-        "KV Pareto k8v8 (per-token groups of 32)", "int8 (per-token groups of d)", "AlignedKV (planes; aligned_decode)",
-        "fp16 SDPA"]
+    assert [name for name, _ in cases] == [
+        "InnerQ-2 asymmetric", "InnerQ-2 hybrid", "KIVI-2, SQuat (outer)", "KIVI-2, SQuat (outer, Triton kernel only)",
+        "KIVI*-2 (keys rotated in the kernel)", "KV Pareto k8v8 (per-token groups of 32)",
+        "int8 (per-token groups of d)", "AlignedKV (planes; aligned_decode)", "fp16 SDPA"]
     read = {}
-    for name, launch, n_bytes in cases:
+    for name, build in cases:
+        launch, n_bytes = build()
         out = launch()
         assert out.shape[-1] == 128 and bool(torch.isfinite(out.float()).all()), name
         read[name] = n_bytes
@@ -33,6 +34,13 @@ def test_every_floor_case_runs():
     assert read["KIVI-2, SQuat (outer)"] < read["InnerQ-2 asymmetric"] < read["int8 (per-token groups of d)"]
     exponents = 8 * 1024 // 64 * 128 + 8 * 1024                   # at most one a block and channel, one a token
     assert read["AlignedKV (planes; aligned_decode)"] <= 2 * kv + q + exponents
+
+
+def test_cases_select_kernels_by_name():
+    bench = bench_module()
+    assert bench.wanted("KIVI-2, SQuat (outer)", None) and bench.wanted("fp16 SDPA", ["outer)", "sdpa"])
+    assert bench.wanted("KIVI-2, SQuat (outer)", ["outer)"])
+    assert not bench.wanted("KIVI-2, SQuat (outer, Triton kernel only)", ["outer)"])
 
 
 def test_aligned_bytes_follow_the_levels():
