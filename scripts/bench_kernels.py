@@ -109,6 +109,11 @@ def parse_args():
     args = parser.parse_args()
     if args.runs < 100:
         parser.error("--runs must be at least 100")
+    if args.cases and not args.floors:
+        parser.error("--cases selects --floors kernels; add --floors")
+    unmatched = [c for c in args.cases or () if not any(wanted(name, [c]) for name in FLOOR_CASES)]
+    if unmatched:
+        parser.error(f"--cases {unmatched} names no kernel; the kernels: {'; '.join(FLOOR_CASES)}")
     return args
 
 
@@ -265,6 +270,10 @@ def measure(model: str, N: int, timer: Timer, gen: torch.Generator) -> list[dict
 
 FLOOR_SHAPES = [(1, 32768), (1, 131072), (32, 32768), (32, 131072)]      # (batch, tokens)
 FLOOR_TARGET = 0.70
+FLOOR_CASES = ("InnerQ-2 asymmetric", "InnerQ-2 hybrid", "KIVI-2, SQuat (outer)",
+               "KIVI-2, SQuat (outer, Triton kernel only)", "KIVI*-2 (keys rotated in the kernel)",
+               "KV Pareto k8v8 (per-token groups of 32)", "int8 (per-token groups of d)",
+               "AlignedKV (planes; aligned_decode)", "fp16 SDPA")
 
 
 def aligned_planes(B: int, H: int, N: int, d: int, block: int, gen: torch.Generator):
@@ -350,12 +359,13 @@ def floor_cases(B: int, N: int, gen: torch.Generator):
         def launch():                            # captured into the timer's graph with the kernel chosen here
             gluon = outer_attention.outer_hopper             # None: a Triton without Gluon
             enabled = gluon and gluon.ENABLED
-            if gluon:
-                gluon.ENABLED = hopper and enabled
-            out = outer_attention.outer_decode_attention(q, *codes, BITS, k_win, v_win, lengths, rope=tables)
-            if gluon:
-                gluon.ENABLED = enabled
-            return out
+            if not hopper and gluon:
+                gluon.ENABLED = False
+            try:
+                return outer_attention.outer_decode_attention(q, *codes, BITS, k_win, v_win, lengths, rope=tables)
+            finally:
+                if gluon:
+                    gluon.ENABLED = enabled
         return launch, read
 
     def token(group):
@@ -377,15 +387,9 @@ def floor_cases(B: int, N: int, gen: torch.Generator):
         k16, v16 = torch.randn(2, B, H, N, d, device=DEVICE, generator=gen).half()
         return lambda: F.scaled_dot_product_attention(q[:, :, None], k16, v16, enable_gqa=True), nbytes(q, k16, v16)
 
-    yield "InnerQ-2 asymmetric", lambda: innerq(False)
-    yield "InnerQ-2 hybrid", lambda: innerq(True)
-    yield "KIVI-2, SQuat (outer)", lambda: outer(False)
-    yield "KIVI-2, SQuat (outer, Triton kernel only)", lambda: outer(False, hopper=False)
-    yield "KIVI*-2 (keys rotated in the kernel)", lambda: outer(True)
-    yield "KV Pareto k8v8 (per-token groups of 32)", lambda: token(32)
-    yield "int8 (per-token groups of d)", lambda: token(d)
-    yield "AlignedKV (planes; aligned_decode)", aligned
-    yield "fp16 SDPA", sdpa
+    builders = (lambda: innerq(False), lambda: innerq(True), lambda: outer(False), lambda: outer(False, hopper=False),
+                lambda: outer(True), lambda: token(32), lambda: token(d), aligned, sdpa)
+    yield from zip(FLOOR_CASES, builders)                                # in FLOOR_CASES' order
 
 
 def add_row(rows: list[dict], B: int, N: int, column: str, name: str, ms: float, floor: float, read: int) -> None:

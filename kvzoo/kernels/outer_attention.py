@@ -53,12 +53,12 @@ each key's two channel halves as separate tiles, rotates them in fp32 ([lo, hi] 
 hi cos + lo sin], rotate-half style) and takes the scores as two dots of d/2 channels, so no key is unpacked twice
 or moved between halves; it reads the first half of each cos/sin row (a rotate-half table repeats its frequencies).
 
-Scales. On an H100 the split kernel is bound by shared memory, not DRAM: the unpacked tiles reach the tensor cores
-through it. With per-channel keys and no RoPE (KIVI, SQuat) each step's scales and zeros are loaded in the rank of the
-code tiles they multiply, (GS, 1, d) for keys and (32*GS, d/G, 1) for values: loaded as (GS, d) and (32*GS, d/G)
-and broadcast, Triton moves them into the tiles' layout through shared memory every step, about a third of the
-kernel's shared-memory traffic (128K batch 1: 131 -> 118 us; 32K batch 32: 911 -> 799 us; docs/decode.md). KV
-Pareto, int8 and KIVI* keep the broadcast loads, which compile to a faster kernel for them.
+Scales. On an H100 the split kernel's busiest unit is the L1/shared-memory pipe, not DRAM: the unpacked tiles reach
+the tensor cores through shared memory. With per-channel keys and no RoPE (KIVI, SQuat) each step's scales and zeros
+are loaded in the rank of the code tiles they multiply, (GS, 1, d) for keys and (32*GS, d/G, 1) for values: loaded
+as (GS, d) and (32*GS, d/G) and broadcast, Triton moves them into the tiles' layout through shared memory every
+step, about a third of the kernel's shared-memory traffic (128K batch 1: 131 -> 118 us; 32K batch 32: 911 -> 799
+us; docs/decode.md). KV Pareto, int8 and KIVI* keep the broadcast loads, which compile to a faster kernel for them.
 """
 
 from __future__ import annotations

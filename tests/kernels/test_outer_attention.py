@@ -7,6 +7,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import itertools  # noqa: E402
 import math  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -258,3 +260,22 @@ def test_hopper_kernel_is_not_taken_off_its_layout():
     assert not outer_hopper.eligible(q, 2, 2, True, None, 32, 4, 2, big)
     assert not outer_hopper.eligible(q, 2, 2, True, None, 32, 4, 4, outer_hopper.MIN_GROUP_ROWS - 1)
     assert outer_hopper.eligible(q, 2, 2, True, None, 32, 4, 4, big) == HOPPER
+
+
+@pytest.mark.parametrize("choice,enabled,floor", [("triton", False, 16384), ("gluon", True, 0), ("auto", True, 16384)])
+def test_kvzoo_outer_kernel_picks_the_kernel(choice, enabled, floor):
+    """KVZOO_OUTER_KERNEL, read when outer_hopper is imported: triton never takes the Gluon kernel, gluon drops the
+    MIN_GROUP_ROWS floor, auto keeps it."""
+    pytest.importorskip("kvzoo.kernels.outer_hopper")
+    code = "from kvzoo.kernels import outer_hopper as h; print(h.ENABLED, h.MIN_GROUP_ROWS)"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KVZOO_OUTER_KERNEL": choice},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(enabled), str(floor)]
+
+
+def test_kvzoo_outer_kernel_refuses_other_values():
+    pytest.importorskip("kvzoo.kernels.outer_hopper")
+    run = subprocess.run([sys.executable, "-c", "import kvzoo.kernels.outer_hopper"],
+                         env={**os.environ, "KVZOO_OUTER_KERNEL": "cuda"}, capture_output=True, text=True)
+    assert run.returncode != 0
+    assert "KVZOO_OUTER_KERNEL must be one of ('auto', 'triton', 'gluon'), got 'cuda'" in run.stderr

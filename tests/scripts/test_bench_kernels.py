@@ -2,6 +2,9 @@
 builds and runs at a small shape on the tests' device (a CPU: the Triton interpreter, tests/conftest.py), and
 AlignedKV's bytes are what its levels read."""
 
+import sys
+
+import pytest
 import torch
 
 from tests.scripts.scripts_module import load
@@ -19,7 +22,7 @@ def bench_module():
 def test_every_floor_case_runs():
     bench = bench_module()
     cases = list(bench.floor_cases(1, 1024, torch.Generator(device=DEVICE).manual_seed(0)))
-    assert [name for name, _ in cases] == [
+    assert [name for name, _ in cases] == list(bench.FLOOR_CASES) == [
         "InnerQ-2 asymmetric", "InnerQ-2 hybrid", "KIVI-2, SQuat (outer)", "KIVI-2, SQuat (outer, Triton kernel only)",
         "KIVI*-2 (keys rotated in the kernel)", "KV Pareto k8v8 (per-token groups of 32)",
         "int8 (per-token groups of d)", "AlignedKV (planes; aligned_decode)", "fp16 SDPA"]
@@ -41,6 +44,16 @@ def test_cases_select_kernels_by_name():
     assert bench.wanted("KIVI-2, SQuat (outer)", None) and bench.wanted("fp16 SDPA", ["outer)", "sdpa"])
     assert bench.wanted("KIVI-2, SQuat (outer)", ["outer)"])
     assert not bench.wanted("KIVI-2, SQuat (outer, Triton kernel only)", ["outer)"])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--cases", "outer"], "add --floors"), (["--floors", "--cases", "outer", "nope"], "['nope'] names no kernel")])
+def test_bad_cases_are_refused_by_name(argv, message, monkeypatch, capsys):
+    bench = bench_module()
+    monkeypatch.setattr(sys, "argv", ["bench_kernels.py", *argv])
+    with pytest.raises(SystemExit):
+        bench.parse_args()
+    assert message in capsys.readouterr().err
 
 
 def test_aligned_bytes_follow_the_levels():
