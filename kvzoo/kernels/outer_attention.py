@@ -63,6 +63,7 @@ us; docs/decode.md). KV Pareto, int8 and KIVI* keep the broadcast loads, which c
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -89,6 +90,7 @@ SPLIT_STAGES = 3             # software-pipelining depth of the split kernel's t
 ROPE_GROUPS_PER_STEP = 4     # the same two settings where the kernel rotates keys stored before RoPE (KIVI*)
 ROPE_STAGES = 2
 FAST_PATH = True             # fp16/bf16 models on a GPU: codes unpacked as half2 in inline PTX
+TAIL_BESIDE = True           # with the Gluon kernel: the tail's program runs on a second stream, beside it
 OUTER_BITS = (2, 4, 8)       # code widths of either stream
 
 
@@ -379,6 +381,12 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, D: tl.constexpr, REP
     tl.store(out_ptr + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live_r[:, None])
 
 
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's second stream for the tail's program (CUDA graphs capture it as a parallel branch)."""
+    return torch.cuda.Stream(device)
+
+
 def _check_rows(t: Tensor | None, name: str, B: int, H: int, d: int, q: Tensor) -> int:
     """Rows held by a window buffer (B, H, rows, d) in q's dtype; None holds none."""
     if t is None:
@@ -479,19 +487,30 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
                (torch.zeros(1, dtype=q.dtype if t is None else t.dtype, device=dev), 0)
                for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_recent, v_recent, k_sink, v_sink)]
     cos, sin = (t.contiguous() for t in rope) if rope is not None else (q, q)       # q: never read
-    split0 = 0
-    if splits and outer_hopper and outer_hopper.eligible(q, bits, v_bits, channel, rope, group, rep, gs,
-                                                          B * H * n_groups):
+    gluon = bool(splits) and outer_hopper is not None and outer_hopper.eligible(
+        q, bits, v_bits, channel, rope, group, rep, gs, B * H * n_groups)
+    split0 = splits if gluon else 0              # with the Gluon kernel, the Triton kernel runs the last column only
+
+    def triton_columns():
+        _split_kernel[(B * H, splits + 1 - split0)](
+            q, *(t for t, _ in buffers), cos, sin, m, l, acc, lengths, per_split, split0, qk_scale,
+            *(s for _, s in buffers), D=d, KB=bits, VB=v_bits, REP=rep, REP_P=rep_p, GS=gs, BLOCK=BLOCK_W, FAST=fast,
+            AK=unpack_asm(bits)[0], CK=unpack_asm(bits)[1], AV=unpack_asm(v_bits)[0], CV=unpack_asm(v_bits)[1],
+            ROPE=rope is not None, KT=not channel, CG=group, num_warps=SPLIT_WARPS or num_warps, num_stages=stages,
+            enable_fp_fusion=True)
+
+    if not gluon:
+        triton_columns()
+    elif TAIL_BESIDE:                            # the tail reads its windows while the Gluon kernel computes
+        main, side = torch.cuda.current_stream(dev), _side_stream(dev)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            triton_columns()
         outer_hopper.quantized_splits(q, buffers[:6], m, l, acc, lengths, per_split, splits, qk_scale, group)
-        split0 = splits                          # the Triton kernel runs the last column only
-    _split_kernel[(B * H, splits + 1 - split0)](q, *(t for t, _ in buffers), cos, sin, m, l, acc, lengths, per_split,
-                                       split0, qk_scale,
-                                       *(s for _, s in buffers), D=d, KB=bits, VB=v_bits, REP=rep, REP_P=rep_p,
-                                       GS=gs, BLOCK=BLOCK_W, FAST=fast, AK=unpack_asm(bits)[0],
-                                       CK=unpack_asm(bits)[1], AV=unpack_asm(v_bits)[0], CV=unpack_asm(v_bits)[1],
-                                       ROPE=rope is not None, KT=not channel, CG=group,
-                                       num_warps=SPLIT_WARPS or num_warps, num_stages=stages,
-                                       enable_fp_fusion=True)
+        main.wait_stream(side)
+    else:
+        outer_hopper.quantized_splits(q, buffers[:6], m, l, acc, lengths, per_split, splits, qk_scale, group)
+        triton_columns()
     # the merge has no dots: its rows pad to a power of two only
     merge_rows = triton.next_power_of_2(rep)
     _combine_kernel[(B * H,)](m, l, acc, out, splits + 1, D=d, REP=rep, REP_P=merge_rows,

@@ -174,7 +174,7 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_p
         acc_v = warpgroup_mma_wait(0, deps=[acc])                 # the previous output product: v_s, p_s free
         v_s.store(gl.reshape(xv * vs + vz, (BLOCK, D)))            # stored while the softmax runs
         # the online softmax in base 2 over this step's tokens, scores transposed (BLOCK, ROWS)
-        s = gl.where((t * 32 + ns < n_both)[:, None], s * qk_scale, float("-inf"))
+        s = s * qk_scale + gl.where(t * 32 + ns < n_both, 0.0, float("-inf"))[:, None]   # one FMA; masked: -inf
         m_new = gl.maximum(m, gl.max(s, axis=0))
         alpha = gl.exp2(m - m_new)
         p = gl.exp2(s - m_new[None, :])
@@ -182,7 +182,9 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_p
         m = m_new
         p_s.store(p.to(gl.float16))
         fence_async_shared()
-        acc = warpgroup_mma(v_s.permute((1, 0)), p_s, acc_v * alpha[None, :], is_async=True)
+        if gl.min(alpha, axis=0) < 1.0:                           # a row's max grew: rescale (rare after the start)
+            acc_v = acc_v * alpha[None, :]
+        acc = warpgroup_mma(v_s.permute((1, 0)), p_s, acc_v, is_async=True)
         kw, vw, ks, kz, vs, vz = nxt
     acc = warpgroup_mma_wait(0, deps=[acc])
 
@@ -198,15 +200,16 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_p
 @functools.cache
 def _layouts(d: int) -> tuple[gl.DistributedLinearLayout, gl.DistributedLinearLayout]:
     """(LP, KSL) for head_dim d, W = d/16 words a token, four warps:
-    LP, the words' (BLOCK, W, 2) layout: lanes 8 consecutive tokens x 4 words, registers the pair axis, word + 4
-    (W = 8), token + 8 and + 16; warps the four 32-token groups.
+    LP, the words' (BLOCK, W, 2) layout: lanes 8 consecutive tokens x 4 words (every other word at W = 8),
+    registers the pair axis, word + 1 (W = 8: a thread's two words are adjacent, one 8-byte load and one value group
+    of 32 channels or more), token + 8 and + 16; warps the four 32-token groups.
     KSL, the key scales' (4, d) load: a thread's 16 channels of each of its words, eight consecutive a vector."""
-    word4 = d == 128
-    lp = gl.DistributedLinearLayout([[0, 0, 1]] + ([[0, 4, 0]] if word4 else []) + [[8, 0, 0], [16, 0, 0]],
-                                    [[1, 0, 0], [2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0]],
+    words, lanes = ([[0, 1, 0]], [[0, 2, 0], [0, 4, 0]]) if d == 128 else ([], [[0, 1, 0], [0, 2, 0]])
+    lp = gl.DistributedLinearLayout([[0, 0, 1]] + words + [[8, 0, 0], [16, 0, 0]],
+                                    [[1, 0, 0], [2, 0, 0], [4, 0, 0]] + lanes,
                                     [[32, 0, 0], [64, 0, 0]], [], [TOKENS, d // 16, 2])
-    ksl = gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8]] + ([[0, 64]] if word4 else []),
-                                     [[0, 0], [0, 0], [0, 0], [0, 16], [0, 32]], [[1, 0], [2, 0]], [],
+    ksl = gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8]] + [[0, 16 * b[1]] for b in words],
+                                     [[0, 0], [0, 0], [0, 0]] + [[0, 16 * b[1]] for b in lanes], [[1, 0], [2, 0]], [],
                                      [TOKENS // 32, d])
     return lp, ksl
 

@@ -27,12 +27,13 @@ def name(value) -> str:
     return str(value).replace("torch.", "").replace(" ", "")
 
 
-def cache(B, H, N_k, N_v, d, bits, dtype, rows=40, sink=4, seed=0):
-    """Codes of random keys (per-channel groups) and values (per-token groups), window and sink rows."""
+def cache(B, H, N_k, N_v, d, bits, dtype, rows=40, sink=4, seed=0, group=32):
+    """Codes of random keys (per-channel groups) and values (per-token groups of `group` channels), window and sink
+    rows."""
     g = torch.Generator().manual_seed(seed)
     k, v = torch.randn(B, H, N_k, d, generator=g), torch.randn(B, H, N_v, d, generator=g)
     kq = quantize(k.to(DEVICE), bits, 32, axis=-2, scale_dtype=torch.float16)
-    vq = quantize(v.to(DEVICE), bits, 32, axis=-1, scale_dtype=torch.float16)
+    vq = quantize(v.to(DEVICE), bits, group, axis=-1, scale_dtype=torch.float16)
     k_rec, v_rec, k_sink, v_sink = (torch.randn(B, H, n, d, generator=g).to(DEVICE, dtype)
                                     for n in (rows, rows, sink, sink))
     return (kq.codes, kq.scale, kq.zero, vq.codes, vq.scale, vq.zero), (k_rec, v_rec), (k_sink, v_sink)
@@ -223,29 +224,38 @@ def test_bad_rope_tables_name_the_problem():
 HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 
 
-# (d, dtype, rep, B, N, lengths): KIVI's windows (keys quantized past values), partial steps and groups, a short
-# run (5 groups), 16 query rows, with and without a sink
+# (d, dtype, rep, B, N, lengths, group): KIVI's windows (keys quantized past values), partial steps and groups, a
+# short run (5 groups), 16 query rows, with and without a sink; value groups of one word, two and a whole token
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
-@pytest.mark.parametrize("d,dtype,rep,B,N,lengths", [
-    (128, torch.float16, 4, 2, 1024, (1024, 1000, 1030, 4)), (64, torch.bfloat16, 3, 3, 800, (800, 777, 810, 0)),
-    (128, torch.bfloat16, 1, 1, 160, (160, 129, 160, 2)), (64, torch.float16, 16, 1, 4096, (4096, 4095, 4100, 4))],
-    ids=name)
-def test_hopper_kernel_matches_reference_and_triton_kernel(d, dtype, rep, B, N, lengths, monkeypatch):
+@pytest.mark.parametrize("d,dtype,rep,B,N,lengths,group", [
+    (128, torch.float16, 4, 2, 1024, (1024, 1000, 1030, 4), 32),
+    (64, torch.bfloat16, 3, 3, 800, (800, 777, 810, 0), 32),
+    (128, torch.bfloat16, 1, 1, 160, (160, 129, 160, 2), 32),
+    (64, torch.float16, 16, 1, 4096, (4096, 4095, 4100, 4), 32),
+    (128, torch.float16, 4, 1, 640, (640, 616, 650, 4), 16), (128, torch.bfloat16, 2, 1, 640, (608, 630, 640, 0), 128),
+    (64, torch.float16, 4, 1, 640, (640, 616, 650, 4), 16)], ids=name)
+def test_hopper_kernel_matches_reference_and_triton_kernel(d, dtype, rep, B, N, lengths, group, monkeypatch):
     outer_hopper = pytest.importorskip("kvzoo.kernels.outer_hopper")
     H = 2
-    codes, (k_rec, v_rec), (k_sink, v_sink) = cache(B, H, N, N, d, 2, dtype, seed=d + rep)
+    codes, (k_rec, v_rec), (k_sink, v_sink) = cache(B, H, N, N, d, 2, dtype, seed=d + rep, group=group)
     q = torch.randn(B, H * rep, d, generator=torch.Generator().manual_seed(rep)).to(DEVICE, dtype)
     args = (q, *codes, 2, k_rec, v_rec, torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
+    kw = dict(k_sink=k_sink, v_sink=v_sink, group=group)
     calls = []
     monkeypatch.setattr(outer_hopper, "MIN_GROUP_ROWS", 0)
     run = outer_hopper.quantized_splits
     monkeypatch.setattr(outer_hopper, "quantized_splits", lambda *a: calls.append(1) or run(*a))
-    got = outer_decode_attention(*args, k_sink=k_sink, v_sink=v_sink, num_splits=2)
+    got = outer_decode_attention(*args, num_splits=2, **kw)
     assert calls, "the Gluon kernel was not taken"
-    assert_close(got, outer_decode_attention_ref(*args, k_sink=k_sink, v_sink=v_sink), dtype)
+    assert_close(got, outer_decode_attention_ref(*args, **kw), dtype)
+    graph = torch.cuda.CUDAGraph()             # the tail's program on its second stream, captured as a branch
+    with torch.cuda.graph(graph):
+        replayed = outer_decode_attention(*args, num_splits=2, **kw)
+    graph.replay()
+    assert torch.equal(replayed, got)
     monkeypatch.setattr(outer_hopper, "ENABLED", False)
-    assert_close(got, outer_decode_attention(*args, k_sink=k_sink, v_sink=v_sink, num_splits=2), dtype)
-    assert len(calls) == 1
+    assert_close(got, outer_decode_attention(*args, num_splits=2, **kw), dtype)
+    assert len(calls) == 2                     # eager and captured; none with the kernel disabled
 
 
 def test_hopper_kernel_is_not_taken_off_its_layout():
