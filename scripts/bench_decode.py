@@ -53,9 +53,11 @@ the decode-speed targets (TARGETS: each named cache against fp16 in the same cel
 --weights w4-rtn replaces every block's linear layers by 4-bit RTN codes (kvzoo/weightquant/awq.py's W4Linear, the
 W4A16 kernel on a GPU) before the cells run: KV Pareto's 4-bit weights beside a compressed cache.
 
---profile N runs N more steps of each cell under torch.profiler and prints (and keeps in OUT.json) the GPU time
-per step of each kernel (on the CPU: each op's own time), the largest first: where a step's time goes, graph
-replays included.
+--profile N runs each cell of the grid again once every cell is timed, N steps under torch.profiler, and prints (and
+keeps in OUT.json) the GPU time per step of each kernel (on the CPU: each op's own time), the largest first: where
+a step's time goes, graph replays included. No timed step follows a profile: once torch.profiler has run, every
+later graph replay of the process is slower (SQuat, 8B, 128K, batch 1: 12.50 -> 13.74 ms/token after KIVI's
+cell was profiled, results/decode/h100/prof-taint).
 
 --plot draws tokens/s against context: a panel per batch (the largest batches in one), a line per cache and
 step. --merge joins earlier OUT.json files into one table and plot without a GPU (a cell measured again
@@ -160,7 +162,8 @@ def parse_args():
     parser.add_argument("--out", default="results/decode/run", help="output path without suffix")
     parser.add_argument("--plot", action="store_true", help="also write OUT.png: tokens/s vs context")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="after timing a cell, profile N more steps (torch.profiler): GPU time per kernel")
+                        help="once every cell is timed, profile N steps of each grid cell (torch.profiler): GPU "
+                             "time per kernel")
     parser.add_argument("--targets", action="store_true",
                         help="also print the decode-speed targets (TARGETS) as measured / required, from this "
                              "run's rows")
@@ -429,7 +432,8 @@ def free_memory() -> None:
 def run_cell(runner, cache: str, context: int, batch: int, steps: int, chunk: int, graphed: bool = False,
              src: Filled | None = None, warmup: int = WARMUP, size: int | None = None, profile: int = 0) -> dict:
     """Fill a cache (prefill, or copies of src's row), run `warmup` untimed decode steps, time `steps`; the
-    cache is sized for `size` tokens (default: max_len(context, steps))."""
+    cache is sized for `size` tokens (default: max_len(context, steps)). steps = 0: profile `profile` steps
+    instead (profile_steps), and return only {"kernels": ...}."""
     free_memory()
     sync()
     t0 = time.perf_counter()
@@ -441,6 +445,8 @@ def run_cell(runner, cache: str, context: int, batch: int, steps: int, chunk: in
     for _ in range(warmup):                # untimed: autotuning, a CUDA graph captured for every phase
         token = step(token).argmax(-1)
     sync()
+    if not steps:
+        return {"kernels": profile_steps(step, token, profile)}
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -448,15 +454,13 @@ def run_cell(runner, cache: str, context: int, batch: int, steps: int, chunk: in
         sync()
         times.append(time.perf_counter() - t0)
     latency = statistics.mean(times)       # a mean: the steps that quantize a group count
-    kernels = profile_steps(step, token, profile) if profile else None
     held, length = runner.stored(filled)
     n_layers, n_kv, d, _ = runner.shape
     return {"prefill_s": None if src is not None else prefill_s, "filled": "row copies" if src is not None else "prefill",
             "decode_ms": latency * 1e3, "median_ms": statistics.median(times) * 1e3, "tokens_per_s": batch / latency,
             "step_ms": [round(t * 1e3, 3) for t in times], "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None,
             "kv_bytes": held, "kv_ratio": held / fp16_kv_nbytes(n_layers, n_kv, d, batch * length),
-            "weight_bytes": runner.weight_bytes, "read_GBps": (runner.weight_bytes + held) / latency / 1e9,
-            **({"kernels": kernels} if kernels else {})}
+            "weight_bytes": runner.weight_bytes, "read_GBps": (runner.weight_bytes + held) / latency / 1e9}
 
 
 def profile_steps(step, token: torch.Tensor, n: int, top: int = 12) -> list[dict]:
@@ -531,8 +535,10 @@ def largest(fits_at, lo: int, limit: int, step: int = 1) -> int:
 def cells(runner, args, label: str, caches: list[str], graph_modes: list[bool], keep) -> None:
     """Every cell of the grid, then the searches; keep(row) gets each row as it is measured."""
     grid = [(c, n, b, g) for c in caches for n in args.contexts for b in args.batches for g in graph_modes]
+    timed = []
     for cache, context, batch, graphed in tqdm(grid * args.repeats, desc=f"{label} {runner.impl}"):
-        keep(cell_row(runner, args, label, cache, context, batch, graphed))
+        timed.append(cell_row(runner, args, label, cache, context, batch, graphed))
+        keep(timed[-1])
     if args.find_max_batch:
         for cache in caches:
             graphed = graph_modes[-1]
@@ -567,6 +573,14 @@ def cells(runner, args, label: str, caches: list[str], graph_modes: list[bool], 
             row = {"model": label, "impl": runner.impl, "cache": cache, "max_context": best, "step": how}
             keep(row)
             tqdm.write(json.dumps(row))
+    if args.profile:       # after every timed step: the profiler slows each later graph replay of the process
+        for row in tqdm(timed[-len(grid):], desc="profiles"):
+            if "decode_ms" in row:
+                tqdm.write(f"{row['cache']}, {row['context']} tokens, batch {row['batch']}, {row['step']} step:")
+                with torch.inference_mode():
+                    row["kernels"] = run_cell(runner, row["cache"], row["context"], row["batch"], 0,
+                                              args.prefill_chunk, row["step"] == "graph", warmup=args.warmup,
+                                              profile=args.profile)["kernels"]    # written with the table
 
 
 def static_step(runner: Kvzoo, cache: str) -> bool:
@@ -585,7 +599,7 @@ def cell_row(runner, args, label, cache, context, batch, graphed, src=None) -> d
            "step": "graph" if graphed else "eager"}
     try:
         row.update(run_cell(runner, cache, context, batch, args.steps, args.prefill_chunk, graphed, src,
-                            warmup=args.warmup, profile=args.profile))
+                            warmup=args.warmup))
     except RuntimeError as error:
         if not out_of_memory(error):
             raise

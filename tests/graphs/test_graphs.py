@@ -237,14 +237,26 @@ def test_bench_decode_cells_run_on_cpu(model, tmp_path):
     assert hf.fits_context("fp16", 300)
 
 
-def test_bench_decode_profiles_a_cell(model):
-    """--profile N: N more steps under torch.profiler (on the CPU each op's own time), the costliest kernels first,
-    the rest summed in one entry; the cache has room for them."""
+def test_bench_decode_profiles_each_cell_after_every_timed_step(model, monkeypatch):
+    """--profile N: once every cell is timed, each grid cell runs again for N steps under torch.profiler (on the CPU
+    each op's own time), the costliest kernels first, the rest summed in one entry. No timed step follows a
+    profile (the profiler slows later graph replays); each timed row gets its kernels."""
+    from types import SimpleNamespace
+
     bench = bench_module()
-    row = bench.run_cell(bench.Kvzoo(model), "fp16", 20, 1, 2, 8, warmup=1, profile=3)
-    times = [k["ms_per_step"] for k in row["kernels"]]
-    assert len(times) > 2 and all(t >= 0 for t in times)
-    assert times[:-1] == sorted(times[:-1], reverse=True) and row["kernels"][-1]["kernel"].endswith("other kernels)")
+    args = SimpleNamespace(contexts=[12], batches=[1, 2], steps=2, warmup=1, repeats=1, prefill_chunk=8,
+                           find_max_batch=False, find_max_context=False, profile=3)
+    events = []
+    profile = bench.profile_steps
+    monkeypatch.setattr(bench, "profile_steps", lambda *a: events.append("profile") or profile(*a))
+    rows = []
+    keep = lambda row: events.append("timed") or rows.append(row)            # noqa: E731
+    bench.cells(bench.Kvzoo(model), args, "tiny", ["fp16"], [False], keep)
+    assert events == ["timed", "timed", "profile", "profile"]
+    for row in rows:
+        times = [k["ms_per_step"] for k in row["kernels"]]
+        assert len(times) > 2 and all(t >= 0 for t in times) and times[:-1] == sorted(times[:-1], reverse=True)
+        assert row["kernels"][-1]["kernel"].endswith("other kernels)") and row["decode_ms"] > 0
 
 
 def test_bench_decode_writes_each_row_as_it_is_measured(model, tmp_path):
