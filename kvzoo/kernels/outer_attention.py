@@ -45,7 +45,8 @@ Two kernels:
      by the rule above. Every program writes its (m, l, acc).
      On an H100, KIVI's and SQuat's 2-bit layout (per-channel keys, no RoPE in the kernel) with enough work runs
      its quantized columns in the Gluon kernel of kvzoo/kernels/outer_hopper.py, and this kernel runs only the last
-     program (SPLIT0: the first column this launch owns).
+     program (SPLIT0: the first column this launch owns), on a second stream beside the Gluon kernel (TAIL_BESIDE),
+     so that it reads its windows while the Gluon kernel computes; the combine waits for both.
   2. combine: grid (B*H,). Merges the partials, divides by l and writes (B, Hq, d) in q's dtype.
 Keys stored before RoPE (KIVI*, `rope=(cos, sin)`): every key, quantized or exact (the sink, the key window), is
 rotated to its position in the kernel: sink row i to position i, tail slot u to n_sink + u. The kernel unpacks

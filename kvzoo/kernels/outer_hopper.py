@@ -23,15 +23,18 @@ dequantized tiles reach the tensor cores. Gluon lets the kernel choose every lay
   - Next step's words and scales are loaded before this step's work; the output product runs asynchronously
     while the next keys are unpacked. Past the live slots a load reads the last live slot (its score is masked
     to -inf, so it adds nothing), and no load is masked.
+  - The output is rescaled only in a step where some row's running max grew (the max is the same in every warp,
+    so the branch is uniform), rare after the first steps.
 Numerics are the Triton kernel's: codes exact in fp16, scale and zero applied by one fp16 FMA, fp16 tiles, fp32
 products and softmax.
 
 Speed (Llama-3.1-8B heads, rep 4, one H100, L2 flushed; docs/decode.md, "KIVI's and SQuat's quantized runs in
-Gluon"): the whole operation at 32K, batch 32 takes 699 us against the Triton kernel's 827, at 128K, batch 1 108
-against 118 (`python scripts/bench_kernels.py --floors --cases "outer)" "Triton kernel only"`). Below
-MIN_GROUP_ROWS of work (32K, batch 1: 45.6 against 40.7 us) the second launch costs more than the kernel saves,
-and the Triton kernel runs alone. KVZOO_OUTER_KERNEL=triton|gluon|auto (default) overrides the choice: triton
-never takes this kernel, gluon takes it wherever the layout allows.
+Gluon"): with the tail beside it, the whole operation at 32K, batch 32 takes 662 us against the Triton kernel's 820,
+at 128K, batch 1 101 against 118 (`python scripts/bench_kernels.py --floors --cases "outer)" "Triton kernel only"`).
+At batch 1, 32K, 34.1 against 40.6 us; 16K, 23.7 against 27.5. Below MIN_GROUP_ROWS of work (KV rows x groups,
+not measured) the Triton kernel runs alone.
+KVZOO_OUTER_KERNEL=triton|gluon|auto (default) overrides the choice: triton never takes this kernel, gluon takes it
+wherever the layout allows.
 """
 
 from __future__ import annotations
@@ -53,8 +56,9 @@ CHOICE = os.environ.get("KVZOO_OUTER_KERNEL", "auto")
 if CHOICE not in KERNELS:
     raise ValueError(f"KVZOO_OUTER_KERNEL must be one of {KERNELS}, got {CHOICE!r}")
 ENABLED = CHOICE != "triton"  # False: every call takes the Triton kernel (comparisons, bisecting)
-# fewer (KV rows x groups of 32 slots): one Triton launch beats this kernel + the tail's ("gluon": none fewer)
-MIN_GROUP_ROWS = 0 if CHOICE == "gluon" else 16384
+# fewer (KV rows x groups of 32 slots): not measured, left to the Triton kernel ("gluon": none fewer). The least
+# work measured, 8K tokens at batch 1 of Llama-3.1-8B's heads (8 x 252), takes 21.6 us here against its 23.2
+MIN_GROUP_ROWS = 0 if CHOICE == "gluon" else 2016
 TOKENS, N_WARPS, N_ROWS = 128, 4, 16
 BLOCK = gl.constexpr(TOKENS)         # tokens a step: four warps, one key group each
 WARPS = gl.constexpr(N_WARPS)
@@ -224,9 +228,7 @@ def eligible(q: Tensor, bits: int, v_bits: int, channel: bool, rope, group: int,
     """Whether outer_decode_attention's quantized runs take this kernel: enabled, an sm_90 GPU with the inline-PTX
     path (fp16/bf16, compiled), 2-bit keys in per-channel groups and 2-bit values in groups of whole words, no
     RoPE in the kernel, head_dim 64 or 128, at most 16 query rows a KV head, steps of four groups, and at least
-    MIN_GROUP_ROWS (KV rows x groups) of work: below it the extra launch costs more than the kernel saves
-    (Llama-3.1-8B heads, batch 1: 40.7 us with the Triton kernel alone at 32K, 8,192 group rows; 118 -> 108 us at
-    128K, 32,768)."""
+    MIN_GROUP_ROWS (KV rows x groups) of work, the least measured to gain."""
     d = q.shape[-1]
     return (ENABLED and unpacks_in_ptx(q) and _is_hopper(q.device.index or 0) and bits == 2 and v_bits == 2
             and channel and rope is None and d in (64, 128) and group % 16 == 0 and rep <= N_ROWS

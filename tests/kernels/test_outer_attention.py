@@ -272,7 +272,7 @@ def test_hopper_kernel_is_not_taken_off_its_layout():
     assert outer_hopper.eligible(q, 2, 2, True, None, 32, 4, 4, big) == HOPPER
 
 
-@pytest.mark.parametrize("choice,enabled,floor", [("triton", False, 16384), ("gluon", True, 0), ("auto", True, 16384)])
+@pytest.mark.parametrize("choice,enabled,floor", [("triton", False, 2016), ("gluon", True, 0), ("auto", True, 2016)])
 def test_kvzoo_outer_kernel_picks_the_kernel(choice, enabled, floor):
     """KVZOO_OUTER_KERNEL, read when outer_hopper is imported: triton never takes the Gluon kernel, gluon drops the
     MIN_GROUP_ROWS floor, auto keeps it."""
