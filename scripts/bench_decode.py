@@ -55,8 +55,8 @@ W4A16 kernel on a GPU) before the cells run: KV Pareto's 4-bit weights beside a 
 
 --profile N runs each cell of the grid again once every cell is timed, N steps under torch.profiler, and prints (and
 keeps in OUT.json) the GPU time per step of each kernel (on the CPU: each op's own time), the largest first: where
-a step's time goes, graph replays included. No timed step follows a profile: once torch.profiler has run, every
-later graph replay of the process is slower (SQuat, 8B, 128K, batch 1: 12.50 -> 13.74 ms/token after KIVI's
+a step's time goes, graph replays included. No timed step follows a profile: once torch.profiler has run, later
+replays of a graph with two streams are slower (SQuat, 8B, 128K, batch 1: 12.50 -> 13.74 ms/token after KIVI's
 cell was profiled, results/decode/h100/prof-taint).
 
 --plot draws tokens/s against context: a panel per batch (the largest batches in one), a line per cache and
@@ -573,7 +573,7 @@ def cells(runner, args, label: str, caches: list[str], graph_modes: list[bool], 
             row = {"model": label, "impl": runner.impl, "cache": cache, "max_context": best, "step": how}
             keep(row)
             tqdm.write(json.dumps(row))
-    if args.profile:       # after every timed step: the profiler slows each later graph replay of the process
+    if args.profile:       # after every timed step: the profiler slows later replays of two-stream graphs
         for row in tqdm(timed[-len(grid):], desc="profiles"):
             if "decode_ms" in row:
                 tqdm.write(f"{row['cache']}, {row['context']} tokens, batch {row['batch']}, {row['step']} step:")
