@@ -29,7 +29,9 @@ window, and AlignedKV's planes (aligned_decode: its two kernels and the torch so
 them), whose bytes are those its levels read (from random Gaussian keys and values: the bits read depend on the
 data), and fp16 SDPA for scale. On an H100 KIVI-2's row takes the Gluon kernel of kvzoo/kernels/outer_hopper.py for
 its quantized runs; a second row times the Triton kernel alone. --cases keeps the kernels whose name holds one of
-the given texts.
+the given texts; --shapes replaces the four (batch, tokens) rows, for --stages too:
+
+    python scripts/bench_kernels.py --floors --cases "outer" --shapes 79x32768 1x8192 --out results/kernels/x
 
 --stages: where the 2-bit outer kernel's time goes, on the same shapes: its split kernel's loop with the
 tensor-core dots and the online softmax left out (the codes of both streams unpacked and scaled as the kernel does,
@@ -103,6 +105,9 @@ def parse_args():
                        help="the 2-bit outer kernel's unpacking alone against the whole kernel and the floor")
     parser.add_argument("--cases", nargs="+", metavar="TEXT",
                         help="--floors: only the kernels whose name holds one of these (e.g. outer SDPA)")
+    parser.add_argument("--shapes", nargs="+", metavar="BxN", type=shape,
+                        help="--floors, --stages: batch x tokens of each table row (default "
+                             f"{' '.join(f'{b}x{n}' for b, n in FLOOR_SHAPES)}; N a multiple of {SHAPE_TOKENS})")
     parser.add_argument("--runs", type=int, default=100, help="timed replays per latency (median; at least 100)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed replays first")
     parser.add_argument("--overwrite", action="store_true", help="replace existing OUT.json / OUT.md")
@@ -111,6 +116,8 @@ def parse_args():
         parser.error("--runs must be at least 100")
     if args.cases and not args.floors:
         parser.error("--cases selects --floors kernels; add --floors")
+    if args.shapes and not (args.floors or args.stages):
+        parser.error("--shapes sets the --floors and --stages tables' rows; add one of them")
     unmatched = [c for c in args.cases or () if not any(wanted(name, [c]) for name in FLOOR_CASES)]
     if unmatched:
         parser.error(f"--cases {unmatched} names no kernel; the kernels: {'; '.join(FLOOR_CASES)}")
@@ -269,6 +276,16 @@ def measure(model: str, N: int, timer: Timer, gen: torch.Generator) -> list[dict
 
 
 FLOOR_SHAPES = [(1, 32768), (1, 131072), (32, 32768), (32, 131072)]      # (batch, tokens)
+SHAPE_TOKENS = 128                 # a shape's tokens: the window, then whole AlignedKV blocks and 32-token groups
+
+
+def shape(text: str) -> tuple[int, int]:
+    """--shapes' "BxN" -> (B, N): B >= 1 rows, N > WINDOW tokens, a multiple of SHAPE_TOKENS."""
+    b, _, n = text.partition("x")
+    if not (b.isdigit() and n.isdigit() and int(b) >= 1 and int(n) > WINDOW and int(n) % SHAPE_TOKENS == 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not BxN with a batch B >= 1 and tokens N > {WINDOW}, a multiple "
+                                         f"of {SHAPE_TOKENS} (e.g. 79x32768)")
+    return int(b), int(n)
 FLOOR_TARGET = 0.70
 FLOOR_CASES = ("InnerQ-2 asymmetric", "InnerQ-2 hybrid", "KIVI-2, SQuat (outer)",
                "KIVI-2, SQuat (outer, Triton kernel only)", "KIVI*-2 (keys rotated in the kernel)",
@@ -405,9 +422,10 @@ def wanted(name: str, cases: list[str] | None) -> bool:
     return not cases or any(c.lower() in name.lower() for c in cases)
 
 
-def measure_floors(timer: Timer, gen: torch.Generator, cases: list[str] | None) -> list[dict]:
+def measure_floors(timer: Timer, gen: torch.Generator, cases: list[str] | None,
+                   shapes: list[tuple[int, int]] = FLOOR_SHAPES) -> list[dict]:
     rows = []
-    for B, N in tqdm(FLOOR_SHAPES, desc="shapes"):
+    for B, N in tqdm(shapes, desc="shapes"):
         for name, build in floor_cases(B, N, gen):
             if not wanted(name, cases):
                 continue
@@ -469,14 +487,14 @@ def _unpack_only_kernel(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, out_ptr,
     tl.store(out_ptr + head * tl.num_programs(1) + tl.program_id(1), tl.sum(tile.to(tl.float32)))
 
 
-def measure_stages(timer: Timer, gen: torch.Generator) -> list[dict]:
+def measure_stages(timer: Timer, gen: torch.Generator, shapes: list[tuple[int, int]] = FLOOR_SHAPES) -> list[dict]:
     from kvzoo.kernels.innerq_attention import _plan_splits
     from kvzoo.kernels.quant_matvec import unpack_asm
 
     H, d, Hq = MODELS["Llama 3.1-8B"]
     asm, con = unpack_asm(BITS)
     rows = []
-    for B, N in tqdm(FLOOR_SHAPES, desc="shapes"):
+    for B, N in tqdm(shapes, desc="shapes"):
         keys, values = synthetic_outer(H, N, d, gen, B)
         q = torch.randn(B, Hq, d, device=DEVICE, generator=gen).half()
         empty = torch.zeros(B, H, 0, d, device=DEVICE).half()
@@ -548,11 +566,11 @@ def main() -> None:
     sanity = {model: sanity_check(*MODELS[model]) for model in tqdm(MODELS, desc="checking kernels")}
     timer, gen = Timer(args.runs, args.warmup), torch.Generator(device=DEVICE).manual_seed(0)
     if args.stages:
-        rows = measure_stages(timer, gen)
+        rows = measure_stages(timer, gen, args.shapes or FLOOR_SHAPES)
         write(paths, {**meta, "sanity_max_rel_error": sanity, "rows": rows}, stages_markdown(rows, meta))
         return
     if args.floors:
-        rows = measure_floors(timer, gen, args.cases)
+        rows = measure_floors(timer, gen, args.cases, args.shapes or FLOOR_SHAPES)
         write(paths, {**meta, "sanity_max_rel_error": sanity, "target_share": FLOOR_TARGET, "rows": rows},
               floors_markdown(rows, meta))
         return

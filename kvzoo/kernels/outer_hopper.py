@@ -31,8 +31,8 @@ products and softmax.
 Speed (Llama-3.1-8B heads, rep 4, one H100, L2 flushed; docs/decode.md, "KIVI's and SQuat's quantized runs in
 Gluon"): with the tail beside it, the whole operation at 32K, batch 32 takes 662 us against the Triton kernel's 820,
 at 128K, batch 1 101 against 118 (`python scripts/bench_kernels.py --floors --cases "outer)" "Triton kernel only"`).
-At batch 1, 32K, 34.1 against 40.6 us; 16K, 23.7 against 27.5. Below MIN_GROUP_ROWS of work (KV rows x groups,
-not measured) the Triton kernel runs alone.
+At batch 1, 32K, 34.1 against 40.9 us; 16K, 24.4 against 27.7 (`--shapes 1x16384`). Below MIN_GROUP_ROWS of work
+(KV rows x groups) the Triton kernel runs alone.
 KVZOO_OUTER_KERNEL=triton|gluon|auto (default) overrides the choice: triton never takes this kernel, gluon takes it
 wherever the layout allows.
 """
@@ -56,8 +56,8 @@ CHOICE = os.environ.get("KVZOO_OUTER_KERNEL", "auto")
 if CHOICE not in KERNELS:
     raise ValueError(f"KVZOO_OUTER_KERNEL must be one of {KERNELS}, got {CHOICE!r}")
 ENABLED = CHOICE != "triton"  # False: every call takes the Triton kernel (comparisons, bisecting)
-# fewer (KV rows x groups of 32 slots): not measured, left to the Triton kernel ("gluon": none fewer). The least
-# work measured, 8K tokens at batch 1 of Llama-3.1-8B's heads (8 x 252), takes 21.6 us here against its 23.2
+# fewer (KV rows x groups of 32 slots) are left to the Triton kernel ("gluon": none fewer). The least
+# work measured, 8K tokens at batch 1 of Llama-3.1-8B's heads (8 x 252), takes 22.4 us here against its 23.6
 MIN_GROUP_ROWS = 0 if CHOICE == "gluon" else 2016
 TOKENS, N_WARPS, N_ROWS = 128, 4, 16
 BLOCK = gl.constexpr(TOKENS)         # tokens a step: four warps, one key group each
