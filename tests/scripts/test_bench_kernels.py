@@ -47,8 +47,10 @@ def test_cases_select_kernels_by_name():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--cases", "outer"], "add --floors"), (["--floors", "--cases", "outer", "nope"], "['nope'] names no kernel")])
-def test_bad_cases_are_refused_by_name(argv, message, monkeypatch, capsys):
+    (["--cases", "outer"], "add --floors"), (["--floors", "--cases", "outer", "nope"], "['nope'] names no kernel"),
+    (["--shapes", "1x1024"], "add one of them"), (["--floors", "--shapes", "79"], "'79' is not BxN"),
+    (["--stages", "--shapes", "1x100"], "a multiple of 128"), (["--floors", "--shapes", "0x1024"], "B >= 1")])
+def test_bad_cases_and_shapes_are_refused_by_name(argv, message, monkeypatch, capsys):
     bench = bench_module()
     monkeypatch.setattr(sys, "argv", ["bench_kernels.py", *argv])
     with pytest.raises(SystemExit):
@@ -60,17 +62,6 @@ def test_shapes_replace_the_table_rows(monkeypatch):
     bench = bench_module()
     monkeypatch.setattr(sys, "argv", ["bench_kernels.py", "--floors", "--shapes", "79x32768", "1x256"])
     assert bench.parse_args().shapes == [(79, 32768), (1, 256)]
-
-
-@pytest.mark.parametrize("argv,message", [
-    (["--shapes", "1x1024"], "add one of them"), (["--floors", "--shapes", "79"], "'79' is not BxN"),
-    (["--stages", "--shapes", "1x100"], "a multiple of 128"), (["--floors", "--shapes", "0x1024"], "B >= 1")])
-def test_bad_shapes_are_refused_by_name(argv, message, monkeypatch, capsys):
-    bench = bench_module()
-    monkeypatch.setattr(sys, "argv", ["bench_kernels.py", *argv])
-    with pytest.raises(SystemExit):
-        bench.parse_args()
-    assert message in capsys.readouterr().err
 
 
 def test_aligned_bytes_follow_the_levels():
