@@ -574,13 +574,17 @@ def cells(runner, args, label: str, caches: list[str], graph_modes: list[bool], 
             keep(row)
             tqdm.write(json.dumps(row))
     if args.profile:       # after every timed step: the profiler slows later replays of two-stream graphs
-        for row in tqdm(timed[-len(grid):], desc="profiles"):
-            if "decode_ms" in row:
-                tqdm.write(f"{row['cache']}, {row['context']} tokens, batch {row['batch']}, {row['step']} step:")
-                with torch.inference_mode():
-                    row["kernels"] = run_cell(runner, row["cache"], row["context"], row["batch"], 0,
-                                              args.prefill_chunk, row["step"] == "graph", warmup=args.warmup,
-                                              profile=args.profile)["kernels"]    # written with the table
+        for (cache, context, batch, graphed), row in tqdm(list(zip(grid, timed[-len(grid):])), desc="profiles"):
+            if "decode_ms" not in row:
+                continue
+            tqdm.write(f"{row['cache']}, {context} tokens, batch {batch}, {row['step']} step:")
+            try:
+                row["kernels"] = run_cell(runner, cache, context, batch, 0, args.prefill_chunk, graphed,
+                                          warmup=args.warmup, profile=args.profile)["kernels"]  # written with the table
+            except RuntimeError as error:
+                if not out_of_memory(error):
+                    raise
+            free_memory()
 
 
 def static_step(runner: Kvzoo, cache: str) -> bool:

@@ -277,6 +277,11 @@ def measure(model: str, N: int, timer: Timer, gen: torch.Generator) -> list[dict
 
 FLOOR_SHAPES = [(1, 32768), (1, 131072), (32, 32768), (32, 131072)]      # (batch, tokens)
 SHAPE_TOKENS = 128                 # a shape's tokens: the window, then whole AlignedKV blocks and 32-token groups
+FLOOR_TARGET = 0.70
+FLOOR_CASES = ("InnerQ-2 asymmetric", "InnerQ-2 hybrid", "KIVI-2, SQuat (outer)",
+               "KIVI-2, SQuat (outer, Triton kernel only)", "KIVI*-2 (keys rotated in the kernel)",
+               "KV Pareto k8v8 (per-token groups of 32)", "int8 (per-token groups of d)",
+               "AlignedKV (planes; aligned_decode)", "fp16 SDPA")
 
 
 def shape(text: str) -> tuple[int, int]:
@@ -286,11 +291,6 @@ def shape(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not BxN with a batch B >= 1 and tokens N > {WINDOW}, a multiple "
                                          f"of {SHAPE_TOKENS} (e.g. 79x32768)")
     return int(b), int(n)
-FLOOR_TARGET = 0.70
-FLOOR_CASES = ("InnerQ-2 asymmetric", "InnerQ-2 hybrid", "KIVI-2, SQuat (outer)",
-               "KIVI-2, SQuat (outer, Triton kernel only)", "KIVI*-2 (keys rotated in the kernel)",
-               "KV Pareto k8v8 (per-token groups of 32)", "int8 (per-token groups of d)",
-               "AlignedKV (planes; aligned_decode)", "fp16 SDPA")
 
 
 def aligned_planes(B: int, H: int, N: int, d: int, block: int, gen: torch.Generator):

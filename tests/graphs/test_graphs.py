@@ -259,6 +259,23 @@ def test_bench_decode_profiles_each_cell_after_every_timed_step(model, monkeypat
         assert row["kernels"][-1]["kernel"].endswith("other kernels)") and row["decode_ms"] > 0
 
 
+def test_bench_decode_profiles_hugging_face_cells():
+    """A Hugging Face row names its cache "hf:<cache>"; its profile runs the cache by its own name."""
+    from types import SimpleNamespace
+
+    transformers = pytest.importorskip("transformers")
+    bench = bench_module()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    args = SimpleNamespace(contexts=[12], batches=[1], steps=2, warmup=1, repeats=1, prefill_chunk=8,
+                           find_max_batch=False, find_max_context=False, profile=2)
+    rows = []
+    bench.cells(bench.HuggingFace(transformers.LlamaForCausalLM(cfg).eval()), args, "tiny", ["fp16"], [False],
+                rows.append)
+    assert [r["cache"] for r in rows] == ["hf:fp16"] and rows[0]["kernels"]
+
+
 def test_bench_decode_writes_each_row_as_it_is_measured(model, tmp_path):
     """cells() hands every row to the Rows sink, which rewrites OUT.json (marked partial) after each one."""
     import json
