@@ -11,7 +11,9 @@ weight): groups of G consecutive input channels of one output row share an fp16 
 so a weight costs 0.5 + 4/G bytes (0.53125 at G = 128). G must be a multiple of 8, so that a word of codes
 never straddles two groups, and divide K.
 
-Three kernels. The one-row kernel (decode at batch 1: M = 1, G a power of two >= 16) sums on CUDA cores in the order
+Three kernels here, and a fourth for 2-16 rows on an H100 (kvzoo/kernels/w4a16_hopper.py, in Gluon: the codes
+unpacked straight into the tensor cores' register operand; w4a16_matmul takes it with default tiles where it
+applies). The one-row kernel (decode at batch 1: M = 1, G a power of two >= 16) sums on CUDA cores in the order
 the codes are unpacked: code j of word w of a step is channel 8w + j, so x is loaded in that order (eight strided
 (W,) vectors, W words per row and step) and no unpacked code is moved between threads. A step of block_k channels
 (whole groups) takes a (BLOCK_N, W) tile of words, its codes as exact fp16/bf16 values (inline PTX; exact fp32 in
@@ -58,6 +60,11 @@ from torch import Tensor
 from kvzoo.cache.kvquant import QTensor, dequantize, quantize
 from kvzoo.kernels.quant_matvec import (check_runnable, check_tensor, join_codes, unpack_asm, unpack_codes,
                                         unpacks_in_ptx)
+
+try:
+    from kvzoo.kernels import w4a16_hopper
+except ImportError:          # a Triton without Gluon's Hopper API (older releases): the Triton kernels serve all
+    w4a16_hopper = None
 
 BITS = 4
 CODES_PER_WORD = 32 // BITS
@@ -408,7 +415,8 @@ def _grouped(x2: Tensor, w: W4Weight, t: Tiles) -> Tensor:
 
 def w4a16_matmul(x: Tensor, w: W4Weight, tiles: Tiles | None = None) -> Tensor:
     """x (..., K) @ dequant(w)ᵀ -> (..., N) in x's dtype (see the module docstring for the rounding).
-    tiles None: default_tiles(M, K, group), M = the number of rows of x."""
+    tiles None: the Gluon kernel where it applies (w4a16_hopper.eligible), else default_tiles(M, K, group), M = the
+    number of rows of x."""
     _check(x, w)
     check_runnable(_w4a16_kernel, x.device)
     N, K = w.shape
@@ -429,6 +437,10 @@ def w4a16_matmul(x: Tensor, w: W4Weight, tiles: Tiles | None = None) -> Tensor:
     if not (M and N):
         return torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     codes, scale, zero = w.codes.contiguous(), w.scale.contiguous(), w.zero.contiguous()
+    if tiles is None and w4a16_hopper is not None and w4a16_hopper.eligible(x2, w.group_size, N, K):
+        out = w4a16_hopper.w4a16_hopper(x2, codes, scale, zero, w.group_size,
+                                        _counters(x.device, triton.cdiv(N, w4a16_hopper.TILE_N)), _sm_count(x.device))
+        return out.reshape(*x.shape[:-1], N)
     if t.gemv:
         return _one_row(x2, W4Weight(codes, scale, zero, w.group_size, w.shape), t).reshape(*x.shape[:-1], N)
     if t.block_k == 0:

@@ -124,7 +124,8 @@ def test_routing():
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)])
 def test_8b_layer_shapes(n, k):
     """The default tiles at the shapes the benchmarks use (bf16 x, G = 128): q/o, k/v, gate/up and down; the
-    one-row kernel at M = 1, the group kernel at 4, 16 and 64."""
+    one-row kernel at M = 1; at 4 and 16 the Gluon kernel on an H100 (the group kernel for k/v and elsewhere); the group
+    kernel at 64."""
     w = quantize_weight(torch.randn(n, k, device=DEVICE) * 0.02, 128)
     for m in (1, 4, 16, 64):
         x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
@@ -188,3 +189,49 @@ def test_bad_input_is_named():
     bad = W4Weight(w.codes, w.scale.float(), w.zero, 128, w.shape)
     with pytest.raises(ValueError, match="scale has dtype"):
         w4a16_matmul(x, bad)
+
+
+HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+
+
+# (m, n, k, group, split): one row and the two column widths (8 and 16), features past the last whole tile of 64,
+# groups of one and two steps, split-K uneven (5 steps over 2), one split, and one step a split
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,group,split", [(1, 200, 640, 128, 2), (3, 64, 256, 128, 1), (8, 130, 512, 256, 0),
+                                               (9, 256, 1024, 128, 8), (16, 96, 640, 128, 5), (16, 4096, 4096, 128, 0)])
+def test_hopper_kernel_matches_reference(m, n, k, group, split, dtype, monkeypatch):
+    w4a16_hopper = pytest.importorskip("kvzoo.kernels.w4a16_hopper")
+    w = weight(n, k, group, seed=m + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
+    calls = []
+    monkeypatch.setattr(w4a16_hopper, "MIN_ROWS", 1)         # one row and small layers too (by default the
+    monkeypatch.setattr(w4a16_hopper, "MIN_FEATURES", 0)     # one-row and group kernels take them)
+    run = w4a16_hopper.w4a16_hopper
+    monkeypatch.setattr(w4a16_hopper, "w4a16_hopper", lambda *a: calls.append(1) or run(*a, split_k=split))
+    got = w4a16_matmul(x, w)
+    assert calls, "the Gluon kernel was not taken"
+    check(x, w, TOL[dtype])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = w4a16_matmul(x, w)
+    graph.replay()
+    assert torch.equal(replayed, got)                # split order fixed: the same sums whichever split ends last
+    assert not w4a16._COUNTERS[x.device].any()
+    monkeypatch.setattr(w4a16_hopper, "ENABLED", False)
+    check(x, w, TOL[dtype])
+    assert len(calls) == 3                           # eager, checked and captured; none with the kernel disabled
+
+
+def test_hopper_kernel_is_not_taken_off_its_shapes():
+    """One row, rows past 16, fewer than MIN_FEATURES outputs, groups that are not whole steps of 128 channels, fp32
+    x and other devices take the Triton kernels."""
+    w4a16_hopper = pytest.importorskip("kvzoo.kernels.w4a16_hopper")
+    x = torch.zeros(4, 256, device=DEVICE, dtype=torch.float16)
+    n = w4a16_hopper.MIN_FEATURES
+    assert not w4a16_hopper.eligible(x[:1], 128, n, 256)
+    assert not w4a16_hopper.eligible(torch.zeros(17, 256, device=DEVICE, dtype=torch.float16), 128, n, 256)
+    assert not w4a16_hopper.eligible(x, 128, n - 1, 256)
+    assert not w4a16_hopper.eligible(x, 64, n, 256)
+    assert not w4a16_hopper.eligible(x.float(), 128, n, 256)
+    assert w4a16_hopper.eligible(x, 128, n, 256) == HOPPER

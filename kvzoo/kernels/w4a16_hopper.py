@@ -1,0 +1,203 @@
+"""W4A16 for 2-16 rows of x on Hopper (sm_90), in Gluon: the 4-bit codes are unpacked in registers straight into the
+A operand of the warpgroup MMA, so a weight goes from DRAM to the tensor cores through registers only (the group
+kernel of kvzoo/kernels/w4a16.py stores its unpacked tile to shared memory for tl.dot). Same layout (W4Weight) and
+split-K; the module docstring of w4a16.py has both.
+
+    out (M, N) = x (M, K) @ dequant(w)ᵀ, computed transposed: outᵀ (TILE_N, NP) per program
+    grid (N / TILE_N, splits): program (tile, split) owns TILE_N = 64 output features (16 per warp, the wgmma's M)
+    and the steps [split * STEPS_PER_SPLIT, ...) of 128 input channels (one group at G = 128); NP = 8 or 16
+    columns (rows of x, padded).
+
+A step: the (64, 16) code words of its 64 features (a thread's four words of a feature adjacent, 16 bytes) become
+(64, 128) exact fp16 codes in the registers of the A operand (DotOperandLayout, checked trivial at compile time):
+one shr, lop3 and sub per two codes (codes j and j + 4 of a word as one half2), in a logical channel order chosen so
+that no unpacked value moves between threads. A reduction's channel order is free as long as x takes the same one,
+so the step's x tile (NP, 128) is permuted to it in registers (a relabelling of its layout) before it is stored to
+shared memory, the wgmma's B operand. The group's scale and zero are applied to the codes by one fp16 FMA per half2,
+so the weight the tensor cores see is code * scale + zero rounded once to fp16 (the reference rounds it to x's
+dtype), and the products accumulate in fp32 across steps. A bf16 x is converted to fp16 (clamped to its range) as
+its tile is stored. The operands of the next two steps are loaded before a step's work. Split-K: each split stores
+its fp32 partials; the last split of a tile to finish (a per-tile counter) adds them in split order and rounds once.
+
+Groups must be a multiple of 128 channels (AWQ's 128). One row of x stays with w4a16.py's one-row kernel, faster there
+with an fp16 x (results/kvpareto/w4a16-8b-gluon.md). KVZOO_W4A16_KERNEL=triton|gluon|auto (default) overrides the
+choice: triton never takes this kernel, gluon takes it for one row and for fewer than MIN_FEATURES outputs too.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+KERNELS = ("auto", "triton", "gluon")
+CHOICE = os.environ.get("KVZOO_W4A16_KERNEL", "auto")
+if CHOICE not in KERNELS:
+    raise ValueError(f"KVZOO_W4A16_KERNEL must be one of {KERNELS}, got {CHOICE!r}")
+ENABLED = CHOICE != "triton"
+MIN_ROWS = 1 if CHOICE == "gluon" else 2
+MAX_ROWS = 16                        # rows of x this kernel serves (the wgmma's N: 8 or 16)
+# fewer output features stay with the group kernel: Llama-3.1-8B's k/v (1,024) gains nothing at 2-4 rows and loses
+# at 8-16 (results/kvpareto/w4a16-8b-gluon.md)
+MIN_FEATURES = 0 if CHOICE == "gluon" else 2048
+STEP = 128                           # input channels a step (16 words of codes per feature)
+TILE_N, N_WARPS = 64, 4
+PROGRAMS_PER_SM = 4                  # split-K sizing: programs a multiprocessor keeps busy, of at least 2 steps
+_TILE = gl.constexpr(TILE_N)
+
+
+PAIR_ASM = gl.constexpr("\n".join(
+    ["{", ".reg .b32 t, magic;", "mov.b32 magic, 0x64006400;"]
+    + sum(([f"shr.b32 t, $4, {4 * j};" if j else "mov.b32 t, $4;", "lop3.b32 t, t, 0x000F000F, magic, 0xEA;",
+            f"sub.f16x2 ${j}, t, magic;"] for j in range(4)), [])
+    + ["}"]))
+PAIR_CON = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 2))
+
+
+@gluon.jit
+def _unpack(words, LP: gl.constexpr):
+    """(R, W) code words (W = 16, a step) -> (R, 8W) exact fp16 codes in logical channel order
+    k' = 32 i + 16 j1 + 8 j0 + 2 q + e, for code j + 4 e (j = 2 j1 + j0) of word q W/4 + i (real channel
+    8 (q W/4 + i) + j + 4 e). Output j of the PTX holds codes j and j + 4 of a word (its bits 4j and 16 + 4j) as a
+    half2: masked into the mantissa of 1024.0, which is then subtracted."""
+    R: gl.constexpr = words.shape[0]
+    W: gl.constexpr = words.shape[1]
+    pairs = gl.expand_dims(words, 2) + gl.zeros([R, W, 2], gl.int32, LP)             # (R, W, 2): the word twice
+    o = gl.inline_asm_elementwise(PAIR_ASM, PAIR_CON, [pairs], dtype=(gl.float16,) * 4, is_pure=True, pack=2)
+    x = gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3]))                            # (R, W, e, j0, j1)
+    x = gl.permute(gl.reshape(x, (R, 4, W // 4, 2, 2, 2)), (0, 2, 5, 4, 1, 3))        # (R, i, j1, j0, q, e)
+    return gl.reshape(x, (R, 8 * W))
+
+
+@gluon.jit
+def _logical(x):
+    """(NP, C) x in real channel order (C/4) q + 8 i + 4 e + 2 j1 + j0 -> logical order (_unpack's), in registers."""
+    NP: gl.constexpr = x.shape[0]
+    C: gl.constexpr = x.shape[1]
+    x = gl.permute(gl.reshape(x, (NP, 4, C // 32, 2, 2, 2)), (0, 2, 4, 5, 1, 3))       # (NP, i, j1, j0, q, e)
+    return gl.reshape(x, (NP, C))
+
+
+@gluon.jit
+def _fp16_logical(xt, DT: gl.constexpr):
+    """An x tile in logical order, fp16 (bf16 clamped to the fp16 range, as outer_hopper's query)."""
+    if DT == gl.bfloat16:
+        xt = gl.minimum(gl.maximum(xt.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
+    return _logical(xt)
+
+
+@gluon.jit
+def _operands(codes_ptr, scale_ptr, zero_ptr, x_ptr, t, words_at, meta_at, x_at, x_live, W: gl.constexpr,
+              GROUP: gl.constexpr):
+    """Step t's (64, W) code words, its features' (64, 1) scales and zeros, and its (NP, 8W) x tile (real order)."""
+    g = t * (8 * W) // GROUP
+    return (gl.load(codes_ptr + words_at + t * W), gl.load(scale_ptr + meta_at + g),
+            gl.load(zero_ptr + meta_at + g), gl.load(x_ptr + x_at + t * (8 * W), mask=x_live, other=0))
+
+
+@gluon.jit
+def _w4_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr, count_ptr, M, N, K, STEPS_PER_SPLIT,
+               GROUP: gl.constexpr, NP: gl.constexpr, SPLIT: gl.constexpr, LP: gl.constexpr):
+    DT: gl.constexpr = x_ptr.dtype.element_ty
+    W: gl.constexpr = 16                                                             # words a feature and step
+    C: gl.constexpr = 8 * W                                                          # channels a step
+    LW: gl.constexpr = gl.SliceLayout(2, LP)                                         # words (TILE_N, W)
+    # the layout the unpacked (TILE_N, C) codes come in (traced; no code), that of the A operand's registers
+    LU: gl.constexpr = _unpack(gl.zeros([_TILE, W], gl.int32, LW), LP).type.layout
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NP, 16])
+    LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    LX: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])              # x tile, 16 bytes a thread
+    XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+    tile = gl.program_id(0)
+    split = gl.program_id(1)
+    feats = tile * _TILE + gl.arange(0, _TILE, layout=gl.SliceLayout(1, LW))
+    words_at = (gl.minimum(feats, N - 1).to(gl.int64)[:, None] * (K // 8)
+                + gl.arange(0, W, layout=gl.SliceLayout(0, LW))[None, :])
+    f_s = tile * _TILE + gl.arange(0, _TILE, layout=gl.SliceLayout(1, LU))
+    meta_at = (gl.minimum(f_s, N - 1).to(gl.int64) * (K // GROUP))[:, None]        # (TILE_N, 1): a step, a group
+    xm = gl.arange(0, NP, layout=gl.SliceLayout(1, LX))
+    x_at = xm.to(gl.int64)[:, None] * K + gl.arange(0, C, layout=gl.SliceLayout(0, LX))[None, :]
+    x_live = (xm < M)[:, None]
+
+    x_s = gl.allocate_shared_memory(gl.float16, [NP, C], XS)
+    acc = gl.zeros([_TILE, NP], gl.float32, MMA)                                     # outᵀ
+    t0 = split * STEPS_PER_SPLIT
+    t_end = gl.minimum(t0 + STEPS_PER_SPLIT, K // C)
+    # operands are loaded two steps ahead (past the last step, its own again): a ring of two in registers
+    last = t_end - 1
+    cur = _operands(codes_ptr, scale_ptr, zero_ptr, x_ptr, t0, words_at, meta_at, x_at, x_live, W, GROUP)
+    n1 = _operands(codes_ptr, scale_ptr, zero_ptr, x_ptr, gl.minimum(t0 + 1, last), words_at, meta_at, x_at, x_live,
+                   W, GROUP)
+    for t in range(t0, t_end):
+        n2 = _operands(codes_ptr, scale_ptr, zero_ptr, x_ptr, gl.minimum(t + 2, last), words_at, meta_at, x_at,
+                       x_live, W, GROUP)
+        words, s, z, xt = cur
+        x_s.store(_fp16_logical(xt, DT))
+        w = _unpack(words, LP) * s + z                                              # one fp16 FMA a half2
+        fence_async_shared()
+        acc = warpgroup_mma(gl.convert_layout(w, LA, assert_trivial=True), x_s.permute((1, 0)), acc)
+        cur, n1 = n1, n2
+
+    cols = gl.arange(0, NP, layout=gl.SliceLayout(0, MMA))
+    f_mma = tile * _TILE + gl.arange(0, _TILE, layout=gl.SliceLayout(1, MMA))
+    at = cols[None, :] * N + f_mma[:, None]                                          # out (M, N) holds outᵀ
+    live = (f_mma < N)[:, None] & (cols < M)[None, :]
+    if SPLIT == 1:
+        gl.store(out_ptr + at, acc.to(DT), mask=live)
+    else:
+        gl.store(part_ptr + split * M * N + at, acc, mask=live)
+        gl.thread_barrier()                                  # every thread's partial is written before the count
+        if gl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+            total = gl.zeros([_TILE, NP], gl.float32, MMA)
+            for other in range(SPLIT):
+                total += gl.load(part_ptr + other * M * N + at, mask=live, other=0, cache_modifier=".cg")
+            gl.store(out_ptr + at, total.to(DT), mask=live)
+            gl.atomic_xchg(count_ptr + tile, 0)
+
+
+@functools.cache
+def _words_layout() -> gl.DistributedLinearLayout:
+    """The words' (TILE_N, 16, 2) layout, that of the A operand's registers: lanes 4 g + q hold features g and g + 8
+    of their warp's 16 and words 4 q .. 4 q + 3 (registers: the pair axis, the next words, feature + 8), warps the
+    four 16-feature slices."""
+    return gl.DistributedLinearLayout([[0, 0, 1], [0, 1, 0], [0, 2, 0], [8, 0, 0]],
+                                      [[0, 4, 0], [0, 8, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+                                      [[16, 0, 0], [32, 0, 0]], [], [TILE_N, 16, 2])
+
+
+@functools.cache
+def _is_hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def eligible(x2: Tensor, group_size: int, N: int, K: int) -> bool:
+    """Whether w4a16_matmul takes this kernel for x2 (M, K) and an (N, K) weight: enabled, a compiled fp16/bf16 run
+    on an sm_90 GPU, MIN_ROWS-16 rows, at least MIN_FEATURES outputs, groups a multiple of 128 channels."""
+    from kvzoo.kernels.quant_matvec import unpacks_in_ptx
+    return (ENABLED and unpacks_in_ptx(x2) and _is_hopper(x2.device.index or 0)
+            and MIN_ROWS <= x2.shape[0] <= MAX_ROWS and N >= MIN_FEATURES and group_size % STEP == 0
+            and K % STEP == 0)
+
+
+def w4a16_hopper(x2: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, group_size: int, counters: Tensor,
+                 sm_count: int, split_k: int = 0) -> Tensor:
+    """x2 (M, K) contiguous fp16/bf16, codes int32 (N, K/8), scale and zero fp16 (N, K/G) -> (M, N) in x2's dtype.
+    counters: int32, zero, at least N / TILE_N of them (left zero). split_k 0: enough programs to fill the GPU."""
+    M, K = x2.shape
+    N = codes.shape[0]
+    tiles = -(-N // TILE_N)
+    steps = K // STEP
+    split = split_k or max(1, min(steps // 2, PROGRAMS_PER_SM * sm_count // tiles))
+    per_split = -(-steps // split)
+    split = -(-steps // per_split)                                      # no empty splits
+    out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    part = torch.empty(split, M, N, dtype=torch.float32, device=x2.device) if split > 1 else out
+    _w4_kernel[(tiles, split)](x2, codes, scale, zero, out, part, counters, M, N, K, per_split, GROUP=group_size,
+                               NP=8 if M <= 8 else 16, SPLIT=split, LP=_words_layout(), num_warps=N_WARPS)
+    return out
