@@ -13,6 +13,11 @@ runs at its default tiles (kvzoo.kernels.w4a16.default_tiles) and at the best of
 the winning tiles are printed).
 "weight GB/s" is the 4-bit weight's bytes (codes, scales, zeros) over the kernel's time: at M = 1 the product
 is bound by reading the weight, so that is the figure to hold against the GPU's copy bandwidth, also measured.
+"read floor" is a kernel that only reads the codes (94% of those bytes at G = 128; the scales and zeros, stored
+(N, K/G), are read by none of it), in the kernels' tiles (64 output features, 256 channels a step, split over K as
+they are; the fastest of splits 1-16), under the same timer: no W4A16 product can be faster, so fp16 / floor bounds
+what any of them can gain over fp16 (a graph replay of one launch costs a few µs whatever it reads, which weighs
+on the small layers).
 
 Writes OUT.json and OUT.md; refuses to replace them without --overwrite.
 """
@@ -21,6 +26,8 @@ import argparse
 import json
 
 import torch
+import triton
+import triton.language as tl
 from tqdm import tqdm
 
 from kvzoo.kernels.w4a16 import GROUP_ROWS, Tiles, quantize_weight, w4a16_matmul, w4a16_matmul_ref
@@ -46,6 +53,39 @@ def candidates(M: int) -> list[Tiles]:
     sizes = [64, 128]
     return [Tiles(block_m=m, block_n=n, block_k=k, num_stages=s) for m in sizes for n in (64, 128)
             for k in (64, 128) for s in (3, 4)]
+
+
+@triton.jit
+def _read_kernel(codes_ptr, out_ptr, N, STEPS, STEPS_PER_SPLIT, KW: tl.constexpr):
+    """XOR of a 64-feature tile's code words (KW a step) over this split's steps, and nothing else."""
+    rows = tl.program_id(0) * 64 + tl.arange(0, 64)
+    live = rows < N
+    w = tl.arange(0, KW)
+    acc = tl.zeros((64, KW), dtype=tl.int32)
+    t0 = tl.program_id(1) * STEPS_PER_SPLIT
+    for t in range(t0, tl.minimum(t0 + STEPS_PER_SPLIT, STEPS)):
+        acc ^= tl.load(codes_ptr + rows[:, None].to(tl.int64) * (STEPS * KW) + t * KW + w[None, :],
+                       mask=live[:, None], other=0)
+    tl.store(out_ptr + tl.program_id(1) * N + rows, tl.xor_sum(acc, 1), mask=live)
+
+
+def read_floor(w4, timer: Timer) -> float:
+    """ms of the fastest split (1-16) of _read_kernel over w4's codes, in steps of 256 channels (128 bytes of a
+    feature) or one group if larger."""
+    N, K = w4.shape
+    channels = max(256, w4.group_size) if K % max(256, w4.group_size) == 0 else w4.group_size
+    steps = K // channels
+    out = torch.empty(16, N, dtype=torch.int32, device="cuda")
+    times = []
+    for split in (1, 2, 4, 8, 16):
+        per = triton.cdiv(steps, split)
+        if split > 1 and per * (split - 1) >= steps:
+            continue
+        for warps, stages in ((4, 1), (4, 3)):
+            times.append(timer(lambda per=per, split=split, warps=warps, stages=stages: _read_kernel[
+                (triton.cdiv(N, 64), split)](w4.codes, out, N, steps, per, KW=channels // 8, num_warps=warps,
+                                             num_stages=stages)))
+    return min(times)
 
 
 def parse_args():
@@ -89,6 +129,7 @@ def main() -> None:
         fp16 = timer(lambda: x @ w.T)
         ref = timer(lambda: w4a16_matmul_ref(x, w4))
         default = timer(lambda: w4a16_matmul(x, w4))
+        floor = read_floor(w4, timer)
         tuned = {t: timer(lambda t=t: w4a16_matmul(x, w4, t)) for t in candidates(M)}
         best_tiles = min(tuned, key=tuned.get)
         best = min(default, tuned[best_tiles])
@@ -96,16 +137,17 @@ def main() -> None:
                      "fp16_ms": fp16, "reference_ms": ref, "w4a16_default_ms": default, "w4a16_best_ms": best,
                      "best_tiles": str(best_tiles) if tuned[best_tiles] < default else "default",
                      "speedup_vs_fp16": fp16 / best, "weight_gbs": w4.nbytes() / best / 1e6,
+                     "read_floor_ms": floor, "floor_vs_fp16": fp16 / floor, "share_of_floor": floor / best,
                      "max_abs_diff_vs_reference": err})
     header = ("| model | layer | M | fp16 (μs) | dequant+matmul (μs) | w4a16 default (μs) | w4a16 best (μs) | "
-              "vs fp16 | weight GB/s | best tiles |")
+              "vs fp16 | weight GB/s | read floor (μs) | floor vs fp16 | best tiles |")
     lines = [f"GPU: {torch.cuda.get_device_name()}; copy bandwidth {copy_gbs:.0f} GB/s; median of {args.runs} "
-             f"CUDA-graph replays, L2 flushed", "", header, "|" + "---|" * 10]
+             f"CUDA-graph replays, L2 flushed", "", header, "|" + "---|" * 12]
     for r in rows:
         lines.append(f"| {r['model']} | {r['layer']} {r['N']}x{r['K']} | {r['M']} | {r['fp16_ms'] * 1e3:.1f} | "
                      f"{r['reference_ms'] * 1e3:.1f} | {r['w4a16_default_ms'] * 1e3:.1f} | "
                      f"{r['w4a16_best_ms'] * 1e3:.1f} | {r['speedup_vs_fp16']:.2f}x | {r['weight_gbs']:.0f} | "
-                     f"{r['best_tiles']} |")
+                     f"{r['read_floor_ms'] * 1e3:.1f} | {r['floor_vs_fp16']:.2f}x | {r['best_tiles']} |")
     print("\n".join(lines))
     paths[1].parent.mkdir(parents=True, exist_ok=True)
     paths[0].write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "runs": args.runs,
