@@ -49,6 +49,7 @@ STEP = 128                           # input channels a step (16 words of codes 
 TILE_N, N_WARPS = 64, 4
 PROGRAMS_PER_SM = 4                  # split-K sizing: programs a multiprocessor keeps busy, of at least 2 steps
 _TILE = gl.constexpr(TILE_N)
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier      # Triton 3.9 names it barrier, 3.6 thread_barrier
 
 
 PAIR_ASM = gl.constexpr("\n".join(
@@ -152,7 +153,7 @@ def _w4_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr, count_p
         gl.store(out_ptr + at, acc.to(DT), mask=live)
     else:
         gl.store(part_ptr + split * M * N + at, acc, mask=live)
-        gl.thread_barrier()                                  # every thread's partial is written before the count
+        _barrier()                                           # every thread's partial is written before the count
         if gl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
             total = gl.zeros([_TILE, NP], gl.float32, MMA)
             for other in range(SPLIT):
