@@ -19,6 +19,9 @@ dtype), and the products accumulate in fp32 across steps. A bf16 x is converted 
 its tile is stored. The operands of the next two steps are loaded before a step's work. Split-K: each split stores
 its fp32 partials; the last split of a tile to finish (a per-tile counter) adds them in split order and rounds once.
 
+Speed (Llama-3.1-8B layers, one H100, fp16 x; docs/kvpareto.md): 1.67-1.87x fp16's product at 2-16 rows on gate/up
+and down, 58-66% of the read floor of their codes (`python -m repro.kvpareto.bench`).
+
 Groups must be a multiple of 128 channels (AWQ's 128). One row of x stays with w4a16.py's one-row kernel, faster there
 with an fp16 x (results/kvpareto/w4a16-8b-gluon.md). KVZOO_W4A16_KERNEL=triton|gluon|auto (default) overrides the
 choice: triton never takes this kernel, gluon takes it for one row and for fewer than MIN_FEATURES outputs too.
@@ -34,6 +37,8 @@ from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+from kvzoo.kernels.quant_matvec import unpacks_in_ptx
 
 KERNELS = ("auto", "triton", "gluon")
 CHOICE = os.environ.get("KVZOO_W4A16_KERNEL", "auto")
@@ -62,9 +67,9 @@ PAIR_CON = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 2))
 
 @gluon.jit
 def _unpack(words, LP: gl.constexpr):
-    """(R, W) code words (W = 16, a step) -> (R, 8W) exact fp16 codes in logical channel order
-    k' = 32 i + 16 j1 + 8 j0 + 2 q + e, for code j + 4 e (j = 2 j1 + j0) of word q W/4 + i (real channel
-    8 (q W/4 + i) + j + 4 e). Output j of the PTX holds codes j and j + 4 of a word (its bits 4j and 16 + 4j) as a
+    """(R, 16) code words (a step) -> (R, 128) exact fp16 codes in logical channel order
+    k' = 32 i + 16 j1 + 8 j0 + 2 q + e, for code j + 4 e (j = 2 j1 + j0) of word 4 q + i (real channel
+    8 (4 q + i) + j + 4 e). Output j of the PTX holds codes j and j + 4 of a word (its bits 4j and 16 + 4j) as a
     half2: masked into the mantissa of 1024.0, which is then subtracted."""
     R: gl.constexpr = words.shape[0]
     W: gl.constexpr = words.shape[1]
@@ -77,7 +82,7 @@ def _unpack(words, LP: gl.constexpr):
 
 @gluon.jit
 def _logical(x):
-    """(NP, C) x in real channel order (C/4) q + 8 i + 4 e + 2 j1 + j0 -> logical order (_unpack's), in registers."""
+    """(NP, 128) x in real channel order 32 q + 8 i + 4 e + 2 j1 + j0 -> logical order (_unpack's), in registers."""
     NP: gl.constexpr = x.shape[0]
     C: gl.constexpr = x.shape[1]
     x = gl.permute(gl.reshape(x, (NP, 4, C // 32, 2, 2, 2)), (0, 2, 4, 5, 1, 3))       # (NP, i, j1, j0, q, e)
@@ -180,7 +185,6 @@ def _is_hopper(index: int) -> bool:
 def eligible(x2: Tensor, group_size: int, N: int, K: int) -> bool:
     """Whether w4a16_matmul takes this kernel for x2 (M, K) and an (N, K) weight: enabled, a compiled fp16/bf16 run
     on an sm_90 GPU, MIN_ROWS-16 rows, at least MIN_FEATURES outputs, groups a multiple of 128 channels."""
-    from kvzoo.kernels.quant_matvec import unpacks_in_ptx
     return (ENABLED and unpacks_in_ptx(x2) and _is_hopper(x2.device.index or 0)
             and MIN_ROWS <= x2.shape[0] <= MAX_ROWS and N >= MIN_FEATURES and group_size % STEP == 0
             and K % STEP == 0)
