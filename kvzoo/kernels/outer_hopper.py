@@ -49,7 +49,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
-from kvzoo.kernels.quant_matvec import unpacks_in_ptx
+from kvzoo.kernels.quant_matvec import pair_asm, unpacks_in_ptx
 
 KERNELS = ("auto", "triton", "gluon")
 CHOICE = os.environ.get("KVZOO_OUTER_KERNEL", "auto")
@@ -64,12 +64,7 @@ BLOCK = gl.constexpr(TOKENS)         # tokens a step: four warps, one key group 
 WARPS = gl.constexpr(N_WARPS)
 ROWS = gl.constexpr(N_ROWS)          # query rows a program serves (the wgmma's N)
 
-PAIR_ASM = gl.constexpr("\n".join(
-    ["{", ".reg .b32 t, magic;", "mov.b32 magic, 0x64006400;"]
-    + sum(([f"shr.b32 t, $8, {2 * a};" if a else "mov.b32 t, $8;", "lop3.b32 t, t, 0x00030003, magic, 0xEA;",
-            f"sub.f16x2 ${a}, t, magic;"] for a in range(8)), [])
-    + ["}"]))
-PAIR_CON = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 2))
+PAIR_ASM, PAIR_CON = (gl.constexpr(part) for part in pair_asm(2))
 
 
 @gluon.jit

@@ -177,6 +177,21 @@ def unpack_asm(bits: int, bf16: bool = False) -> tuple[str, str]:
     return "\n".join(lines), ",".join(["=r"] * cpw + ["r"] * 2)
 
 
+@functools.lru_cache
+def pair_asm(bits: int) -> tuple[str, str]:
+    """PTX for inline_asm_elementwise (pack=2, one int32 code word entered twice; the Gluon kernels'): output a
+    (0 .. 16/bits - 1) holds codes a and a + 16/bits of the word (its bits a*bits and 16 + a*bits) as an exact
+    half2, masked into the mantissa of 1024.0 (fp16 0x6400), which is then subtracted."""
+    half = 16 // bits
+    mask = ((1 << bits) - 1) * 0x00010001
+    lines = ["{", ".reg .b32 t, magic;", "mov.b32 magic, 0x64006400;"]
+    for a in range(half):
+        lines += [f"shr.b32 t, ${half}, {a * bits};" if a else f"mov.b32 t, ${half};",
+                  f"lop3.b32 t, t, {mask:#010x}, magic, 0xEA;", f"sub.f16x2 ${a}, t, magic;"]
+    lines.append("}")
+    return "\n".join(lines), ",".join(["=r"] * half + ["r"] * 2)
+
+
 @triton.jit
 def join_codes(o, BITS: tl.constexpr):
     """The 32/BITS outputs of the unpack asm, each (R, W), as (R, W * 32/BITS) codes in channel order."""

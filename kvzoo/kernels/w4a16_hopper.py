@@ -38,7 +38,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-from kvzoo.kernels.quant_matvec import unpacks_in_ptx
+from kvzoo.kernels.quant_matvec import pair_asm, unpacks_in_ptx
 
 KERNELS = ("auto", "triton", "gluon")
 CHOICE = os.environ.get("KVZOO_W4A16_KERNEL", "auto")
@@ -57,12 +57,7 @@ _TILE = gl.constexpr(TILE_N)
 _barrier = getattr(gl, "barrier", None) or gl.thread_barrier      # Triton 3.9 names it barrier, 3.6 thread_barrier
 
 
-PAIR_ASM = gl.constexpr("\n".join(
-    ["{", ".reg .b32 t, magic;", "mov.b32 magic, 0x64006400;"]
-    + sum(([f"shr.b32 t, $4, {4 * j};" if j else "mov.b32 t, $4;", "lop3.b32 t, t, 0x000F000F, magic, 0xEA;",
-            f"sub.f16x2 ${j}, t, magic;"] for j in range(4)), [])
-    + ["}"]))
-PAIR_CON = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 2))
+PAIR_ASM, PAIR_CON = (gl.constexpr(part) for part in pair_asm(4))
 
 
 @gluon.jit
