@@ -2,6 +2,8 @@
 interpreter on CPU (`TRITON_INTERPRET=0` on a GPU machine runs it compiled on CUDA)."""
 
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -235,3 +237,23 @@ def test_hopper_kernel_is_not_taken_off_its_shapes():
     assert not w4a16_hopper.eligible(x, 64, n, 256)
     assert not w4a16_hopper.eligible(x.float(), 128, n, 256)
     assert w4a16_hopper.eligible(x, 128, n, 256) == HOPPER
+
+
+@pytest.mark.parametrize("choice,enabled,rows,features", [("triton", False, 2, 2048), ("gluon", True, 1, 0),
+                                                          ("auto", True, 2, 2048)])
+def test_kvzoo_w4a16_kernel_picks_the_kernel(choice, enabled, rows, features):
+    """KVZOO_W4A16_KERNEL, read when w4a16_hopper is imported: triton never takes the Gluon kernel, gluon drops its
+    floors of rows and outputs, auto keeps them."""
+    pytest.importorskip("kvzoo.kernels.w4a16_hopper")
+    code = "from kvzoo.kernels import w4a16_hopper as h; print(h.ENABLED, h.MIN_ROWS, h.MIN_FEATURES)"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KVZOO_W4A16_KERNEL": choice},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(enabled), str(rows), str(features)]
+
+
+def test_kvzoo_w4a16_kernel_refuses_other_values():
+    pytest.importorskip("kvzoo.kernels.w4a16_hopper")
+    run = subprocess.run([sys.executable, "-c", "import kvzoo.kernels.w4a16"],
+                         env={**os.environ, "KVZOO_W4A16_KERNEL": "cuda"}, capture_output=True, text=True)
+    assert run.returncode != 0
+    assert "KVZOO_W4A16_KERNEL must be one of ('auto', 'triton', 'gluon'), got 'cuda'" in run.stderr
