@@ -51,6 +51,11 @@ from kvzoo.kernels.quant_matvec import (GROUP, check_bits, check_head_dim, check
                                         head_rows, join_codes, split_groups, unpack_asm,
                                         unpack_codes, unpacks_in_ptx)
 
+try:
+    from kvzoo.kernels import innerq_hopper
+except ImportError:          # a Triton without Gluon's Hopper API (older releases): the Triton kernel serves all
+    innerq_hopper = None
+
 LOG2E = 1.4426950408889634
 BLOCK_W = 32                 # window tokens per step of the combine kernel
 FAST_PATH = True             # fp16/bf16 models on a GPU: unpack/dequant codes as half2 in inline PTX
@@ -506,8 +511,12 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
         splits, per_split = split_groups(N // GROUP, B * H, dev, num_splits) if N else (0, 0)
     else:
         max_gs, programs_per_sm, stages, split_warps = _split_config(rep, fast, has_sym)
+        gluon = bool(N) and innerq_hopper is not None and innerq_hopper.eligible(q, bits, rep)
+        if gluon:
+            max_gs, programs_per_sm = innerq_hopper.GROUPS_PER_STEP, innerq_hopper.PROGRAMS_PER_SM
         splits, per_split, gs = _plan_splits(N // GROUP, B * H, dev, num_splits, max_gs, programs_per_sm) \
             if N else (0, 0, 1)
+        gluon = gluon and gs == innerq_hopper.GROUPS_PER_STEP
     m = torch.empty(B * Hq, max(splits, 1), dtype=torch.float32, device=dev)   # never a null pointer
     l = torch.empty_like(m)
     acc = torch.empty(B * Hq, max(splits, 1), d, dtype=torch.float32, device=dev)
@@ -521,7 +530,11 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
         s_kmg = km.stride(2) if km is not kc else 0
         common = (q, q if q_scale is None else q_scale, kc, ks, kz, km, vc, vs, vz, vm, m, l, acc, len_ptr, N, per_split, mask_upto, qk_scale,
                   s_kc, s_ks, s_kz, s_km, s_kmg, s_vc, s_vs, s_vz, s_vm)
-        if heavy:
+        if not heavy and gluon:
+            innerq_hopper.split_partials(q, q_scale, [(kc, s_kc), (ks, s_ks), (kz, s_kz), (km, s_km), (vc, s_vc),
+                                                      (vs, s_vs), (vz, s_vz), (vm, s_vm)], s_kmg, m, l, acc, lengths,
+                                         N, per_split, splits, mask_upto, has_sym, qk_scale)
+        elif heavy:
             _split_kernel_g1[(B * H, splits)](*common, D=d, BITS=bits, REP=rep, REP_P=rep_p, HAS_SYM=has_sym,
                                               DYN=dyn, HAS_QS=q_scale is not None, num_warps=num_warps,
                                               enable_fp_fusion=True)

@@ -49,7 +49,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
-from kvzoo.kernels.quant_matvec import pair_asm, unpacks_in_ptx
+from kvzoo.kernels.quant_matvec import pair_asm, signed_pair_asm, unpacks_in_ptx
 
 KERNELS = ("auto", "triton", "gluon")
 CHOICE = os.environ.get("KVZOO_OUTER_KERNEL", "auto")
@@ -65,16 +65,22 @@ WARPS = gl.constexpr(N_WARPS)
 ROWS = gl.constexpr(N_ROWS)          # query rows a program serves (the wgmma's N)
 
 PAIR_ASM, PAIR_CON = (gl.constexpr(part) for part in pair_asm(2))
+SIGNED_ASM, SIGNED_CON = gl.constexpr(signed_pair_asm()), gl.constexpr(pair_asm(2)[1] + ",r,r")
 
 
 @gluon.jit
-def _unpack(words, LP: gl.constexpr):
+def _unpack(words, LP: gl.constexpr, signs=None):
     """(R, W) 2-bit code words -> (R, 16 W) exact fp16 codes in logical channel order c' = 16 w + 2 a + b (slot
-    a + 8 b of word w). Each word enters the PTX twice (pack=2 over a pair axis) and leaves as 8 half2 registers."""
+    a + 8 b of word w). Each word enters the PTX twice (pack=2 over a pair axis) and leaves as 8 half2 registers.
+    signs (R, W), in the words' layout: each word's signs as quant_matvec.signed_pair_asm takes them."""
     R: gl.constexpr = words.shape[0]
     W: gl.constexpr = words.shape[1]
     pairs = gl.expand_dims(words, 2) + gl.zeros([R, W, 2], gl.int32, LP)           # (R, W, 2): the word twice
-    o = gl.inline_asm_elementwise(PAIR_ASM, PAIR_CON, [pairs], dtype=(gl.float16,) * 8, is_pure=True, pack=2)
+    if signs is None:
+        o = gl.inline_asm_elementwise(PAIR_ASM, PAIR_CON, [pairs], dtype=(gl.float16,) * 8, is_pure=True, pack=2)
+    else:
+        o = gl.inline_asm_elementwise(SIGNED_ASM, SIGNED_CON, [pairs, gl.expand_dims(signs, 2) + pairs * 0],
+                                      dtype=(gl.float16,) * 8, is_pure=True, pack=2)
     x = gl.join(gl.join(gl.join(o[0], o[4]), gl.join(o[2], o[6])), gl.join(gl.join(o[1], o[5]), gl.join(o[3], o[7])))
     x = gl.permute(x, (0, 1, 3, 4, 5, 2))                                           # (R, W, a2, a1, a0, b)
     return gl.reshape(x, (R, W * 16))

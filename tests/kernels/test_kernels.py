@@ -409,3 +409,46 @@ def test_flush_kernel_refuses_views():
         k, v = c.store.codecs["k"], c.store.codecs["v"]
         innerq_flush(c.store.recent("k")[:, :, :32], c.store.recent("v"), torch.zeros(1, dtype=torch.long, device=DEVICE),
                      k.codes, k.scale, k.slot, k.mask, v.codes, v.scale, v.slot, v.mask, 2, "hybrid", True)
+
+
+HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+
+
+# (d, dtype, rep, B, N, live, mode, mask_upto): partial steps and splits, 16 query rows, tokens past mask_upto
+# symmetric without a bit (hybrid_prefill), every group symmetric (sym), none (asym)
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
+@pytest.mark.parametrize("d,dtype,rep,B,N,live,mode,mask_upto", [
+    (128, torch.float16, 4, 2, 1024, 1024, "hybrid", 1024), (64, torch.bfloat16, 3, 3, 800, 736, "hybrid", 800),
+    (128, torch.bfloat16, 1, 1, 160, 160, "asym", 160), (64, torch.float16, 16, 1, 4096, 4064, "hybrid", 4096),
+    (128, torch.float16, 4, 1, 640, 608, "hybrid", 320), (128, torch.float16, 2, 1, 640, 640, "sym", 0),
+    (64, torch.float16, 4, 2, 640, 576, "asym", 640)], ids=name)
+def test_hopper_kernel_matches_reference_and_triton_kernel(d, dtype, rep, B, N, live, mode, mask_upto, monkeypatch):
+    innerq_hopper = pytest.importorskip("kvzoo.kernels.innerq_hopper")
+    torch.manual_seed(d + rep + N)
+    H = 2
+    k, v = torch.randn(2, B, H, N, d, device=DEVICE) + torch.randn(d, device=DEVICE)   # channels off zero
+    kq, vq = packed(k, 2, -1, mode), packed(v, 2, -2, mode)
+    if mode == "hybrid" and mask_upto < N:          # hybrid_prefill: bits only below mask_upto
+        kq = (*kq[:3], kq[3][..., :mask_upto // 32])
+        vq = (*vq[:3], vq[3][:, :, :mask_upto // 32])
+    k_win, v_win = torch.randn(2, B, H, 8, d, device=DEVICE).to(dtype)
+    q = torch.randn(B, H * rep, d, device=DEVICE).to(dtype)
+    q_scale = (torch.rand(B, H, d, device=DEVICE) + 0.5).to(dtype)
+    lengths = torch.tensor([live, 8, 0], dtype=torch.int32, device=DEVICE)
+    args = (q, *kq, *vq, k_win, v_win, 2)
+    kw = dict(lengths=lengths, mask_upto=mask_upto, q_scale=q_scale)
+    calls = []
+    run = innerq_hopper.split_partials
+    monkeypatch.setattr(innerq_hopper, "split_partials", lambda *a: calls.append(1) or run(*a))
+    splits = max(1, min(3, N // 128))             # whole steps of 4 groups in a split
+    got = innerq_decode_attention(*args, num_splits=splits, **kw)
+    assert calls, "the Gluon kernel was not taken"
+    assert_close(got, innerq_decode_attention_ref(*args, **kw), dtype)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = innerq_decode_attention(*args, num_splits=splits, **kw)
+    graph.replay()
+    assert torch.equal(replayed, got)
+    monkeypatch.setattr(innerq_hopper, "ENABLED", False)
+    assert_close(got, innerq_decode_attention(*args, num_splits=splits, **kw), dtype)
+    assert len(calls) == 2                     # eager and captured; none with the kernel disabled

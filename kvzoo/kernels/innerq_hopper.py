@@ -1,0 +1,282 @@
+"""innerq_attention's split kernel on Hopper (sm_90), in Gluon: 2-bit InnerQ codes (keys in per-token groups of 32
+channels, values in per-channel groups of 32 tokens, asymmetric or hybrid sym/asym groups), head_dim 64 or 128, an
+fp16/bf16 model. The windows stay with innerq_attention's combine kernel, which merges this kernel's (m, l, acc)
+partials as it merges the Triton split kernel's.
+
+    grid (B*H, splits): program (kv head, split) attends its rep query rows (ROWS = 16, padding past rep)
+    over the value groups [split * PER_SPLIT, ...) of the live quantized tokens, 128 tokens a step.
+
+It is outer_hopper's kernel with the two streams' scales exchanged: InnerQ's keys are grouped as KIVI's values
+(one scale and slot per token and 32 channels) and its values as KIVI's keys (one per channel and 32 tokens), so
+the tiles are unpacked, stored and multiplied as there (same word layout, logical channel order, swizzled tiles,
+wgmma from shared memory, asynchronous output product), and only the scales' loads and the slots differ:
+  - a slot is the fp32 zero point of an asymmetric group (rounded to fp16 for the one-FMA dequantization, as the
+    Triton kernel does) or the 32 sign bits of a symmetric one, whose zero is 0;
+  - a symmetric group's sign bits are XOR-ed into bit 15 of its fp16 codes before the scale: keys' bit i is channel
+    i of the group, values' bit i is token i;
+  - which groups are symmetric is read from the cache's packed mask bits: keys' bit n % 32 of word [g, n // 32],
+    values' bit c % 32 of word [n // 32, c // 32]; tokens from MASK_UPTO on carry no bit and are symmetric.
+Numerics are the Triton kernel's fast path: exact fp16 codes, one fp16 FMA with the zero rounded to fp16, fp16
+tiles, fp32 products and softmax, the query times the key normalization in the model dtype, then fp16.
+
+KVZOO_INNERQ_KERNEL=triton|gluon|auto (default) overrides the choice: triton never takes this kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
+                                                              warpgroup_mma_wait)
+
+from kvzoo.kernels.outer_hopper import (BLOCK, N_ROWS, N_WARPS, ROWS, WARPS, _is_hopper, _layouts, _logical, _real,
+                                        _unpack)
+from kvzoo.kernels.quant_matvec import unpacks_in_ptx
+
+KERNELS = ("auto", "triton", "gluon")
+CHOICE = os.environ.get("KVZOO_INNERQ_KERNEL", "auto")
+if CHOICE not in KERNELS:
+    raise ValueError(f"KVZOO_INNERQ_KERNEL must be one of {KERNELS}, got {CHOICE!r}")
+ENABLED = CHOICE != "triton"
+GROUPS_PER_STEP = BLOCK // 32    # value groups of 32 tokens a step
+PROGRAMS_PER_SM = 2              # split-K sizing, as the outer kernel's
+
+
+@gluon.jit
+def _fp16_zero(slot, sym):
+    """The fp16 zero point of a group: its slot's fp32 bits rounded, or 0 for a symmetric group."""
+    return gl.where(sym, 0.0, slot.to(gl.float32, bitcast=True)).to(gl.float16)
+
+
+@gluon.jit
+def _prmt(a, b, select):
+    """PTX prmt: bytes of a (0-3) and b (4-7) picked by the nibbles of select."""
+    return gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, select], dtype=gl.int32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _keys(kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, t, last, MASK_UPTO, s_kmg, n, w, nk, gk, D: gl.constexpr,
+          HAS_SYM: gl.constexpr):
+    """Step t's code words of both streams (BLOCK, W); the keys' scales and fp16 zeros (BLOCK, D/32, 1); each key
+    word's signs as _unpack takes them (BLOCK, W): bits 0-7 and 16-23 its codes' (0 in an asymmetric group).
+    Tokens past `last` (the last live one) read `last`."""
+    W: gl.constexpr = D // 16
+    NG: gl.constexpr = D // 32
+    rows = gl.minimum(t * 32 + n, last)[:, None] * W + w[None, :]
+    tok = gl.minimum(t * 32 + nk, last)[:, None, None]                               # (BLOCK, 1, 1)
+    at = tok * NG + gk[None, :, None]
+    slot = gl.load(kz_ptr + at)
+    kw = gl.load(kc_ptr + rows)
+    vw = gl.load(vc_ptr + rows)
+    scale = gl.load(ks_ptr + at)
+    if HAS_SYM:
+        upto = gl.maximum(MASK_UPTO - 1, 0)
+        sym = (((gl.load(km_ptr + gk[None, :, None] * s_kmg + gl.minimum(tok, upto) // 32) >> (tok % 32)) & 1) != 0) \
+            | (tok >= MASK_UPTO)
+        # the same in the words' layout: the slot of word w's group, its bytes 0-1 (even w) or 2-3 at bytes 0 and 2
+        tw = gl.minimum(t * 32 + n, last)[:, None]                                   # (BLOCK, 1)
+        sym_w = (((gl.load(km_ptr + (w // 2)[None, :] * s_kmg + gl.minimum(tw, upto) // 32) >> (tw % 32)) & 1) != 0) \
+            | (tw >= MASK_UPTO)
+        signs = gl.where(sym_w, gl.load(kz_ptr + tw * NG + (w // 2)[None, :]), 0)
+        signs = _prmt(signs, signs, gl.where(w % 2 == 0, 0x0100, 0x0302)[None, :] + 0 * signs)
+    else:
+        sym = False
+        signs = kw
+    return kw, vw, scale, _fp16_zero(slot, sym), signs
+
+
+@gluon.jit
+def _values(vs_ptr, vz_ptr, vm_ptr, t, last, MASK_UPTO, D: gl.constexpr, HAS_SYM: gl.constexpr, L3: gl.constexpr,
+            LA: gl.constexpr, LT: gl.constexpr, LW: gl.constexpr):
+    """Step t's value scales and fp16 zeros, (GS, 1, D) in logical order in L3, and each value word's signs as
+    _unpack takes them (BLOCK, W) in the words' layout LW (bit a: channel 16 w + a's sign at the word's token,
+    bit 16 + a channel 16 w + 8 + a's; 0 in an asymmetric group). Loaded as (GS, 1, W, 8) tiles of a word's low
+    channels 16 w + j and high ones 16 w + 8 + j, whose pairs are the logical order's."""
+    GS: gl.constexpr = BLOCK // 32
+    W: gl.constexpr = D // 16
+    P3: gl.constexpr = gl.SliceLayout(3, LA)
+    g = gl.minimum(t + gl.arange(0, GS, layout=gl.SliceLayout(1, gl.SliceLayout(2, P3))), last // 32)
+    w = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(1, P3)))
+    j = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LA))))
+    g = g[:, None, None, None]                                                       # (GS, 1, 1, 1)
+    ch = 16 * w[None, None, :, None] + j[None, None, None, :]                        # (1, 1, W, 8) low channels
+    slot_lo = gl.load(vz_ptr + g * D + ch)
+    slot_hi = gl.load(vz_ptr + g * D + ch + 8)
+    scale = gl.join(gl.load(vs_ptr + g * D + ch), gl.load(vs_ptr + g * D + ch + 8))
+    if HAS_SYM:
+        word = gl.load(vm_ptr + gl.minimum(g, gl.maximum(MASK_UPTO - 1, 0) // 32) * (D // 32) + ch // 32)
+        sym_lo = (((word >> (ch % 32)) & 1) != 0) | (g * 32 >= MASK_UPTO)
+        sym_hi = (((word >> ((ch + 8) % 32)) & 1) != 0) | (g * 32 >= MASK_UPTO)
+        # a thread's tokens are 8 k + l of its warp's group, k < 4, l its lane's: bit 8 k of (sign word >> l) is
+        # token 8 k + l's. Channel j of the word's low half goes to bit 8 k + j of lo, of its high half to hi's.
+        l = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, P3)))[None, :, None, None]
+        lo = gl.sum(((gl.where(sym_lo, slot_lo, 0) >> l) & 0x01010101) << j[None, None, None, :], axis=3)
+        hi = gl.sum(((gl.where(sym_hi, slot_hi, 0) >> l) & 0x01010101) << j[None, None, None, :], axis=3)
+        lo = gl.expand_dims(gl.convert_layout(lo, gl.SliceLayout(1, LT)), 1)        # (GS, 1, 8, W)
+        hi = gl.expand_dims(gl.convert_layout(hi, gl.SliceLayout(1, LT)), 1)
+        k = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LT))))
+        select = (k + 256 * (4 + k))[None, :, None, None] + 0 * lo                   # (GS, 4, 8, W): bytes k, 4 + k
+        signs = gl.convert_layout(gl.reshape(_prmt(lo, hi, select), (BLOCK, W)), LW)
+    else:
+        sym_lo = False
+        sym_hi = False
+        signs = gl.zeros([BLOCK, W], gl.int32, LW)
+    zero = gl.join(_fp16_zero(slot_lo, sym_lo), _fp16_zero(slot_hi, sym_hi))
+    return _in_tile(scale, L3), _in_tile(zero, L3), signs
+
+
+@gluon.jit
+def _in_tile(x, L3: gl.constexpr):
+    """(GS, 1, W, 8, 2) per-channel values, low and high channels of each word joined -> (GS, 1, D) in the value
+    tile's layout L3 (logical order c' = 16 w + 2 a + b: the same registers)."""
+    GS: gl.constexpr = x.shape[0]
+    D: gl.constexpr = x.shape[2] * 16
+    return gl.expand_dims(gl.convert_layout(gl.reshape(x, (GS, D)), gl.SliceLayout(1, L3)), 1)
+
+
+@gluon.jit
+def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_ptr, vm_ptr, m_ptr, l_ptr,
+                  acc_ptr, len_ptr, N_TOKENS, PER_SPLIT, N_COLS, MASK_UPTO, qk_scale,
+                  s_kc, s_ks, s_kz, s_km, s_kmg, s_vc, s_vs, s_vz, s_vm,
+                  D: gl.constexpr, REP: gl.constexpr, HAS_SYM: gl.constexpr, DYN: gl.constexpr,
+                  HAS_QS: gl.constexpr, LP: gl.constexpr, KSL: gl.constexpr, LA: gl.constexpr, LT: gl.constexpr):
+    GS: gl.constexpr = BLOCK // 32
+    W: gl.constexpr = D // 16
+    NG: gl.constexpr = D // 32
+    LW: gl.constexpr = gl.SliceLayout(2, LP)                        # words (BLOCK, W)
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, ROWS, 16])
+    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    TILE: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    PS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
+    # the layouts the unpacked value (GS, 32, D) and key (BLOCK, D/32, 32) tiles come in (traced; no code)
+    L3: gl.constexpr = gl.reshape(_unpack(gl.zeros([BLOCK, W], gl.int32, LW), LP), (GS, 32, D)).type.layout
+    LK3: gl.constexpr = gl.reshape(_unpack(gl.zeros([BLOCK, W], gl.int32, LW), LP), (BLOCK, NG, 32)).type.layout
+
+    kv = gl.program_id(0)                        # b * H + h
+    head = kv.to(gl.int64)
+    kc_ptr += head * s_kc
+    ks_ptr += head * s_ks
+    kz_ptr += head * s_kz
+    km_ptr += head * s_km
+    vc_ptr += head * s_vc
+    vs_ptr += head * s_vs
+    vz_ptr += head * s_vz
+    vm_ptr += head * s_vm
+    split = gl.program_id(1)
+
+    # the query rows in logical channel order, times the key normalization in the model dtype, then fp16 (a bf16
+    # query clamped to the fp16 range), as the Triton kernel
+    rq = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LQ))
+    dq = _real(gl.arange(0, D, layout=gl.SliceLayout(0, LQ)))
+    q = gl.load(q_ptr + (kv * REP + rq[:, None]) * D + dq[None, :], mask=(rq < REP)[:, None], other=0)
+    if HAS_QS:
+        q = (q.to(gl.float32) * gl.load(qs_ptr + kv * D + dq).to(gl.float32)[None, :]).to(q.dtype)
+    q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
+    q_s = gl.allocate_shared_memory(gl.float16, [ROWS, D], TILE, q)
+    k_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
+    v_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
+    p_s = gl.allocate_shared_memory(gl.float16, [BLOCK, ROWS], PS)
+
+    m = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+    l = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(0, MMA))
+    acc = warpgroup_mma_init(gl.zeros([D, ROWS], gl.float32, layout=MMA))            # accᵀ
+
+    if DYN:
+        live = gl.load(len_ptr)
+    else:
+        live = N_TOKENS
+    start = split * PER_SPLIT
+    stop = gl.minimum(start + PER_SPLIT, live // 32)
+    last = gl.maximum(stop * 32 - 1, 0)
+    n = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, LW))
+    w = gl.arange(0, W, layout=gl.SliceLayout(0, LW))
+    nk = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, gl.SliceLayout(2, LK3)))
+    gk = gl.arange(0, NG, layout=gl.SliceLayout(0, gl.SliceLayout(2, LK3)))
+    ns = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA))
+    kw, vw, ks, kz, k_signs = _keys(kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, start, last, MASK_UPTO, s_kmg, n, w, nk,
+                                    gk, D, HAS_SYM)
+    for t in range(start, stop, GS):
+        # this step's value scales, first needed after the key product; the next step's codes and key scales
+        vs, vz, v_signs = _values(vs_ptr, vz_ptr, vm_ptr, t, last, MASK_UPTO, D, HAS_SYM, L3, LA, LT, LW)
+        nxt = _keys(kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, t + GS, last, MASK_UPTO, s_kmg, n, w, nk, gk, D, HAS_SYM)
+        if HAS_SYM:
+            xk = gl.reshape(_unpack(kw, LP, k_signs), (BLOCK, NG, 32))
+        else:
+            xk = gl.reshape(_unpack(kw, LP), (BLOCK, NG, 32))
+        k_s.store(gl.reshape(xk * ks + kz, (BLOCK, D)))
+        fence_async_shared()
+        s = warpgroup_mma(k_s, q_s.permute((1, 0)), gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA))
+        if HAS_SYM:
+            xv = gl.reshape(_unpack(vw, LP, v_signs), (GS, 32, D))
+        else:
+            xv = gl.reshape(_unpack(vw, LP), (GS, 32, D))
+        acc_v = warpgroup_mma_wait(0, deps=[acc])                 # the previous output product: v_s, p_s free
+        v_s.store(gl.reshape(xv * vs + vz, (BLOCK, D)))            # stored while the softmax runs
+        # the online softmax in base 2 over this step's tokens, scores transposed (BLOCK, ROWS)
+        s = s * qk_scale + gl.where(t * 32 + ns <= last, 0.0, float("-inf"))[:, None]   # one FMA; masked: -inf
+        m_new = gl.maximum(m, gl.max(s, axis=0))
+        alpha = gl.exp2(m - m_new)
+        p = gl.exp2(s - m_new[None, :])
+        l = l * alpha + gl.sum(p, axis=0)
+        m = m_new
+        p_s.store(p.to(gl.float16))
+        fence_async_shared()
+        if gl.min(alpha, axis=0) < 1.0:                           # a row's max grew: rescale (rare after the start)
+            acc_v = acc_v * alpha[None, :]
+        acc = warpgroup_mma(v_s.permute((1, 0)), p_s, acc_v, is_async=True)
+        kw, vw, ks, kz, k_signs = nxt
+    acc = warpgroup_mma_wait(0, deps=[acc])
+
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
+    live_r = r < REP
+    rows = (kv * REP + r) * N_COLS + split
+    gl.store(m_ptr + rows, m, mask=live_r)
+    gl.store(l_ptr + rows, l, mask=live_r)
+    d = _real(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)))
+    gl.store(acc_ptr + rows[None, :] * D + d[:, None], acc, mask=live_r[None, :])
+
+
+@functools.cache
+def _sign_layouts(d: int) -> tuple[gl.DistributedLinearLayout, gl.DistributedLinearLayout]:
+    """(LA, LT) for head_dim d, the value signs' gathering in _values, threads placed as the words' layout LP places
+    them (lanes: token l and the word's high bits; warps: the group; registers: the word's low bit at d = 128):
+    LA (GS, 8 l, W, 8 j), a channel j of each word in registers; LT (GS, 4 k, 8 l, W), token 8 k + l."""
+    word = [[1]] if d == 128 else []
+    lanes = [[2], [4]] if d == 128 else [[1], [2]]
+    la = gl.DistributedLinearLayout([[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4]] + [[0, 0, b[0], 0] for b in word],
+                                    [[0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]] + [[0, 0, b[0], 0] for b in lanes],
+                                    [[1, 0, 0, 0], [2, 0, 0, 0]], [], [BLOCK // 32, 8, d // 16, 8])
+    lt = gl.DistributedLinearLayout([[0, 1, 0, 0], [0, 2, 0, 0]] + [[0, 0, 0, b[0]] for b in word],
+                                    [[0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]] + [[0, 0, 0, b[0]] for b in lanes],
+                                    [[1, 0, 0, 0], [2, 0, 0, 0]], [], [BLOCK // 32, 4, 8, d // 16])
+    return la, lt
+
+
+def eligible(q: Tensor, bits: int, rep: int) -> bool:
+    """Whether innerq_decode_attention's split kernel is this one (where its splits come in whole steps of
+    GROUPS_PER_STEP): enabled, an sm_90 GPU with the inline-PTX path (fp16/bf16, compiled), 2-bit codes, head_dim
+    64 or 128 and at most 16 query rows a KV head."""
+    return (ENABLED and unpacks_in_ptx(q) and _is_hopper(q.device.index or 0) and bits == 2
+            and q.shape[-1] in (64, 128) and rep <= N_ROWS)
+
+
+def split_partials(q: Tensor, q_scale: Tensor | None, buffers: list[tuple[Tensor, int]], s_kmg: int, m: Tensor,
+                   l: Tensor, acc: Tensor, lengths: Tensor | None, n_tokens: int, per_split: int, splits: int,
+                   mask_upto: int, has_sym: bool, qk_scale: float) -> None:
+    """Write the (m, l, acc) partials of innerq_decode_attention's `splits` columns for q (B, Hq, d) contiguous;
+    buffers: its (tensor, head stride) pairs of the key codes, scales, slots and mask, then the values'."""
+    B, Hq, d = q.shape
+    H = buffers[0][0].shape[1]
+    lp, ksl = _layouts(d)
+    la, lt = _sign_layouts(d)
+    _split_kernel[(B * H, splits)](
+        q, q if q_scale is None else q_scale, *(t for t, _ in buffers), m, l, acc, m if lengths is None else lengths,
+        n_tokens, per_split, splits, mask_upto, qk_scale, buffers[0][1], buffers[1][1], buffers[2][1], buffers[3][1],
+        s_kmg, *(s for _, s in buffers[4:]), D=d, REP=Hq // H, HAS_SYM=has_sym, DYN=lengths is not None,
+        HAS_QS=q_scale is not None, LP=lp, KSL=ksl, LA=la, LT=lt, num_warps=N_WARPS)
