@@ -34,15 +34,17 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
-from kvzoo.kernels.outer_hopper import (BLOCK, N_ROWS, N_WARPS, ROWS, WARPS, _is_hopper, _layouts, _logical, _real,
+from kvzoo.kernels.outer_hopper import (BLOCK, N_ROWS, N_WARPS, ROWS, WARPS, _is_hopper, _layouts, _real,
                                         _unpack)
-from kvzoo.kernels.quant_matvec import unpacks_in_ptx
+from kvzoo.kernels.quant_matvec import dequant_pair_asm, unpacks_in_ptx
 
 KERNELS = ("auto", "triton", "gluon")
 CHOICE = os.environ.get("KVZOO_INNERQ_KERNEL", "auto")
 if CHOICE not in KERNELS:
     raise ValueError(f"KVZOO_INNERQ_KERNEL must be one of {KERNELS}, got {CHOICE!r}")
 ENABLED = CHOICE != "triton"
+SLOT_ASM, SLOT_CON = (gl.constexpr(part) for part in dequant_pair_asm(False, per_output=True))
+SIGNED_SLOT_ASM, SIGNED_SLOT_CON = (gl.constexpr(part) for part in dequant_pair_asm(True, per_output=True))
 GROUPS_PER_STEP = BLOCK // 32    # value groups of 32 tokens a step
 PROGRAMS_PER_SM = 2              # split-K sizing, as the outer kernel's
 
@@ -61,29 +63,26 @@ def _prmt(a, b, select):
 
 
 @gluon.jit
-def _keys(kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, t, last, MASK_UPTO, s_kmg, n, w, nk, gk, D: gl.constexpr,
+def _keys(kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, t, last, MASK_UPTO, s_kmg, n, w, D: gl.constexpr,
           HAS_SYM: gl.constexpr):
-    """Step t's code words of both streams (BLOCK, W); the keys' scales and fp16 zeros (BLOCK, D/32, 1); each key
-    word's signs as _unpack takes them (BLOCK, W): bits 0-7 and 16-23 its codes' (0 in an asymmetric group).
-    Tokens past `last` (the last live one) read `last`."""
+    """Step t's code words of both streams, and each key word's scale, fp16 zero and signs as _unpack takes them
+    (bits 0-7 and 16-23 its codes'; 0 in an asymmetric group), all (BLOCK, W) in the words' layout. Tokens past
+    `last` (the last live one) read `last`."""
     W: gl.constexpr = D // 16
     NG: gl.constexpr = D // 32
-    rows = gl.minimum(t * 32 + n, last)[:, None] * W + w[None, :]
-    tok = gl.minimum(t * 32 + nk, last)[:, None, None]                               # (BLOCK, 1, 1)
-    at = tok * NG + gk[None, :, None]
+    tw = gl.minimum(t * 32 + n, last)[:, None]                                       # (BLOCK, 1)
+    rows = tw * W + w[None, :]
+    at = tw * NG + (w // 2)[None, :]                                                 # word w's group
     slot = gl.load(kz_ptr + at)
     kw = gl.load(kc_ptr + rows)
     vw = gl.load(vc_ptr + rows)
     scale = gl.load(ks_ptr + at)
     if HAS_SYM:
         upto = gl.maximum(MASK_UPTO - 1, 0)
-        sym = (((gl.load(km_ptr + gk[None, :, None] * s_kmg + gl.minimum(tok, upto) // 32) >> (tok % 32)) & 1) != 0) \
-            | (tok >= MASK_UPTO)
-        # the same in the words' layout: the slot of word w's group, its bytes 0-1 (even w) or 2-3 at bytes 0 and 2
-        tw = gl.minimum(t * 32 + n, last)[:, None]                                   # (BLOCK, 1)
-        sym_w = (((gl.load(km_ptr + (w // 2)[None, :] * s_kmg + gl.minimum(tw, upto) // 32) >> (tw % 32)) & 1) != 0) \
+        sym = (((gl.load(km_ptr + (w // 2)[None, :] * s_kmg + gl.minimum(tw, upto) // 32) >> (tw % 32)) & 1) != 0) \
             | (tw >= MASK_UPTO)
-        signs = gl.where(sym_w, gl.load(kz_ptr + tw * NG + (w // 2)[None, :]), 0)
+        # the group's sign bits of word w's channels (its bytes 0-1 for even w, 2-3 for odd) at bytes 0 and 2
+        signs = gl.where(sym, slot, 0)
         signs = _prmt(signs, signs, gl.where(w % 2 == 0, 0x0100, 0x0302)[None, :] + 0 * signs)
     else:
         sym = False
@@ -92,12 +91,12 @@ def _keys(kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, t, last, MASK_UPTO, s_kmg, n, 
 
 
 @gluon.jit
-def _values(vs_ptr, vz_ptr, vm_ptr, t, last, MASK_UPTO, D: gl.constexpr, HAS_SYM: gl.constexpr, L3: gl.constexpr,
-            LA: gl.constexpr, LT: gl.constexpr, LW: gl.constexpr):
-    """Step t's value scales and fp16 zeros, (GS, 1, D) in logical order in L3, and each value word's signs as
-    _unpack takes them (BLOCK, W) in the words' layout LW (bit a: channel 16 w + a's sign at the word's token,
-    bit 16 + a channel 16 w + 8 + a's; 0 in an asymmetric group). Loaded as (GS, 1, W, 8) tiles of a word's low
-    channels 16 w + j and high ones 16 w + 8 + j, whose pairs are the logical order's."""
+def _values(vs_ptr, vz_ptr, vm_ptr, t, last, MASK_UPTO, D: gl.constexpr, HAS_SYM: gl.constexpr,
+            LA: gl.constexpr, LT: gl.constexpr, L4: gl.constexpr, LP: gl.constexpr):
+    """Step t's value scales and fp16 zeros for each output of the unpack PTX (_per_output), and each value word's
+    signs as the PTX takes them (BLOCK, W) in the words' layout (bit a: channel 16 w + a's sign at the word's
+    token, bit 16 + a channel 16 w + 8 + a's; 0 in an asymmetric group). Loaded as (GS, 1, W, 8) tiles of a word's
+    low channels 16 w + j and high ones 16 w + 8 + j."""
     GS: gl.constexpr = BLOCK // 32
     W: gl.constexpr = D // 16
     P3: gl.constexpr = gl.SliceLayout(3, LA)
@@ -122,22 +121,63 @@ def _values(vs_ptr, vz_ptr, vm_ptr, t, last, MASK_UPTO, D: gl.constexpr, HAS_SYM
         hi = gl.expand_dims(gl.convert_layout(hi, gl.SliceLayout(1, LT)), 1)
         k = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LT))))
         select = (k + 256 * (4 + k))[None, :, None, None] + 0 * lo                   # (GS, 4, 8, W): bytes k, 4 + k
-        signs = gl.convert_layout(gl.reshape(_prmt(lo, hi, select), (BLOCK, W)), LW)
+        signs = gl.convert_layout(gl.reshape(_prmt(lo, hi, select), (BLOCK, W)), gl.SliceLayout(2, LP))
     else:
         sym_lo = False
         sym_hi = False
-        signs = gl.zeros([BLOCK, W], gl.int32, LW)
+        signs = gl.zeros([BLOCK, W], gl.int32, gl.SliceLayout(2, LP))
     zero = gl.join(_fp16_zero(slot_lo, sym_lo), _fp16_zero(slot_hi, sym_hi))
-    return _in_tile(scale, L3), _in_tile(zero, L3), signs
+    return _per_output(scale, L4, LP), _per_output(zero, L4, LP), signs
 
 
 @gluon.jit
-def _in_tile(x, L3: gl.constexpr):
-    """(GS, 1, W, 8, 2) per-channel values, low and high channels of each word joined -> (GS, 1, D) in the value
-    tile's layout L3 (logical order c' = 16 w + 2 a + b: the same registers)."""
+def _spread(x, L4: gl.constexpr, LP: gl.constexpr):
+    """(GS, W, 2) per value group -> (BLOCK, W, 2) in the words' pair layout LP, each group's for its 32 tokens."""
     GS: gl.constexpr = x.shape[0]
-    D: gl.constexpr = x.shape[2] * 16
-    return gl.expand_dims(gl.convert_layout(gl.reshape(x, (GS, D)), gl.SliceLayout(1, L3)), 1)
+    W: gl.constexpr = x.shape[1]
+    x = gl.expand_dims(gl.convert_layout(x, gl.SliceLayout(1, L4)), 1) + gl.zeros([GS, 32, W, 2], x.dtype, L4)
+    return gl.convert_layout(gl.reshape(x, (GS * 32, W, 2)), LP)
+
+
+@gluon.jit
+def _per_output(x, L4: gl.constexpr, LP: gl.constexpr):
+    """(GS, 1, W, 8, 2) per-channel values, [.., a, b] channel 16 w + a + 8 b -> for each output a of the unpack PTX
+    (codes a and a + 8 of a word), its (BLOCK, W, 2) in LP."""
+    GS: gl.constexpr = x.shape[0]
+    W: gl.constexpr = x.shape[2]
+    x = gl.permute(gl.reshape(x, (GS, W, 2, 2, 2, 2)), (0, 1, 5, 2, 3, 4))           # (g, w, b, a >> 2, a >> 1 & 1, a & 1)
+    e, o = gl.split(x)
+    e0, e1 = gl.split(e)
+    o0, o1 = gl.split(o)
+    a0, a4 = gl.split(e0)
+    a2, a6 = gl.split(e1)
+    a1, a5 = gl.split(o0)
+    a3, a7 = gl.split(o1)
+    return (_spread(a0, L4, LP), _spread(a1, L4, LP), _spread(a2, L4, LP), _spread(a3, L4, LP),
+            _spread(a4, L4, LP), _spread(a5, L4, LP), _spread(a6, L4, LP), _spread(a7, L4, LP))
+
+
+@gluon.jit
+def _dequant_values(words, signs, scale, zero, LP: gl.constexpr, HAS_SYM: gl.constexpr):
+    """(R, W) value code words -> (R, 16 W) fp16 values in logical channel order: outer_hopper._unpack with each
+    output's own scales and zeros (_per_output's), applied in the same PTX."""
+    R: gl.constexpr = words.shape[0]
+    W: gl.constexpr = words.shape[1]
+    pairs = gl.expand_dims(words, 2) + gl.zeros([R, W, 2], gl.int32, LP)
+    if HAS_SYM:
+        o = gl.inline_asm_elementwise(SIGNED_SLOT_ASM, SIGNED_SLOT_CON,
+                                      [pairs, gl.expand_dims(signs, 2) + pairs * 0, scale[0], scale[1], scale[2],
+                                       scale[3], scale[4], scale[5], scale[6], scale[7], zero[0], zero[1], zero[2],
+                                       zero[3], zero[4], zero[5], zero[6], zero[7]],
+                                      dtype=(gl.float16,) * 8, is_pure=True, pack=2)
+    else:
+        o = gl.inline_asm_elementwise(SLOT_ASM, SLOT_CON,
+                                      [pairs, scale[0], scale[1], scale[2], scale[3], scale[4], scale[5], scale[6],
+                                       scale[7], zero[0], zero[1], zero[2], zero[3], zero[4], zero[5], zero[6],
+                                       zero[7]], dtype=(gl.float16,) * 8, is_pure=True, pack=2)
+    x = gl.join(gl.join(gl.join(o[0], o[4]), gl.join(o[2], o[6])), gl.join(gl.join(o[1], o[5]), gl.join(o[3], o[7])))
+    x = gl.permute(x, (0, 1, 3, 4, 5, 2))                                           # (R, W, a2, a1, a0, b)
+    return gl.reshape(x, (R, W * 16))
 
 
 @gluon.jit
@@ -145,7 +185,7 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
                   acc_ptr, len_ptr, N_TOKENS, PER_SPLIT, N_COLS, MASK_UPTO, qk_scale,
                   s_kc, s_ks, s_kz, s_km, s_kmg, s_vc, s_vs, s_vz, s_vm,
                   D: gl.constexpr, REP: gl.constexpr, HAS_SYM: gl.constexpr, DYN: gl.constexpr,
-                  HAS_QS: gl.constexpr, LP: gl.constexpr, KSL: gl.constexpr, LA: gl.constexpr, LT: gl.constexpr):
+                  HAS_QS: gl.constexpr, LP: gl.constexpr, LA: gl.constexpr, LT: gl.constexpr, L4: gl.constexpr):
     GS: gl.constexpr = BLOCK // 32
     W: gl.constexpr = D // 16
     NG: gl.constexpr = D // 32
@@ -154,9 +194,6 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
     LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     TILE: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     PS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
-    # the layouts the unpacked value (GS, 32, D) and key (BLOCK, D/32, 32) tiles come in (traced; no code)
-    L3: gl.constexpr = gl.reshape(_unpack(gl.zeros([BLOCK, W], gl.int32, LW), LP), (GS, 32, D)).type.layout
-    LK3: gl.constexpr = gl.reshape(_unpack(gl.zeros([BLOCK, W], gl.int32, LW), LP), (BLOCK, NG, 32)).type.layout
 
     kv = gl.program_id(0)                        # b * H + h
     head = kv.to(gl.int64)
@@ -196,28 +233,21 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
     last = gl.maximum(stop * 32 - 1, 0)
     n = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, LW))
     w = gl.arange(0, W, layout=gl.SliceLayout(0, LW))
-    nk = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, gl.SliceLayout(2, LK3)))
-    gk = gl.arange(0, NG, layout=gl.SliceLayout(0, gl.SliceLayout(2, LK3)))
     ns = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA))
-    kw, vw, ks, kz, k_signs = _keys(kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, start, last, MASK_UPTO, s_kmg, n, w, nk,
-                                    gk, D, HAS_SYM)
+    kw, vw, ks, kz, k_signs = _keys(kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, start, last, MASK_UPTO, s_kmg, n, w, D,
+                                    HAS_SYM)
     for t in range(start, stop, GS):
         # this step's value scales, first needed after the key product; the next step's codes and key scales
-        vs, vz, v_signs = _values(vs_ptr, vz_ptr, vm_ptr, t, last, MASK_UPTO, D, HAS_SYM, L3, LA, LT, LW)
-        nxt = _keys(kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, t + GS, last, MASK_UPTO, s_kmg, n, w, nk, gk, D, HAS_SYM)
+        vs, vz, v_signs = _values(vs_ptr, vz_ptr, vm_ptr, t, last, MASK_UPTO, D, HAS_SYM, LA, LT, L4, LP)
+        nxt = _keys(kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, t + GS, last, MASK_UPTO, s_kmg, n, w, D, HAS_SYM)
         if HAS_SYM:
-            xk = gl.reshape(_unpack(kw, LP, k_signs), (BLOCK, NG, 32))
+            k_s.store(_unpack(kw, LP, k_signs, ks, kz))
         else:
-            xk = gl.reshape(_unpack(kw, LP), (BLOCK, NG, 32))
-        k_s.store(gl.reshape(xk * ks + kz, (BLOCK, D)))
+            k_s.store(_unpack(kw, LP, None, ks, kz))
         fence_async_shared()
         s = warpgroup_mma(k_s, q_s.permute((1, 0)), gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA))
-        if HAS_SYM:
-            xv = gl.reshape(_unpack(vw, LP, v_signs), (GS, 32, D))
-        else:
-            xv = gl.reshape(_unpack(vw, LP), (GS, 32, D))
         acc_v = warpgroup_mma_wait(0, deps=[acc])                 # the previous output product: v_s, p_s free
-        v_s.store(gl.reshape(xv * vs + vz, (BLOCK, D)))            # stored while the softmax runs
+        v_s.store(_dequant_values(vw, v_signs, vs, vz, LP, HAS_SYM))   # stored while the softmax runs
         # the online softmax in base 2 over this step's tokens, scores transposed (BLOCK, ROWS)
         s = s * qk_scale + gl.where(t * 32 + ns <= last, 0.0, float("-inf"))[:, None]   # one FMA; masked: -inf
         m_new = gl.maximum(m, gl.max(s, axis=0))
@@ -243,10 +273,11 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
 
 
 @functools.cache
-def _sign_layouts(d: int) -> tuple[gl.DistributedLinearLayout, gl.DistributedLinearLayout]:
-    """(LA, LT) for head_dim d, the value signs' gathering in _values, threads placed as the words' layout LP places
-    them (lanes: token l and the word's high bits; warps: the group; registers: the word's low bit at d = 128):
-    LA (GS, 8 l, W, 8 j), a channel j of each word in registers; LT (GS, 4 k, 8 l, W), token 8 k + l."""
+def _sign_layouts(d: int) -> tuple[gl.DistributedLinearLayout, ...]:
+    """(LA, LT, L4) for head_dim d, threads placed as the words' layout LP places them (lanes: token l and the word's
+    high bits; warps: the group; registers: the word's low bit at d = 128): LA (GS, 8 l, W, 8 j), a word's channel j
+    in registers, for the value scales and signs; LT (GS, 4 k, 8 l, W), token 8 k + l, for the value signs; L4
+    (GS, 32 tokens, W, 2 b), LP (BLOCK, W, 2) split by group, for each unpack output's value scales."""
     word = [[1]] if d == 128 else []
     lanes = [[2], [4]] if d == 128 else [[1], [2]]
     la = gl.DistributedLinearLayout([[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4]] + [[0, 0, b[0], 0] for b in word],
@@ -255,7 +286,10 @@ def _sign_layouts(d: int) -> tuple[gl.DistributedLinearLayout, gl.DistributedLin
     lt = gl.DistributedLinearLayout([[0, 1, 0, 0], [0, 2, 0, 0]] + [[0, 0, 0, b[0]] for b in word],
                                     [[0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]] + [[0, 0, 0, b[0]] for b in lanes],
                                     [[1, 0, 0, 0], [2, 0, 0, 0]], [], [BLOCK // 32, 4, 8, d // 16])
-    return la, lt
+    l4 = gl.DistributedLinearLayout([[0, 0, 0, 1]] + [[0, 0, b[0], 0] for b in word] + [[0, 8, 0, 0], [0, 16, 0, 0]],
+                                    [[0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]] + [[0, 0, b[0], 0] for b in lanes],
+                                    [[1, 0, 0, 0], [2, 0, 0, 0]], [], [BLOCK // 32, 32, d // 16, 2])
+    return la, lt, l4
 
 
 def eligible(q: Tensor, bits: int, rep: int) -> bool:
@@ -273,10 +307,10 @@ def split_partials(q: Tensor, q_scale: Tensor | None, buffers: list[tuple[Tensor
     buffers: its (tensor, head stride) pairs of the key codes, scales, slots and mask, then the values'."""
     B, Hq, d = q.shape
     H = buffers[0][0].shape[1]
-    lp, ksl = _layouts(d)
-    la, lt = _sign_layouts(d)
+    lp, _ = _layouts(d)
+    la, lt, l4 = _sign_layouts(d)
     _split_kernel[(B * H, splits)](
         q, q if q_scale is None else q_scale, *(t for t, _ in buffers), m, l, acc, m if lengths is None else lengths,
         n_tokens, per_split, splits, mask_upto, qk_scale, buffers[0][1], buffers[1][1], buffers[2][1], buffers[3][1],
         s_kmg, *(s for _, s in buffers[4:]), D=d, REP=Hq // H, HAS_SYM=has_sym, DYN=lengths is not None,
-        HAS_QS=q_scale is not None, LP=lp, KSL=ksl, LA=la, LT=lt, num_warps=N_WARPS)
+        HAS_QS=q_scale is not None, LP=lp, LA=la, LT=lt, L4=l4, num_warps=N_WARPS)

@@ -49,7 +49,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
-from kvzoo.kernels.quant_matvec import pair_asm, signed_pair_asm, unpacks_in_ptx
+from kvzoo.kernels.quant_matvec import dequant_pair_asm, pair_asm, signed_pair_asm, unpacks_in_ptx
 
 KERNELS = ("auto", "triton", "gluon")
 CHOICE = os.environ.get("KVZOO_OUTER_KERNEL", "auto")
@@ -66,17 +66,31 @@ ROWS = gl.constexpr(N_ROWS)          # query rows a program serves (the wgmma's 
 
 PAIR_ASM, PAIR_CON = (gl.constexpr(part) for part in pair_asm(2))
 SIGNED_ASM, SIGNED_CON = gl.constexpr(signed_pair_asm()), gl.constexpr(pair_asm(2)[1] + ",r,r")
+DEQUANT_ASM, DEQUANT_CON = (gl.constexpr(part) for part in dequant_pair_asm(False))
+SIGNED_DEQUANT_ASM, SIGNED_DEQUANT_CON = (gl.constexpr(part) for part in dequant_pair_asm(True))
 
 
 @gluon.jit
-def _unpack(words, LP: gl.constexpr, signs=None):
+def _unpack(words, LP: gl.constexpr, signs=None, scale=None, zero=None):
     """(R, W) 2-bit code words -> (R, 16 W) exact fp16 codes in logical channel order c' = 16 w + 2 a + b (slot
     a + 8 b of word w). Each word enters the PTX twice (pack=2 over a pair axis) and leaves as 8 half2 registers.
-    signs (R, W), in the words' layout: each word's signs as quant_matvec.signed_pair_asm takes them."""
+    signs (R, W), in the words' layout: each word's signs as quant_matvec.signed_pair_asm takes them. scale and
+    zero (R, W) fp16, one each a word: the codes times the scale plus the zero, in the same PTX."""
     R: gl.constexpr = words.shape[0]
     W: gl.constexpr = words.shape[1]
     pairs = gl.expand_dims(words, 2) + gl.zeros([R, W, 2], gl.int32, LP)           # (R, W, 2): the word twice
-    if signs is None:
+    if scale is not None:
+        halves = gl.zeros([R, W, 2], gl.float16, LP)
+        scale = gl.expand_dims(scale, 2) + halves
+        zero = gl.expand_dims(zero, 2) + halves
+        if signs is None:
+            o = gl.inline_asm_elementwise(DEQUANT_ASM, DEQUANT_CON, [pairs, scale, zero], dtype=(gl.float16,) * 8,
+                                          is_pure=True, pack=2)
+        else:
+            o = gl.inline_asm_elementwise(SIGNED_DEQUANT_ASM, SIGNED_DEQUANT_CON,
+                                          [pairs, gl.expand_dims(signs, 2) + pairs * 0, scale, zero],
+                                          dtype=(gl.float16,) * 8, is_pure=True, pack=2)
+    elif signs is None:
         o = gl.inline_asm_elementwise(PAIR_ASM, PAIR_CON, [pairs], dtype=(gl.float16,) * 8, is_pure=True, pack=2)
     else:
         o = gl.inline_asm_elementwise(SIGNED_ASM, SIGNED_CON, [pairs, gl.expand_dims(signs, 2) + pairs * 0],

@@ -206,6 +206,25 @@ def signed_pair_asm() -> str:
     return "\n".join(lines)
 
 
+@functools.lru_cache
+def dequant_pair_asm(signed: bool, per_output: bool = False) -> tuple[str, str]:
+    """(PTX, constraints): pair_asm(2) (signed: signed_pair_asm) with the scale and zero applied in the same PTX,
+    one fp16x2 FMA per output. pack=2: the word, then with `signed` its signs, each entered twice, then the scale and
+    the zero as half2 registers, one each for the word's 16 codes or, per_output, one each per output (the 8 scales,
+    then the 8 zeros)."""
+    first = 12 if signed else 10
+    lines = ["{", ".reg .b32 t, m;"] + ([] if signed else ["mov.b32 m, 0x64006400;"])
+    for a in range(8):
+        sc, zr = (first + a, first + 8 + a) if per_output else (first, first + 1)
+        if signed:
+            lines += [f"shl.b32 m, $10, {15 - a};", "lop3.b32 m, m, 0x80008000, 0x64006400, 0xEA;"]
+        lines += [f"shr.b32 t, $8, {2 * a};" if a else "mov.b32 t, $8;",
+                  "lop3.b32 t, t, 0x00030003, m, 0xEA;", "sub.f16x2 t, t, m;", f"fma.rn.f16x2 ${a}, t, ${sc}, ${zr};"]
+    lines.append("}")
+    inputs = (4 if signed else 2) + (16 if per_output else 2)
+    return "\n".join(lines), ",".join(["=r"] * 8 + ["r"] * inputs)
+
+
 @triton.jit
 def join_codes(o, BITS: tl.constexpr):
     """The 32/BITS outputs of the unpack asm, each (R, W), as (R, W * 32/BITS) codes in channel order."""
