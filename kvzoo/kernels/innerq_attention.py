@@ -30,7 +30,8 @@ Two kernels:
      path (fp32, the interpreter) keeps one group per step for fp32 or sym groups at d >= 128
      (_split_kernel_g1: scale and zero of the values after the dot). Symmetric flags are read from the cache's
      packed mask bits. It writes (m, l, acc) per split; with device lengths, a split past the live tokens
-     writes an empty partial (m = -inf).
+     writes an empty partial (m = -inf). On an H100, 2-bit codes with head_dim 64 or 128 and at most 16 query
+     rows a KV head take the same split in Gluon instead (kvzoo/kernels/innerq_hopper.py), 128 tokens a step.
   2. combine: grid (B*H,). Merges the splits' partials and the exact window tokens (32 at a time, tl.dot
      against k_win/v_win) with the same online softmax, divides by l and writes (B, Hq, d) in q's dtype.
 fp32 inputs use exact fp32 dots (input_precision "ieee"); fp16/bf16 round the dequantized keys and the
@@ -507,6 +508,7 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
     # the generic path (fp32, or the interpreter) keeps the one-group-per-step kernel at d >= 128 for fp32 or
     # sym groups: their fp32 tiles and sign masks take too many registers for multi-group steps
     heavy = not fast and d >= 128 and (q.dtype == torch.float32 or has_sym)
+    gluon = False            # the split kernel in Gluon (kvzoo/kernels/innerq_hopper.py: an H100, 2-bit codes)
     if heavy:
         splits, per_split = split_groups(N // GROUP, B * H, dev, num_splits) if N else (0, 0)
     else:
@@ -530,7 +532,7 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
         s_kmg = km.stride(2) if km is not kc else 0
         common = (q, q if q_scale is None else q_scale, kc, ks, kz, km, vc, vs, vz, vm, m, l, acc, len_ptr, N, per_split, mask_upto, qk_scale,
                   s_kc, s_ks, s_kz, s_km, s_kmg, s_vc, s_vs, s_vz, s_vm)
-        if not heavy and gluon:
+        if gluon:
             innerq_hopper.split_partials(q, q_scale, [(kc, s_kc), (ks, s_ks), (kz, s_kz), (km, s_km), (vc, s_vc),
                                                       (vs, s_vs), (vz, s_vz), (vm, s_vm)], s_kmg, m, l, acc, lengths,
                                          N, per_split, splits, mask_upto, has_sym, qk_scale)

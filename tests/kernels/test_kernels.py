@@ -9,6 +9,8 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import itertools  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -452,3 +454,34 @@ def test_hopper_kernel_matches_reference_and_triton_kernel(d, dtype, rep, B, N, 
     monkeypatch.setattr(innerq_hopper, "ENABLED", False)
     assert_close(got, innerq_decode_attention(*args, num_splits=splits, **kw), dtype)
     assert len(calls) == 2                     # eager and captured; none with the kernel disabled
+
+
+def test_hopper_kernel_is_not_taken_off_its_shapes():
+    """4-bit codes, head_dim 32 or 256, more than 16 query rows a KV head, fp32, and anything off an H100 take the
+    Triton split kernel."""
+    innerq_hopper = pytest.importorskip("kvzoo.kernels.innerq_hopper")
+    q = torch.zeros(1, 8, 128, dtype=torch.float16, device=DEVICE)
+    assert not innerq_hopper.eligible(q, 4, 4)
+    assert not innerq_hopper.eligible(q, 2, 17)
+    assert not innerq_hopper.eligible(q[..., :32], 2, 4)
+    assert not innerq_hopper.eligible(torch.zeros(1, 8, 256, dtype=torch.float16, device=DEVICE), 2, 4)
+    assert not innerq_hopper.eligible(q.float(), 2, 4)
+    assert innerq_hopper.eligible(q, 2, 4) == HOPPER
+
+
+@pytest.mark.parametrize("choice,enabled", [("triton", "False"), ("gluon", "True"), ("auto", "True")])
+def test_kvzoo_innerq_kernel_picks_the_kernel(choice, enabled):
+    """KVZOO_INNERQ_KERNEL, read when innerq_hopper is imported: triton never takes the Gluon kernel."""
+    pytest.importorskip("kvzoo.kernels.innerq_hopper")
+    run = subprocess.run([sys.executable, "-c", "from kvzoo.kernels import innerq_hopper as h; print(h.ENABLED)"],
+                         env={**os.environ, "KVZOO_INNERQ_KERNEL": choice}, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [enabled]
+
+
+def test_kvzoo_innerq_kernel_refuses_other_values():
+    pytest.importorskip("kvzoo.kernels.innerq_hopper")
+    run = subprocess.run([sys.executable, "-c", "import kvzoo.kernels.innerq_hopper"], capture_output=True, text=True,
+                         env={**os.environ, "KVZOO_INNERQ_KERNEL": "cuda"})
+    assert run.returncode != 0
+    assert "KVZOO_INNERQ_KERNEL must be one of ('auto', 'triton', 'gluon'), got 'cuda'" in run.stderr
