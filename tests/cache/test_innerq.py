@@ -192,3 +192,35 @@ def test_fused_decode_matches_torch_decode_on_cuda(spec, dtype, tmp_path):
         outs.append(torch.cat(steps, dim=1))
     scale = outs[1].float().abs().max().item()
     assert (outs[0].float() - outs[1].float()).abs().max() < (1e-3 if dtype == torch.float32 else 4 * 2 ** -10 * scale)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                    reason="the Gluon kernel runs on an H100 (sm_90)")
+@pytest.mark.parametrize("spec", ["innerq", "innerq:quant_mode=asym", "innerq:quant_mode=hybrid_prefill"])
+@torch.no_grad()
+def test_hopper_kernel_decodes_as_the_triton_kernel(spec, monkeypatch):
+    """The model decoding 2-bit InnerQ through the Gluon split kernel (kvzoo/kernels/innerq_hopper.py) and through
+    the Triton one: the same logits within fp16 rounding, over enough quantized tokens for whole steps."""
+    from kvzoo.config import ModelConfig
+    from kvzoo.kernels import innerq_hopper
+    from kvzoo.models.llama import Transformer
+
+    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 97, "hidden_size": 256,
+                               "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 12,
+                               "num_key_value_heads": 4, "head_dim": 64, "max_position_embeddings": 2048})
+    torch.manual_seed(0)
+    model = Transformer(cfg).cuda().half().eval()                 # random weights, SmolLM2's head shape (GQA 3)
+    # 8 rows of 1,500 prompt tokens: about 42 groups of 32 quantized, 9 splits of them, whole steps of 4 groups
+    x = torch.randint(0, 97, (8, 1560), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    calls = []
+    run = innerq_hopper.split_partials
+    monkeypatch.setattr(innerq_hopper, "split_partials", lambda *a: calls.append(1) or run(*a))
+    outs = []
+    for enabled in (True, False):
+        monkeypatch.setattr(innerq_hopper, "ENABLED", enabled)
+        cache, before = model.new_cache(spec, 8, 1560), len(calls)
+        steps = [model(x[:, :1500], cache)] + [model(x[:, t:t + 1], cache) for t in range(1500, 1560)]
+        outs.append(torch.cat(steps, dim=1).float())
+        assert (len(calls) > before) == enabled
+    scale = outs[1].abs().max().item()
+    assert (outs[0] - outs[1]).abs().max() < 4 * 2 ** -10 * scale
