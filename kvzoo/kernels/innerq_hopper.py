@@ -15,7 +15,8 @@ wgmma from shared memory, asynchronous output product). What differs:
     group; values' bit i: token i);
   - a code's sign goes into the magic numbers it is unpacked with (quant_matvec.signed_pair_asm), so a word's PTX
     takes one register of its 16 codes' signs: for a key word one byte permute of its group's slot, for a value
-    word bits gathered from 16 channels' slots, four tokens at a time (_values);
+    word bits gathered from 16 channels' slots, four tokens at a time, then masked by the word's symmetric-group
+    bits, which also clear those groups' zeros a pair of channels at a time (_values, _sym_zeros);
   - scale and zero are applied in the same PTX (quant_matvec.dequant_pair_asm; the values with each output's own
     scale pair), which keeps ptxas from re-pairing halves around separate FMAs;
   - which groups are symmetric is read from the cache's packed mask bits: keys' bit n % 32 of word [g, n // 32],
@@ -24,8 +25,8 @@ Numerics are the Triton kernel's fast path: exact fp16 codes, one fp16 FMA with 
 tiles, fp32 products and softmax, the query times the key normalization in the model dtype, then fp16.
 
 Speed (Llama-3.1-8B heads, rep 4, one H100, L2 flushed, the whole operation with the combine kernel; docs/decode.md,
-"InnerQ's split kernel in Gluon"): hybrid groups at 128K, batch 1 130 us against the Triton kernel's 186, at 32K,
-batch 32 916 against 1,337; asymmetric 107 against 143 and 717 against 961.
+"InnerQ's split kernel in Gluon"): hybrid groups at 128K, batch 1 121 us against the Triton kernel's 186, at 32K,
+batch 32 832 against 1,337; asymmetric 106 against 143 and 716 against 961.
 KVZOO_INNERQ_KERNEL=triton|gluon|auto (default) overrides the choice: triton never takes this kernel.
 """
 
@@ -52,6 +53,9 @@ if CHOICE not in KERNELS:
 ENABLED = CHOICE != "triton"
 SLOT_ASM, SLOT_CON = (gl.constexpr(part) for part in dequant_pair_asm(False, per_output=True))
 SIGNED_SLOT_ASM, SIGNED_SLOT_CON = (gl.constexpr(part) for part in dequant_pair_asm(True, per_output=True))
+ZERO_ASM = gl.constexpr("\n".join(["{", ".reg .b32 m;"] + [
+    f"shl.b32 m, $16, {15 - a};\nprmt.b32 m, m, m, 0xBB99;\nlop3.b32 ${a}, ${8 + a}, m, 0, 0x30;" for a in range(8)] + ["}"]))
+ZERO_CON = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 10))
 GROUPS_PER_STEP = BLOCK // 32    # value groups of 32 tokens a step
 PROGRAMS_PER_SM = 2              # split-K sizing, as the outer kernel's
 
@@ -115,26 +119,40 @@ def _values(vs_ptr, vz_ptr, vm_ptr, t, last, MASK_UPTO, D: gl.constexpr, HAS_SYM
     slot_lo = gl.load(vz_ptr + g * D + ch)
     slot_hi = gl.load(vz_ptr + g * D + ch + 8)
     scale = gl.join(gl.load(vs_ptr + g * D + ch), gl.load(vs_ptr + g * D + ch + 8))
+    zero = _per_output(gl.join(_fp16_zero(slot_lo, False), _fp16_zero(slot_hi, False)), L4, LP)
     if HAS_SYM:
-        word = gl.load(vm_ptr + gl.minimum(g, gl.maximum(MASK_UPTO - 1, 0) // 32) * (D // 32) + ch // 32)
-        sym_lo = (((word >> (ch % 32)) & 1) != 0) | (g * 32 >= MASK_UPTO)
-        sym_hi = (((word >> ((ch + 8) % 32)) & 1) != 0) | (g * 32 >= MASK_UPTO)
+        # the word's channels in symmetric groups as bits a and 16 + a (channels 16 w + a and 16 w + 8 + a: the
+        # group's mask bits, bytes 0-1 of the mask word for even w, 2-3 for odd); every channel past MASK_UPTO
+        w4 = w[None, None, :, None]
+        word = gl.load(vm_ptr + gl.minimum(g, gl.maximum(MASK_UPTO - 1, 0) // 32) * (D // 32) + w4 // 2)
+        sym = _prmt(word, word, gl.where(w4 % 2 == 0, 0x0100, 0x0302) + 0 * word) \
+            | gl.where(g * 32 >= MASK_UPTO, -1, 0)                                   # (GS, 1, W, 1)
+        sym = gl.reshape(sym, (GS, W))
         # a thread's tokens are 8 k + l of its warp's group, k < 4, l its lane's: bit 8 k of (sign word >> l) is
         # token 8 k + l's. Channel j of the word's low half goes to bit 8 k + j of lo, of its high half to hi's.
         l = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, P3)))[None, :, None, None]
-        lo = gl.sum(((gl.where(sym_lo, slot_lo, 0) >> l) & 0x01010101) << j[None, None, None, :], axis=3)
-        hi = gl.sum(((gl.where(sym_hi, slot_hi, 0) >> l) & 0x01010101) << j[None, None, None, :], axis=3)
+        lo = gl.sum(((slot_lo >> l) & 0x01010101) << j[None, None, None, :], axis=3)   # (GS, 8, W)
+        hi = gl.sum(((slot_hi >> l) & 0x01010101) << j[None, None, None, :], axis=3)
         lo = gl.expand_dims(gl.convert_layout(lo, gl.SliceLayout(1, LT)), 1)        # (GS, 1, 8, W)
         hi = gl.expand_dims(gl.convert_layout(hi, gl.SliceLayout(1, LT)), 1)
         k = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LT))))
         select = (k + 256 * (4 + k))[None, :, None, None] + 0 * lo                   # (GS, 4, 8, W): bytes k, 4 + k
-        signs = gl.convert_layout(gl.reshape(_prmt(lo, hi, select), (BLOCK, W)), gl.SliceLayout(2, LP))
+        sym_t = gl.convert_layout(sym, gl.SliceLayout(1, gl.SliceLayout(2, LT)))[:, None, None, :]
+        signs = _prmt(lo, hi, select) & sym_t                                         # an asymmetric group's: 0
+        signs = gl.convert_layout(gl.reshape(signs, (BLOCK, W)), gl.SliceLayout(2, LP))
+        zero = _sym_zeros(zero, _spread(gl.join(sym, sym), L4, LP))
     else:
-        sym_lo = False
-        sym_hi = False
         signs = gl.zeros([BLOCK, W], gl.int32, gl.SliceLayout(2, LP))
-    zero = gl.join(_fp16_zero(slot_lo, sym_lo), _fp16_zero(slot_hi, sym_hi))
-    return _per_output(scale, L4, LP), _per_output(zero, L4, LP), signs
+    return _per_output(scale, L4, LP), zero, signs
+
+
+@gluon.jit
+def _sym_zeros(zero, sym):
+    """_per_output's zeros with those of symmetric groups 0: sym (BLOCK, W, 2), each word's bits a and 16 + a the
+    groups of output a's two channels (ZERO_ASM: bit to sign, the sign spread over its half by prmt, and-not)."""
+    o = gl.inline_asm_elementwise(ZERO_ASM, ZERO_CON, [zero[0], zero[1], zero[2], zero[3], zero[4], zero[5], zero[6],
+                                                       zero[7], sym], dtype=(gl.float16,) * 8, is_pure=True, pack=2)
+    return o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]
 
 
 @gluon.jit
