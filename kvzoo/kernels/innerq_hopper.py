@@ -35,16 +35,15 @@ from __future__ import annotations
 import functools
 import os
 
-import torch
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
-from kvzoo.kernels.outer_hopper import (BLOCK, N_ROWS, N_WARPS, ROWS, WARPS, _is_hopper, _layouts, _real,
-                                        _unpack)
-from kvzoo.kernels.quant_matvec import dequant_pair_asm, unpacks_in_ptx
+from kvzoo.kernels.outer_hopper import (BLOCK, MMA, N_ROWS, N_WARPS, PS, ROWS, TILE, _is_hopper, _layouts, _query,
+                                        _softmax_and_output, _store_partials, _unpack)
+from kvzoo.kernels.quant_matvec import dequant_pair_asm, sym_zero_asm, unpacks_in_ptx
 
 KERNELS = ("auto", "triton", "gluon")
 CHOICE = os.environ.get("KVZOO_INNERQ_KERNEL", "auto")
@@ -53,9 +52,7 @@ if CHOICE not in KERNELS:
 ENABLED = CHOICE != "triton"
 SLOT_ASM, SLOT_CON = (gl.constexpr(part) for part in dequant_pair_asm(False, per_output=True))
 SIGNED_SLOT_ASM, SIGNED_SLOT_CON = (gl.constexpr(part) for part in dequant_pair_asm(True, per_output=True))
-ZERO_ASM = gl.constexpr("\n".join(["{", ".reg .b32 m;"] + [
-    f"shl.b32 m, $16, {15 - a};\nprmt.b32 m, m, m, 0xBB99;\nlop3.b32 ${a}, ${8 + a}, m, 0, 0x30;" for a in range(8)] + ["}"]))
-ZERO_CON = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 10))
+ZERO_ASM, ZERO_CON = (gl.constexpr(part) for part in sym_zero_asm())
 GROUPS_PER_STEP = BLOCK // 32    # value groups of 32 tokens a step
 PROGRAMS_PER_SM = 2              # split-K sizing, as the outer kernel's
 
@@ -149,7 +146,7 @@ def _values(vs_ptr, vz_ptr, vm_ptr, t, last, MASK_UPTO, D: gl.constexpr, HAS_SYM
 @gluon.jit
 def _sym_zeros(zero, sym):
     """_per_output's zeros with those of symmetric groups 0: sym (BLOCK, W, 2), each word's bits a and 16 + a the
-    groups of output a's two channels (ZERO_ASM: bit to sign, the sign spread over its half by prmt, and-not)."""
+    groups of output a's two channels (quant_matvec.sym_zero_asm)."""
     o = gl.inline_asm_elementwise(ZERO_ASM, ZERO_CON, [zero[0], zero[1], zero[2], zero[3], zero[4], zero[5], zero[6],
                                                        zero[7], sym], dtype=(gl.float16,) * 8, is_pure=True, pack=2)
     return o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]
@@ -170,7 +167,8 @@ def _per_output(x, L4: gl.constexpr, LP: gl.constexpr):
     (codes a and a + 8 of a word), its (BLOCK, W, 2) in LP."""
     GS: gl.constexpr = x.shape[0]
     W: gl.constexpr = x.shape[2]
-    x = gl.permute(gl.reshape(x, (GS, W, 2, 2, 2, 2)), (0, 1, 5, 2, 3, 4))           # (g, w, b, a >> 2, a >> 1 & 1, a & 1)
+    # (g, w, b, a >> 2, a >> 1 & 1, a & 1)
+    x = gl.permute(gl.reshape(x, (GS, W, 2, 2, 2, 2)), (0, 1, 5, 2, 3, 4))
     e, o = gl.split(x)
     e0, e1 = gl.split(e)
     o0, o1 = gl.split(o)
@@ -213,12 +211,7 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
                   HAS_QS: gl.constexpr, LP: gl.constexpr, LA: gl.constexpr, LT: gl.constexpr, L4: gl.constexpr):
     GS: gl.constexpr = BLOCK // 32
     W: gl.constexpr = D // 16
-    NG: gl.constexpr = D // 32
     LW: gl.constexpr = gl.SliceLayout(2, LP)                        # words (BLOCK, W)
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, ROWS, 16])
-    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
-    TILE: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    PS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
 
     kv = gl.program_id(0)                        # b * H + h
     head = kv.to(gl.int64)
@@ -232,15 +225,7 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
     vm_ptr += head * s_vm
     split = gl.program_id(1)
 
-    # the query rows in logical channel order, times the key normalization in the model dtype, then fp16 (a bf16
-    # query clamped to the fp16 range), as the Triton kernel
-    rq = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LQ))
-    dq = _real(gl.arange(0, D, layout=gl.SliceLayout(0, LQ)))
-    q = gl.load(q_ptr + (kv * REP + rq[:, None]) * D + dq[None, :], mask=(rq < REP)[:, None], other=0)
-    if HAS_QS:
-        q = (q.to(gl.float32) * gl.load(qs_ptr + kv * D + dq).to(gl.float32)[None, :]).to(q.dtype)
-    q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
-    q_s = gl.allocate_shared_memory(gl.float16, [ROWS, D], TILE, q)
+    q_s = gl.allocate_shared_memory(gl.float16, [ROWS, D], TILE, _query(q_ptr, qs_ptr, kv, REP, D, HAS_QS))
     k_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
     v_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
     p_s = gl.allocate_shared_memory(gl.float16, [BLOCK, ROWS], PS)
@@ -273,28 +258,10 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
         s = warpgroup_mma(k_s, q_s.permute((1, 0)), gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA))
         acc_v = warpgroup_mma_wait(0, deps=[acc])                 # the previous output product: v_s, p_s free
         v_s.store(_dequant_values(vw, v_signs, vs, vz, LP, HAS_SYM))   # stored while the softmax runs
-        # the online softmax in base 2 over this step's tokens, scores transposed (BLOCK, ROWS)
-        s = s * qk_scale + gl.where(t * 32 + ns <= last, 0.0, float("-inf"))[:, None]   # one FMA; masked: -inf
-        m_new = gl.maximum(m, gl.max(s, axis=0))
-        alpha = gl.exp2(m - m_new)
-        p = gl.exp2(s - m_new[None, :])
-        l = l * alpha + gl.sum(p, axis=0)
-        m = m_new
-        p_s.store(p.to(gl.float16))
-        fence_async_shared()
-        if gl.min(alpha, axis=0) < 1.0:                           # a row's max grew: rescale (rare after the start)
-            acc_v = acc_v * alpha[None, :]
-        acc = warpgroup_mma(v_s.permute((1, 0)), p_s, acc_v, is_async=True)
+        m, l, acc = _softmax_and_output(s, t * 32 + ns <= last, m, l, acc_v, v_s, p_s, qk_scale)
         kw, vw, ks, kz, k_signs = nxt
     acc = warpgroup_mma_wait(0, deps=[acc])
-
-    r = gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
-    live_r = r < REP
-    rows = (kv * REP + r) * N_COLS + split
-    gl.store(m_ptr + rows, m, mask=live_r)
-    gl.store(l_ptr + rows, l, mask=live_r)
-    d = _real(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)))
-    gl.store(acc_ptr + rows[None, :] * D + d[:, None], acc, mask=live_r[None, :])
+    _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, kv, split, N_COLS, REP, D)
 
 
 @functools.cache

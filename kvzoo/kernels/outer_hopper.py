@@ -64,6 +64,11 @@ BLOCK = gl.constexpr(TOKENS)         # tokens a step: four warps, one key group 
 WARPS = gl.constexpr(N_WARPS)
 ROWS = gl.constexpr(N_ROWS)          # query rows a program serves (the wgmma's N)
 
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[N_WARPS, 1], instr_shape=[16, N_ROWS, 16]))
+LQ = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [N_WARPS, 1], [1, 0]))          # the query rows' load
+TILE = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+PS = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2))
+
 PAIR_ASM, PAIR_CON = (gl.constexpr(part) for part in pair_asm(2))
 SIGNED_ASM, SIGNED_CON = gl.constexpr(signed_pair_asm()), gl.constexpr(pair_asm(2)[1] + ",r,r")
 DEQUANT_ASM, DEQUANT_CON = (gl.constexpr(part) for part in dequant_pair_asm(False))
@@ -117,6 +122,49 @@ def _logical(x, L3: gl.constexpr):
 
 
 @gluon.jit
+def _query(q_ptr, qs_ptr, kv, REP: gl.constexpr, D: gl.constexpr, HAS_QS: gl.constexpr):
+    """The query rows of KV head kv (ROWS, D) in logical channel order, padded past REP with zeros; with HAS_QS times
+    qs_ptr's row kv channel by channel in the model dtype (InnerQ's key normalization); then fp16 (a bf16 query
+    clamped to the fp16 range, as the Triton kernels)."""
+    rq = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LQ))
+    dq = _real(gl.arange(0, D, layout=gl.SliceLayout(0, LQ)))
+    q = gl.load(q_ptr + (kv * REP + rq[:, None]) * D + dq[None, :], mask=(rq < REP)[:, None], other=0)
+    if HAS_QS:
+        q = (q.to(gl.float32) * gl.load(qs_ptr + kv * D + dq).to(gl.float32)[None, :]).to(q.dtype)
+    return gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
+
+
+@gluon.jit
+def _softmax_and_output(s, live, m, l, acc_v, v_s, p_s, qk_scale):
+    """One step's online softmax in base 2 over scores s (BLOCK, ROWS) (transposed; tokens not `live` masked), with
+    the running max m and sum l, and the output product accᵀ += Vᵀ · pᵀ issued asynchronously on acc_v (the
+    previous one, waited for): (m, l, acc)."""
+    s = s * qk_scale + gl.where(live, 0.0, float("-inf"))[:, None]            # one FMA; masked: -inf
+    m_new = gl.maximum(m, gl.max(s, axis=0))
+    alpha = gl.exp2(m - m_new)
+    p = gl.exp2(s - m_new[None, :])
+    l = l * alpha + gl.sum(p, axis=0)
+    p_s.store(p.to(gl.float16))
+    fence_async_shared()
+    if gl.min(alpha, axis=0) < 1.0:                           # a row's max grew: rescale (rare after the start)
+        acc_v = acc_v * alpha[None, :]
+    return m_new, l, warpgroup_mma(v_s.permute((1, 0)), p_s, acc_v, is_async=True)
+
+
+@gluon.jit
+def _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, kv, split, N_COLS, REP: gl.constexpr, D: gl.constexpr):
+    """Program (kv, split)'s (m, l, acc) partials of its live query rows at column `split` of N_COLS, the output
+    channels back in their real places."""
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
+    live_r = r < REP
+    rows = (kv * REP + r) * N_COLS + split
+    gl.store(m_ptr + rows, m, mask=live_r)
+    gl.store(l_ptr + rows, l, mask=live_r)
+    d = _real(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)))
+    gl.store(acc_ptr + rows[None, :] * D + d[:, None], acc, mask=live_r[None, :])
+
+
+@gluon.jit
 def _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t, last, n, w, gr, cr, nv, gv,
               D: gl.constexpr, CG: gl.constexpr, L3: gl.constexpr):
     """Step t's code words (BLOCK, W) and scales: keys' (GS, 1, D) in logical order, values' (BLOCK, D/CG, 1).
@@ -138,10 +186,6 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_p
     GS: gl.constexpr = BLOCK // 32
     W: gl.constexpr = D // 16
     LW: gl.constexpr = gl.SliceLayout(2, LP)                        # words (BLOCK, W)
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, ROWS, 16])
-    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
-    TILE: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    PS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
     # the layouts the unpacked key (GS, 32, D) and value (BLOCK, D/CG, CG) tiles come in (traced; no code)
     L3: gl.constexpr = gl.reshape(_unpack(gl.zeros([BLOCK, W], gl.int32, LW), LP), (GS, 32, D)).type.layout
     LV3: gl.constexpr = gl.reshape(_unpack(gl.zeros([BLOCK, W], gl.int32, LW), LP), (BLOCK, D // CG, CG)).type.layout
@@ -156,12 +200,7 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_p
     vz_ptr += head * s_vz
     split = gl.program_id(1)
 
-    # the query rows in logical channel order, fp16 (a bf16 query clamped to the fp16 range, as the Triton kernel)
-    rq = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LQ))
-    dq = _real(gl.arange(0, D, layout=gl.SliceLayout(0, LQ)))
-    q = gl.load(q_ptr + (kv * REP + rq[:, None]) * D + dq[None, :], mask=(rq < REP)[:, None], other=0)
-    q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
-    q_s = gl.allocate_shared_memory(gl.float16, [ROWS, D], TILE, q)
+    q_s = gl.allocate_shared_memory(gl.float16, [ROWS, D], TILE, _query(q_ptr, q_ptr, kv, REP, D, False))
     k_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
     v_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
     p_s = gl.allocate_shared_memory(gl.float16, [BLOCK, ROWS], PS)
@@ -192,28 +231,10 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_p
         xv = gl.reshape(_unpack(vw, LP), (BLOCK, D // CG, CG))
         acc_v = warpgroup_mma_wait(0, deps=[acc])                 # the previous output product: v_s, p_s free
         v_s.store(gl.reshape(xv * vs + vz, (BLOCK, D)))            # stored while the softmax runs
-        # the online softmax in base 2 over this step's tokens, scores transposed (BLOCK, ROWS)
-        s = s * qk_scale + gl.where(t * 32 + ns < n_both, 0.0, float("-inf"))[:, None]   # one FMA; masked: -inf
-        m_new = gl.maximum(m, gl.max(s, axis=0))
-        alpha = gl.exp2(m - m_new)
-        p = gl.exp2(s - m_new[None, :])
-        l = l * alpha + gl.sum(p, axis=0)
-        m = m_new
-        p_s.store(p.to(gl.float16))
-        fence_async_shared()
-        if gl.min(alpha, axis=0) < 1.0:                           # a row's max grew: rescale (rare after the start)
-            acc_v = acc_v * alpha[None, :]
-        acc = warpgroup_mma(v_s.permute((1, 0)), p_s, acc_v, is_async=True)
+        m, l, acc = _softmax_and_output(s, t * 32 + ns < n_both, m, l, acc_v, v_s, p_s, qk_scale)
         kw, vw, ks, kz, vs, vz = nxt
     acc = warpgroup_mma_wait(0, deps=[acc])
-
-    r = gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
-    live_r = r < REP
-    rows = (kv * REP + r) * N_COLS + split
-    gl.store(m_ptr + rows, m, mask=live_r)
-    gl.store(l_ptr + rows, l, mask=live_r)
-    d = _real(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)))
-    gl.store(acc_ptr + rows[None, :] * D + d[:, None], acc, mask=live_r[None, :])
+    _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, kv, split, N_COLS, REP, D)
 
 
 @functools.cache

@@ -225,6 +225,18 @@ def dequant_pair_asm(signed: bool, per_output: bool = False) -> tuple[str, str]:
     return "\n".join(lines), ",".join(["=r"] * 8 + ["r"] * inputs)
 
 
+@functools.lru_cache
+def sym_zero_asm() -> tuple[str, str]:
+    """(PTX, constraints) for pack=2: 8 half2 zero pairs, then a 32-bit word of flags entered twice -> the pairs
+    with the halves whose flag is set cleared; pair a's flags are bits a and 16 + a. Per pair: the flags shifted to
+    bits 15 and 31, each spread over its half (prmt's sign-replicating selector), and-not."""
+    lines = ["{", ".reg .b32 m;"]
+    for a in range(8):
+        lines += [f"shl.b32 m, $16, {15 - a};", "prmt.b32 m, m, m, 0xBB99;", f"lop3.b32 ${a}, ${8 + a}, m, 0, 0x30;"]
+    lines.append("}")
+    return "\n".join(lines), ",".join(["=r"] * 8 + ["r"] * 10)
+
+
 @triton.jit
 def join_codes(o, BITS: tl.constexpr):
     """The 32/BITS outputs of the unpack asm, each (R, W), as (R, W * 32/BITS) codes in channel order."""
