@@ -38,11 +38,10 @@ import os
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from kvzoo.kernels.outer_hopper import (BLOCK, MMA, N_ROWS, N_WARPS, PS, ROWS, TILE, _is_hopper, _layouts, _query,
-                                        _softmax_and_output, _store_partials, _unpack)
+from kvzoo.kernels.outer_hopper import (BLOCK, MMA, N_ROWS, N_WARPS, ROWS, _is_hopper, _layouts, _query,
+                                        _softmax_and_output, _start, _store_partials, _unpack)
 from kvzoo.kernels.quant_matvec import dequant_pair_asm, sym_zero_asm, unpacks_in_ptx
 
 KERNELS = ("auto", "triton", "gluon")
@@ -225,14 +224,7 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
     vm_ptr += head * s_vm
     split = gl.program_id(1)
 
-    q_s = gl.allocate_shared_memory(gl.float16, [ROWS, D], TILE, _query(q_ptr, qs_ptr, kv, REP, D, HAS_QS))
-    k_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
-    v_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
-    p_s = gl.allocate_shared_memory(gl.float16, [BLOCK, ROWS], PS)
-
-    m = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
-    l = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(0, MMA))
-    acc = warpgroup_mma_init(gl.zeros([D, ROWS], gl.float32, layout=MMA))            # accᵀ
+    q_s, k_s, v_s, p_s, m, l, acc = _start(_query(q_ptr, qs_ptr, kv, REP, D, HAS_QS))
 
     if DYN:
         live = gl.load(len_ptr)

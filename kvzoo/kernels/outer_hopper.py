@@ -135,6 +135,20 @@ def _query(q_ptr, qs_ptr, kv, REP: gl.constexpr, D: gl.constexpr, HAS_QS: gl.con
 
 
 @gluon.jit
+def _start(q):
+    """A program's shared tiles (the query q (ROWS, D) stored, a step's keys and values (BLOCK, D), its weights
+    (BLOCK, ROWS)) and its empty online-softmax state: running max m, sum l (ROWS,) and output accᵀ (D, ROWS)."""
+    D: gl.constexpr = q.shape[1]
+    q_s = gl.allocate_shared_memory(gl.float16, [ROWS, D], TILE, q)
+    k_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
+    v_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
+    p_s = gl.allocate_shared_memory(gl.float16, [BLOCK, ROWS], PS)
+    m = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+    l = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(0, MMA))
+    return q_s, k_s, v_s, p_s, m, l, warpgroup_mma_init(gl.zeros([D, ROWS], gl.float32, layout=MMA))
+
+
+@gluon.jit
 def _softmax_and_output(s, live, m, l, acc_v, v_s, p_s, qk_scale):
     """One step's online softmax in base 2 over scores s (BLOCK, ROWS) (transposed; tokens not `live` masked), with
     the running max m and sum l, and the output product accᵀ += Vᵀ · pᵀ issued asynchronously on acc_v (the
@@ -200,14 +214,7 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_p
     vz_ptr += head * s_vz
     split = gl.program_id(1)
 
-    q_s = gl.allocate_shared_memory(gl.float16, [ROWS, D], TILE, _query(q_ptr, q_ptr, kv, REP, D, False))
-    k_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
-    v_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
-    p_s = gl.allocate_shared_memory(gl.float16, [BLOCK, ROWS], PS)
-
-    m = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
-    l = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(0, MMA))
-    acc = warpgroup_mma_init(gl.zeros([D, ROWS], gl.float32, layout=MMA))            # accᵀ
+    q_s, k_s, v_s, p_s, m, l, acc = _start(_query(q_ptr, q_ptr, kv, REP, D, False))
 
     n_both = gl.minimum(gl.load(len_ptr), gl.load(len_ptr + 1))
     start = split * PER_SPLIT
