@@ -1,0 +1,169 @@
+"""The kernels' inline PTX (kvzoo/kernels/quant_matvec.py) run by a small emulator of the instructions it uses, on
+the CPU: the GPU runs this PTX only compiled, so these tests check on every machine what each string computes.
+
+Emulated (32-bit registers as numpy uint32 arrays, one lane per element): mov, shr, shl, lop3 (its truth table),
+prmt (default mode, with the sign-replicating selector bit), sub.f16x2 and fma.rn.f16x2 (each half rounded once
+to fp16, as the hardware does: fp16 inputs are exact in float64, so a product plus an addend is too)."""
+
+import re
+
+import numpy as np
+import pytest
+
+from kvzoo.kernels.quant_matvec import dequant_pair_asm, pair_asm, signed_pair_asm, sym_zero_asm, unpack_asm
+
+RNG = np.random.default_rng(0)
+LANES = 4096
+
+
+def run_ptx(asm: str, n_out: int, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    """The asm's n_out output registers ($0 ..) for input registers $n_out .. (uint32 arrays)."""
+    regs = {f"${i + n_out}": x.astype(np.uint32) for i, x in enumerate(inputs)}
+
+    def value(token: str) -> np.ndarray:
+        token = token.strip()
+        if token in regs:
+            return regs[token]
+        return np.full(inputs[0].shape, int(token, 0) & 0xFFFFFFFF, dtype=np.uint32)
+
+    def halves(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return ((x & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float64),
+                (x >> 16).astype(np.uint16).view(np.float16).astype(np.float64))
+
+    def pack(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        return (lo.astype(np.float16).view(np.uint16).astype(np.uint32)
+                | (hi.astype(np.float16).view(np.uint16).astype(np.uint32) << 16))
+
+    for line in re.findall(r"[^;{}]+;", asm):
+        op, _, args = line.strip().rstrip(";").partition(" ")
+        if op == ".reg":
+            continue
+        dst, *src = [a.strip() for a in args.split(",")]
+        v = [value(s) for s in src]
+        if op == "mov.b32":
+            out = v[0]
+        elif op == "shr.b32":
+            out = v[0] >> v[1]
+        elif op == "shl.b32":
+            out = (v[0].astype(np.uint64) << v[1]).astype(np.uint32)
+        elif op == "lop3.b32":
+            a, b, c, lut = v[0], v[1], v[2], int(src[3], 0)
+            out = np.zeros_like(a)
+            for bit in range(32):
+                index = (((a >> bit) & 1) << 2) | (((b >> bit) & 1) << 1) | ((c >> bit) & 1)
+                out |= ((lut >> index.astype(np.int64)) & 1).astype(np.uint32) << bit
+        elif op == "prmt.b32":
+            source = v[0].astype(np.uint64) | (v[1].astype(np.uint64) << 32)
+            out = np.zeros_like(v[0])
+            for byte in range(4):
+                select = (v[2] >> (4 * byte)) & 0xF
+                picked = ((source >> (8 * (select & 7)).astype(np.uint64)) & 0xFF).astype(np.uint32)
+                picked = np.where(select & 8, np.where(picked & 0x80, 0xFF, 0), picked).astype(np.uint32)
+                out |= picked << (8 * byte)
+        elif op == "sub.f16x2":
+            (a0, a1), (b0, b1) = halves(v[0]), halves(v[1])
+            out = pack(a0 - b0, a1 - b1)
+        elif op == "fma.rn.f16x2":
+            (a0, a1), (b0, b1), (c0, c1) = halves(v[0]), halves(v[1]), halves(v[2])
+            out = pack(a0 * b0 + c0, a1 * b1 + c1)
+        else:
+            raise NotImplementedError(op)
+        regs[dst] = out.astype(np.uint32)
+    return [regs[f"${i}"] for i in range(n_out)]
+
+
+def half_pair(x: np.ndarray) -> np.ndarray:
+    """(..., 2) fp16 values -> uint32 registers, element 0 in the low half."""
+    bits = x.astype(np.float16).view(np.uint16).astype(np.uint32)
+    return bits[..., 0] | (bits[..., 1] << 16)
+
+
+def unpair(r: np.ndarray) -> np.ndarray:
+    """uint32 registers -> (..., 2) fp16 values as float64."""
+    return np.stack([(r & 0xFFFF).astype(np.uint16), (r >> 16).astype(np.uint16)], -1).view(np.float16).astype(float)
+
+
+def codes_of(words: np.ndarray, bits: int) -> np.ndarray:
+    """(n,) words -> (n, 32/bits) codes, code k at bits k*bits."""
+    return (words[:, None] >> (np.arange(32 // bits, dtype=np.uint32) * bits)) & ((1 << bits) - 1)
+
+
+WORDS = RNG.integers(0, 2**32, LANES, dtype=np.uint64).astype(np.uint32)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_pair_asm_gives_codes_a_and_a_plus_half(bits):
+    half = 16 // bits
+    out = run_ptx(pair_asm(bits)[0], half, [WORDS, WORDS])
+    codes = codes_of(WORDS, bits)
+    for a in range(half):
+        assert np.array_equal(unpair(out[a]), codes[:, [a, a + half]])
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_unpack_asm_gives_code_k_of_both_words(bits):
+    other = WORDS[::-1].copy()
+    out = run_ptx(unpack_asm(bits)[0], 32 // bits, [WORDS, other])
+    for k in range(32 // bits):
+        assert np.array_equal(unpair(out[k]), np.stack([codes_of(WORDS, bits)[:, k], codes_of(other, bits)[:, k]], -1))
+
+
+def signs_register(signs: np.ndarray) -> np.ndarray:
+    """(n, 16) sign bits of a word's codes -> the register signed_pair_asm takes: code a's at bit a, a + 8's at
+    bit 16 + a (a < 8); the other bits random, which the PTX must ignore."""
+    bits = signs.astype(np.uint32)
+    register = sum(bits[:, a] << a | bits[:, a + 8] << (16 + a) for a in range(8))
+    return register | (RNG.integers(0, 2**32, len(signs), dtype=np.uint64).astype(np.uint32) & 0xFF00FF00)
+
+
+SIGNS = RNG.integers(0, 2, (LANES, 16))
+
+
+def test_signed_pair_asm_negates_the_codes_whose_sign_is_set():
+    register = signs_register(SIGNS)
+    out = run_ptx(signed_pair_asm(), 8, [WORDS, WORDS, register, register])
+    values = codes_of(WORDS, 2) * np.where(SIGNS == 1, -1.0, 1.0)
+    for a in range(8):
+        assert np.array_equal(unpair(out[a]), values[:, [a, a + 8]])
+
+
+@pytest.mark.parametrize("signed", [False, True])
+@pytest.mark.parametrize("per_output", [False, True])
+def test_dequant_pair_asm_is_one_rounding_of_code_times_scale_plus_zero(signed, per_output):
+    """Each output code * scale + zero, rounded once to fp16 (the one-FMA dequantization of the Triton kernels)."""
+    n_scales = 8 if per_output else 1
+    scale = RNG.uniform(0.01, 3.0, (n_scales, LANES, 2)).astype(np.float16)
+    zero = RNG.uniform(-20.0, 20.0, (n_scales, LANES, 2)).astype(np.float16)
+    register = signs_register(SIGNS)
+    inputs = [WORDS, WORDS] + ([register, register] if signed else []) + \
+        [half_pair(s) for s in scale] + [half_pair(z) for z in zero]
+    out = run_ptx(dequant_pair_asm(signed, per_output)[0], 8, inputs)
+    codes = codes_of(WORDS, 2) * (np.where(SIGNS == 1, -1.0, 1.0) if signed else 1.0)
+    for a in range(8):
+        s, z = scale[a if per_output else 0].astype(float), zero[a if per_output else 0].astype(float)
+        want = (codes[:, [a, a + 8]] * s + z).astype(np.float16).astype(float)
+        assert np.array_equal(unpair(out[a]), want)
+
+
+def test_sym_zero_asm_clears_the_flagged_halves():
+    zeros = RNG.uniform(-5.0, 5.0, (8, LANES, 2)).astype(np.float16)
+    flags = RNG.integers(0, 2, (LANES, 16))
+    register = signs_register(flags)             # the same layout: pair a's flags at bits a and 16 + a
+    out = run_ptx(sym_zero_asm()[0], 8, [half_pair(z) for z in zeros] + [register, register])
+    for a in range(8):
+        keep = flags[:, [a, a + 8]] == 0
+        assert np.array_equal(unpair(out[a]), np.where(keep, zeros[a].astype(float), 0.0))
+
+
+def test_prmt_selectors_of_the_sign_gathering():
+    """innerq_hopper's byte permutes: a key word's signs from its group's slot (0x0100 even words, 0x0302 odd), and a
+    value word's from the gathered low and high channel bytes of token k (k + 256 * (4 + k))."""
+    slot = WORDS
+    for select, shift in ((0x0100, 0), (0x0302, 16)):
+        out = run_ptx(f"prmt.b32 $0, $1, $2, {select};", 1, [slot, slot, slot])[0]
+        want = (slot >> shift) & 0xFF | ((slot >> (shift + 8)) & 0xFF) << 16
+        assert np.array_equal(out & 0x00FF00FF, want)
+    lo, hi = WORDS, WORDS[::-1].copy()
+    for k in range(4):
+        out = run_ptx(f"prmt.b32 $0, $1, $2, {k + 256 * (4 + k)};", 1, [lo, hi, lo])[0]
+        assert np.array_equal(out & 0x00FF00FF, (lo >> 8 * k) & 0xFF | ((hi >> 8 * k) & 0xFF) << 16)
