@@ -93,7 +93,7 @@ def _keys(kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, t, last, MASK_UPTO, s_kmg, n, 
         signs = _prmt(signs, signs, gl.where(w % 2 == 0, 0x0100, 0x0302)[None, :] + 0 * signs)
     else:
         sym = False
-        signs = kw
+        signs = kw                                     # not read without symmetric groups
     return kw, vw, scale, _fp16_zero(slot, sym), signs
 
 
@@ -115,6 +115,7 @@ def _values(vs_ptr, vz_ptr, vm_ptr, t, last, MASK_UPTO, D: gl.constexpr, HAS_SYM
     slot_lo = gl.load(vz_ptr + g * D + ch)
     slot_hi = gl.load(vz_ptr + g * D + ch + 8)
     scale = gl.join(gl.load(vs_ptr + g * D + ch), gl.load(vs_ptr + g * D + ch + 8))
+    # every slot read as an fp32 zero; a symmetric group's (its sign bits) is cleared below (_sym_zeros)
     zero = _per_output(gl.join(_fp16_zero(slot_lo, False), _fp16_zero(slot_hi, False)), L4, LP)
     if HAS_SYM:
         # the word's channels in symmetric groups as bits a and 16 + a (channels 16 w + a and 16 w + 8 + a: the
