@@ -27,9 +27,10 @@ InnerQ-2 (asymmetric and hybrid groups), KIVI-2's outer layout (SQuat's too), KI
 kernel), KV Pareto's per-token groups (8-bit, groups of 32) and int8's (groups of d), all with a 128-token exact
 window, and AlignedKV's planes (aligned_decode: its two kernels and the torch softmax, top-k and estimate between
 them), whose bytes are those its levels read (from random Gaussian keys and values: the bits read depend on the
-data), and fp16 SDPA for scale. On an H100 KIVI-2's row takes the Gluon kernel of kvzoo/kernels/outer_hopper.py for
-its quantized runs; a second row times the Triton kernel alone. --cases keeps the kernels whose name holds one of
-the given texts; --shapes replaces the four (batch, tokens) rows, for --stages too:
+data), and fp16 SDPA for scale. On an H100 the InnerQ rows take the Gluon split kernel of
+kvzoo/kernels/innerq_hopper.py and KIVI-2's the one of kvzoo/kernels/outer_hopper.py for its quantized runs; a
+second row of InnerQ-2 hybrid and of KIVI-2 times the Triton kernel alone, in the same run. --cases keeps the
+kernels whose name holds one of the given texts; --shapes replaces the four (batch, tokens) rows, for --stages too:
 
     python scripts/bench_kernels.py --floors --cases "outer" --shapes 79x32768 1x8192 --out results/kernels/x
 
@@ -278,10 +279,10 @@ def measure(model: str, N: int, timer: Timer, gen: torch.Generator) -> list[dict
 FLOOR_SHAPES = [(1, 32768), (1, 131072), (32, 32768), (32, 131072)]      # (batch, tokens)
 SHAPE_TOKENS = 128                 # a shape's tokens: the window, then whole AlignedKV blocks and 32-token groups
 FLOOR_TARGET = 0.70
-FLOOR_CASES = ("InnerQ-2 asymmetric", "InnerQ-2 hybrid", "KIVI-2, SQuat (outer)",
-               "KIVI-2, SQuat (outer, Triton kernel only)", "KIVI*-2 (keys rotated in the kernel)",
-               "KV Pareto k8v8 (per-token groups of 32)", "int8 (per-token groups of d)",
-               "AlignedKV (planes; aligned_decode)", "fp16 SDPA")
+FLOOR_CASES = ("InnerQ-2 asymmetric", "InnerQ-2 hybrid", "InnerQ-2 hybrid (Triton kernel only)",
+               "KIVI-2, SQuat (outer)", "KIVI-2, SQuat (outer, Triton kernel only)",
+               "KIVI*-2 (keys rotated in the kernel)", "KV Pareto k8v8 (per-token groups of 32)",
+               "int8 (per-token groups of d)", "AlignedKV (planes; aligned_decode)", "fp16 SDPA")
 
 
 def shape(text: str) -> tuple[int, int]:
@@ -360,12 +361,15 @@ def floor_cases(B: int, N: int, gen: torch.Generator):
     def masks(shape):
         return torch.randint(-2 ** 31, 2 ** 31, shape, dtype=torch.int32, device=DEVICE, generator=gen)
 
-    def innerq(hybrid):
+    def innerq(hybrid, hopper=True):
         k_mask, v_mask = (masks((B, H, d // 32, n_q // 32)), masks((B, H, n_q // 32, d // 32))) if hybrid else \
             (None, None)
         keys, values = synthetic_inner(H, n_q, d, gen, B)
         args = (q, *keys, k_mask, *values, v_mask, k_win, v_win, BITS)
-        return lambda: att.innerq_decode_attention(*args), nbytes(*args[:-1])
+
+        def launch():
+            return att.innerq_decode_attention(*args)
+        return launch if hopper else triton_only(att.innerq_hopper, launch), nbytes(*args[:-1])
 
     def outer(rotated, hopper=True):
         keys, values = synthetic_outer(H, n_q, d, gen, B)
@@ -373,17 +377,9 @@ def floor_cases(B: int, N: int, gen: torch.Generator):
         tables = (torch.randn(N, d, device=DEVICE, generator=gen).half(),) * 2 if rotated else None
         read = nbytes(q, *codes, k_win, v_win) + (nbytes(tables[0]) // 2 if rotated else 0)   # cos, sin: half rows
 
-        def launch():                            # captured into the timer's graph with the kernel chosen here
-            gluon = outer_attention.outer_hopper             # None: a Triton without Gluon
-            enabled = gluon and gluon.ENABLED
-            if not hopper and gluon:
-                gluon.ENABLED = False
-            try:
-                return outer_attention.outer_decode_attention(q, *codes, BITS, k_win, v_win, lengths, rope=tables)
-            finally:
-                if gluon:
-                    gluon.ENABLED = enabled
-        return launch, read
+        def launch():
+            return outer_attention.outer_decode_attention(q, *codes, BITS, k_win, v_win, lengths, rope=tables)
+        return launch if hopper else triton_only(outer_attention.outer_hopper, launch), read
 
     def token(group):
         k_codes, v_codes = words(8), words(8)
@@ -404,9 +400,25 @@ def floor_cases(B: int, N: int, gen: torch.Generator):
         k16, v16 = torch.randn(2, B, H, N, d, device=DEVICE, generator=gen).half()
         return lambda: F.scaled_dot_product_attention(q[:, :, None], k16, v16, enable_gqa=True), nbytes(q, k16, v16)
 
-    builders = (lambda: innerq(False), lambda: innerq(True), lambda: outer(False), lambda: outer(False, hopper=False),
+    builders = (lambda: innerq(False), lambda: innerq(True), lambda: innerq(True, hopper=False), lambda: outer(False),
+                lambda: outer(False, hopper=False),
                 lambda: outer(True), lambda: token(32), lambda: token(d), aligned, sdpa)
     yield from zip(FLOOR_CASES, builders)                                # in FLOOR_CASES' order
+
+
+def triton_only(hopper, launch):
+    """launch with the Gluon kernel of module `hopper` (kvzoo/kernels/*_hopper.py; None: a Triton without Gluon)
+    switched off while it runs, so the Triton kernel alone is what the timer's graph captures."""
+    def run():
+        enabled = hopper is not None and hopper.ENABLED
+        if hopper is not None:
+            hopper.ENABLED = False
+        try:
+            return launch()
+        finally:
+            if hopper is not None:
+                hopper.ENABLED = enabled
+    return run
 
 
 def add_row(rows: list[dict], B: int, N: int, column: str, name: str, ms: float, floor: float, read: int) -> None:

@@ -23,7 +23,8 @@ def test_every_floor_case_runs():
     bench = bench_module()
     cases = list(bench.floor_cases(1, 1024, torch.Generator(device=DEVICE).manual_seed(0)))
     assert [name for name, _ in cases] == list(bench.FLOOR_CASES) == [
-        "InnerQ-2 asymmetric", "InnerQ-2 hybrid", "KIVI-2, SQuat (outer)", "KIVI-2, SQuat (outer, Triton kernel only)",
+        "InnerQ-2 asymmetric", "InnerQ-2 hybrid", "InnerQ-2 hybrid (Triton kernel only)", "KIVI-2, SQuat (outer)",
+        "KIVI-2, SQuat (outer, Triton kernel only)",
         "KIVI*-2 (keys rotated in the kernel)", "KV Pareto k8v8 (per-token groups of 32)",
         "int8 (per-token groups of d)", "AlignedKV (planes; aligned_decode)", "fp16 SDPA"]
     read = {}
@@ -35,8 +36,21 @@ def test_every_floor_case_runs():
     q, kv = 32 * 128 * 2, 8 * 1024 * 128 * 2                     # fp16 query rows; one fp16 stream
     assert read["fp16 SDPA"] == q + 2 * kv
     assert read["KIVI-2, SQuat (outer)"] < read["InnerQ-2 asymmetric"] < read["int8 (per-token groups of d)"]
+    assert read["InnerQ-2 hybrid (Triton kernel only)"] == read["InnerQ-2 hybrid"]
     exponents = 8 * 1024 // 64 * 128 + 8 * 1024                   # at most one a block and channel, one a token
     assert read["AlignedKV (planes; aligned_decode)"] <= 2 * kv + q + exponents
+
+
+def test_triton_only_switches_the_gluon_kernel_off_while_it_runs():
+    bench = bench_module()
+    hopper = type("Hopper", (), {"ENABLED": True})
+    seen = []
+    assert bench.triton_only(hopper, lambda: seen.append(hopper.ENABLED) or 7)() == 7
+    assert seen == [False] and hopper.ENABLED
+    with pytest.raises(ZeroDivisionError):
+        bench.triton_only(hopper, lambda: 1 // 0)()
+    assert hopper.ENABLED
+    assert bench.triton_only(None, lambda: 3)() == 3                 # a Triton without Gluon: nothing to switch
 
 
 def test_cases_select_kernels_by_name():
