@@ -158,7 +158,10 @@ def unpack_asm(bits: int, bf16: bool = False) -> tuple[str, str]:
     """PTX for tl.inline_asm_elementwise (pack=2): two int32 code words in, 32/bits outputs of codes as exact
     fp16 (bf16 when bf16) values (output k: code k of each word). Codes k and k + cpw/2 sit in the low and high
     halves of a word: the two words' low (high) halves are gathered into one register, a code is masked into
-    the mantissa of 1024.0 (fp16 0x6400; bf16 128.0, 0x4300) and that power of two subtracted."""
+    the mantissa of 1024.0 (fp16 0x6400; bf16 128.0, 0x4300) and that power of two subtracted. bf16's mantissa
+    has 7 bits, so its codes have at most 4 (8-bit codes would reach its exponent)."""
+    if bf16 and bits > 4:
+        raise ValueError(f"the bf16 unpack holds codes of at most 4 bits (a bf16 mantissa has 7), got {bits}")
     cpw, half = 32 // bits, 16 // bits
     mask = ((1 << bits) - 1) * 0x00010001
     a, b = f"${cpw}", f"${cpw + 1}"
