@@ -513,12 +513,14 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
         splits, per_split = split_groups(N // GROUP, B * H, dev, num_splits) if N else (0, 0)
     else:
         max_gs, programs_per_sm, stages, split_warps = _split_config(rep, fast, has_sym)
-        gluon = bool(N) and innerq_hopper is not None and innerq_hopper.eligible(q, bits, rep)
-        if gluon:
-            max_gs, programs_per_sm = innerq_hopper.GROUPS_PER_STEP, innerq_hopper.PROGRAMS_PER_SM
         splits, per_split, gs = _plan_splits(N // GROUP, B * H, dev, num_splits, max_gs, programs_per_sm) \
             if N else (0, 0, 1)
-        gluon = gluon and gs == innerq_hopper.GROUPS_PER_STEP
+        if N and innerq_hopper is not None and innerq_hopper.eligible(q, bits, rep):
+            plan = _plan_splits(N // GROUP, B * H, dev, num_splits, innerq_hopper.GROUPS_PER_STEP,
+                                innerq_hopper.PROGRAMS_PER_SM)
+            gluon = plan[2] == innerq_hopper.GROUPS_PER_STEP         # splits of whole steps, else the Triton plan
+            if gluon:
+                splits, per_split, gs = plan
     m = torch.empty(B * Hq, max(splits, 1), dtype=torch.float32, device=dev)   # never a null pointer
     l = torch.empty_like(m)
     acc = torch.empty(B * Hq, max(splits, 1), d, dtype=torch.float32, device=dev)
