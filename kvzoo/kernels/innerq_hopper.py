@@ -13,7 +13,7 @@ wgmma from shared memory, asynchronous output product). What differs:
   - a slot is the fp32 zero point of an asymmetric group (rounded to fp16 for the one-FMA dequantization, as the
     Triton kernel does) or the 32 sign bits of a symmetric one, whose zero is 0 (keys' bit i: channel i of the
     group; values' bit i: token i);
-  - a code's sign goes into the magic numbers it is unpacked with (quant_matvec.signed_pair_asm), so a word's PTX
+  - a code's sign goes into the magic numbers it is unpacked with (quant_matvec.dequant_pair_asm), so a word's PTX
     takes one register of its 16 codes' signs: for a key word one byte permute of its group's slot, for a value
     word bits gathered from 16 channels' slots, four tokens at a time, then masked by the word's symmetric-group
     bits, which also clear those groups' zeros a pair of channels at a time (_values, _sym_zeros);
@@ -33,21 +33,17 @@ KVZOO_INNERQ_KERNEL=triton|gluon|auto (default) overrides the choice: triton nev
 from __future__ import annotations
 
 import functools
-import os
 
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from kvzoo.kernels.outer_hopper import (BLOCK, MMA, N_ROWS, N_WARPS, ROWS, _is_hopper, _layouts, _query,
-                                        _softmax_and_output, _start, _store_partials, _unpack)
-from kvzoo.kernels.quant_matvec import dequant_pair_asm, sym_zero_asm, unpacks_in_ptx
+from kvzoo.kernels.outer_hopper import (BLOCK, MMA, N_ROWS, N_WARPS, ROWS, _is_hopper, _layouts, _logical_tile,
+                                        _query, _softmax_and_output, _start, _store_partials, _unpack)
+from kvzoo.kernels.quant_matvec import dequant_pair_asm, kernel_choice, sym_zero_asm, unpacks_in_ptx
 
-KERNELS = ("auto", "triton", "gluon")
-CHOICE = os.environ.get("KVZOO_INNERQ_KERNEL", "auto")
-if CHOICE not in KERNELS:
-    raise ValueError(f"KVZOO_INNERQ_KERNEL must be one of {KERNELS}, got {CHOICE!r}")
+CHOICE = kernel_choice("KVZOO_INNERQ_KERNEL")
 ENABLED = CHOICE != "triton"
 SLOT_ASM, SLOT_CON = (gl.constexpr(part) for part in dequant_pair_asm(False, per_output=True))
 SIGNED_SLOT_ASM, SIGNED_SLOT_CON = (gl.constexpr(part) for part in dequant_pair_asm(True, per_output=True))
@@ -198,9 +194,7 @@ def _dequant_values(words, signs, scale, zero, LP: gl.constexpr, HAS_SYM: gl.con
                                       [pairs, scale[0], scale[1], scale[2], scale[3], scale[4], scale[5], scale[6],
                                        scale[7], zero[0], zero[1], zero[2], zero[3], zero[4], zero[5], zero[6],
                                        zero[7]], dtype=(gl.float16,) * 8, is_pure=True, pack=2)
-    x = gl.join(gl.join(gl.join(o[0], o[4]), gl.join(o[2], o[6])), gl.join(gl.join(o[1], o[5]), gl.join(o[3], o[7])))
-    x = gl.permute(x, (0, 1, 3, 4, 5, 2))                                           # (R, W, a2, a1, a0, b)
-    return gl.reshape(x, (R, W * 16))
+    return _logical_tile(o)
 
 
 @gluon.jit

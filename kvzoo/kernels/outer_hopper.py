@@ -40,7 +40,6 @@ wherever the layout allows.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import Tensor
@@ -49,12 +48,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
-from kvzoo.kernels.quant_matvec import dequant_pair_asm, pair_asm, signed_pair_asm, unpacks_in_ptx
+from kvzoo.kernels.quant_matvec import dequant_pair_asm, kernel_choice, pair_asm, unpacks_in_ptx
 
-KERNELS = ("auto", "triton", "gluon")
-CHOICE = os.environ.get("KVZOO_OUTER_KERNEL", "auto")
-if CHOICE not in KERNELS:
-    raise ValueError(f"KVZOO_OUTER_KERNEL must be one of {KERNELS}, got {CHOICE!r}")
+CHOICE = kernel_choice("KVZOO_OUTER_KERNEL")
 ENABLED = CHOICE != "triton"  # False: every call takes the Triton kernel (comparisons, bisecting)
 # fewer (KV rows x groups of 32 slots) are left to the Triton kernel ("gluon": none fewer). The least
 # work measured, 8K tokens at batch 1 of Llama-3.1-8B's heads (8 x 252), takes 22.4 us here against its 23.6
@@ -70,7 +66,6 @@ TILE = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidt
 PS = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2))
 
 PAIR_ASM, PAIR_CON = (gl.constexpr(part) for part in pair_asm(2))
-SIGNED_ASM, SIGNED_CON = gl.constexpr(signed_pair_asm()), gl.constexpr(pair_asm(2)[1] + ",r,r")
 DEQUANT_ASM, DEQUANT_CON = (gl.constexpr(part) for part in dequant_pair_asm(False))
 SIGNED_DEQUANT_ASM, SIGNED_DEQUANT_CON = (gl.constexpr(part) for part in dequant_pair_asm(True))
 
@@ -79,12 +74,14 @@ SIGNED_DEQUANT_ASM, SIGNED_DEQUANT_CON = (gl.constexpr(part) for part in dequant
 def _unpack(words, LP: gl.constexpr, signs=None, scale=None, zero=None):
     """(R, W) 2-bit code words -> (R, 16 W) exact fp16 codes in logical channel order c' = 16 w + 2 a + b (slot
     a + 8 b of word w). Each word enters the PTX twice (pack=2 over a pair axis) and leaves as 8 half2 registers.
-    signs (R, W), in the words' layout: each word's signs as quant_matvec.signed_pair_asm takes them. scale and
-    zero (R, W) fp16, one each a word: the codes times the scale plus the zero, in the same PTX."""
+    scale and zero (R, W) fp16, one each a word: the codes times the scale plus the zero, in the same PTX; signs
+    (R, W), in the words' layout, with them: each word's signs as quant_matvec.dequant_pair_asm takes them."""
     R: gl.constexpr = words.shape[0]
     W: gl.constexpr = words.shape[1]
     pairs = gl.expand_dims(words, 2) + gl.zeros([R, W, 2], gl.int32, LP)           # (R, W, 2): the word twice
-    if scale is not None:
+    if scale is None:
+        o = gl.inline_asm_elementwise(PAIR_ASM, PAIR_CON, [pairs], dtype=(gl.float16,) * 8, is_pure=True, pack=2)
+    else:
         halves = gl.zeros([R, W, 2], gl.float16, LP)
         scale = gl.expand_dims(scale, 2) + halves
         zero = gl.expand_dims(zero, 2) + halves
@@ -95,11 +92,15 @@ def _unpack(words, LP: gl.constexpr, signs=None, scale=None, zero=None):
             o = gl.inline_asm_elementwise(SIGNED_DEQUANT_ASM, SIGNED_DEQUANT_CON,
                                           [pairs, gl.expand_dims(signs, 2) + pairs * 0, scale, zero],
                                           dtype=(gl.float16,) * 8, is_pure=True, pack=2)
-    elif signs is None:
-        o = gl.inline_asm_elementwise(PAIR_ASM, PAIR_CON, [pairs], dtype=(gl.float16,) * 8, is_pure=True, pack=2)
-    else:
-        o = gl.inline_asm_elementwise(SIGNED_ASM, SIGNED_CON, [pairs, gl.expand_dims(signs, 2) + pairs * 0],
-                                      dtype=(gl.float16,) * 8, is_pure=True, pack=2)
+    return _logical_tile(o)
+
+
+@gluon.jit
+def _logical_tile(o):
+    """The 8 outputs of an unpack PTX, each (R, W, 2) (output a: codes a and a + 8 of each word), as one (R, 16 W)
+    tile in logical channel order c' = 16 w + 2 a + b."""
+    R: gl.constexpr = o[0].shape[0]
+    W: gl.constexpr = o[0].shape[1]
     x = gl.join(gl.join(gl.join(o[0], o[4]), gl.join(o[2], o[6])), gl.join(gl.join(o[1], o[5]), gl.join(o[3], o[7])))
     x = gl.permute(x, (0, 1, 3, 4, 5, 2))                                           # (R, W, a2, a1, a0, b)
     return gl.reshape(x, (R, W * 16))

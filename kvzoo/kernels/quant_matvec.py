@@ -146,6 +146,18 @@ def unpack_codes(words, shifts, BITS: tl.constexpr):
     return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
+KERNELS = ("auto", "triton", "gluon")
+
+
+def kernel_choice(variable: str) -> str:
+    """The Gluon kernel choice an environment variable (KVZOO_OUTER_KERNEL, KVZOO_INNERQ_KERNEL, KVZOO_W4A16_KERNEL)
+    holds, default auto: triton never takes the Gluon kernel, gluon takes it wherever its layout allows."""
+    choice = os.environ.get(variable, "auto")
+    if choice not in KERNELS:
+        raise ValueError(f"{variable} must be one of {KERNELS}, got {choice!r}")
+    return choice
+
+
 def unpacks_in_ptx(t: Tensor) -> bool:
     """Whether kernels on t may take their inline-PTX fast path (unpack_asm): fp16/bf16 on a compiled CUDA run
     (the interpreter runs no PTX)."""
@@ -196,25 +208,13 @@ def pair_asm(bits: int) -> tuple[str, str]:
 
 
 @functools.lru_cache
-def signed_pair_asm() -> str:
-    """pair_asm(2) with a sign per code (pack=2, the word and then its signs each entered twice): bit a of the signs
-    register is code a's sign, bit 16 + a code a + 8's (a < 8). The sign goes into both the code's magic number
-    and the subtracted one, so that -(1024 + c) - (-1024) = -c exactly: two more instructions per half2."""
-    lines = ["{", ".reg .b32 t, m;"]
-    for a in range(8):
-        lines += [f"shl.b32 m, $10, {15 - a};", "lop3.b32 m, m, 0x80008000, 0x64006400, 0xEA;",   # sign | 1024
-                  f"shr.b32 t, $8, {2 * a};" if a else "mov.b32 t, $8;",
-                  "lop3.b32 t, t, 0x00030003, m, 0xEA;", f"sub.f16x2 ${a}, t, m;"]
-    lines.append("}")
-    return "\n".join(lines)
-
-
-@functools.lru_cache
 def dequant_pair_asm(signed: bool, per_output: bool = False) -> tuple[str, str]:
-    """(PTX, constraints): pair_asm(2) (signed: signed_pair_asm) with the scale and zero applied in the same PTX,
-    one fp16x2 FMA per output. pack=2: the word, then with `signed` its signs, each entered twice, then the scale and
-    the zero as half2 registers, one each for the word's 16 codes or, per_output, one each per output (the 8 scales,
-    then the 8 zeros)."""
+    """(PTX, constraints): pair_asm(2) with the scale and zero applied in the same PTX, one fp16x2 FMA per output.
+    pack=2: the word, then with `signed` its signs, each entered twice, then the scale and the zero as half2
+    registers, one each for the word's 16 codes or, per_output, one each per output (the 8 scales, then the 8
+    zeros). signed: bit a of the signs register is code a's sign, bit 16 + a code a + 8's (a < 8); the sign goes
+    into both the code's magic number and the subtracted one, so that -(1024 + c) - (-1024) = -c exactly (two
+    more instructions per half2)."""
     first = 12 if signed else 10
     lines = ["{", ".reg .b32 t, m;"] + ([] if signed else ["mov.b32 m, 0x64006400;"])
     for a in range(8):

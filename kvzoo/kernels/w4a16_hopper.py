@@ -30,7 +30,6 @@ choice: triton never takes this kernel, gluon takes it for one row and for fewer
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import Tensor
@@ -38,12 +37,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-from kvzoo.kernels.quant_matvec import pair_asm, unpacks_in_ptx
+from kvzoo.kernels.quant_matvec import kernel_choice, pair_asm, unpacks_in_ptx
 
-KERNELS = ("auto", "triton", "gluon")
-CHOICE = os.environ.get("KVZOO_W4A16_KERNEL", "auto")
-if CHOICE not in KERNELS:
-    raise ValueError(f"KVZOO_W4A16_KERNEL must be one of {KERNELS}, got {CHOICE!r}")
+CHOICE = kernel_choice("KVZOO_W4A16_KERNEL")
 ENABLED = CHOICE != "triton"
 MIN_ROWS = 1 if CHOICE == "gluon" else 2
 MAX_ROWS = 16                        # rows of x this kernel serves (the wgmma's N: 8 or 16)

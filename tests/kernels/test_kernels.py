@@ -479,9 +479,12 @@ def test_kvzoo_innerq_kernel_picks_the_kernel(choice, enabled):
     assert run.stdout.split() == [enabled]
 
 
-def test_kvzoo_innerq_kernel_refuses_other_values():
-    pytest.importorskip("kvzoo.kernels.innerq_hopper")
-    run = subprocess.run([sys.executable, "-c", "import kvzoo.kernels.innerq_hopper"], capture_output=True, text=True,
-                         env={**os.environ, "KVZOO_INNERQ_KERNEL": "cuda"})
+@pytest.mark.parametrize("variable,module", [("KVZOO_INNERQ_KERNEL", "kvzoo.kernels.innerq_hopper"),
+                                             ("KVZOO_OUTER_KERNEL", "kvzoo.kernels.outer_hopper"),
+                                             ("KVZOO_W4A16_KERNEL", "kvzoo.kernels.w4a16")])
+def test_kvzoo_kernel_choices_refuse_other_values(variable, module):
+    pytest.importorskip("kvzoo.kernels.outer_hopper")            # a Triton with Gluon
+    run = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True,
+                         env={**os.environ, variable: "cuda"})
     assert run.returncode != 0
-    assert "KVZOO_INNERQ_KERNEL must be one of ('auto', 'triton', 'gluon'), got 'cuda'" in run.stderr
+    assert f"{variable} must be one of ('auto', 'triton', 'gluon'), got 'cuda'" in run.stderr

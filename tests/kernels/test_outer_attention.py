@@ -281,11 +281,3 @@ def test_kvzoo_outer_kernel_picks_the_kernel(choice, enabled, floor):
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KVZOO_OUTER_KERNEL": choice},
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == [str(enabled), str(floor)]
-
-
-def test_kvzoo_outer_kernel_refuses_other_values():
-    pytest.importorskip("kvzoo.kernels.outer_hopper")
-    run = subprocess.run([sys.executable, "-c", "import kvzoo.kernels.outer_hopper"],
-                         env={**os.environ, "KVZOO_OUTER_KERNEL": "cuda"}, capture_output=True, text=True)
-    assert run.returncode != 0
-    assert "KVZOO_OUTER_KERNEL must be one of ('auto', 'triton', 'gluon'), got 'cuda'" in run.stderr

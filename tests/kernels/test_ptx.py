@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvzoo.kernels.quant_matvec import dequant_pair_asm, pair_asm, signed_pair_asm, sym_zero_asm, unpack_asm
+from kvzoo.kernels.quant_matvec import dequant_pair_asm, pair_asm, sym_zero_asm, unpack_asm
 
 RNG = np.random.default_rng(0)
 LANES = 4096
@@ -128,7 +128,7 @@ def test_unpack_asm_gives_code_k_of_both_words(bits, bf16):
 
 
 def signs_register(signs: np.ndarray) -> np.ndarray:
-    """(n, 16) sign bits of a word's codes -> the register signed_pair_asm takes: code a's at bit a, a + 8's at
+    """(n, 16) sign bits of a word's codes -> the signs register dequant_pair_asm(signed=True) takes: code a's at bit a, a + 8's at
     bit 16 + a (a < 8); the other bits random, which the PTX must ignore."""
     bits = signs.astype(np.uint32)
     register = sum(bits[:, a] << a | bits[:, a + 8] << (16 + a) for a in range(8))
@@ -138,9 +138,9 @@ def signs_register(signs: np.ndarray) -> np.ndarray:
 SIGNS = RNG.integers(0, 2, (LANES, 16))
 
 
-def test_signed_pair_asm_negates_the_codes_whose_sign_is_set():
-    register = signs_register(SIGNS)
-    out = run_ptx(signed_pair_asm(), 8, [WORDS, WORDS, register, register])
+def test_signed_dequant_asm_negates_the_codes_whose_sign_is_set():
+    register, one, zero = signs_register(SIGNS), half_pair(np.ones((LANES, 2))), half_pair(np.zeros((LANES, 2)))
+    out = run_ptx(dequant_pair_asm(True)[0], 8, [WORDS, WORDS, register, register, one, zero])
     values = codes_of(WORDS, 2) * np.where(SIGNS == 1, -1.0, 1.0)
     for a in range(8):
         assert np.array_equal(unpair(out[a]), values[:, [a, a + 8]])

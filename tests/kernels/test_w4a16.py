@@ -249,11 +249,3 @@ def test_kvzoo_w4a16_kernel_picks_the_kernel(choice, enabled, rows, features):
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KVZOO_W4A16_KERNEL": choice},
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == [str(enabled), str(rows), str(features)]
-
-
-def test_kvzoo_w4a16_kernel_refuses_other_values():
-    pytest.importorskip("kvzoo.kernels.w4a16_hopper")
-    run = subprocess.run([sys.executable, "-c", "import kvzoo.kernels.w4a16"],
-                         env={**os.environ, "KVZOO_W4A16_KERNEL": "cuda"}, capture_output=True, text=True)
-    assert run.returncode != 0
-    assert "KVZOO_W4A16_KERNEL must be one of ('auto', 'triton', 'gluon'), got 'cuda'" in run.stderr
