@@ -3,7 +3,7 @@ channels, values in per-channel groups of 32 tokens, asymmetric or hybrid sym/as
 fp16/bf16 model. The windows stay with innerq_attention's combine kernel, which merges this kernel's (m, l, acc)
 partials as it merges the Triton split kernel's.
 
-    grid (B*H, splits): program (kv head, split) attends its rep query rows (ROWS = 16, padding past rep)
+    grid (B*H, splits): program (kv head, split) attends its rep query rows (ROWS = 8 or 16, padding past rep)
     over the value groups [split * PER_SPLIT, ...) of the live quantized tokens, 128 tokens a step.
 
 It is outer_hopper's kernel with the two streams' scales exchanged: InnerQ's keys are grouped as KIVI's values
@@ -39,8 +39,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from kvzoo.kernels.outer_hopper import (BLOCK, MMA, N_ROWS, N_WARPS, ROWS, _is_hopper, _layouts, _logical_tile,
-                                        _query, _softmax_and_output, _start, _store_partials, _unpack)
+from kvzoo.kernels.outer_hopper import (BLOCK, N_ROWS, N_WARPS, _is_hopper, _layouts, _logical_tile, _query,
+                                        _softmax_and_output, _start, _store_partials, _unpack, mma_layout, rows_for)
 from kvzoo.kernels.quant_matvec import dequant_pair_asm, kernel_choice, sym_zero_asm, unpacks_in_ptx
 
 CHOICE = kernel_choice("KVZOO_INNERQ_KERNEL")
@@ -201,9 +201,10 @@ def _dequant_values(words, signs, scale, zero, LP: gl.constexpr, HAS_SYM: gl.con
 def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_ptr, vm_ptr, m_ptr, l_ptr,
                   acc_ptr, len_ptr, N_TOKENS, PER_SPLIT, N_COLS, MASK_UPTO, qk_scale,
                   s_kc, s_ks, s_kz, s_km, s_kmg, s_vc, s_vs, s_vz, s_vm,
-                  D: gl.constexpr, REP: gl.constexpr, HAS_SYM: gl.constexpr, DYN: gl.constexpr,
+                  D: gl.constexpr, REP: gl.constexpr, ROWS: gl.constexpr, HAS_SYM: gl.constexpr, DYN: gl.constexpr,
                   HAS_QS: gl.constexpr, LP: gl.constexpr, LA: gl.constexpr, LT: gl.constexpr, L4: gl.constexpr):
     GS: gl.constexpr = BLOCK // 32
+    MMA: gl.constexpr = mma_layout(ROWS)
     W: gl.constexpr = D // 16
     LW: gl.constexpr = gl.SliceLayout(2, LP)                        # words (BLOCK, W)
 
@@ -219,7 +220,7 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
     vm_ptr += head * s_vm
     split = gl.program_id(1)
 
-    q_s, k_s, v_s, p_s, m, l, acc = _start(_query(q_ptr, qs_ptr, kv, REP, D, HAS_QS))
+    q_s, k_s, v_s, p_s, m, l, acc = _start(_query(q_ptr, qs_ptr, kv, REP, ROWS, D, HAS_QS))
 
     if DYN:
         live = gl.load(len_ptr)
@@ -291,5 +292,5 @@ def split_partials(q: Tensor, q_scale: Tensor | None, buffers: list[tuple[Tensor
     _split_kernel[(B * H, splits)](
         q, q if q_scale is None else q_scale, *(t for t, _ in buffers), m, l, acc, m if lengths is None else lengths,
         n_tokens, per_split, splits, mask_upto, qk_scale, buffers[0][1], buffers[1][1], buffers[2][1], buffers[3][1],
-        s_kmg, *(s for _, s in buffers[4:]), D=d, REP=Hq // H, HAS_SYM=has_sym, DYN=lengths is not None,
-        HAS_QS=q_scale is not None, LP=lp, LA=la, LT=lt, L4=l4, num_warps=N_WARPS)
+        s_kmg, *(s for _, s in buffers[4:]), D=d, REP=Hq // H, ROWS=rows_for(Hq // H), HAS_SYM=has_sym,
+        DYN=lengths is not None, HAS_QS=q_scale is not None, LP=lp, LA=la, LT=lt, L4=l4, num_warps=N_WARPS)

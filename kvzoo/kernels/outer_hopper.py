@@ -3,7 +3,7 @@
 head_dim 64 or 128, no RoPE in the kernel, an fp16/bf16 model. The sink and the windows stay with the Triton
 split kernel, which runs the last program; both write the same (m, l, acc) partials, merged by its combine kernel.
 
-    grid (B*H, splits): program (kv head, split) attends its rep query rows (ROWS = 16, padding past rep)
+    grid (B*H, splits): program (kv head, split) attends its rep query rows (ROWS = 8 or 16, padding past rep)
     over the groups [split * PER_SPLIT, ...) of the slots quantized in both streams, 128 tokens a step.
 
 Bytes read are those of the Triton kernel (outer_attention's module docstring). What differs is how the
@@ -58,12 +58,27 @@ MIN_GROUP_ROWS = 0 if CHOICE == "gluon" else 2016
 TOKENS, N_WARPS, N_ROWS = 128, 4, 16
 BLOCK = gl.constexpr(TOKENS)         # tokens a step: four warps, one key group each
 WARPS = gl.constexpr(N_WARPS)
-ROWS = gl.constexpr(N_ROWS)          # query rows a program serves (the wgmma's N)
-
-MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[N_WARPS, 1], instr_shape=[16, N_ROWS, 16]))
 LQ = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [N_WARPS, 1], [1, 0]))          # the query rows' load
 TILE = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-PS = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2))
+
+
+def rows_for(rep: int) -> int:
+    """The query rows a program serves (the wgmma's N, padded past rep): 8 or 16. Every padded row costs its
+    softmax work (exp2, reductions over the tokens) as a real one does."""
+    return 8 if rep <= 8 else N_ROWS
+
+
+@gluon.constexpr_function
+def mma_layout(rows):
+    """The wgmma accumulator's layout for (BLOCK or D, rows) tiles."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[N_WARPS, 1], instr_shape=[16, rows, 16])
+
+
+@gluon.constexpr_function
+def _weights_layout(rows):
+    """The shared layout of a step's weights (BLOCK, rows), rows contiguous (2 * rows bytes a token: 16 bytes, the
+    least wgmma operand row, take no swizzle)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=2 * rows if rows > 8 else 0, element_bitwidth=16, rank=2)
 
 PAIR_ASM, PAIR_CON = (gl.constexpr(part) for part in pair_asm(2))
 DEQUANT_ASM, DEQUANT_CON = (gl.constexpr(part) for part in dequant_pair_asm(False))
@@ -123,7 +138,7 @@ def _logical(x, L3: gl.constexpr):
 
 
 @gluon.jit
-def _query(q_ptr, qs_ptr, kv, REP: gl.constexpr, D: gl.constexpr, HAS_QS: gl.constexpr):
+def _query(q_ptr, qs_ptr, kv, REP: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr, HAS_QS: gl.constexpr):
     """The query rows of KV head kv (ROWS, D) in logical channel order, padded past REP with zeros; with HAS_QS times
     qs_ptr's row kv channel by channel in the model dtype (InnerQ's key normalization); then fp16 (a bf16 query
     clamped to the fp16 range, as the Triton kernels)."""
@@ -139,11 +154,13 @@ def _query(q_ptr, qs_ptr, kv, REP: gl.constexpr, D: gl.constexpr, HAS_QS: gl.con
 def _start(q):
     """A program's shared tiles (the query q (ROWS, D) stored, a step's keys and values (BLOCK, D), its weights
     (BLOCK, ROWS)) and its empty online-softmax state: running max m, sum l (ROWS,) and output accᵀ (D, ROWS)."""
+    ROWS: gl.constexpr = q.shape[0]
     D: gl.constexpr = q.shape[1]
+    MMA: gl.constexpr = mma_layout(ROWS)
     q_s = gl.allocate_shared_memory(gl.float16, [ROWS, D], TILE, q)
     k_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
     v_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
-    p_s = gl.allocate_shared_memory(gl.float16, [BLOCK, ROWS], PS)
+    p_s = gl.allocate_shared_memory(gl.float16, [BLOCK, ROWS], _weights_layout(ROWS))
     m = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
     l = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(0, MMA))
     return q_s, k_s, v_s, p_s, m, l, warpgroup_mma_init(gl.zeros([D, ROWS], gl.float32, layout=MMA))
@@ -170,6 +187,8 @@ def _softmax_and_output(s, live, m, l, acc_v, v_s, p_s, qk_scale):
 def _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, kv, split, N_COLS, REP: gl.constexpr, D: gl.constexpr):
     """Program (kv, split)'s (m, l, acc) partials of its live query rows at column `split` of N_COLS, the output
     channels back in their real places."""
+    ROWS: gl.constexpr = m.shape[0]
+    MMA: gl.constexpr = mma_layout(ROWS)
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
     live_r = r < REP
     rows = (kv * REP + r) * N_COLS + split
@@ -197,8 +216,10 @@ def _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t, last, n, w, gr,
 @gluon.jit
 def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, l_ptr, acc_ptr, len_ptr,
                       PER_SPLIT, N_COLS, qk_scale, s_kc, s_ks, s_kz, s_vc, s_vs, s_vz,
-                      D: gl.constexpr, REP: gl.constexpr, CG: gl.constexpr, LP: gl.constexpr, KSL: gl.constexpr):
+                      D: gl.constexpr, REP: gl.constexpr, ROWS: gl.constexpr, CG: gl.constexpr, LP: gl.constexpr,
+                      KSL: gl.constexpr):
     GS: gl.constexpr = BLOCK // 32
+    MMA: gl.constexpr = mma_layout(ROWS)
     W: gl.constexpr = D // 16
     LW: gl.constexpr = gl.SliceLayout(2, LP)                        # words (BLOCK, W)
     # the layouts the unpacked key (GS, 32, D) and value (BLOCK, D/CG, CG) tiles come in (traced; no code)
@@ -215,7 +236,7 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_p
     vz_ptr += head * s_vz
     split = gl.program_id(1)
 
-    q_s, k_s, v_s, p_s, m, l, acc = _start(_query(q_ptr, q_ptr, kv, REP, D, False))
+    q_s, k_s, v_s, p_s, m, l, acc = _start(_query(q_ptr, q_ptr, kv, REP, ROWS, D, False))
 
     n_both = gl.minimum(gl.load(len_ptr), gl.load(len_ptr + 1))
     start = split * PER_SPLIT
@@ -288,5 +309,5 @@ def quantized_splits(q: Tensor, buffers: list[tuple[Tensor, int]], m: Tensor, l:
     H = buffers[0][0].shape[1]
     lp, ksl = _layouts(d)
     _quantized_kernel[(B * H, splits)](q, *(t for t, _ in buffers), m, l, acc, lengths, per_split, splits + 1,
-                                       qk_scale, *(s for _, s in buffers), D=d, REP=Hq // H, CG=group, LP=lp,
-                                       KSL=ksl, num_warps=N_WARPS)
+                                       qk_scale, *(s for _, s in buffers), D=d, REP=Hq // H, ROWS=rows_for(Hq // H),
+                                       CG=group, LP=lp, KSL=ksl, num_warps=N_WARPS)
