@@ -73,13 +73,6 @@ def mma_layout(rows):
     """The wgmma accumulator's layout for (BLOCK or D, rows) tiles."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[N_WARPS, 1], instr_shape=[16, rows, 16])
 
-
-@gluon.constexpr_function
-def _weights_layout(rows):
-    """The shared layout of a step's weights (BLOCK, rows), rows contiguous (2 * rows bytes a token: 16 bytes, the
-    least wgmma operand row, take no swizzle)."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=2 * rows if rows > 8 else 0, element_bitwidth=16, rank=2)
-
 PAIR_ASM, PAIR_CON = (gl.constexpr(part) for part in pair_asm(2))
 DEQUANT_ASM, DEQUANT_CON = (gl.constexpr(part) for part in dequant_pair_asm(False))
 SIGNED_DEQUANT_ASM, SIGNED_DEQUANT_CON = (gl.constexpr(part) for part in dequant_pair_asm(True))
@@ -153,14 +146,14 @@ def _query(q_ptr, qs_ptr, kv, REP: gl.constexpr, ROWS: gl.constexpr, D: gl.const
 @gluon.jit
 def _start(q):
     """A program's shared tiles (the query q (ROWS, D) stored, a step's keys and values (BLOCK, D), its weights
-    (BLOCK, ROWS)) and its empty online-softmax state: running max m, sum l (ROWS,) and output accᵀ (D, ROWS)."""
+    transposed (ROWS, BLOCK), tokens contiguous as the query's channels) and its empty online-softmax state: running max m, sum l (ROWS,) and output accᵀ (D, ROWS)."""
     ROWS: gl.constexpr = q.shape[0]
     D: gl.constexpr = q.shape[1]
     MMA: gl.constexpr = mma_layout(ROWS)
     q_s = gl.allocate_shared_memory(gl.float16, [ROWS, D], TILE, q)
     k_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
     v_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
-    p_s = gl.allocate_shared_memory(gl.float16, [BLOCK, ROWS], _weights_layout(ROWS))
+    p_s = gl.allocate_shared_memory(gl.float16, [ROWS, BLOCK], TILE)
     m = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
     l = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(0, MMA))
     return q_s, k_s, v_s, p_s, m, l, warpgroup_mma_init(gl.zeros([D, ROWS], gl.float32, layout=MMA))
@@ -176,11 +169,11 @@ def _softmax_and_output(s, live, m, l, acc_v, v_s, p_s, qk_scale):
     alpha = gl.exp2(m - m_new)
     p = gl.exp2(s - m_new[None, :])
     l = l * alpha + gl.sum(p, axis=0)
-    p_s.store(p.to(gl.float16))
+    p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
     fence_async_shared()
     if gl.min(alpha, axis=0) < 1.0:                           # a row's max grew: rescale (rare after the start)
         acc_v = acc_v * alpha[None, :]
-    return m_new, l, warpgroup_mma(v_s.permute((1, 0)), p_s, acc_v, is_async=True)
+    return m_new, l, warpgroup_mma(v_s.permute((1, 0)), p_s.permute((1, 0)), acc_v, is_async=True)
 
 
 @gluon.jit

@@ -165,67 +165,44 @@ def unpacks_in_ptx(t: Tensor) -> bool:
         and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
-def _fields(bits: int, mantissa: int) -> list[tuple[int | None, int, int]]:
-    """Where each code of a 16-bit half (offset o = k * bits) is read without a shift per code: (the shift of the
-    word to take first, or None to keep the last one; the code's mask in the shifted word; the exponent E of the
-    power of two it is masked into). A code at bits o' .. o' + bits of a mantissa of `mantissa` bits, under the
-    exponent E = mantissa - o', makes 2^E + code exactly (the mantissa's unit there is 2^-o'), so one shift serves
-    every code that fits in the mantissa after it: 2-bit codes in fp16 take one shift a word where a shift per
-    code took seven."""
-    fields, base = [], None
-    for o in range(0, 16, bits):
-        shift = None
-        if base is None or o - base + bits > mantissa:
-            base = shift = o
-        fields.append((shift, ((1 << bits) - 1) << (o - base) & 0xFFFF, mantissa - (o - base)))
-    return fields
-
-
-def _magic(exponent: int, bf16: bool) -> int:
-    """2^exponent in both halves of a register, fp16 or bf16."""
-    one = (127 + exponent) << 7 if bf16 else (15 + exponent) << 10
-    return one * 0x00010001
-
-
 @functools.lru_cache
 def unpack_asm(bits: int, bf16: bool = False) -> tuple[str, str]:
     """PTX for tl.inline_asm_elementwise (pack=2): two int32 code words in, 32/bits outputs of codes as exact
     fp16 (bf16 when bf16) values (output k: code k of each word). Codes k and k + cpw/2 sit in the low and high
     halves of a word: the two words' low (high) halves are gathered into one register, a code is masked into
-    the mantissa of a power of two (_fields) and that power of two subtracted. bf16's mantissa has 7 bits, so its
-    codes have at most 4 (8-bit codes would reach its exponent)."""
+    the mantissa of 1024.0 (fp16 0x6400; bf16 128.0, 0x4300) and that power of two subtracted. bf16's mantissa
+    has 7 bits, so its codes have at most 4 (8-bit codes would reach its exponent)."""
     if bf16 and bits > 4:
         raise ValueError(f"the bf16 unpack holds codes of at most 4 bits (a bf16 mantissa has 7), got {bits}")
     cpw, half = 32 // bits, 16 // bits
+    mask = ((1 << bits) - 1) * 0x00010001
     a, b = f"${cpw}", f"${cpw + 1}"
-    lines = ["{", ".reg .b32 lo, hi, s, t, m, one;", "mov.b32 one, 0x3F803F80;" if bf16 else "",
-             f"prmt.b32 lo, {a}, {b}, 0x5410;", f"prmt.b32 hi, {a}, {b}, 0x7632;"]
+    magic = "0x43004300" if bf16 else "0x64006400"
+    lines = ["{", ".reg .b32 lo, hi, t, magic, one, neg;", f"mov.b32 magic, {magic};"]
+    if bf16:
+        lines += ["mov.b32 one, 0x3F803F80;", "mov.b32 neg, 0xC300C300;"]      # 1.0 and -128.0, twice
+    lines += [f"prmt.b32 lo, {a}, {b}, 0x5410;", f"prmt.b32 hi, {a}, {b}, 0x7632;"]
     for k in range(cpw):
-        shift, mask, exponent = _fields(bits, 7 if bf16 else 10)[k % half]
-        if shift is not None:
-            src = "lo" if k < half else "hi"
-            lines.append(f"shr.b32 s, {src}, {shift};" if shift else f"mov.b32 s, {src};")
-        magic = _magic(exponent, bf16)
-        lines.append(f"lop3.b32 t, s, {mask * 0x00010001:#010x}, {magic:#010x}, 0xEA;")
-        # bf16: t * 1 - 2^E (fma.bf16x2 runs on sm_80; sub.bf16x2 needs sm_90)
-        lines += [f"mov.b32 m, {magic | 0x80008000 if bf16 else magic:#010x};",
-                  f"fma.rn.bf16x2 ${k}, t, one, m;" if bf16 else f"sub.f16x2 ${k}, t, m;"]
+        src, shift = ("lo", k * bits) if k < half else ("hi", (k - half) * bits)
+        lines.append(f"shr.b32 t, {src}, {shift};" if shift else f"mov.b32 t, {src};")
+        lines.append(f"lop3.b32 t, t, {mask}, magic, 0xEA;")
+        # bf16: t * 1 - 128 (fma.bf16x2 runs on sm_80; sub.bf16x2 needs sm_90)
+        lines.append(f"fma.rn.bf16x2 ${k}, t, one, neg;" if bf16 else f"sub.f16x2 ${k}, t, magic;")
     lines.append("}")
-    return "\n".join(line for line in lines if line), ",".join(["=r"] * cpw + ["r"] * 2)
+    return "\n".join(lines), ",".join(["=r"] * cpw + ["r"] * 2)
 
 
 @functools.lru_cache
 def pair_asm(bits: int) -> tuple[str, str]:
     """PTX for inline_asm_elementwise (pack=2, one int32 code word entered twice; the Gluon kernels'): output a
     (0 .. 16/bits - 1) holds codes a and a + 16/bits of the word (its bits a*bits and 16 + a*bits) as an exact
-    half2, masked into the mantissa of a power of two (_fields), which is then subtracted."""
+    half2, masked into the mantissa of 1024.0 (fp16 0x6400), which is then subtracted."""
     half = 16 // bits
-    lines = ["{", ".reg .b32 s, t, m;"]
-    for a, (shift, mask, exponent) in enumerate(_fields(bits, 10)):
-        if shift is not None:
-            lines.append(f"shr.b32 s, ${half}, {shift};" if shift else f"mov.b32 s, ${half};")
-        lines += [f"mov.b32 m, {_magic(exponent, False):#010x};",
-                  f"lop3.b32 t, s, {mask * 0x00010001:#010x}, m, 0xEA;", f"sub.f16x2 ${a}, t, m;"]
+    mask = ((1 << bits) - 1) * 0x00010001
+    lines = ["{", ".reg .b32 t, magic;", "mov.b32 magic, 0x64006400;"]
+    for a in range(half):
+        lines += [f"shr.b32 t, ${half}, {a * bits};" if a else f"mov.b32 t, ${half};",
+                  f"lop3.b32 t, t, {mask:#010x}, magic, 0xEA;", f"sub.f16x2 ${a}, t, magic;"]
     lines.append("}")
     return "\n".join(lines), ",".join(["=r"] * half + ["r"] * 2)
 
@@ -236,19 +213,16 @@ def dequant_pair_asm(signed: bool, per_output: bool = False) -> tuple[str, str]:
     pack=2: the word, then with `signed` its signs, each entered twice, then the scale and the zero as half2
     registers, one each for the word's 16 codes or, per_output, one each per output (the 8 scales, then the 8
     zeros). signed: bit a of the signs register is code a's sign, bit 16 + a code a + 8's (a < 8); the sign goes
-    into both the code's power of two and the subtracted one, so that -(2^E + c) - (-2^E) = -c exactly (two
+    into both the code's magic number and the subtracted one, so that -(1024 + c) - (-1024) = -c exactly (two
     more instructions per half2)."""
     first = 12 if signed else 10
-    lines = ["{", ".reg .b32 s, t, m;"]
-    for a, (shift, mask, exponent) in enumerate(_fields(2, 10)):
+    lines = ["{", ".reg .b32 t, m;"] + ([] if signed else ["mov.b32 m, 0x64006400;"])
+    for a in range(8):
         sc, zr = (first + a, first + 8 + a) if per_output else (first, first + 1)
-        if shift is not None:
-            lines.append(f"shr.b32 s, $8, {shift};" if shift else "mov.b32 s, $8;")
-        magic = f"{_magic(exponent, False):#010x}"
-        lines += [f"shl.b32 m, $10, {15 - a};", f"lop3.b32 m, m, 0x80008000, {magic}, 0xEA;"] if signed else \
-            [f"mov.b32 m, {magic};"]
-        lines += [f"lop3.b32 t, s, {mask * 0x00010001:#010x}, m, 0xEA;", "sub.f16x2 t, t, m;",
-                  f"fma.rn.f16x2 ${a}, t, ${sc}, ${zr};"]
+        if signed:
+            lines += [f"shl.b32 m, $10, {15 - a};", "lop3.b32 m, m, 0x80008000, 0x64006400, 0xEA;"]
+        lines += [f"shr.b32 t, $8, {2 * a};" if a else "mov.b32 t, $8;",
+                  "lop3.b32 t, t, 0x00030003, m, 0xEA;", "sub.f16x2 t, t, m;", f"fma.rn.f16x2 ${a}, t, ${sc}, ${zr};"]
     lines.append("}")
     inputs = (4 if signed else 2) + (16 if per_output else 2)
     return "\n".join(lines), ",".join(["=r"] * 8 + ["r"] * inputs)
