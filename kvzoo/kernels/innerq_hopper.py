@@ -25,8 +25,9 @@ Numerics are the Triton kernel's fast path: exact fp16 codes, one fp16 FMA with 
 tiles, fp32 products and softmax, the query times the key normalization in the model dtype, then fp16.
 
 Speed (Llama-3.1-8B heads, rep 4, one H100, L2 flushed, the whole operation with the combine kernel; docs/decode.md,
-"InnerQ's split kernel in Gluon"): hybrid groups at 128K, batch 1 121 us against the Triton kernel's 186, at 32K,
-batch 32 832 against 1,337; asymmetric 106 against 143 and 716 against 961.
+"InnerQ's split kernel in Gluon" and "Eight query rows a program"): hybrid groups at 128K, batch 1 122 us against the
+Triton kernel's 185, at 32K, batch 32 832 against 1,331 (the same run); asymmetric 99 and 656 (Triton, another run:
+143 and 961).
 KVZOO_INNERQ_KERNEL=triton|gluon|auto (default) overrides the choice: triton never takes this kernel.
 """
 

@@ -12,9 +12,13 @@ dequantized tiles reach the tensor cores. Gluon lets the kernel choose every lay
     consecutive tokens of one word: its 16-byte stores of eight channels land in eight distinct bank groups of
     the swizzled tile (no bank conflicts), and a thread's key scales and zeros are those of one group.
   - The tiles are stored once into NVMMA-swizzled shared memory, keys (128 tokens, d) and values (128 tokens, d),
-    and wgmma reads them from there, the values through a transposed descriptor (accᵀ (d, REP_P) += Vᵀ · pᵀ,
-    scores transposed, (128, REP_P) = K · qᵀ). The Triton kernel stores the same tiles and loads them back into
-    registers; its transposed values take one 16-bit store per element.
+    and wgmma reads them from there, the values through a transposed descriptor (accᵀ (d, ROWS) += Vᵀ · pᵀ,
+    scores transposed, (128, ROWS) = K · qᵀ). The query (ROWS, d) and the weights p, stored transposed (ROWS, 128),
+    are the B operands, both K-major. The Triton kernel stores the same tiles and loads them back into registers;
+    its transposed values take one 16-bit store per element.
+  - ROWS is the wgmma's N: 8 where rep <= 8, else 16. A padded row costs the softmax's work (exp2, the max and sum
+    over the tokens, across lanes and warps) as a real one does: at rep 4, 8 rows rather than 16 take the loop from
+    1,098 to 993 instructions (sm_90 SASS).
   - Logical channel order. One lop3 on a word gives code slots a and a + 8 as a half2 (quant_matvec.unpack_asm);
     the kernel keeps that pair as logical channels (2a, 2a + 1) of its word, c' = 16 w + 2 a + b for real channel
     16 w + a + 8 b (_real), so no unpacked register is re-paired. The scores are a sum over channels, unchanged
@@ -29,10 +33,10 @@ Numerics are the Triton kernel's: codes exact in fp16, scale and zero applied by
 products and softmax.
 
 Speed (Llama-3.1-8B heads, rep 4, one H100, L2 flushed; docs/decode.md, "KIVI's and SQuat's quantized runs in
-Gluon"): with the tail beside it, the whole operation at 32K, batch 32 takes 662 us against the Triton kernel's 820,
-at 128K, batch 1 101 against 118 (`python scripts/bench_kernels.py --floors --cases "outer)" "Triton kernel only"`).
-At batch 1, 32K, 34.1 against 40.9 us; 16K, 24.4 against 27.7 (`--shapes 1x16384`). Below MIN_GROUP_ROWS of work
-(KV rows x groups) the Triton kernel runs alone.
+Gluon" and "Eight query rows a program"): with the tail beside it, the whole operation at 32K, batch 32 takes 611 us
+against the Triton kernel's 814, at 128K, batch 1 96 against 118, at 32K, batch 1 32.5 against 40.4
+(`python scripts/bench_kernels.py --floors --cases "KIVI-2" --shapes 1x131072 1x32768 32x32768`). Below
+MIN_GROUP_ROWS of work (KV rows x groups) the Triton kernel runs alone.
 KVZOO_OUTER_KERNEL=triton|gluon|auto (default) overrides the choice: triton never takes this kernel, gluon takes it
 wherever the layout allows.
 """

@@ -272,6 +272,13 @@ def test_hopper_kernel_is_not_taken_off_its_layout():
     assert outer_hopper.eligible(q, 2, 2, True, None, 32, 4, 4, big) == HOPPER
 
 
+def test_hopper_kernels_pad_their_query_rows_to_8_or_16():
+    """The Gluon kernels' wgmma N: 8 rows up to rep 8 (Llama-3.1-8B's 4, SmolLM2's 3), 16 above; the compiled tests
+    run both (1 to 16 query rows)."""
+    outer_hopper = pytest.importorskip("kvzoo.kernels.outer_hopper")
+    assert [outer_hopper.rows_for(rep) for rep in (1, 3, 4, 8, 9, 16)] == [8, 8, 8, 8, 16, 16]
+
+
 @pytest.mark.parametrize("choice,enabled,floor", [("triton", False, 2016), ("gluon", True, 0), ("auto", True, 2016)])
 def test_kvzoo_outer_kernel_picks_the_kernel(choice, enabled, floor):
     """KVZOO_OUTER_KERNEL, read when outer_hopper is imported: triton never takes the Gluon kernel, gluon drops the
