@@ -77,6 +77,7 @@ def mma_layout(rows):
     """The wgmma accumulator's layout for (BLOCK or D, rows) tiles."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[N_WARPS, 1], instr_shape=[16, rows, 16])
 
+
 PAIR_ASM, PAIR_CON = (gl.constexpr(part) for part in pair_asm(2))
 DEQUANT_ASM, DEQUANT_CON = (gl.constexpr(part) for part in dequant_pair_asm(False))
 SIGNED_DEQUANT_ASM, SIGNED_DEQUANT_CON = (gl.constexpr(part) for part in dequant_pair_asm(True))
@@ -150,7 +151,8 @@ def _query(q_ptr, qs_ptr, kv, REP: gl.constexpr, ROWS: gl.constexpr, D: gl.const
 @gluon.jit
 def _start(q):
     """A program's shared tiles (the query q (ROWS, D) stored, a step's keys and values (BLOCK, D), its weights
-    transposed (ROWS, BLOCK), tokens contiguous as the query's channels) and its empty online-softmax state: running max m, sum l (ROWS,) and output accᵀ (D, ROWS)."""
+    transposed (ROWS, BLOCK), tokens contiguous as the query's channels) and its empty online-softmax state: running
+    max m, sum l (ROWS,) and output accᵀ (D, ROWS)."""
     ROWS: gl.constexpr = q.shape[0]
     D: gl.constexpr = q.shape[1]
     MMA: gl.constexpr = mma_layout(ROWS)
