@@ -87,6 +87,11 @@ def token_group(width: int, group_size: int) -> int:
     return max(g for g in range(1, min(width, group_size) + 1) if width % g == 0)
 
 
+def move_down(window: Tensor, group: int) -> None:
+    """Rows (*lead, R + group, width): rows group.. move down `group` rows (the oldest group has left)."""
+    window[..., :-group, :] = window[..., group:, :].clone()
+
+
 def device_slots(start: Tensor, n: int, group: int) -> tuple[Tensor, Tensor]:
     """Where n rows written at a device-held slot `start` (1,) go, with no host sync: (their slots (n,), the
     groups of `group` rows they fill (n // group,), start then a multiple of it)."""
@@ -109,6 +114,12 @@ class Codec(nn.Module):
     def write_at(self, start: Tensor, rows: Tensor) -> None:
         """The same at a device-held slot start (1,): index writes, no host sync (the static step)."""
         raise NotImplementedError
+
+    def flush_at(self, start: Tensor, window: Tensor, group: int) -> None:
+        """A window's oldest `group` rows (window (*lead, R + group, width)) into slots [start, start + group) at a
+        device-held start (1,), and its other rows moved down `group` rows (the static step)."""
+        self.write_at(start, window[..., :group, :])
+        move_down(window, group)
 
     def held(self, n: int):
         """Slots [0, n) as stored (a QTensor-like object, or exact rows)."""
@@ -200,6 +211,13 @@ class GroupCodec(Codec):
         slots, groups = device_slots(start, n, self.group)
         for buf, values, grouped in self._encode(rows):
             buf.index_copy_(buf.dim() - 2, groups if grouped else slots, values)
+
+    def flush_at(self, start: Tensor, window: Tensor, group: int) -> None:
+        if group == 1 and self._token_kernel(window) and window.is_contiguous():   # one kernel: write and move
+            from kvzoo.kernels.quantize_pack import group_token_write
+            group_token_write(window, start, self.codes, self.scale, self.zero, self.bits, self.group, move=True)
+            return
+        super().flush_at(start, window, group)
 
     def _token_kernel(self, rows: Tensor) -> bool:
         """Whether group_token_write serves a one-token write: per-token groups of 2/4/8-bit codes filling whole
@@ -451,14 +469,12 @@ class WindowedStore(nn.Module):
         for name, codec in self.codecs.items():
             if (names is None or name in names) and self.phase(length, name) == "flush":
                 n_q, _ = self.window_row(step, name)
-                codec.write_at(n_q, self.recent(name)[..., :self.windows[name].group, :])
-                self.shift((name,))
+                codec.flush_at(n_q, self.recent(name), self.windows[name].group)
 
     def shift(self, names: tuple[str, ...] | None = None) -> None:
         """Move the recent windows (of `names`, default all) down by one group (after its oldest was quantized)."""
         for name in names or tuple(self.codecs):
-            w, buf = self.windows[name], self.recent(name)
-            buf[..., :w.recent, :] = buf[..., w.group:w.group + w.recent, :].clone()
+            move_down(self.recent(name), self.windows[name].group)
 
     def token_kernel_serves(self, padded: bool, attn, max_len: int) -> bool:
         """Whether `attend_token_kernel` serves this store: streams "k" and "v" in per-token groups (GroupCodec,

@@ -34,7 +34,8 @@ moved down by one.
 
 group_token_write is kvzoo.cache.kvquant.quantize's asymmetric per-token groups (G channels of one token share
 an fp16 scale and zero: KIVI's and SQuat's values, XQuant's X U_v) for the one token a static step quantizes,
-written at a device-held slot: one kernel in place of some forty torch ops (quantize, pack, index copies).
+written at a device-held slot: one kernel in place of some forty torch ops (quantize, pack, index copies). A
+window whose oldest row leaves each step (KIVI's values) is also moved down one row in the same kernel.
 """
 
 from __future__ import annotations
@@ -327,54 +328,65 @@ def innerq_key_step(win: Tensor, n_k: Tensor, n_q: Tensor, codes: Tensor, scale:
 
 @triton.jit
 def _token_group_kernel(x_ptr, slot_ptr, codes_ptr, scale_ptr, zero_ptr, s_x, s_codes, s_groups,
-                        NG: tl.constexpr, NG_P: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-                        TOP: tl.constexpr):
-    """One (batch row, head) per program: its token's NG groups of G channels, as (group, word, code in word)."""
+                        NG: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, TOP: tl.constexpr,
+                        MOVE: tl.constexpr, CHUNK: tl.constexpr):
+    """Program (batch row and head, group g of G channels): row 0's group g as (word, code in word), quantized
+    into slot `slot`; then rows 1..MOVE of the same G channels move down one row, CHUNK rows a time (programs
+    own disjoint channels, so only this program's threads read what it overwrites)."""
     CPW: tl.constexpr = 32 // BITS
     WG: tl.constexpr = G // CPW                                                      # words per group
     lead = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
     slot = tl.load(slot_ptr).to(tl.int64)
-    g = tl.arange(0, NG_P)
+    x_ptr += lead * s_x + g * G
     wi = tl.arange(0, WG)
     c = tl.arange(0, CPW)
-    live = (g < NG)[:, None, None]
-    x = tl.load(x_ptr + lead * s_x + g[:, None, None] * G + wi[None, :, None] * CPW + c[None, None, :], mask=live,
-                other=0).to(tl.float32)                                              # (NG_P, WG, CPW)
-    lo = tl.min(tl.min(tl.where(live, x, float("inf")), 2), 1)
-    hi = tl.max(tl.max(tl.where(live, x, float("-inf")), 2), 1)
-    zero = lo.to(tl.float16).to(tl.float32)
-    scale = tl.math.div_rn(hi - zero, TOP).to(tl.float16).to(tl.float32)
+    x = tl.load(x_ptr + wi[:, None] * CPW + c[None, :]).to(tl.float32)             # (WG, CPW)
+    zero = tl.min(tl.min(x, 1), 0).to(tl.float16).to(tl.float32)
+    scale = tl.math.div_rn(tl.max(tl.max(x, 1), 0) - zero, TOP).to(tl.float16).to(tl.float32)
     safe = tl.where(scale > 0, scale, 1.0)
-    codes = _round_clamp(tl.math.div_rn(x - zero[:, None, None], safe[:, None, None]), TOP)
-    words = tl.sum(codes.to(tl.int32) << (c * BITS)[None, None, :], 2)              # (NG_P, WG)
-    tl.store(codes_ptr + lead * s_codes + slot * (NG * WG) + g[:, None] * WG + wi[None, :], words,
-             mask=(g < NG)[:, None])
+    codes = _round_clamp(tl.math.div_rn(x - zero, safe), TOP)
+    words = tl.sum(codes.to(tl.int32) << (c * BITS)[None, :], 1)                    # (WG,)
+    tl.store(codes_ptr + lead * s_codes + slot * (NG * WG) + g * WG + wi, words)
     at = lead * s_groups + slot * NG + g
-    tl.store(scale_ptr + at, scale.to(tl.float16), mask=g < NG)
-    tl.store(zero_ptr + at, zero.to(tl.float16), mask=g < NG)
+    tl.store(scale_ptr + at, scale.to(tl.float16))
+    tl.store(zero_ptr + at, zero.to(tl.float16))
+    if MOVE:
+        r = tl.arange(0, CHUNK)
+        ch = tl.arange(0, G)
+        for start in range(0, MOVE, CHUNK):
+            row = start + r
+            moved = (row < MOVE)[:, None]
+            below = tl.load(x_ptr + (row + 1)[:, None] * (NG * G) + ch[None, :], mask=moved)
+            tl.debug_barrier()                                   # row 0 and these rows read before any is written
+            tl.store(x_ptr + row[:, None] * (NG * G) + ch[None, :], below, mask=moved)
 
 
-def group_token_write(row: Tensor, slot: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, bits: int,
-                      group: int) -> None:
-    """One token's row (*lead, 1, width) quantized as kvzoo.cache.kvquant.quantize(row, bits, group) (asymmetric,
+def group_token_write(rows: Tensor, slot: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, bits: int,
+                      group: int, move: bool = False) -> None:
+    """Row 0 of rows (*lead, n, width) quantized as kvzoo.cache.kvquant.quantize(row, bits, group) (asymmetric,
     groups of `group` channels, fp16 scale and zero) into a GroupCodec's buffers codes (*lead, capacity, words),
     scale and zero (*lead, capacity, width / group) at slot `slot`, an int64 device tensor (1,). bits 2, 4 or 8,
-    `group` a power of two that holds whole code words."""
+    `group` a power of two that holds whole code words. n = 1 (one token), or with move a window whose oldest
+    row leaves: rows 1..n-1 then move down one row (rows must then be the window itself, contiguous)."""
     if bits not in (2, 4, 8):
         raise ValueError(f"group_token_write packs 2-, 4- or 8-bit codes, got {bits}")
-    width = row.shape[-1]
+    width, n = rows.shape[-1], rows.shape[-2]
     if group & (group - 1) or group % (32 // bits) or width % group:
         raise ValueError(f"group {group} must be a power of two of whole {bits}-bit code words dividing {width}")
-    check_runnable(_token_group_kernel, row.device)
-    for name, t in (("codes", codes), ("scale", scale), ("zero", zero)):
+    if n != 1 and not move:
+        raise ValueError(f"group_token_write writes one row unless move=True, got {n}")
+    check_runnable(_token_group_kernel, rows.device)
+    for name, t in (("codes", codes), ("scale", scale), ("zero", zero)) + ((("rows", rows),) if move else ()):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous: the write fills the cache's own buffers, not views")
-    x = row.reshape(-1, width)                                                       # (prod(lead), width)
+    x = rows.reshape(-1, n * width)                                                  # (prod(lead), n * width)
     ng = width // group
-    _token_group_kernel[(x.shape[0],)](x, slot, codes, scale, zero, x.stride(0), codes.shape[-2] * codes.shape[-1],
-                                       scale.shape[-2] * scale.shape[-1], NG=ng, NG_P=triton.next_power_of_2(ng),
-                                       G=group, BITS=bits, TOP=float(2 ** bits - 1), num_warps=1,
-                                       enable_fp_fusion=False)
+    moved = n - 1 if move else 0
+    _token_group_kernel[(x.shape[0], ng)](
+        x, slot, codes, scale, zero, x.stride(0), codes.shape[-2] * codes.shape[-1], scale.shape[-2] * scale.shape[-1],
+        NG=ng, G=group, BITS=bits, TOP=float(2 ** bits - 1), MOVE=moved,
+        CHUNK=min(triton.next_power_of_2(max(moved, 1)), max(1, 4096 // group)), num_warps=2, enable_fp_fusion=False)
 
 
 def quantize_inner(x: Tensor, bits: int, mode: str = "hybrid", block_t: int | None = None,

@@ -401,6 +401,32 @@ def test_token_write_kernel_equals_the_torch_path(monkeypatch, bits, group, dtyp
         assert torch.equal(getattr(ours, buf), getattr(ref, buf)), buf
 
 
+@pytest.mark.parametrize("bits,group,recent,dtype", [(2, 32, 128, torch.float16), (4, 16, 5, torch.bfloat16),
+                                                     (8, 64, 0, torch.float32), (2, 16, 300, torch.float32)],
+                         ids=name)
+def test_window_flush_kernel_equals_the_torch_path(monkeypatch, bits, group, recent, dtype):
+    """GroupCodec.flush_at of a window whose oldest row leaves each step (KIVI's values under the authors'
+    windows) in one kernel equals its torch path (write_at's quantize, pack and index copies, then the window
+    moved down) bit for bit: the codes, scales and zeros, and the moved window, over consecutive steps."""
+    import kvzoo.cache.store as store
+    from kvzoo.cache.store import GroupCodec
+
+    torch.manual_seed(bits + recent)
+    ours, ref = (GroupCodec((2, 3), 8, 64, bits, group, False, dtype, DEVICE) for _ in range(2))
+    window = (torch.randn(2, 3, recent + 1, 64, device=DEVICE) * 3 + 0.7).to(dtype)
+    window[1, 2, 0, :group] = -2.5                                             # scale 0: every code 0
+    windows = {True: window.clone(), False: window.clone()}
+    for slot in (0, 1, 6):
+        token = (torch.randn(2, 3, 64, device=DEVICE) + slot).to(dtype)
+        for codec, fused in ((ours, True), (ref, False)):
+            monkeypatch.setattr(store, "FUSED_TOKEN_WRITE", fused)
+            codec.flush_at(torch.tensor([slot], device=DEVICE), windows[fused], 1)
+            windows[fused][..., recent, :] = token                                 # the next step's token
+        assert torch.equal(windows[True], windows[False]), f"window after slot {slot}"
+    for buf in ("codes", "scale", "zero"):
+        assert torch.equal(getattr(ours, buf), getattr(ref, buf)), buf
+
+
 def test_flush_kernel_refuses_views():
     from kvzoo.kernels.quantize_pack import innerq_flush
     from tests.cache.test_kivi import smollm_shaped_layer_cache
