@@ -43,7 +43,9 @@ Strategies register by name (`@register("fp16")`) and declare their knobs as an 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -101,6 +103,26 @@ class StaticStep:
     mask: Tensor          # (B, 1, 1, max_len) True = may attend
     masked: bool = True   # whether mask may forbid a stored slot (padding, a sliding window), else it is causal
     derived: dict = field(default_factory=dict)   # tensors computed from these once per step, shared by layers
+    forked: bool = False  # whether work runs `beside` the step, to be joined at its end
+
+    @contextlib.contextmanager
+    def beside(self):
+        """Run the block's work where no later op of the step reads its results (a cache's upkeep after its
+        attention: quantizing the group that left a window): on a GPU on a second stream that starts here and
+        that the step joins at its end (`join`), so it overlaps the layers after it; elsewhere in order."""
+        if not self.slot.is_cuda:
+            yield
+            return
+        side = _side_stream(self.slot.device)
+        side.wait_stream(torch.cuda.current_stream(self.slot.device))
+        self.forked = True
+        with torch.cuda.stream(side):
+            yield
+
+    def join(self) -> None:
+        """The step's end: what ran `beside` it is done before anything after it."""
+        if self.forked:
+            torch.cuda.current_stream(self.slot.device).wait_stream(_side_stream(self.slot.device))
 
     @classmethod
     def make(cls, slot: Tensor, pad: Tensor, max_len: int, sliding_window: int | None = None,
@@ -114,6 +136,11 @@ class StaticStep:
             allowed &= k_slot[None, :] > slot - sliding_window
         ids = (slot - pad).clamp_min(0)[:, None]                                 # (B, 1)
         return cls(slot, ids, allowed[:, None, None, :], padded or window_binds)
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    return torch.cuda.Stream(device)
 
 
 def full_mask(pos: Positions, n_keys: int, device) -> Tensor:

@@ -254,7 +254,8 @@ class KIVICache(WholeStep, LayerCache):
                                        lambda p: st.route(p, step, "k", "v"))
         else:
             out = self._attend_fused(q, step)
-        st.flush_at(self.length, step)
+        with step.beside():                 # nothing later in the step reads this layer's windows or codes
+            st.flush_at(self.length, step)
         return out
 
     def _attend_fused(self, q: Tensor, step: StaticStep) -> Tensor:

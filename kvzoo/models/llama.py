@@ -238,4 +238,6 @@ class Transformer(nn.Module):
         x = self.embed(token)                                    # (B, 1, hidden)
         for i, block in enumerate(self.layers):
             x = block(x, step, cache.layers[i])
-        return self.lm_head(self.norm(x))[:, -1]
+        logits = self.lm_head(self.norm(x))[:, -1]
+        step.join()
+        return logits
