@@ -43,8 +43,8 @@ key window's; KIVI* has a static step only there); otherwise attention runs over
 stream's static layout (WindowedStore.static_rows), the dead ones and those the mask forbids masked, the key
 weights routed to the value rows by slot where the two streams' windows differ. One graph per phase (in each
 stream the token joins the sink, joins the window, or fills it and its oldest group is quantized at a device-held
-slot). Its cost grows with the buffer
-(max_len), not with the tokens stored.
+slot; one kernel quantizes a value and moves its window, on a second stream beside the layers after it). Its cost
+grows with the buffer (max_len), not with the tokens stored.
 
 Paper settings: b = 2 (also 4), G = 32, R = 128 (Llama/Mistral); scales and zeros in fp16. The XQuant
 paper's KIVI* rows of its Table 4 keep the first 3 layers at 4 bits: `high_layers=3` (`high_bits=4`).
@@ -241,7 +241,8 @@ class KIVICache(WholeStep, LayerCache):
         over the stored slots where the step's mask is causal, else over every quantized slot (the kernels) and
         every window row in each stream's static layout (WindowedStore.static_rows: [quantized | sink | recent],
         the rows not live and the slots the mask forbids masked), the key weights routed to the value rows by slot;
-        then each stream whose window the token filled quantizes its oldest group at a device-held slot."""
+        then each stream whose window the token filled quantizes its oldest group at a device-held slot, beside the
+        step (StaticStep.beside: a second stream on a GPU, joined at the step's end)."""
         q, k_rot = self.attn.rope(q, k, step.ids)
         st = self.store
         st.write_token_at(self.length, step, {"k": k if self.pre_rope else k_rot, "v": v})
