@@ -106,15 +106,19 @@ class StaticStep:
     forked: bool = False  # whether work runs `beside` the step, to be joined at its end
 
     @contextlib.contextmanager
-    def beside(self):
+    def beside(self, *inputs: Tensor):
         """Run the block's work where no later op of the step reads its results (a cache's upkeep after its
-        attention: quantizing the group that left a window): on a GPU on a second stream that starts here and
-        that the step joins at its end (`join`), so it overlaps the layers after it; elsewhere in order."""
+        attention: storing the token, quantizing what left a window): on a GPU on a second stream that starts here
+        and that the step joins at its end (`join`), so it overlaps the layers after it; elsewhere in order.
+        inputs: tensors made before the block that it reads and nothing keeps (their memory is not reused before
+        the block has run)."""
         if not self.slot.is_cuda:
             yield
             return
         side = _side_stream(self.slot.device)
         side.wait_stream(torch.cuda.current_stream(self.slot.device))
+        for t in inputs:
+            t.record_stream(side)
         self.forked = True
         with torch.cuda.stream(side):
             yield

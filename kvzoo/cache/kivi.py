@@ -245,31 +245,35 @@ class KIVICache(WholeStep, LayerCache):
         step (StaticStep.beside: a second stream on a GPU, joined at the step's end)."""
         q, k_rot = self.attn.rope(q, k, step.ids)
         st = self.store
-        st.write_token_at(self.length, step, {"k": k if self.pre_rope else k_rot, "v": v})
+        token = {"k": k if self.pre_rope else k_rot, "v": v}
         if step.masked:
             assert not self.pre_rope, "KIVI*'s static step needs a causal mask (can_decode_static)"
+            st.write_token_at(self.length, step, token)
             slots, live = st.static_rows(step, "k")
             mask = step.mask.index_select(-1, slots.clamp_max(self.max_len - 1)) & live          # (B, 1, 1, K)
             out = self._attend_kernels(q, st.codecs["k"].capacity, torch.cat([st.sink("k"), st.recent("k")], dim=2),
                                        torch.cat([st.sink("v"), st.recent("v")], dim=2), mask,
                                        lambda p: st.route(p, step, "k", "v"))
-        else:
-            out = self._attend_fused(q, step)
-        with step.beside():                 # nothing later in the step reads this layer's windows or codes
+            with step.beside():             # nothing later in the step reads this layer's windows or codes
+                st.flush_at(self.length, step)
+            return out
+        out = self._attend_fused(q, k_rot, v, step)                    # the token attended apart from the windows
+        with step.beside(*token.values()):  # so it is stored beside the step, which reads nothing stored here
+            st.write_token_at(self.length, step, token)
             st.flush_at(self.length, step)
         return out
 
-    def _attend_fused(self, q: Tensor, step: StaticStep) -> Tensor:
-        """q (B, Hq, 1, d) after RoPE over every stored slot and the token, in one fused kernel
-        (kvzoo/kernels/outer_attention.py): each slot's key and value from its codes or its stream's window.
-        KIVI*: the kernel rotates every key, stored before RoPE, to its position."""
+    def _attend_fused(self, q: Tensor, k_rot: Tensor, v: Tensor, step: StaticStep) -> Tensor:
+        """q (B, Hq, 1, d) after RoPE over every stored slot, in one fused kernel (kvzoo/kernels/outer_attention.py):
+        each slot's key and value from its codes or its stream's window; then over the token, k_rot (after RoPE)
+        and v (B, H, 1, d), not yet stored. KIVI*: the kernel rotates every stored key to its position."""
         from kvzoo.kernels.outer_attention import outer_decode_attention
 
         st, kc, vc = self.store, self.store.codecs["k"], self.store.codecs["v"]
         rope = self._rope_tables(step, q.dtype) if self.pre_rope else None
         out = outer_decode_attention(q[:, :, 0], kc.codes, kc.scale, kc.zero, vc.codes, vc.scale, vc.zero,
                                      self.opts.bits, st.recent("k"), st.recent("v"), self._static_lengths(step),
-                                     k_sink=st.sink("k"), v_sink=st.sink("v"), rope=rope)
+                                     k_sink=st.sink("k"), v_sink=st.sink("v"), rope=rope, k_token=k_rot, v_token=v)
         return out[:, :, None]                                                  # (B, Hq, 1, d)
 
     def _rope_tables(self, step: StaticStep, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -282,16 +286,17 @@ class KIVICache(WholeStep, LayerCache):
         return step.derived[key]
 
     def _static_lengths(self, step: StaticStep) -> Tensor:
-        """From the device-held length L: int32 (4,) [keys quantized, values quantized, slots after the sink
-        (the token's included), slots in the sink], as the fused kernel takes them; shared by every layer."""
+        """From the device-held length L: int32 (4,) [keys quantized, values quantized, slots stored after the
+        sink, slots stored in the sink], the token's not counted, as the fused kernel takes them; shared by every
+        layer."""
         st = self.store
         key = ("outer", st.windows["k"], st.windows["v"])
         if key not in step.derived:
             S, L = self.opts.sink, step.slot
             (n_k, _), (n_v, _) = st.window_row(step, "k"), st.window_row(step, "v")
             in_sink = L < S
-            step.derived[key] = torch.cat([n_k, n_v, torch.where(in_sink, 0, L + 1 - S),
-                                           torch.where(in_sink, L + 1, S)]).to(torch.int32)
+            step.derived[key] = torch.cat([n_k, n_v, torch.where(in_sink, 0, L - S),
+                                           torch.where(in_sink, L, S)]).to(torch.int32)
         return step.derived[key]
 
 

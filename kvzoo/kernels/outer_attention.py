@@ -20,6 +20,8 @@ per-token group, 32 by default, any power of two dividing d):
     k_recent, v_recent (B, H, ., d)     the windows' rows, in q's dtype
     k_sink, v_sink     (B, H, ., d)     the sink's rows (may hold none)
     lengths    int32 (4,) on the device: [n_k, n_v, n_tail, n_sink] (CUDA graphs read them at replay)
+    k_token, v_token   (B, H, 1, d)     optional: the token being decoded, attended after every stored slot
+                                        (its key after RoPE), so that a step can store it beside the attention
 A group decodes to code * scale + zero (kvzoo.cache.kvquant's asymmetric quantizer). Every slot counted by
 `lengths` is attended: there is no mask (unpadded rows, no sliding window).
 
@@ -331,12 +333,13 @@ def _tail(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
 
 
 @triton.jit
-def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_ptr, vw_ptr, cos_ptr,
-                  sin_ptr, m_ptr, l_ptr, acc_ptr, len_ptr, PER_SPLIT, SPLIT0, qk_scale,
-                  s_kc, s_ks, s_kz, s_vc, s_vs, s_vz, s_kr, s_vr, s_kw, s_vw,
+def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_ptr, vw_ptr, kt_ptr,
+                  vt_ptr, cos_ptr, sin_ptr, m_ptr, l_ptr, acc_ptr, len_ptr, PER_SPLIT, SPLIT0, qk_scale,
+                  s_kc, s_ks, s_kz, s_vc, s_vs, s_vz, s_kr, s_vr, s_kw, s_vw, s_kt, s_vt,
                   D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
                   GS: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, AK: tl.constexpr, CK: tl.constexpr,
-                  AV: tl.constexpr, CV: tl.constexpr, ROPE: tl.constexpr, KT: tl.constexpr, CG: tl.constexpr):
+                  AV: tl.constexpr, CV: tl.constexpr, ROPE: tl.constexpr, KT: tl.constexpr, CG: tl.constexpr,
+                  TOKEN: tl.constexpr):
     kv = tl.program_id(0)                        # b * H + h
     head = kv.to(tl.int64)
     kc_ptr += head * s_kc
@@ -359,6 +362,9 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
         m, l, acc = _tail(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr + head * s_kr,
                           vr_ptr + head * s_vr, kw_ptr + head * s_kw, vw_ptr + head * s_vw, cos_ptr, sin_ptr, len_ptr,
                           m, l, acc, qk_scale, D, KB, VB, BLOCK, ROPE, KT, CG)
+        if TOKEN:                                # the token, given apart from the stored slots
+            m, l, acc = _attend_window(q, kt_ptr + head * s_kt, vt_ptr + head * s_vt, 1, m, l, acc, qk_scale, D,
+                                       BLOCK)
     else:
         m, l, acc = _quantized(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos_ptr, sin_ptr,
                                len_ptr, split * PER_SPLIT, PER_SPLIT, m, l, acc, qk_scale, D, KB, VB, GS, FAST, AK,
@@ -403,9 +409,10 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
                            lengths: Tensor | tuple[int, int, int, int], *, k_sink: Tensor | None = None,
                            v_sink: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
                            sm_scale: float | None = None, num_splits: int | None = None, num_warps: int = 4,
-                           v_bits: int | None = None, key_groups: str = "channel", group: int = GROUP) -> Tensor:
+                           v_bits: int | None = None, key_groups: str = "channel", group: int = GROUP,
+                           k_token: Tensor | None = None, v_token: Tensor | None = None) -> Tensor:
     """Decode attention (B, Hq, d) in q's dtype of one query token per sequence over an outer-layout cache (module
-    docstring). bits: the keys' (and the values', unless v_bits); key_groups "token" for keys grouped like the
+    docstring); with k_token and v_token, also over that token, after the slots `lengths` counts. bits: the keys' (and the values', unless v_bits); key_groups "token" for keys grouped like the
     values, per token (KV Pareto, int8); group: channels per per-token group. lengths: [n_k, n_v, n_tail,
     n_sink], an int32 device tensor (4,) (CUDA graphs) or four ints, with n_k <= N_k, n_v <= N_v, the tail's
     window slots within the windows' rows and n_sink within the sink's.
@@ -452,6 +459,11 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
         raise ValueError("give both k_sink and v_sink, or neither")
     _check_rows(k_sink, "k_sink", B, H, d, q)
     _check_rows(v_sink, "v_sink", B, H, d, q)
+    if (k_token is None) != (v_token is None):
+        raise ValueError("give both k_token and v_token, or neither")
+    for name, t in (("k_token", k_token), ("v_token", v_token)):
+        if t is not None and _check_rows(t, name, B, H, d, q) != 1:
+            raise ValueError(f"{name} must hold one token, (B, H, 1, d)")
     if rope is not None:
         if not channel:
             raise ValueError("rope (keys rotated in the kernel) needs key_groups='channel'")
@@ -486,7 +498,8 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     # an empty buffer may have no storage: pass one element of its dtype, never read, rather than a null pointer
     buffers = [head_rows(t) if t is not None and t.numel() else
                (torch.zeros(1, dtype=q.dtype if t is None else t.dtype, device=dev), 0)
-               for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_recent, v_recent, k_sink, v_sink)]
+               for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_recent, v_recent, k_sink, v_sink,
+                         k_token, v_token)]
     cos, sin = (t.contiguous() for t in rope) if rope is not None else (q, q)       # q: never read
     gluon = bool(splits) and outer_hopper is not None and outer_hopper.eligible(
         q, bits, v_bits, channel, rope, group, rep, gs, B * H * n_groups)
@@ -497,8 +510,8 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
             q, *(t for t, _ in buffers), cos, sin, m, l, acc, lengths, per_split, split0, qk_scale,
             *(s for _, s in buffers), D=d, KB=bits, VB=v_bits, REP=rep, REP_P=rep_p, GS=gs, BLOCK=BLOCK_W, FAST=fast,
             AK=unpack_asm(bits)[0], CK=unpack_asm(bits)[1], AV=unpack_asm(v_bits)[0], CV=unpack_asm(v_bits)[1],
-            ROPE=rope is not None, KT=not channel, CG=group, num_warps=SPLIT_WARPS or num_warps, num_stages=stages,
-            enable_fp_fusion=True)
+            ROPE=rope is not None, KT=not channel, CG=group, TOKEN=k_token is not None,
+            num_warps=SPLIT_WARPS or num_warps, num_stages=stages, enable_fp_fusion=True)
 
     if not gluon:
         triton_columns()
@@ -524,9 +537,10 @@ def outer_decode_attention_ref(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_ze
                                lengths: Tensor | tuple[int, int, int, int], *, k_sink: Tensor | None = None,
                                v_sink: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
                                sm_scale: float | None = None, v_bits: int | None = None, key_groups: str = "channel",
-                               group: int = GROUP) -> Tensor:
+                               group: int = GROUP, k_token: Tensor | None = None,
+                               v_token: Tensor | None = None) -> Tensor:
     """Torch attention over the sink and the tail, each slot's key and value dequantized (and rotated, with rope)
-    or read from its window (module docstring), fp32 softmax."""
+    or read from its window (module docstring), then the token if given, fp32 softmax."""
     B, Hq, d = q.shape
     H = k_codes.shape[1]
     n_k, n_v, n_tail, n_sink = lengths.tolist() if isinstance(lengths, Tensor) else lengths
@@ -545,6 +559,8 @@ def outer_decode_attention_ref(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_ze
         cos, sin = (t[:keys.shape[2]].float() for t in rope)
         keys = keys * cos + torch.cat([-keys[..., d // 2:], keys[..., :d // 2]], dim=-1) * sin
     values = torch.cat([s[1] for s in sink] + [v_q, v_recent[:, :, :n_tail - n_v].float()], dim=2)
+    if k_token is not None:
+        keys, values = torch.cat([keys, k_token.float()], dim=2), torch.cat([values, v_token.float()], dim=2)
     scale = 1 / math.sqrt(d) if sm_scale is None else sm_scale
     qh = q.view(B, H, Hq // H, d).float()
     weights = torch.softmax(torch.einsum("bhrd,bhnd->bhrn", qh, keys) * scale, dim=-1)

@@ -64,6 +64,39 @@ def test_fused_outer_attention_matches_reference(bits, d, dtype, rep, lengths):
         assert_close(got, outer_decode_attention_ref(*args, k_sink=k_sink, v_sink=v_sink), dtype)
 
 
+# (bits, d, dtype, lengths): the token in the tail's last slot (keys past values, one window, nothing quantized)
+# or, with no tail yet, in the sink's last row
+@pytest.mark.parametrize("bits,d,dtype,lengths", [(2, 128, torch.float16, (128, 90, 130, 4)),
+                                                  (4, 64, torch.float32, (96, 96, 120, 2)),
+                                                  (2, 64, torch.bfloat16, (0, 0, 30, 0)),
+                                                  (2, 128, torch.float32, (0, 0, 0, 3))], ids=name)
+def test_token_given_apart_equals_the_token_in_its_window(bits, d, dtype, lengths):
+    """k_token, v_token: the step's token attended after the stored slots equals the same token stored where the
+    step stores it (the windows' row of the tail's last slot, or the sink's last row), kernel and reference."""
+    B, H, rep = 2, 2, 4
+    codes, (k_rec, v_rec), (k_sink, v_sink) = cache(B, H, 128, 96, d, bits, dtype, seed=bits + d)
+    q = torch.randn(B, H * rep, d, generator=torch.Generator().manual_seed(d)).to(DEVICE, dtype)
+    n_k, n_v, n_tail, n_sink = lengths
+    if n_tail:
+        apart = (n_k, n_v, n_tail - 1, n_sink)
+        k_tok, v_tok = k_rec[:, :, n_tail - 1 - n_k][:, :, None], v_rec[:, :, n_tail - 1 - n_v][:, :, None]
+    else:
+        apart = (n_k, n_v, 0, n_sink - 1)
+        k_tok, v_tok = k_sink[:, :, n_sink - 1][:, :, None], v_sink[:, :, n_sink - 1][:, :, None]
+    kw = dict(k_sink=k_sink, v_sink=v_sink)
+    stored = outer_decode_attention(q, *codes, bits, k_rec, v_rec, lengths, num_splits=2, **kw)
+    for lens in (apart, torch.tensor(apart, dtype=torch.int32, device=DEVICE)):
+        got = outer_decode_attention(q, *codes, bits, k_rec, v_rec, lens, num_splits=2, k_token=k_tok.contiguous(),
+                                     v_token=v_tok.contiguous(), **kw)
+        assert_close(got, stored, dtype)
+        assert_close(got, outer_decode_attention_ref(q, *codes, bits, k_rec, v_rec, apart, k_token=k_tok,
+                                                     v_token=v_tok, **kw), dtype)
+    with pytest.raises(ValueError, match="k_token must hold one token"):
+        outer_decode_attention(q, *codes, bits, k_rec, v_rec, apart, k_token=k_rec, v_token=v_rec)
+    with pytest.raises(ValueError, match="give both k_token and v_token"):
+        outer_decode_attention(q, *codes, bits, k_rec, v_rec, apart, k_token=k_tok)
+
+
 def token_cache(B, H, N, d, k_bits, v_bits, group, dtype, rows=3, seed=0):
     """Codes of random keys and values, both in per-token groups of `group` channels (KV Pareto, int8)."""
     g = torch.Generator().manual_seed(seed)
