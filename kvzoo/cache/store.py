@@ -496,22 +496,23 @@ class WindowedStore(nn.Module):
                 and (window is None or window >= max_len))
 
     def attend_token_kernel(self, q: Tensor, length: int, step, rows: dict[str, Tensor]) -> Tensor:
-        """The static step where `token_kernel_serves`: the token's k, v into the window row, attention over the
-        stored slots and the token in one fused kernel (kvzoo/kernels/outer_attention.py, keys and values in
-        per-token groups), then the token quantized at the device-held slot. q (B, Hq, 1, d) after RoPE;
-        returns (B, Hq, 1, d)."""
+        """The static step where `token_kernel_serves`: attention over the stored slots, then the token's k, v
+        (rows, not yet stored), in one fused kernel (kvzoo/kernels/outer_attention.py, keys and values in per-token
+        groups); then, beside the step (StaticStep.beside), the token into the window row and quantized at the
+        device-held slot. q (B, Hq, 1, d) after RoPE; returns (B, Hq, 1, d)."""
         from kvzoo.kernels.outer_attention import outer_decode_attention
 
-        self.write_token_at(length, step, rows)
         key = ("token kernel lengths",)
-        if key not in step.derived:            # [keys quantized, values quantized, slots (the token's too), sink]
+        if key not in step.derived:            # [keys quantized, values quantized, slots stored, sink]
             n_q, _ = self.window_row(step, "k")
-            step.derived[key] = torch.cat([n_q, n_q, n_q + 1, torch.zeros_like(n_q)]).to(torch.int32)
+            step.derived[key] = torch.cat([n_q, n_q, n_q, torch.zeros_like(n_q)]).to(torch.int32)
         kc, vc = self.codecs["k"], self.codecs["v"]
         out = outer_decode_attention(q[:, :, 0], kc.codes, kc.scale, kc.zero, vc.codes, vc.scale, vc.zero, kc.bits,
                                      self.recent("k"), self.recent("v"), step.derived[key], v_bits=vc.bits,
-                                     key_groups="token", group=kc.group)
-        self.flush_at(length, step)
+                                     key_groups="token", group=kc.group, k_token=rows["k"], v_token=rows["v"])
+        with step.beside(*rows.values()):       # nothing later in the step reads this layer's windows or codes
+            self.write_token_at(length, step, rows)
+            self.flush_at(length, step)
         return out[:, :, None]
 
     def scratch(self) -> tuple[Tensor, ...]:
