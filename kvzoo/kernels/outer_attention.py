@@ -412,8 +412,9 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
                            v_bits: int | None = None, key_groups: str = "channel", group: int = GROUP,
                            k_token: Tensor | None = None, v_token: Tensor | None = None) -> Tensor:
     """Decode attention (B, Hq, d) in q's dtype of one query token per sequence over an outer-layout cache (module
-    docstring); with k_token and v_token, also over that token, after the slots `lengths` counts. bits: the keys' (and the values', unless v_bits); key_groups "token" for keys grouped like the
-    values, per token (KV Pareto, int8); group: channels per per-token group. lengths: [n_k, n_v, n_tail,
+    docstring); with k_token and v_token (B, H, 1, d), also over that token (its key after RoPE), after the slots
+    `lengths` counts. bits: the keys' (and the values', unless v_bits); key_groups "token" for keys grouped like
+    the values, per token (KV Pareto, int8); group: channels per per-token group. lengths: [n_k, n_v, n_tail,
     n_sink], an int32 device tensor (4,) (CUDA graphs) or four ints, with n_k <= N_k, n_v <= N_v, the tail's
     window slots within the windows' rows and n_sink within the sink's.
     rope: (cos, sin) tables (P, d) in q's dtype (row p: position p, rotate-half layout) for keys quantized before
