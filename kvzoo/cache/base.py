@@ -92,6 +92,9 @@ class Positions:
         return cls(start, pad, ids, allowed[:, None])                       # (B, 1, T, S)
 
 
+UPKEEP = "step upkeep"       # side_stream role of the work a static step runs `beside` it
+
+
 @dataclass
 class StaticStep:
     """One decode token whose cache slot lives in a device tensor, so that the same kernels serve every
@@ -115,7 +118,7 @@ class StaticStep:
         if not self.slot.is_cuda:
             yield
             return
-        side = _side_stream(self.slot.device)
+        side = side_stream(self.slot.device, UPKEEP)
         side.wait_stream(torch.cuda.current_stream(self.slot.device))
         for t in inputs:
             t.record_stream(side)
@@ -126,7 +129,7 @@ class StaticStep:
     def join(self) -> None:
         """The step's end: what ran `beside` it is done before anything after it."""
         if self.forked:
-            torch.cuda.current_stream(self.slot.device).wait_stream(_side_stream(self.slot.device))
+            torch.cuda.current_stream(self.slot.device).wait_stream(side_stream(self.slot.device, UPKEEP))
 
     @classmethod
     def make(cls, slot: Tensor, pad: Tensor, max_len: int, sliding_window: int | None = None,
@@ -143,7 +146,9 @@ class StaticStep:
 
 
 @functools.cache
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+def side_stream(device: torch.device, role: str) -> "torch.cuda.Stream":
+    """A second stream of the device for `role` (one a role, so that one role's work never waits on another's);
+    CUDA graphs capture work forked onto it as a parallel branch."""
     return torch.cuda.Stream(device)
 
 

@@ -66,7 +66,6 @@ us; docs/decode.md). KV Pareto, int8 and KIVI* keep the broadcast loads, which c
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -74,6 +73,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvzoo.cache.base import side_stream
 from kvzoo.cache.kvquant import QTensor, dequantize
 from kvzoo.kernels.innerq_attention import (BLOCK_W, LOG2E, _attend_window, _dot_dtype, _plan_splits,
                                             merge_splits, softmax_step)
@@ -388,12 +388,6 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, D: tl.constexpr, REP
     tl.store(out_ptr + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live_r[:, None])
 
 
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The device's second stream for the tail's program (CUDA graphs capture it as a parallel branch)."""
-    return torch.cuda.Stream(device)
-
-
 def _check_rows(t: Tensor | None, name: str, B: int, H: int, d: int, q: Tensor) -> int:
     """Rows held by a window buffer (B, H, rows, d) in q's dtype; None holds none."""
     if t is None:
@@ -517,7 +511,7 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     if not gluon:
         triton_columns()
     elif TAIL_BESIDE:                            # the tail reads its windows while the Gluon kernel computes
-        main, side = torch.cuda.current_stream(dev), _side_stream(dev)
+        main, side = torch.cuda.current_stream(dev), side_stream(dev, "attention tail")
         side.wait_stream(main)
         with torch.cuda.stream(side):
             triton_columns()

@@ -427,6 +427,27 @@ def test_window_flush_kernel_equals_the_torch_path(monkeypatch, bits, group, rec
         assert torch.equal(getattr(ours, buf), getattr(ref, buf)), buf
 
 
+def test_token_write_refuses_bad_inputs():
+    """group_token_write names what it cannot take: a bit width, a group, several rows without move, and views
+    where it writes (with move, the window itself)."""
+    from kvzoo.kernels.quantize_pack import group_token_write
+
+    codes = torch.zeros(2, 8, 4, dtype=torch.int32, device=DEVICE)
+    scale, zero = (torch.zeros(2, 8, 2, dtype=torch.float16, device=DEVICE) for _ in range(2))
+    window = torch.randn(2, 5, 64, device=DEVICE)
+    slot = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="2-, 4- or 8-bit"):
+        group_token_write(window[:, :1], slot, codes, scale, zero, 3, 32)
+    with pytest.raises(ValueError, match="power of two"):
+        group_token_write(window[:, :1], slot, codes, scale, zero, 2, 24)
+    with pytest.raises(ValueError, match="one row unless move=True"):
+        group_token_write(window, slot, codes, scale, zero, 2, 32)
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        group_token_write(window[..., :32], slot, codes, scale, zero, 2, 32, move=True)
+    with pytest.raises(ValueError, match="codes must be contiguous"):
+        group_token_write(window[:, :1], slot, codes[:, ::2], scale, zero, 2, 32)
+
+
 def test_flush_kernel_refuses_views():
     from kvzoo.kernels.quantize_pack import innerq_flush
     from tests.cache.test_kivi import smollm_shaped_layer_cache
