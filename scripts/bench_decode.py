@@ -239,7 +239,7 @@ def build(name: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
     model = model.to_empty(device=device).to(dtype)
     randomize(model)
     model.rope.inv_freq = rope_inv_freq(cfg).to(device)              # fp32, as the loader sets it (to_empty blanked it)
-    return model.eval()
+    return model.join_projections().eval()
 
 
 def build_hf(name: str):

@@ -11,6 +11,9 @@ window (a token sees itself and the previous sliding_window - 1 tokens).
 What makes this model kvzoo's: the attention module computes q, k, v before RoPE and hands them to its
 layer's cache strategy (kvzoo/cache/), which stores what it likes and returns the attention output. With
 no cache at all, attention is plain causal attention over the chunk (a teacher-forced forward).
+
+On a GPU (without autograd) the norms, RoPE and SwiGLU's product run as one Triton kernel each
+(kvzoo/kernels/layer_ops.py); each module's `reference` holds the torch code they compute.
 """
 
 from __future__ import annotations
@@ -23,6 +26,40 @@ from torch import Tensor, nn
 
 from kvzoo.cache.base import CacheSpec, LayerCache, ModelCache, Positions, StaticStep, attend
 from kvzoo.config import ModelConfig
+from kvzoo.kernels import layer_ops
+
+
+def _fused(x: Tensor) -> bool:
+    """Whether x's block operations take the one-kernel versions of kvzoo/kernels/layer_ops.py: on a GPU, without
+    autograd (the kernels have no backward). They compute what the torch code (`reference`) does."""
+    return x.is_cuda and not torch.is_grad_enabled()
+
+
+def join_weights(*linears: nn.Linear) -> None:
+    """Make the weights of bias-free linears with one input size consecutive rows of one tensor, each module's
+    weight a view of it, so that their products can run as one (`joined_weight`)."""
+    joined = torch.cat([lin.weight.detach() for lin in linears])              # (sum of out_features, in_features)
+    for lin, part in zip(linears, joined.split([lin.out_features for lin in linears])):
+        lin.weight = nn.Parameter(part, requires_grad=lin.weight.requires_grad)
+
+
+def joined_weight(*linears: nn.Module) -> Tensor | None:
+    """The (sum of out_features, in_features) tensor whose consecutive rows are the linears' weights, where
+    join_weights made them so and nothing has replaced a module or its weight since; else None. None too where a
+    module has hooks (a calibration that reads its inputs), which one product would skip."""
+    first = linears[0].weight if isinstance(linears[0], nn.Linear) else None
+    if first is None:
+        return None
+    at = first.data_ptr()
+    for lin in linears:
+        w = lin.weight if isinstance(lin, nn.Linear) else None
+        if (w is None or lin.bias is not None or lin._forward_hooks or lin._forward_pre_hooks or w.data_ptr() != at
+                or not w.is_contiguous() or w.dtype != first.dtype or w.shape[1] != first.shape[1]
+                or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return None
+        at += w.numel() * w.element_size()
+    rows = sum(lin.weight.shape[0] for lin in linears)
+    return first.detach().new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, first.shape[1]))
 
 
 class RMSNorm(nn.Module):
@@ -32,6 +69,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if _fused(x) and x.dtype == self.weight.dtype:
+            return layer_ops.rms_norm(x, self.weight, self.eps)
+        return self.reference(x)
+
+    def add(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+        """(x + delta, its norm): a residual add and the norm after it."""
+        if _fused(x) and x.dtype == self.weight.dtype == delta.dtype:
+            return layer_ops.add_rms_norm(x, delta, self.weight, self.eps)
+        x = x + delta
+        return x, self.reference(x)
+
+    def reference(self, x: Tensor) -> Tensor:
         # Normalize in fp32 whatever the model dtype, then scale in the model dtype (as HF does).
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -93,6 +142,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
         """Rotate q (B, Hq, T, d) and k (B, Hkv, T, d) to positions ids (B, T)."""
+        if _fused(q):
+            return layer_ops.rope_qk(q, k, ids, self.inv_freq)
+        return self.reference(q, k, ids)
+
+    def reference(self, q: Tensor, k: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
         cos, sin = self.cos_sin(ids, q.dtype)
         return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
 
@@ -159,7 +213,15 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if _fused(x):
+            both = joined_weight(self.gate_proj, self.up_proj)
+            gate, up = F.linear(x, both).chunk(2, dim=-1) if both is not None else (self.gate_proj(x), self.up_proj(x))
+            return self.down_proj(layer_ops.silu_mul(gate, up))
+        return self.down_proj(self.reference(self.gate_proj(x), self.up_proj(x)))
+
+    @staticmethod
+    def reference(gate: Tensor, up: Tensor) -> Tensor:
+        return F.silu(gate) * up
 
 
 class Block(nn.Module):
@@ -171,8 +233,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: Tensor, pos: Positions | StaticStep, cache: LayerCache | None) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), pos, cache)
-        return x + self.mlp(self.mlp_norm(x))
+        x, h = self.mlp_norm.add(x, self.attn(self.attn_norm(x), pos, cache))
+        return x + self.mlp(h)
 
 
 class Transformer(nn.Module):
@@ -187,6 +249,14 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
+
+    def join_projections(self) -> "Transformer":
+        """Every MLP's gate and up weights as one tensor (join_weights): on a GPU their products run as one GEMM.
+        The loaders call this; moving the model to another device or dtype undoes it (the products still run,
+        one each)."""
+        for block in self.layers:
+            join_weights(block.mlp.gate_proj, block.mlp.up_proj)
+        return self
 
     @property
     def device(self) -> torch.device:

@@ -199,4 +199,4 @@ def load_weights(model_dir: str | Path, device: str | torch.device = "cpu",
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight    # assign=True replaced the shared Parameter
     model.rope.inv_freq = rope_inv_freq(cfg).to(device)    # non-persistent buffer, still on meta
-    return model.eval()
+    return model.join_projections().eval()
