@@ -138,7 +138,8 @@ def _rope_qk_kernel(q_ptr, k_ptr, ids_ptr, freq_ptr, q_out, k_out, T, Hq, Hk,
     b = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1).to(tl.int64)
     dtype = q_out.dtype.element_ty
-    angle = tl.load(ids_ptr + b * s_ib + t * s_it).to(tl.float32) * tl.load(freq_ptr + tl.arange(0, HALF))
+    freq = tl.load(freq_ptr + tl.arange(0, HALF)).to(tl.float32)
+    angle = tl.load(ids_ptr + b * s_ib + t * s_it).to(tl.float32) * freq
     cos = _math(angle, "cos", PRECISE).to(dtype)    # the tables, in the dtype as cos_sin makes them
     sin = _math(angle, "sin", PRECISE).to(dtype)
     _rotate_heads(q_ptr, q_out, b, t, Hq, T, s_qb, s_qh, s_qt, cos, sin, HALF, HQ)
@@ -147,7 +148,8 @@ def _rope_qk_kernel(q_ptr, k_ptr, ids_ptr, freq_ptr, q_out, k_out, T, Hq, Hk,
 
 def rope_qk(q: Tensor, k: Tensor, ids: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
     """q (B, Hq, T, d) and k (B, Hk, T, d), any strides with unit stride on d, rotated to positions ids (B, T)
-    by frequencies inv_freq (d/2,) fp32, as `RotaryEmbedding.reference`; returns new contiguous tensors."""
+    by frequencies inv_freq (d/2,) (fp32; a model moved to another dtype holds them rounded to it), as
+    `RotaryEmbedding.reference`; returns new contiguous tensors."""
     if not isinstance(q, Tensor) or not isinstance(k, Tensor) or q.dim() != 4 or k.dim() != 4:
         raise ValueError("q and k must be tensors (B, H, T, d)")
     B, Hq, T, d = q.shape
@@ -157,7 +159,7 @@ def rope_qk(q: Tensor, k: Tensor, ids: Tensor, inv_freq: Tensor) -> tuple[Tensor
         raise ValueError(f"the head dim must be an even power of two, got {d}")
     check_tensor(k, "k", (B, k.shape[1], T, d), (q.dtype,), q.device)
     check_tensor(ids, "ids", (B, T), (torch.int64, torch.int32), q.device)
-    check_tensor(inv_freq, "inv_freq", (d // 2,), (torch.float32,), q.device)
+    check_tensor(inv_freq, "inv_freq", (d // 2,), DTYPES, q.device)
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q and k must have unit stride on their last dim")
     check_runnable(_rope_qk_kernel, q.device)

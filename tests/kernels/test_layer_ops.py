@@ -130,6 +130,8 @@ def test_bad_input_is_named():
     ids = torch.zeros(1, 3, dtype=torch.long).to(DEVICE)
     with pytest.raises(ValueError, match="k has shape"):
         rope_qk(q, q[:, :, :2], ids, freq)
+    with pytest.raises(ValueError, match="inv_freq has dtype"):
+        rope_qk(q, q, ids, freq.long())
     with pytest.raises(ValueError, match="ids has dtype"):
         rope_qk(q, q, ids.float(), freq)
     with pytest.raises(ValueError, match="inv_freq has shape"):
