@@ -26,13 +26,18 @@ from torch import Tensor, nn
 
 from kvzoo.cache.base import CacheSpec, LayerCache, ModelCache, Positions, StaticStep, attend
 from kvzoo.config import ModelConfig
-from kvzoo.kernels import layer_ops
 
 
 def _fused(x: Tensor) -> bool:
     """Whether x's block operations take the one-kernel versions of kvzoo/kernels/layer_ops.py: on a GPU, without
     autograd (the kernels have no backward). They compute what the torch code (`reference`) does."""
     return x.is_cuda and not torch.is_grad_enabled()
+
+
+def layer_ops():
+    """kvzoo.kernels.layer_ops, imported where a CUDA path first needs it (on a CPU kvzoo runs without Triton)."""
+    from kvzoo.kernels import layer_ops as ops
+    return ops
 
 
 def join_weights(*linears: nn.Linear) -> None:
@@ -70,13 +75,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if _fused(x) and x.dtype == self.weight.dtype:
-            return layer_ops.rms_norm(x, self.weight, self.eps)
+            return layer_ops().rms_norm(x, self.weight, self.eps)
         return self.reference(x)
 
     def add(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
         """(x + delta, its norm): a residual add and the norm after it."""
         if _fused(x) and x.dtype == self.weight.dtype == delta.dtype:
-            return layer_ops.add_rms_norm(x, delta, self.weight, self.eps)
+            return layer_ops().add_rms_norm(x, delta, self.weight, self.eps)
         x = x + delta
         return x, self.reference(x)
 
@@ -143,7 +148,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, q: Tensor, k: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
         """Rotate q (B, Hq, T, d) and k (B, Hkv, T, d) to positions ids (B, T)."""
         if _fused(q):
-            return layer_ops.rope_qk(q, k, ids, self.inv_freq)
+            return layer_ops().rope_qk(q, k, ids, self.inv_freq)
         return self.reference(q, k, ids)
 
     def reference(self, q: Tensor, k: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -181,9 +186,15 @@ class Attention(nn.Module):
     def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Project x (B, T, hidden) to q (B, Hq, T, d) and k, v (B, Hkv, T, d), before RoPE."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        joined = joined_weight(self.q_proj, self.k_proj, self.v_proj) if _fused(x) else None
+        if joined is not None:                      # one product; q, k and v are views of its rows
+            kv = self.n_kv_heads * self.head_dim
+            q, k, v = F.linear(x, joined).split([self.n_heads * self.head_dim, kv, kv], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         return q, k, v
 
     def forward(self, x: Tensor, pos: Positions | StaticStep, cache: LayerCache | None) -> Tensor:
@@ -216,7 +227,7 @@ class MLP(nn.Module):
         if _fused(x):
             both = joined_weight(self.gate_proj, self.up_proj)
             gate, up = F.linear(x, both).chunk(2, dim=-1) if both is not None else (self.gate_proj(x), self.up_proj(x))
-            return self.down_proj(layer_ops.silu_mul(gate, up))
+            return self.down_proj(layer_ops().silu_mul(gate, up))
         return self.down_proj(self.reference(self.gate_proj(x), self.up_proj(x)))
 
     @staticmethod
@@ -251,10 +262,11 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     def join_projections(self) -> "Transformer":
-        """Every MLP's gate and up weights as one tensor (join_weights): on a GPU their products run as one GEMM.
-        The loaders call this; moving the model to another device or dtype undoes it (the products still run,
-        one each)."""
+        """Every layer's q, k, v weights as one tensor and its MLP's gate and up as another (join_weights): on a
+        GPU each group's products run as one GEMM. The loaders call this; moving the model to another device or
+        dtype undoes it (the products still run, one each)."""
         for block in self.layers:
+            join_weights(block.attn.q_proj, block.attn.k_proj, block.attn.v_proj)
             join_weights(block.mlp.gate_proj, block.mlp.up_proj)
         return self
 

@@ -155,7 +155,9 @@ def test_model_on_a_gpu_equals_its_torch_code(dtype, tmp_path):
     from tests.tiny import tiny_llama
 
     model = load_weights(tiny_llama(tmp_path)).to("cuda", dtype).join_projections()
-    assert joined_weight(model.layers[0].mlp.gate_proj, model.layers[0].mlp.up_proj) is not None
+    attn, mlp = model.layers[0].attn, model.layers[0].mlp
+    assert joined_weight(mlp.gate_proj, mlp.up_proj) is not None
+    assert joined_weight(attn.q_proj, attn.k_proj, attn.v_proj) is not None
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3)).cuda()
     logits = []
     for grad in (False, True):
