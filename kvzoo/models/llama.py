@@ -19,6 +19,7 @@ On a GPU (without autograd) the norms, RoPE and SwiGLU's product run as one Trit
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -28,10 +29,14 @@ from kvzoo.cache.base import CacheSpec, LayerCache, ModelCache, Positions, Stati
 from kvzoo.config import ModelConfig
 
 
+FUSED_OPS = os.environ.get("KVZOO_LAYER_OPS", "fused") != "torch"
+
+
 def _fused(x: Tensor) -> bool:
-    """Whether x's block operations take the one-kernel versions of kvzoo/kernels/layer_ops.py: on a GPU, without
-    autograd (the kernels have no backward). They compute what the torch code (`reference`) does."""
-    return x.is_cuda and not torch.is_grad_enabled()
+    """Whether x's block operations take the one-kernel versions of kvzoo/kernels/layer_ops.py and the joined
+    projections: on a GPU, without autograd (the kernels have no backward), unless KVZOO_LAYER_OPS=torch (for
+    comparisons). They compute what the torch code (`reference`) does."""
+    return FUSED_OPS and x.is_cuda and not torch.is_grad_enabled()
 
 
 def layer_ops():
