@@ -322,9 +322,10 @@ class Transformer(nn.Module):
     def decode_static(self, token: Tensor, cache: ModelCache, step: StaticStep) -> Tensor:
         """Logits (B, vocab) of one token (B, 1) written at the device-held slot of `step`: fixed shapes,
         no host sync, so a CUDA graph can hold it (kvzoo/graphs.py). Does not advance cache.length."""
-        x = self.embed(token)                                    # (B, 1, hidden)
-        for i, block in enumerate(self.layers):
-            x = block(x, step, cache.layers[i])
-        logits = self.lm_head(self.norm(x))[:, -1]
-        step.join()
-        return logits
+        try:
+            x = self.embed(token)                                # (B, 1, hidden)
+            for i, block in enumerate(self.layers):
+                x = block(x, step, cache.layers[i])
+            return self.lm_head(self.norm(x))[:, -1]
+        finally:    # also when a layer fails (out of memory): a graph capture must not end with work left apart
+            step.join()

@@ -178,6 +178,35 @@ def test_cuda_graph_equals_eager(model):
     model.to("cpu")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_a_step_that_fails_in_its_capture_raises_its_own_error(model, monkeypatch):
+    """Out of memory while a step is captured (as the largest-batch search's probes run out): the work that ran
+    beside the step is joined, so the error raised is the step's own, not CUDA's "capturing stream has unjoined
+    work", and the next decoder captures and decodes as before."""
+    m = model.to("cuda")
+    try:
+        prompts = torch.randint(3, 97, (2, 2), generator=torch.Generator().manual_seed(4)).cuda()
+        cache = "kivi:bits=2,group_size=32,residual=32"
+        kv = m.new_cache(cache, 2, 40)
+        token = prefill(m, prompts, kv, None).argmax(-1)
+        norm = m.norm.forward
+
+        def fail_in_capture(x):
+            if torch.cuda.is_current_stream_capturing():
+                raise torch.OutOfMemoryError("out of memory (test)")
+            return norm(x)
+
+        monkeypatch.setattr(m.norm, "forward", fail_in_capture)
+        with pytest.raises(torch.OutOfMemoryError, match="test"):
+            GraphDecoder(m, kv, None)(token)
+        monkeypatch.undo()
+        torch.cuda.synchronize()
+        eager, graphed = decode_both(m, prompts, None, steps=8, device="cuda", cache=cache)
+        torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+    finally:
+        model.to("cpu")
+
+
 def bench_module():
     """scripts/bench_decode.py, as `python scripts/bench_decode.py` loads it."""
     from tests.scripts.scripts_module import load
