@@ -3,7 +3,7 @@
 A decode step spends little on each of these, but torch runs each as several kernels (an RMSNorm is six: a
 cast, a square, a mean, an add, an rsqrt and two products; RoPE's tables and rotation of q and k about a
 dozen), and at batch 1 a kernel costs a launch and a gap whatever it computes: about 45 small kernels a layer,
-3-4 ms of a Llama-3.1-8B step on an H100 (`docs/decode.md`, "The block's small operations in one kernel each").
+3-4 ms of a Llama-3.1-8B step on an H100 (docs/decode.md, "The block's small operations in one kernel each").
 Here each is one kernel that rounds where the torch code rounds, so its results are the torch code's:
 
     rms_norm(x, w, eps)            w * bf16(x * rsqrt(mean(x^2) + eps)), x (..., N) -> (..., N)
@@ -12,14 +12,16 @@ Here each is one kernel that rounds where the torch code rounds, so its results 
                                    cos(ids * inv_freq), sin(...) made in the kernel -> new (B, H, T, d) tensors
     silu_mul(gate, up)             bf16(silu(gate)) * up
 
-("bf16" stands for the inputs' dtype; no multiply and add is contracted into one FMA, as in torch's separate ops.) The sums over x^2 run in fp32 in another order than torch's mean, so a
-norm can differ from torch's in the last bit of an element; every other result equals the torch code's to the
-bit where the math library does (cos, sin and exp from libdevice, division correctly rounded). The references
+("bf16" stands for the inputs' dtype.) No multiply and add is contracted into one FMA, as in torch's separate
+ops. The sums over x^2 run in fp32 in another order than torch's mean, so a norm can differ from torch's in the
+last bit of an element; every other result equals the torch code's to the bit where the math library does (cos,
+sin and exp from libdevice, division correctly rounded; checked on an H100 by tests/kernels/test_layer_ops.py). The references
 are the torch code of the model's modules (`RMSNorm.reference`, `RotaryEmbedding.reference`, `MLP.reference`).
 
 Grids: the norms one program a row of N (N <= 16384, the row in registers); rope_qk one program a (row,
-token), every head of q and k; silu_mul one program a block of 1,024 elements of a row. CPU tensors need
-TRITON_INTERPRET=1 (tests); the model takes these kernels for CUDA tensors only.
+token) and 8 heads of q or of k (a decode token of Llama-3.1-8B: 5 programs; one program for all 40 heads took
+6.7 us); silu_mul one program a block of 1,024 elements of a row. CPU tensors need TRITON_INTERPRET=1 (tests);
+the model takes these kernels for CUDA tensors only.
 """
 
 from __future__ import annotations
@@ -111,11 +113,12 @@ def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[
 
 
 @triton.jit
-def _rotate_heads(x_ptr, out_ptr, b, t, H, T, s_b, s_h, s_t, cos, sin,
+def _rotate_heads(x_ptr, out_ptr, b, t, h0, H, T, s_b, s_h, s_t, cos, sin,
                   HALF: tl.constexpr, HEADS: tl.constexpr):
-    """Heads [0, H) of x at (b, t) rotated into out (B, H, T, d), contiguous; cos, sin (HALF,) in x's dtype."""
+    """Heads [h0, h0 + HEADS) of x at (b, t), those below H, rotated into out (B, H, T, d), contiguous; cos, sin
+    (HALF,) in x's dtype."""
     dtype = out_ptr.dtype.element_ty
-    h = tl.arange(0, HEADS)[:, None]
+    h = h0 + tl.arange(0, HEADS)[:, None]
     j = tl.arange(0, HALF)[None, :]
     live = h < H
     at = x_ptr + b * s_b + h * s_h + t * s_t + j
@@ -134,19 +137,23 @@ def _rotate_heads(x_ptr, out_ptr, b, t, H, T, s_b, s_h, s_t, cos, sin,
 @triton.jit
 def _rope_qk_kernel(q_ptr, k_ptr, ids_ptr, freq_ptr, q_out, k_out, T, Hq, Hk,
                     s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_ib, s_it,
-                    HALF: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, PRECISE: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1).to(tl.int64)
+                    HALF: tl.constexpr, HEADS: tl.constexpr, PRECISE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)                   # b * T + t
+    b, t = row // T, row % T
+    block = tl.program_id(1)                              # HEADS heads of q, then of k
+    q_blocks = tl.cdiv(Hq, HEADS)
     dtype = q_out.dtype.element_ty
     freq = tl.load(freq_ptr + tl.arange(0, HALF)).to(tl.float32)
     angle = tl.load(ids_ptr + b * s_ib + t * s_it).to(tl.float32) * freq
     cos = _math(angle, "cos", PRECISE).to(dtype)    # the tables, in the dtype as cos_sin makes them
     sin = _math(angle, "sin", PRECISE).to(dtype)
-    _rotate_heads(q_ptr, q_out, b, t, Hq, T, s_qb, s_qh, s_qt, cos, sin, HALF, HQ)
-    _rotate_heads(k_ptr, k_out, b, t, Hk, T, s_kb, s_kh, s_kt, cos, sin, HALF, HK)
+    if block < q_blocks:
+        _rotate_heads(q_ptr, q_out, b, t, block * HEADS, Hq, T, s_qb, s_qh, s_qt, cos, sin, HALF, HEADS)
+    else:
+        _rotate_heads(k_ptr, k_out, b, t, (block - q_blocks) * HEADS, Hk, T, s_kb, s_kh, s_kt, cos, sin, HALF, HEADS)
 
 
-def rope_qk(q: Tensor, k: Tensor, ids: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+def rope_qk(q: Tensor, k: Tensor, ids: Tensor, inv_freq: Tensor, heads: int = 8) -> tuple[Tensor, Tensor]:
     """q (B, Hq, T, d) and k (B, Hk, T, d), any strides with unit stride on d, rotated to positions ids (B, T)
     by frequencies inv_freq (d/2,) (fp32; a model moved to another dtype holds them rounded to it), as
     `RotaryEmbedding.reference`; returns new contiguous tensors."""
@@ -167,11 +174,11 @@ def rope_qk(q: Tensor, k: Tensor, ids: Tensor, inv_freq: Tensor) -> tuple[Tensor
     q_out = torch.empty(B, Hq, T, d, dtype=q.dtype, device=q.device)
     k_out = torch.empty(B, Hk, T, d, dtype=q.dtype, device=q.device)
     if B * T:
-        _rope_qk_kernel[(B, T)](q, k, ids, inv_freq.contiguous(), q_out, k_out, T, Hq, Hk,
-                                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                                ids.stride(0), ids.stride(1), HALF=d // 2, HQ=triton.next_power_of_2(Hq),
-                                HK=triton.next_power_of_2(Hk), PRECISE=_precise(_rope_qk_kernel), num_warps=4,
-                                enable_fp_fusion=False)
+        grid = (B * T, triton.cdiv(Hq, heads) + triton.cdiv(Hk, heads))
+        _rope_qk_kernel[grid](q, k, ids, inv_freq.contiguous(), q_out, k_out, T, Hq, Hk,
+                              q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                              ids.stride(0), ids.stride(1), HALF=d // 2, HEADS=heads,
+                              PRECISE=_precise(_rope_qk_kernel), num_warps=4, enable_fp_fusion=False)
     return q_out, k_out
 
 
@@ -203,5 +210,6 @@ def silu_mul(gate: Tensor, up: Tensor, block: int = 1024) -> Tensor:
         u = u.contiguous()
     if out.numel():
         _silu_mul_kernel[(g.shape[0], triton.cdiv(n, block))](g, u, out, n, g.stride(0), u.stride(0), BLOCK=block,
-                                                               PRECISE=_precise(_silu_mul_kernel), enable_fp_fusion=False)
+                                                               PRECISE=_precise(_silu_mul_kernel),
+                                                               enable_fp_fusion=False)
     return out

@@ -71,10 +71,11 @@ def test_rope_rotates_strided_q_and_k_as_the_torch_code(dtype):
     ids = torch.randint(0, 131072, (B, T), generator=g).to(DEVICE)
     with torch.no_grad():
         q_want, k_want = rope.reference(q, k, ids)
-        q_got, k_got = rope_qk(q, k, ids, rope.inv_freq)
-        assert_same(q_got, q_want)
-        assert_same(k_got, k_want)
-        assert q_got.is_contiguous() and k_got.is_contiguous()
+        for heads in (8, 2):                                # q and k in one block each, in 5 and 2 blocks
+            q_got, k_got = rope_qk(q, k, ids, rope.inv_freq, heads=heads)
+            assert_same(q_got, q_want)
+            assert_same(k_got, k_want)
+            assert q_got.is_contiguous() and k_got.is_contiguous()
         q_mod, k_mod = rope(q, k, ids)
     assert_same(q_mod, q_want)
     assert_same(k_mod, k_want)
