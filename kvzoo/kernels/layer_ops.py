@@ -14,8 +14,9 @@ Here each is one kernel that rounds where the torch code rounds, so its results 
 
 ("bf16" stands for the inputs' dtype.) No multiply and add is contracted into one FMA, as in torch's separate
 ops. The sums over x^2 run in fp32 in another order than torch's mean, so a norm can differ from torch's in the
-last bit of an element; every other result equals the torch code's to the bit where the math library does (cos,
-sin and exp from libdevice, division correctly rounded; checked on an H100 by tests/kernels/test_layer_ops.py). The references
+last bit of an element; every other result equals the torch code's to the bit where the math library does
+(cos, sin and exp from libdevice, division correctly rounded; checked on an H100 by
+tests/kernels/test_layer_ops.py). The references
 are the torch code of the model's modules (`RMSNorm.reference`, `RotaryEmbedding.reference`, `MLP.reference`).
 
 Grids: the norms one program a row of N (N <= 16384, the row in registers); rope_qk one program a (row,
