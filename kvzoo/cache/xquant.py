@@ -62,7 +62,7 @@ Static step (`decode_static`, for kvzoo/graphs.py's whole-step CUDA graph): the 
 shapes and the length L in a device tensor. The token's rows go into each stream's window row L - Nq by an
 index write; attention runs over every allocated slot (all Nmax quantized slots and all R + G window rows,
 the keys rematerialized from their rows (latent_rows: on a GPU each stream's rows dequantized in one pass,
-then cuBLAS; the keys then rotated by one Triton pass) plus the token's exact k, v, a key masked where it is
+then cuBLAS; on a GPU each key rotated by the scores kernel as it reads it) plus the token's exact k, v, a key masked where it is
 not live yet (slot >= Nq, window row >= L - Nq) or the step's mask forbids its slot (padding, sliding window).
 Values are not rematerialized: the softmax weighs the value latents (gathered into the key rows' order by slot
 where X U_k and X U_v have different windows, the paper's) and the (Hq, c) result is projected by each head's
@@ -166,23 +166,29 @@ def latent_rows(latent: QTensor | Tensor, first: Tensor | None, window: Tensor, 
     return rows.index_select(1, src.clamp_max(rows.shape[1] - 1))
 
 
-def weighed_attention(q: Tensor, keys: Tensor, bias: Tensor, rows: Tensor, up_v: Tensor, v: Tensor) -> Tensor:
+def weighed_attention(q: Tensor, keys: Tensor, key_tables: tuple[Tensor, Tensor], bias: Tensor, rows: Tensor,
+                      up_v: Tensor, v: Tensor) -> Tensor:
     """A static step's attention with values weighed from their latent rows instead of rematerialized:
     a query head's output Σ_t p_t (row_t · up_v) = (Σ_t p_t row_t) · up_v, two small products in place of V's
     (K × c) · (c × n_kv·hd) rematerialization and its round trip through memory.
 
-    q (B, Hq, 1, hd) after RoPE; keys (B, n_kv, K + 1, hd) after RoPE, a view of a (B, K + 1, n_kv·hd) buffer (as
-    `heads` makes it), the token's own key last; bias (B, 1, 1, K + 1) additive (0 or -inf); rows (B, K + 1, c)
-    the value latents in the key rows' order, the last (the token's) zero; up_v (c, n_kv·hd); v (B, n_kv, 1, hd) the
-    token's exact value. Scores and softmax in fp32 (on a GPU the scores by kvzoo.kernels.scores, reading the
-    keys' buffer as it is); the weighed rows in rows' dtype. Returns (B, Hq, 1, hd) in v's dtype."""
+    q (B, Hq, 1, hd) after RoPE; keys (B, n_kv, K + 1, hd) before RoPE, a view of a (B, K + 1, n_kv·hd) buffer (as
+    `heads` makes it), the token's own key last; key_tables the keys' RoPE (cos, sin) (B, 1, K + 1, hd) from
+    RotaryEmbedding.cos_sin; bias (B, 1, 1, K + 1) additive (0 or -inf); rows (B, K + 1, c) the value latents in the
+    key rows' order, the last (the token's) zero; up_v (c, n_kv·hd); v (B, n_kv, 1, hd) the token's exact value.
+    Scores and softmax in fp32: on a GPU the scores by kvzoo.kernels.scores, which reads the keys' buffer as it is
+    and rotates each key as it loads it; elsewhere torch rotates the keys first. The weighed rows in rows' dtype.
+    Returns (B, Hq, 1, hd) in v's dtype."""
     (B, Hq, _, d), H = q.shape, keys.shape[1]
     rep, K = Hq // H, keys.shape[2]
     if q.is_cuda:
         from kvzoo.kernels.scores import gqa_scores
 
-        scores = gqa_scores(q.reshape(B, Hq, d), keys.transpose(1, 2).reshape(B, K, H * d), d ** -0.5)
+        scores = gqa_scores(q.reshape(B, Hq, d), keys.transpose(1, 2).reshape(B, K, H * d), d ** -0.5, key_tables)
     else:
+        from kvzoo.models.llama import RotaryEmbedding
+
+        keys = RotaryEmbedding.apply_tables(keys, *key_tables)
         scores = (q.float().view(B, H, rep, d) @ keys.float().transpose(-1, -2)).view(B, Hq, K) * d ** -0.5
     p = (scores + bias.view(B, 1, K)).softmax(dim=-1)                                # (B, Hq, K + 1)
     mixed = torch.bmm(p.to(rows.dtype), rows)                                        # (B, Hq, c): Σ_t p_t row_t
@@ -226,16 +232,6 @@ def rope_stored_keys(attn, k: Tensor, pos: Positions) -> Tensor:
     """Rotate keys of stored slots [0, S) (B, H, S, hd), rematerialized before RoPE, to their positions."""
     slots = torch.arange(k.shape[2], device=k.device)
     return attn.rope.apply(k, (slots[None, :] - pos.pad[:, None]).clamp_min(0))
-
-
-def rotate_keys(attn, keys: Tensor, tables: tuple[Tensor, Tensor]) -> Tensor:
-    """RoPE of a static step's key rows (B, H, K, hd) in place, by the tables of RotaryEmbedding.cos_sin: one pass
-    of kvzoo.kernels.rope on a GPU, torch's rotation (a new tensor) elsewhere."""
-    if keys.is_cuda:
-        from kvzoo.kernels.rope import rope_
-
-        return rope_(keys, *tables)
-    return attn.rope.apply_tables(keys, *tables)
 
 
 def decode_attention(attn, q: Tensor, hist_k: Tensor, k: Tensor, v: Tensor, pos: Positions, weigh,
@@ -450,9 +446,8 @@ class XQuantCache(WholeStep, LayerCache):
         k_rows = rows(k_name, up_k.dtype, None)
         keys = heads(k_rows @ up_k, n_kv, k.dtype)                        # (B, n_kv, K + 1, hd)
         keys[:, :, -1:] = k
-        keys = rotate_keys(self.attn, keys, step.derived[key])
         v_rows = k_rows if v_name == k_name else rows(v_name, up_v.dtype, self._value_rows(step, k_name, v_name))
         q = self.attn.rope.apply_tables(q, *shared[("xquant q tables", q.dtype)])
-        out = weighed_attention(q, keys, bias, v_rows, up_v, v)
+        out = weighed_attention(q, keys, step.derived[key], bias, v_rows, up_v, v)
         st.flush_at(self.length, step)
         return out

@@ -365,12 +365,17 @@ def test_base_layer_beyond_the_model(mha):
 def test_weighed_attention_equals_attention_over_rematerialized_values(n_kv, rep):
     """The static step's attention, values weighed from their latent rows then projected per head, equals softmax
     attention over V = rows · up_v with the token's exact value last and masked rows ignored."""
+    from types import SimpleNamespace
+
     from kvzoo.cache.xquant import heads, weighed_attention
+    from kvzoo.models.llama import RotaryEmbedding
 
     g = torch.Generator().manual_seed(n_kv * 10 + rep)
     B, K, c, d = 2, 24, 40, 16
     q = torch.randn(B, n_kv * rep, 1, d, generator=g)
     keys = heads(torch.randn(B, K, n_kv * d, generator=g), n_kv, torch.float32)      # a view, as the step holds it
+    rope = RotaryEmbedding(SimpleNamespace(head_dim=d, rope_theta=10000.0, rope_scaling=None))
+    tables = rope.cos_sin(torch.randint(0, 5000, (B, K), generator=g), torch.float32)  # the keys' positions
     rows = torch.randn(B, K, c, generator=g)
     rows[:, -1] = 0                                                                  # the token's row
     up_v = torch.randn(c, n_kv * d, generator=g)
@@ -380,5 +385,6 @@ def test_weighed_attention_equals_attention_over_rematerialized_values(n_kv, rep
     bias = torch.zeros(B, 1, 1, K).masked_fill(~live, float("-inf"))
     values = heads(rows @ up_v, n_kv, torch.float32).clone()                         # (B, n_kv, K, d)
     values[:, :, -1:] = v
-    want = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=live, enable_gqa=rep > 1)
-    torch.testing.assert_close(weighed_attention(q, keys, bias, rows, up_v, v), want, rtol=1e-5, atol=1e-5)
+    rotated = rope.apply_tables(keys, *tables)
+    want = torch.nn.functional.scaled_dot_product_attention(q, rotated, values, attn_mask=live, enable_gqa=rep > 1)
+    torch.testing.assert_close(weighed_attention(q, keys, tables, bias, rows, up_v, v), want, rtol=1e-5, atol=1e-5)

@@ -31,6 +31,35 @@ def test_matches_reference_on_a_strided_view(dtype, tol, H, rep):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
+def test_keys_rotated_as_they_are_loaded(dtype, tol):
+    """Keys stored before RoPE and the model's tables for their positions (up to 128K): the scores of the rotated
+    keys, against the reference and against the kernel given keys the model rotated first."""
+    from types import SimpleNamespace
+
+    from kvzoo.models.llama import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(7)
+    B, K, H, rep, d = 2, 200, 2, 4, 64
+    rope = RotaryEmbedding(SimpleNamespace(head_dim=d, rope_theta=500000.0, rope_scaling=None)).to(DEVICE)
+    q = torch.randn(B, H * rep, d, generator=g).to(DEVICE, dtype)
+    keys = torch.randn(B, K + 3, H * d, generator=g).to(DEVICE, dtype)[:, :K]
+    tables = rope.cos_sin(torch.randint(0, 131072, (B, K), generator=g).to(DEVICE), dtype)    # (B, 1, K, d) each
+    got = gqa_scores(q, keys, 0.125, tables)
+    want = gqa_scores_ref(q, keys, 0.125, tables)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+    rotated = rope.apply_tables(keys.view(B, K, H, d).transpose(1, 2), *tables).transpose(1, 2).reshape(B, K, H * d)
+    first = gqa_scores(q, rotated, 0.125)
+    torch.testing.assert_close(got, first, rtol=2 * tol, atol=2 * tol * want.abs().max().item())
+    with pytest.raises(ValueError, match="cos has shape"):
+        gqa_scores(q, keys, 1.0, (tables[0][:, :, :5], tables[1]))
+    with pytest.raises(ValueError, match="sin has dtype"):
+        gqa_scores(q, keys, 1.0, (tables[0], tables[1].double()))
+    narrow = (tables[0][..., :16], tables[1][..., :16])                  # d = 16: rotated before the kernel
+    torch.testing.assert_close(gqa_scores(q[..., :16], keys[..., :H * 16], 1.0, narrow),
+                               gqa_scores_ref(q[..., :16], keys[..., :H * 16], 1.0, narrow), rtol=tol, atol=tol * 16)
+
+
 def test_bad_input_is_named():
     q = torch.randn(1, 4, 32).to(DEVICE)
     with pytest.raises(ValueError, match="keys must be"):
