@@ -87,14 +87,13 @@ def gqa_scores(q: Tensor, keys: Tensor, scale: float, tables: tuple[Tensor, Tens
         if d < 32:                               # halves too narrow for a tensor-core product: rotate them first
             keys = _rotated(keys, *tables)
             tables = None
-    cos, sin = tables if tables is not None else (keys, keys)
+    cos, sin = (t.contiguous() for t in tables) if tables is not None else (keys, keys)   # unread without tables
     H = width // d
     rep = Hq // H
     out = torch.empty(B, Hq, K, dtype=torch.float32, device=q.device)
     if B and K:
         _scores_kernel[(B * H, triton.cdiv(K, BLOCK))](
-            q.contiguous(), keys, cos.contiguous(), sin.contiguous(), out, K, scale, keys.stride(0), keys.stride(1),
-            K * d, d, H=H, REP=rep,
+            q.contiguous(), keys, cos, sin, out, K, scale, keys.stride(0), keys.stride(1), K * d, d, H=H, REP=rep,
             REP_P=max(16, triton.next_power_of_2(rep)), D=d, BLOCK=BLOCK,
             PRECISION="ieee" if q.dtype == torch.float32 or not q.is_cuda else "tf32",
             UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda, ROPE=tables is not None)
