@@ -115,13 +115,13 @@ def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[
 
 @triton.jit
 def _rotate_heads(x_ptr, out_ptr, b, t, h0, H, T, s_b, s_h, s_t, cos, sin,
-                  HALF: tl.constexpr, HEADS: tl.constexpr):
+                  HALF: tl.constexpr, HALF_P: tl.constexpr, HEADS: tl.constexpr):
     """Heads [h0, h0 + HEADS) of x at (b, t), those below H, rotated into out (B, H, T, d), contiguous; cos, sin
-    (HALF,) in x's dtype."""
+    (HALF_P,) in x's dtype, HALF_P the power of two >= HALF = d/2."""
     dtype = out_ptr.dtype.element_ty
     h = h0 + tl.arange(0, HEADS)[:, None]
-    j = tl.arange(0, HALF)[None, :]
-    live = h < H
+    j = tl.arange(0, HALF_P)[None, :]
+    live = (h < H) & (j < HALF)
     at = x_ptr + b * s_b + h * s_h + t * s_t + j
     x1 = tl.load(at, mask=live, other=0).to(tl.float32)
     x2 = tl.load(at + HALF, mask=live, other=0).to(tl.float32)
@@ -138,20 +138,22 @@ def _rotate_heads(x_ptr, out_ptr, b, t, h0, H, T, s_b, s_h, s_t, cos, sin,
 @triton.jit
 def _rope_qk_kernel(q_ptr, k_ptr, ids_ptr, freq_ptr, q_out, k_out, T, Hq, Hk,
                     s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_ib, s_it,
-                    HALF: tl.constexpr, HEADS: tl.constexpr, PRECISE: tl.constexpr):
+                    HALF: tl.constexpr, HALF_P: tl.constexpr, HEADS: tl.constexpr, PRECISE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)                   # b * T + t
     b, t = row // T, row % T
     block = tl.program_id(1)                              # HEADS heads of q, then of k
     q_blocks = tl.cdiv(Hq, HEADS)
     dtype = q_out.dtype.element_ty
-    freq = tl.load(freq_ptr + tl.arange(0, HALF)).to(tl.float32)
+    j = tl.arange(0, HALF_P)
+    freq = tl.load(freq_ptr + j, mask=j < HALF, other=0).to(tl.float32)
     angle = tl.load(ids_ptr + b * s_ib + t * s_it).to(tl.float32) * freq
     cos = _math(angle, "cos", PRECISE).to(dtype)    # the tables, in the dtype as cos_sin makes them
     sin = _math(angle, "sin", PRECISE).to(dtype)
     if block < q_blocks:
-        _rotate_heads(q_ptr, q_out, b, t, block * HEADS, Hq, T, s_qb, s_qh, s_qt, cos, sin, HALF, HEADS)
+        _rotate_heads(q_ptr, q_out, b, t, block * HEADS, Hq, T, s_qb, s_qh, s_qt, cos, sin, HALF, HALF_P, HEADS)
     else:
-        _rotate_heads(k_ptr, k_out, b, t, (block - q_blocks) * HEADS, Hk, T, s_kb, s_kh, s_kt, cos, sin, HALF, HEADS)
+        _rotate_heads(k_ptr, k_out, b, t, (block - q_blocks) * HEADS, Hk, T, s_kb, s_kh, s_kt, cos, sin, HALF,
+                      HALF_P, HEADS)
 
 
 def rope_qk(q: Tensor, k: Tensor, ids: Tensor, inv_freq: Tensor, heads: int = 8) -> tuple[Tensor, Tensor]:
@@ -163,8 +165,8 @@ def rope_qk(q: Tensor, k: Tensor, ids: Tensor, inv_freq: Tensor, heads: int = 8)
     B, Hq, T, d = q.shape
     if q.dtype not in DTYPES:
         raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
-    if d % 2 or d & (d - 1):
-        raise ValueError(f"the head dim must be an even power of two, got {d}")
+    if d % 2:
+        raise ValueError(f"the head dim must be even (rotate-half pairs its halves), got {d}")
     check_tensor(k, "k", (B, k.shape[1], T, d), (q.dtype,), q.device)
     check_tensor(ids, "ids", (B, T), (torch.int64, torch.int32), q.device)
     check_tensor(inv_freq, "inv_freq", (d // 2,), DTYPES, q.device)
@@ -178,7 +180,8 @@ def rope_qk(q: Tensor, k: Tensor, ids: Tensor, inv_freq: Tensor, heads: int = 8)
         grid = (B * T, triton.cdiv(Hq, heads) + triton.cdiv(Hk, heads))
         _rope_qk_kernel[grid](q, k, ids, inv_freq.contiguous(), q_out, k_out, T, Hq, Hk,
                               q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                              ids.stride(0), ids.stride(1), HALF=d // 2, HEADS=heads,
+                              ids.stride(0), ids.stride(1), HALF=d // 2,
+                              HALF_P=triton.next_power_of_2(d // 2), HEADS=heads,
                               PRECISE=_precise(_rope_qk_kernel), num_warps=4, enable_fp_fusion=False)
     return q_out, k_out
 

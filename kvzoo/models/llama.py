@@ -79,13 +79,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        if _fused(x) and x.dtype == self.weight.dtype:
+        if _fused(x) and x.dtype == self.weight.dtype and x.shape[-1] <= layer_ops().MAX_ROW:
             return layer_ops().rms_norm(x, self.weight, self.eps)
         return self.reference(x)
 
     def add(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
         """(x + delta, its norm): a residual add and the norm after it."""
-        if _fused(x) and x.dtype == self.weight.dtype == delta.dtype:
+        if _fused(x) and x.dtype == self.weight.dtype == delta.dtype and x.shape[-1] <= layer_ops().MAX_ROW:
             return layer_ops().add_rms_norm(x, delta, self.weight, self.eps)
         x = x + delta
         return x, self.reference(x)
