@@ -29,7 +29,10 @@ from kvzoo.cache.base import CacheSpec, LayerCache, ModelCache, Positions, Stati
 from kvzoo.config import ModelConfig
 
 
-FUSED_OPS = os.environ.get("KVZOO_LAYER_OPS", "fused") != "torch"
+LAYER_OPS = ("fused", "torch")
+if os.environ.get("KVZOO_LAYER_OPS", "fused") not in LAYER_OPS:
+    raise ValueError(f"KVZOO_LAYER_OPS must be one of {LAYER_OPS}, got {os.environ['KVZOO_LAYER_OPS']!r}")
+FUSED_OPS = os.environ.get("KVZOO_LAYER_OPS", "fused") == "fused"
 
 
 def _fused(x: Tensor) -> bool:

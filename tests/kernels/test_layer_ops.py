@@ -115,6 +115,23 @@ def test_joined_weights_are_one_tensor_until_something_replaces_them():
     assert joined_weight(mlp.gate_proj, mlp.up_proj) is None
 
 
+def test_layer_ops_variable_refuses_other_values():
+    """KVZOO_LAYER_OPS, read when the model module is imported: fused (the default) or torch, nothing else."""
+    import subprocess
+    import sys
+
+    code = "import kvzoo.models.llama as m; print(m.FUSED_OPS)"
+    for value, fused in (("fused", "True"), ("torch", "False")):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**os.environ, "KVZOO_LAYER_OPS": value})
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.split() == [fused]
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "KVZOO_LAYER_OPS": "Torch"})
+    assert run.returncode != 0
+    assert "KVZOO_LAYER_OPS must be one of ('fused', 'torch'), got 'Torch'" in run.stderr
+
+
 def test_bad_input_is_named():
     x = torch.randn(2, 8).to(DEVICE)
     w = torch.ones(8).to(DEVICE)
