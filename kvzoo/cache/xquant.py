@@ -78,6 +78,7 @@ rank's own W_k, W_v rows, as wide in total as one process's latents, in a differ
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -167,16 +168,40 @@ def latent_rows(latent: QTensor | Tensor, first: Tensor | None, window: Tensor, 
     return rows.index_select(1, src.clamp_max(rows.shape[1] - 1))
 
 
-def weighed_attention(q: Tensor, keys: Tensor, key_tables: tuple[Tensor, Tensor], bias: Tensor, rows: Tensor,
-                      up_v: Tensor, v: Tensor) -> Tensor:
+def weigh_rows(rows: Tensor) -> Callable[[Tensor], Tensor]:
+    """weighed_attention's `weigh` over rows (B, K + 1, c) held in memory: p (B, Hq, K + 1) -> Σ_t p_t row_t
+    (B, Hq, c), p rounded to the rows' dtype."""
+    return lambda p: torch.bmm(p.to(rows.dtype), rows)
+
+
+def weigh_latent(latent: QTensor | Tensor, first: Tensor | None, window: Tensor, src: Tensor, dtype: torch.dtype,
+                 fused: bool | None = None) -> Callable[[Tensor], Tensor]:
+    """weighed_attention's `weigh` over latent_rows(latent, first, window, src, dtype) without writing them: packed
+    codes on a GPU (or with fused=True, the interpreter in tests) at the window's 16-bit dtype are read by
+    kvzoo.kernels.xquant_remat.weigh_gather as it weighs them; otherwise the rows are gathered (latent_rows) and
+    multiplied."""
+    if fused is None:
+        fused = isinstance(latent, QTensor) and latent.codes.is_cuda
+    if fused and isinstance(latent, QTensor) and first is None and dtype == window.dtype \
+            and dtype in (torch.float16, torch.bfloat16):
+        from kvzoo.kernels.xquant_remat import REMAT_BITS, weigh_gather
+
+        if latent.bits in REMAT_BITS:
+            return lambda p: weigh_gather(latent, window, src, p)
+    return weigh_rows(latent_rows(latent, first, window, src, dtype, fused))
+
+
+def weighed_attention(q: Tensor, keys: Tensor, key_tables: tuple[Tensor, Tensor], bias: Tensor,
+                      weigh: Callable[[Tensor], Tensor], up_v: Tensor, v: Tensor) -> Tensor:
     """A static step's attention with values weighed from their latent rows instead of rematerialized:
     a query head's output Σ_t p_t (row_t · up_v) = (Σ_t p_t row_t) · up_v, two small products in place of V's
     (K × c) · (c × n_kv·hd) rematerialization and its round trip through memory.
 
     q (B, Hq, 1, hd) after RoPE; keys (B, n_kv, K + 1, hd) before RoPE, a view of a (B, K + 1, n_kv·hd) buffer (as
     `heads` makes it), the token's own key last; key_tables the keys' RoPE (cos, sin) (B, 1, K + 1, hd) from
-    RotaryEmbedding.cos_sin; bias (B, 1, 1, K + 1) additive (0 or -inf); rows (B, K + 1, c) the value latents in the
-    key rows' order, the last (the token's) zero; up_v (c, n_kv·hd); v (B, n_kv, 1, hd) the token's exact value.
+    RotaryEmbedding.cos_sin; bias (B, 1, 1, K + 1) additive (0 or -inf); weigh(p) the softmax p (B, Hq, K + 1)
+    times the value latents in the key rows' order, the last (the token's) zero (weigh_rows, weigh_latent):
+    (B, Hq, c); up_v (c, n_kv·hd); v (B, n_kv, 1, hd) the token's exact value.
     Scores and softmax in fp32: on a GPU the scores by kvzoo.kernels.scores, which reads the keys' buffer as it is
     and rotates each key as it loads it; elsewhere torch rotates the keys first. The weighed rows in rows' dtype.
     Returns (B, Hq, 1, hd) in v's dtype."""
@@ -192,7 +217,7 @@ def weighed_attention(q: Tensor, keys: Tensor, key_tables: tuple[Tensor, Tensor]
         keys = RotaryEmbedding.apply_tables(keys, *key_tables)
         scores = (q.float().view(B, H, rep, d) @ keys.float().transpose(-1, -2)).view(B, Hq, K) * d ** -0.5
     p = (scores + bias.view(B, 1, K)).softmax(dim=-1)                                # (B, Hq, K + 1)
-    mixed = torch.bmm(p.to(rows.dtype), rows)                                        # (B, Hq, c): Σ_t p_t row_t
+    mixed = weigh(p)                                                                 # (B, Hq, c): Σ_t p_t row_t
     by_head = mixed.view(B, H, rep, -1).transpose(0, 1).reshape(H, B * rep, -1)     # (H, B·rep, c)
     up = up_v.unflatten(1, (H, d)).transpose(0, 1)                                   # (H, c, hd), a view
     out = torch.bmm(by_head.to(up.dtype), up).view(H, B, rep, d).transpose(0, 1)    # (B, H, rep, hd)
@@ -417,8 +442,8 @@ class XQuantCache(WholeStep, LayerCache):
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
         """decode with fixed shapes: the token's rows into each stream's window row; K rematerialized from every
         allocated row (latent_rows, then up_k), the token's exact k last; V's latent rows in K's row order by slot
-        (WindowedStore.row_map) where X U_k and X U_v hold their slots differently, weighed by the softmax and then
-        projected (weighed_attention), the step's mask applied (dead rows and the token's own row masked); then each
+        (WindowedStore.row_map) where X U_k and X U_v hold their slots differently, weighed by the softmax as their codes
+        are read (weigh_latent) and then projected (weighed_attention), the step's mask applied (dead rows and the token's own row masked); then each
         stream the token filled quantizes its window's oldest group into slots [Nq, Nq + G)."""
         st = self.store
         st.write_token_at(self.length, step, self._rows(x))               # rows (B, 1, width) into window row r
@@ -447,8 +472,13 @@ class XQuantCache(WholeStep, LayerCache):
         k_rows = rows(k_name, up_k.dtype, None)
         keys = heads(k_rows @ up_k, n_kv, k.dtype)                        # (B, n_kv, K + 1, hd)
         keys[:, :, -1:] = k
-        v_rows = k_rows if v_name == k_name else rows(v_name, up_v.dtype, self._value_rows(step, k_name, v_name))
+        if v_name == k_name:
+            weigh = weigh_rows(k_rows)
+        else:
+            codec = st.codecs[v_name]
+            weigh = weigh_latent(codec.held(codec.capacity), codec.held_first(codec.capacity), st.recent(v_name),
+                                 self._value_rows(step, k_name, v_name), up_v.dtype)
         q = self.attn.rope.apply_tables(q, *shared[("xquant q tables", q.dtype)])
-        out = weighed_attention(q, keys, step.derived[key], bias, v_rows, up_v, v)
+        out = weighed_attention(q, keys, step.derived[key], bias, weigh, up_v, v)
         st.flush_at(self.length, step)
         return out

@@ -79,7 +79,7 @@ from kvzoo.cache.kvquant import QTensor
 from kvzoo.cache.store import GroupCodec, Window, WindowedStore, check_policy, token_group
 from kvzoo.cache.xquant import (XQuantCache, XQuantOptions, check_latent_bits, check_up_dtype, check_window,
                                 decode_attention, dequantize_latent, heads, rematerialize, rope_stored_keys,
-                                static_key_rows, svd_factors, weighed_attention)
+                                static_key_rows, svd_factors, weigh_rows, weighed_attention)
 from kvzoo.graphs import WholeStep
 
 
@@ -280,7 +280,7 @@ class XQuantCLCache(WholeStep, LayerCache):
         rows[:, N:] = 0                                                                     # dead rows, the token's
         keys = heads(self.attn.k_proj(rows), self.attn.n_kv_heads, k.dtype)                # (B, H, K + 1, hd)
         keys[:, :, -1:] = k
-        return weighed_attention(self.attn.rope.apply_tables(q, *q_tables), keys, k_tables, bias, rows,
+        return weighed_attention(self.attn.rope.apply_tables(q, *q_tables), keys, k_tables, bias, weigh_rows(rows),
                                  self.attn.v_proj.weight.t(), v)
 
     # ---- bytes -------------------------------------------------------------------------------------

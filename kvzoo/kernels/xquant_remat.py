@@ -27,6 +27,12 @@ an H100), under the interpreter exact fp32 products. Rows past N, channels past 
 masked, so r need not be a power of two (SmolLM2's latent has r = 192).
 
 Cost per call (§3.4): 2*N*r*n_out FLOPs against N*r*b/8 bytes of codes plus scales and r*n_out weights.
+
+XQuant's static step does not rematerialize V: it weighs the value latents by the softmax and projects the sum
+(kvzoo.cache.xquant.weighed_attention). weigh_gather computes that weighed sum Σ_t p_t dequant(row_t) from the codes
+in one pass, split over the rows (flash-decoding), so the 16-bit rows are never written. H100, XQuant's 8B value
+latents (32K x 1,024, 4-bit, per-token groups of 128), 32 query heads, batch 1: 47-51 us against 96 for
+dequant_gather and torch.bmm; batch 8: 250-330 against 644 (docs/xquant.md).
 """
 
 from __future__ import annotations
@@ -36,9 +42,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from triton.runtime.errors import OutOfResources
+from triton.runtime.interpreter import InterpretedFunction
 
 from kvzoo.cache.kvquant import QTensor, dequantize
-from kvzoo.kernels.quant_matvec import check_runnable, unpack_codes
+from kvzoo.kernels.quant_matvec import check_runnable, join_codes, unpack_asm, unpack_codes, unpacks_in_ptx
 
 REMAT_BITS = (2, 3, 4, 8)
 
@@ -135,6 +142,85 @@ def _gather_kernel(codes_ptr, scale_ptr, zero_ptr, win_ptr, src_ptr, out_ptr, N,
              mask=live_i[:, None] & live_k)
 
 
+@triton.jit
+def _weigh_kernel(codes_ptr, scale_ptr, zero_ptr, win_ptr, src_ptr, p_ptr, out_ptr, N, W, S, R, WORDS, HQ, PER_SPLIT,
+                  s_wb, s_wn, s_pb, s_ph, GROUP: tl.constexpr, BITS: tl.constexpr, PER_TOKEN: tl.constexpr,
+                  HAS_ZERO: tl.constexpr, FOLD: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
+                  CON: tl.constexpr, EXACT_DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """One (channel block, split, batch row): the split's rows src[i] of [dequant(codes) ; window] weighed by
+    p[b, :, i], summed into an fp32 (BLOCK_H, BLOCK_K) partial.
+    FOLD (per-token groups, the block inside one group): Σ_t p_t (c_t s_t + z_t) = Σ_t (p_t s_t) c_t + Σ_t p_t z_t,
+    so the exact codes c (unpacked in PTX where FAST) are the tensor-core product's A operand, p_t s_t its B
+    operand, both fp16 also in a bf16 model (the two terms cancel where z_t is large: p_t s_t rounded to bf16 erred
+    up to 8 times more than bmm's rounding), and the zeros' term a sum in fp32; a window row (exact in fp16 below
+    65,504) takes s = 1, z = 0. Otherwise
+    every element is dequantized (_dequant_tile) and rounded before the product. EXACT_DOT (the interpreter, whose
+    bf16 dot is wrong) multiplies the rounded operands as exact fp32, which their products are."""
+    k0 = tl.program_id(0) * BLOCK_K
+    split = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    k = k0 + tl.arange(0, BLOCK_K)
+    dtype = win_ptr.dtype.element_ty
+    if FOLD:
+        acc = tl.zeros((BLOCK_K, BLOCK_H), dtype=tl.float32)                       # transposed
+        zeros = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_H, BLOCK_K), dtype=tl.float32)
+    start = split * PER_SPLIT
+    stop = tl.minimum(start + PER_SPLIT, S)
+    for t in range(start, stop, BLOCK_T):
+        i = t + tl.arange(0, BLOCK_T)
+        live_i = i < stop
+        src = tl.load(src_ptr + i, mask=live_i, other=0).to(tl.int64)
+        coded = live_i & (src < N)
+        windowed = live_i & (src >= N) & (src < N + W)
+        rows = b * N + tl.where(coded, src, 0)
+        if tl.max(windowed.to(tl.int32), 0) > 0:                                # a tile with window rows
+            exact = tl.load(win_ptr + b * s_wb + tl.where(windowed, src - N, 0)[:, None] * s_wn + k[None, :],
+                            mask=windowed[:, None] & (k < R)[None, :], other=0)  # (BLOCK_T, BLOCK_K)
+        else:
+            exact = tl.zeros((BLOCK_T, BLOCK_K), dtype=dtype)
+        p = tl.load(p_ptr + b * s_pb + h[:, None] * s_ph + i[None, :], mask=(h < HQ)[:, None] & live_i[None, :],
+                    other=0)                                                     # (BLOCK_H, BLOCK_T) fp32
+        if FOLD:
+            CPW: tl.constexpr = 32 // BITS
+            wi = k0 // CPW + tl.arange(0, BLOCK_K // CPW)
+            words = tl.load(codes_ptr + rows[:, None] * WORDS + wi[None, :], mask=coded[:, None], other=0)
+            if FAST:
+                c = join_codes(tl.inline_asm_elementwise(ASM, CON, [words], dtype=(tl.float16,) * CPW,
+                                                         is_pure=True, pack=2), BITS)
+            else:
+                c = tl.reshape(unpack_codes(words[:, :, None], (tl.arange(0, CPW) * BITS)[None, None, :], BITS),
+                               (BLOCK_T, BLOCK_K), can_reorder=False).to(tl.float16)
+            x = tl.where(windowed[:, None], exact.to(tl.float16), c)                            # (BLOCK_T, BLOCK_K)
+            meta = rows * (R // GROUP) + k0 // GROUP
+            scale = tl.load(scale_ptr + meta, mask=coded, other=0).to(tl.float32)
+            if HAS_ZERO:
+                zero = tl.load(zero_ptr + meta, mask=coded, other=0).to(tl.float32)
+            else:
+                zero = -(1 << (BITS - 1)) * scale
+            zeros += tl.sum(p * zero[None, :], 1)
+            w = (p * tl.where(windowed, 1.0, scale)[None, :]).to(tl.float16)
+            if EXACT_DOT:
+                acc += tl.dot(tl.trans(x).to(tl.float32), tl.trans(w).to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(tl.trans(x), tl.trans(w))
+        else:
+            x, _ = _dequant_tile(codes_ptr, scale_ptr, zero_ptr, rows, coded, k0, R, WORDS, GROUP, BITS, PER_TOKEN,
+                                 HAS_ZERO, BLOCK_K)
+            x = tl.where(windowed[:, None], exact.to(tl.float32), x).to(dtype)
+            if EXACT_DOT:
+                acc += tl.dot(p.to(dtype).to(tl.float32), x.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(p.to(dtype), x)
+    if FOLD:
+        acc = tl.trans(acc) + zeros[:, None]
+    out = out_ptr + ((split * tl.num_programs(2) + b) * BLOCK_H + h)[:, None] * R + k[None, :]
+    tl.store(out, acc, mask=(h < HQ)[:, None] & (k < R)[None, :])
+
+
 def _check(q: QTensor, weight: Tensor | None) -> None:
     if not isinstance(q, QTensor):
         raise ValueError(f"expected a kvzoo.cache.kvquant.QTensor, got {type(q).__name__}")
@@ -204,6 +290,60 @@ def dequant_gather(q: QTensor, window: Tensor, src: Tensor, dtype: torch.dtype, 
             PER_TOKEN=q.axis == -1, HAS_ZERO=q.zero is not None, BLOCK_M=block_m, BLOCK_K=block_k,
             num_warps=num_warps)
     return out
+
+
+def weigh_gather(q: QTensor, window: Tensor, src: Tensor, p: Tensor, block_t: int = 128, block_k: int = 128,
+                 num_warps: int = 4, num_stages: int = 2, programs: int | None = None) -> Tensor:
+    """Σ_i p[..., i] · row src[i] of [dequant(q) ; window], the gathered rows never written: q (B, N, r) coded rows,
+    window (B, W, r) exact rows after them (fp16/bf16), src (S,) long (an index past both: a zero row), p (B, Hq, S)
+    -> (B, Hq, r) in window's dtype. XQuant's static step weighs its value latents this way instead of
+    bmm(p, dequant_gather(q, window, src)), each code read once instead of written and read again at 16 bits.
+    Per-token groups of a multiple of 16 channels fold each row's scale into its weight (_weigh_kernel): the codes
+    enter the product exact, p_t s_t rounded to fp16, the zeros' term in fp32, where bmm rounds p_t and
+    c_t s_t + z_t to the dtype; other layouts round as bmm does. Split over S (flash-decoding) into `programs` programs (default
+    2 per SM), their fp32 partials summed by torch."""
+    _check(q, None)
+    device = q.codes.device
+    check_runnable(_weigh_kernel, device)
+    if len(q.shape) != 3:
+        raise ValueError(f"q must be (B, N, r) codes, got shape {tuple(q.shape)}")
+    B, N, r = q.shape
+    if not isinstance(window, Tensor) or window.dim() != 3 or window.shape[0] != B or window.shape[2] != r \
+            or window.device != device or window.stride(-1) != 1 or window.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"window must be a (B={B}, W, r={r}) fp16 or bf16 tensor on {device} with unit stride on r")
+    if not isinstance(src, Tensor) or src.dim() != 1 or src.device != device or src.is_floating_point():
+        raise ValueError(f"src must be a 1-D integer tensor of row indices on {device}")
+    S = src.numel()
+    if not isinstance(p, Tensor) or p.dim() != 3 or p.shape[0] != B or p.shape[2] != S or p.device != device \
+            or p.stride(-1) != 1:
+        raise ValueError(f"p must be a (B={B}, Hq, S={S}) tensor on {device} with unit stride on S")
+    if q.axis == -2 and N % q.group_size:
+        raise ValueError(f"per-channel codes need whole groups: N = {N} is not a multiple of {q.group_size}")
+    Hq = p.shape[1]
+    block_h = max(16, triton.next_power_of_2(Hq))                  # tl.dot's smallest M
+    fold_k = min(block_k, q.group_size & -q.group_size)            # the largest power of two dividing a group
+    fold = q.axis == -1 and 32 % q.bits == 0 and fold_k >= 16      # a channel block inside one per-token group
+    fast = fold and unpacks_in_ptx(window)
+    asm, con = unpack_asm(q.bits) if fast else ("", "")
+    block_k = fold_k if fold else block_k
+    columns = triton.cdiv(r, block_k)
+    if programs is None:
+        programs = 2 * (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1)
+    per_split = triton.cdiv(triton.cdiv(S, max(1, programs // max(1, columns * B))), block_t) * block_t
+    splits = max(1, triton.cdiv(S, per_split))
+    partials = torch.empty(splits, B, block_h, r, dtype=torch.float32, device=device)
+    if B and S and r and Hq:
+        zero = q.zero.contiguous() if q.zero is not None else q.scale    # never read when symmetric
+        _weigh_kernel[(columns, splits, B)](
+            q.codes.contiguous(), q.scale.contiguous(), zero, window if window.shape[1] else window.new_empty(1, 1, r),
+            src.contiguous(), p, partials, N, window.shape[1], S, r, q.codes.shape[-1], Hq, per_split,
+            window.stride(0), window.stride(1), p.stride(0), p.stride(1), GROUP=q.group_size, BITS=q.bits,
+            PER_TOKEN=q.axis == -1, HAS_ZERO=q.zero is not None, FOLD=fold, FAST=fast, ASM=asm, CON=con,
+            EXACT_DOT=isinstance(_weigh_kernel, InterpretedFunction), BLOCK_H=block_h, BLOCK_T=block_t,
+            BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    else:
+        partials.zero_()
+    return partials[:, :, :Hq].sum(0).to(window.dtype)
 
 
 def tile_configs(block_m: int, block_n: int, num_stages: int) -> list[tuple[int, int, int]]:

@@ -367,7 +367,7 @@ def test_weighed_attention_equals_attention_over_rematerialized_values(n_kv, rep
     attention over V = rows · up_v with the token's exact value last and masked rows ignored."""
     from types import SimpleNamespace
 
-    from kvzoo.cache.xquant import heads, weighed_attention
+    from kvzoo.cache.xquant import heads, weigh_rows, weighed_attention
     from kvzoo.models.llama import RotaryEmbedding
 
     g = torch.Generator().manual_seed(n_kv * 10 + rep)
@@ -387,4 +387,4 @@ def test_weighed_attention_equals_attention_over_rematerialized_values(n_kv, rep
     values[:, :, -1:] = v
     rotated = rope.apply_tables(keys, *tables)
     want = torch.nn.functional.scaled_dot_product_attention(q, rotated, values, attn_mask=live, enable_gqa=rep > 1)
-    torch.testing.assert_close(weighed_attention(q, keys, tables, bias, rows, up_v, v), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(weighed_attention(q, keys, tables, bias, weigh_rows(rows), up_v, v), want, rtol=1e-5, atol=1e-5)

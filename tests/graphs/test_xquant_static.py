@@ -93,9 +93,9 @@ def test_whole_step_with_a_sliding_window(windowed, spec):
 @pytest.mark.parametrize("spec", ["xquant:bits=4,group_size=16,outlier_channel=true,policy=grouped",
                                   "xquant-cl:bits=2,high_layers=1,base_layer=1,group_size=16,policy=grouped"])
 def test_whole_step_through_the_kernel(gqa, monkeypatch, spec):
-    """What a GPU runs: every packed latent rematerialized by the kernels (dequant_matmul, and dequant_gather in
-    XQuant's static step; here under the interpreter), the static step over every allocated slot, the eager one
-    over the live ones."""
+    """What a GPU runs: every packed latent rematerialized by the kernels (dequant_matmul, and dequant_gather and
+    weigh_gather in XQuant's static step; here under the interpreter), the static step over every allocated slot,
+    the eager one over the live ones."""
     pytest.importorskip("triton")
     calls = []
 
@@ -107,9 +107,14 @@ def test_whole_step_through_the_kernel(gqa, monkeypatch, spec):
         calls.append(latent)
         return latent_rows(latent, first, window, src, dtype, fused=True)
 
-    rematerialize, latent_rows = xq.rematerialize, xq.latent_rows
+    def fused_weigh(latent, first, window, src, dtype, fused=None):
+        calls.append(latent)
+        return weigh_latent(latent, first, window, src, dtype, fused=True)
+
+    rematerialize, latent_rows, weigh_latent = xq.rematerialize, xq.latent_rows, xq.weigh_latent
     monkeypatch.setattr(xq, "rematerialize", fused)
     monkeypatch.setattr(xq, "latent_rows", fused_rows)
+    monkeypatch.setattr(xq, "weigh_latent", fused_weigh)
     monkeypatch.setattr(xcl, "rematerialize", fused)
     eager, static, _ = decode_both(gqa, spec, None)
     assert any(isinstance(latent, xq.QTensor) for latent in calls)

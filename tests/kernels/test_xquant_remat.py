@@ -169,3 +169,57 @@ def test_dequant_gather_puts_rows_in_a_new_order(axis, group, bits):
         partial = dataclasses.replace(q, shape=(B, N - group // 2, r))
         with pytest.raises(ValueError, match="per-channel codes need whole groups"):
             dequant_gather(partial, window, src, torch.float32)
+
+
+@pytest.mark.parametrize("axis,group", [(-1, 32), (-1, 24), (-2, 16)])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("programs", [1, 5])
+def test_weigh_gather_equals_the_product_of_the_gathered_rows(axis, group, bits, symmetric, programs):
+    """Σ_i p_i · row src[i] read from the codes in one pass equals bmm(p, dequant_gather(...)) up to rounding:
+    zero rows, window rows and coded rows in any order, query rows that are not a power of two, one split or
+    several; per-token groups of 32 channels (their scales folded into the weights), of 24 and per-channel groups
+    (dequantized first)."""
+    from kvzoo.kernels.xquant_remat import dequant_gather, weigh_gather
+
+    g = torch.Generator().manual_seed(bits * 7 + group + programs)
+    B, N, W, r, Hq = 2, 48, 5, 96, 6
+    q = quantize(torch.randn(B, N, r, generator=g).to(DEVICE), bits, group, axis=axis, symmetric=symmetric)
+    buf = torch.randn(B, W + 2, r + 8, generator=g).to(DEVICE)
+    src = torch.randint(0, N + W + 1, (70,), generator=g).to(DEVICE)
+    src[:3] = torch.tensor([N + W, N, N - 1])
+    p = torch.rand(B, Hq, 70, generator=g).softmax(-1).to(DEVICE)
+    for dtype, tol in ((torch.float16, 2e-3), (torch.bfloat16, 1e-2)):
+        window = buf[:, 1:W + 1, :r].to(dtype)                                    # strided rows
+        want = torch.bmm(p.to(dtype).float(), dequant_gather(q, window, src, dtype).float())
+        got = weigh_gather(q, window, src, p, block_t=16, block_k=32, programs=programs)
+        assert got.shape == (B, Hq, r) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="p must be"):
+        weigh_gather(q, window, src, p[..., :-1])
+    with pytest.raises(ValueError, match="window must be"):
+        weigh_gather(q, window.float(), src, p)
+
+
+def test_xquant_weighs_16_bit_value_latents_from_their_codes(monkeypatch):
+    """xquant.weigh_latent: 16-bit rows of packed codes go through weigh_gather, never written as rows, and give
+    what gathering them (latent_rows) and multiplying gives; fp32 rows and an exact first channel take that path."""
+    import kvzoo.cache.xquant as xq
+
+    g = torch.Generator().manual_seed(3)
+    B, N, W, r, Hq = 1, 32, 3, 40, 4
+    q = quantize(torch.randn(B, N, r, generator=g).to(DEVICE), 4, 20, axis=-1)
+    window = torch.randn(B, W, r, generator=g).to(DEVICE, torch.bfloat16)
+    src = torch.cat([torch.arange(N + W).flip(0), torch.tensor([N + W] * 5)]).to(DEVICE)
+    p = torch.rand(B, Hq, src.numel(), generator=g).softmax(-1).to(DEVICE)
+    want = xq.weigh_rows(xq.latent_rows(q, None, window, src, torch.bfloat16, fused=True))(p)
+    latent_rows = xq.latent_rows
+
+    def no_rows(*args, **kwargs):
+        raise AssertionError("the rows were gathered")
+
+    monkeypatch.setattr(xq, "latent_rows", no_rows)
+    got = xq.weigh_latent(q, None, window, src, torch.bfloat16, fused=True)(p)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    monkeypatch.setattr(xq, "latent_rows", latent_rows)
+    assert xq.weigh_latent(q, None, window.float(), src, torch.float32, fused=True)(p).dtype == torch.float32
