@@ -27,7 +27,8 @@ InnerQ-2 (asymmetric and hybrid groups), KIVI-2's outer layout (SQuat's too), KI
 kernel), KV Pareto's per-token groups (8-bit, groups of 32) and int8's (groups of d), all with a 128-token exact
 window, and AlignedKV's planes (aligned_decode: its two kernels and the torch softmax, top-k and estimate between
 them), whose bytes are those its levels read (from random Gaussian keys and values: the bits read depend on the
-data), and fp16 SDPA for scale. On an H100 the InnerQ rows take the Gluon split kernel of
+data), XQuant's two (the scores over its rematerialized keys, rotated as they are read, their fp32 scores counted
+with the bytes; the weighing of its 4-bit value latents by the probabilities), and fp16 SDPA for scale. On an H100 the InnerQ rows take the Gluon split kernel of
 kvzoo/kernels/innerq_hopper.py and KIVI-2's the one of kvzoo/kernels/outer_hopper.py for its quantized runs; a
 second row of InnerQ-2 hybrid and of KIVI-2 times the Triton kernel alone, in the same run. --cases keeps the
 kernels whose name holds one of the given texts; --shapes replaces the four (batch, tokens) rows, for --stages too:
@@ -282,7 +283,8 @@ FLOOR_TARGET = 0.70
 FLOOR_CASES = ("InnerQ-2 asymmetric", "InnerQ-2 hybrid", "InnerQ-2 hybrid (Triton kernel only)",
                "KIVI-2, SQuat (outer)", "KIVI-2, SQuat (outer, Triton kernel only)",
                "KIVI*-2 (keys rotated in the kernel)", "KV Pareto k8v8 (per-token groups of 32)",
-               "int8 (per-token groups of d)", "AlignedKV (planes; aligned_decode)", "fp16 SDPA")
+               "int8 (per-token groups of d)", "AlignedKV (planes; aligned_decode)",
+               "XQuant scores (keys rotated in the kernel)", "XQuant weigh (4-bit value latents)", "fp16 SDPA")
 
 
 def shape(text: str) -> tuple[int, int]:
@@ -343,7 +345,10 @@ def floor_cases(B: int, N: int, gen: torch.Generator):
     """(name, build) of every fused attention over B rows x N tokens of the 8B heads; build() makes the case's
     buffers and returns (launch, bytes read): one case at a time (at batch 32 and 128K some hold 17 GB)."""
     from kvzoo.cache.alignedkv import AlignedKVOptions
+    from kvzoo.cache.kvquant import QTensor
     from kvzoo.kernels import alignedkv_attention as al, innerq_attention as att
+    from kvzoo.kernels.scores import gqa_scores
+    from kvzoo.kernels.xquant_remat import weigh_gather
 
     H, d, Hq = MODELS["Llama 3.1-8B"]
     n_q = N - WINDOW
@@ -396,13 +401,32 @@ def floor_cases(B: int, N: int, gen: torch.Generator):
         return lambda: al.aligned_decode(q, *planes, planes[0].shape[2], tail_k, tail_v, opts.topk,
                                          opts.min_bits), read
 
+    def xquant_scores():
+        """XQuant's rematerialized keys (B, N, H*d) before RoPE, rotated by the (cos, sin) tables as they are read;
+        its fp32 scores (B, Hq, N) are written, and count with the bytes read."""
+        keys = torch.randn(B, N, H * d, device=DEVICE, generator=gen).half()
+        tables = tuple((torch.rand(B, 1, N, d, device=DEVICE, generator=gen) * 2 - 1).half() for _ in range(2))
+        return lambda: gqa_scores(q, keys, d ** -0.5, tables), nbytes(q, keys, *tables) + B * Hq * N * 4
+
+    def xquant_weigh():
+        """XQuant's value latents (B, N, H*d) of 4-bit codes in per-token groups of 128 weighed by fp32
+        probabilities (B, Hq, N) in a shuffled row order (weigh_gather); no window rows."""
+        r = H * d
+        latent = QTensor(torch.randint(-2 ** 31, 2 ** 31, (B, N, r // 8), dtype=torch.int32, device=DEVICE,
+                                       generator=gen), halves((B, N, r // 128)), halves((B, N, r // 128)), 4, 128,
+                         -1, (B, N, r))
+        p = torch.rand(B, Hq, N, device=DEVICE, generator=gen)
+        src = torch.randperm(N, device=DEVICE, generator=gen)
+        window = torch.zeros(B, 0, r, dtype=torch.float16, device=DEVICE)
+        return lambda: weigh_gather(latent, window, src, p), nbytes(latent.codes, latent.scale, latent.zero, p, src)
+
     def sdpa():
         k16, v16 = torch.randn(2, B, H, N, d, device=DEVICE, generator=gen).half()
         return lambda: F.scaled_dot_product_attention(q[:, :, None], k16, v16, enable_gqa=True), nbytes(q, k16, v16)
 
     builders = (lambda: innerq(False), lambda: innerq(True), lambda: innerq(True, hopper=False), lambda: outer(False),
                 lambda: outer(False, hopper=False),
-                lambda: outer(True), lambda: token(32), lambda: token(d), aligned, sdpa)
+                lambda: outer(True), lambda: token(32), lambda: token(d), aligned, xquant_scores, xquant_weigh, sdpa)
     yield from zip(FLOOR_CASES, builders)                                # in FLOOR_CASES' order
 
 

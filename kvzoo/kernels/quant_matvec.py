@@ -166,19 +166,24 @@ def unpacks_in_ptx(t: Tensor) -> bool:
 
 
 @functools.lru_cache
-def unpack_asm(bits: int, bf16: bool = False) -> tuple[str, str]:
+def unpack_asm(bits: int, bf16: bool = False, centered: bool = False) -> tuple[str, str]:
     """PTX for tl.inline_asm_elementwise (pack=2): two int32 code words in, 32/bits outputs of codes as exact
     fp16 (bf16 when bf16) values (output k: code k of each word). Codes k and k + cpw/2 sit in the low and high
     halves of a word: the two words' low (high) halves are gathered into one register, a code is masked into
     the mantissa of 1024.0 (fp16 0x6400; bf16 128.0, 0x4300) and that power of two subtracted. bf16's mantissa
-    has 7 bits, so its codes have at most 4 (8-bit codes would reach its exponent)."""
+    has 7 bits, so its codes have at most 4 (8-bit codes would reach its exponent). centered (fp16): code -
+    2^(bits-1), the subtraction taking 1024 + 2^(bits-1) instead."""
     if bf16 and bits > 4:
         raise ValueError(f"the bf16 unpack holds codes of at most 4 bits (a bf16 mantissa has 7), got {bits}")
+    if bf16 and centered:
+        raise ValueError("the centered unpack is fp16's")
     cpw, half = 32 // bits, 16 // bits
     mask = ((1 << bits) - 1) * 0x00010001
     a, b = f"${cpw}", f"${cpw + 1}"
     magic = "0x43004300" if bf16 else "0x64006400"
-    lines = ["{", ".reg .b32 lo, hi, t, magic, one, neg;", f"mov.b32 magic, {magic};"]
+    lines = ["{", ".reg .b32 lo, hi, t, magic, one, neg, base;", f"mov.b32 magic, {magic};"]
+    base = 0x6400 + (1 << (bits - 1)) if centered else 0x6400                 # fp16 1024 (+ 2^(bits-1)): ulp 1
+    lines.append(f"mov.b32 base, {base * 0x10001:#010x};")
     if bf16:
         lines += ["mov.b32 one, 0x3F803F80;", "mov.b32 neg, 0xC300C300;"]      # 1.0 and -128.0, twice
     lines += [f"prmt.b32 lo, {a}, {b}, 0x5410;", f"prmt.b32 hi, {a}, {b}, 0x7632;"]
@@ -187,7 +192,7 @@ def unpack_asm(bits: int, bf16: bool = False) -> tuple[str, str]:
         lines.append(f"shr.b32 t, {src}, {shift};" if shift else f"mov.b32 t, {src};")
         lines.append(f"lop3.b32 t, t, {mask}, magic, 0xEA;")
         # bf16: t * 1 - 128 (fma.bf16x2 runs on sm_80; sub.bf16x2 needs sm_90)
-        lines.append(f"fma.rn.bf16x2 ${k}, t, one, neg;" if bf16 else f"sub.f16x2 ${k}, t, magic;")
+        lines.append(f"fma.rn.bf16x2 ${k}, t, one, neg;" if bf16 else f"sub.f16x2 ${k}, t, base;")
     lines.append("}")
     return "\n".join(lines), ",".join(["=r"] * cpw + ["r"] * 2)
 

@@ -150,11 +150,12 @@ def _weigh_kernel(codes_ptr, scale_ptr, zero_ptr, win_ptr, src_ptr, p_ptr, out_p
                   BLOCK_K: tl.constexpr):
     """One (channel block, split, batch row): the split's rows src[i] of [dequant(codes) ; window] weighed by
     p[b, :, i], summed into an fp32 (BLOCK_H, BLOCK_K) partial.
-    FOLD (per-token groups, the block inside one group): Σ_t p_t (c_t s_t + z_t) = Σ_t (p_t s_t) c_t + Σ_t p_t z_t,
-    so the exact codes c (unpacked in PTX where FAST) are the tensor-core product's A operand, p_t s_t its B
-    operand, both fp16 also in a bf16 model (the two terms cancel where z_t is large: p_t s_t rounded to bf16 erred
-    up to 8 times more than bmm's rounding), and the zeros' term a sum in fp32; a window row (exact in fp16 below
-    65,504) takes s = 1, z = 0. Otherwise
+    FOLD (per-token groups, the block inside one group), with the codes centered, c' = c - 2^(b-1):
+    Σ_t p_t (c_t s_t + z_t) = Σ_t (p_t s_t) c'_t + Σ_t p_t (z_t + 2^(b-1) s_t), so the exact codes c' (unpacked in
+    PTX where FAST) are the tensor-core product's A operand, p_t s_t its B operand, both fp16 also in a bf16 model,
+    and the zeros' term (0 for symmetric groups) a sum in fp32. The two terms cancel where the zero is large;
+    centering and fp16 keep their rounding near bmm's (p_t s_t rounded to bf16 with uncentered codes erred up to 8
+    times more). A window row (exact in fp16 below 65,504) takes s = 1, z = 0, c' its value. Otherwise
     every element is dequantized (_dequant_tile) and rounded before the product. EXACT_DOT (the interpreter, whose
     bf16 dot is wrong) multiplies the rounded operands as exact fp32, which their products are."""
     k0 = tl.program_id(0) * BLOCK_K
@@ -165,7 +166,7 @@ def _weigh_kernel(codes_ptr, scale_ptr, zero_ptr, win_ptr, src_ptr, p_ptr, out_p
     dtype = win_ptr.dtype.element_ty
     if FOLD:
         acc = tl.zeros((BLOCK_K, BLOCK_H), dtype=tl.float32)                       # transposed
-        zeros = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        zeros = tl.zeros((BLOCK_H,), dtype=tl.float32)                           # Σ_t p_t z'_t
     else:
         acc = tl.zeros((BLOCK_H, BLOCK_K), dtype=tl.float32)
     start = split * PER_SPLIT
@@ -192,16 +193,14 @@ def _weigh_kernel(codes_ptr, scale_ptr, zero_ptr, win_ptr, src_ptr, p_ptr, out_p
                 c = join_codes(tl.inline_asm_elementwise(ASM, CON, [words], dtype=(tl.float16,) * CPW,
                                                          is_pure=True, pack=2), BITS)
             else:
-                c = tl.reshape(unpack_codes(words[:, :, None], (tl.arange(0, CPW) * BITS)[None, None, :], BITS),
-                               (BLOCK_T, BLOCK_K), can_reorder=False).to(tl.float16)
-            x = tl.where(windowed[:, None], exact.to(tl.float16), c)                            # (BLOCK_T, BLOCK_K)
+                c = tl.reshape(unpack_codes(words[:, :, None], (tl.arange(0, CPW) * BITS)[None, None, :], BITS)
+                               - (1 << (BITS - 1)), (BLOCK_T, BLOCK_K), can_reorder=False).to(tl.float16)
+            x = tl.where(windowed[:, None], exact.to(tl.float16), c)            # (BLOCK_T, BLOCK_K)
             meta = rows * (R // GROUP) + k0 // GROUP
             scale = tl.load(scale_ptr + meta, mask=coded, other=0).to(tl.float32)
-            if HAS_ZERO:
-                zero = tl.load(zero_ptr + meta, mask=coded, other=0).to(tl.float32)
-            else:
-                zero = -(1 << (BITS - 1)) * scale
-            zeros += tl.sum(p * zero[None, :], 1)
+            if HAS_ZERO:                                                         # z + 2^(b-1) s
+                zero = tl.load(zero_ptr + meta, mask=coded, other=0).to(tl.float32) + (1 << (BITS - 1)) * scale
+                zeros += tl.sum(p * zero[None, :], 1)
             w = (p * tl.where(windowed, 1.0, scale)[None, :]).to(tl.float16)
             if EXACT_DOT:
                 acc += tl.dot(tl.trans(x).to(tl.float32), tl.trans(w).to(tl.float32), input_precision="ieee")
@@ -324,7 +323,7 @@ def weigh_gather(q: QTensor, window: Tensor, src: Tensor, p: Tensor, block_t: in
     fold_k = min(block_k, q.group_size & -q.group_size)            # the largest power of two dividing a group
     fold = q.axis == -1 and 32 % q.bits == 0 and fold_k >= 16      # a channel block inside one per-token group
     fast = fold and unpacks_in_ptx(window)
-    asm, con = unpack_asm(q.bits) if fast else ("", "")
+    asm, con = unpack_asm(q.bits, centered=True) if fast else ("", "")
     block_k = fold_k if fold else block_k
     columns = triton.cdiv(r, block_k)
     if programs is None:

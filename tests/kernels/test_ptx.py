@@ -127,6 +127,18 @@ def test_unpack_asm_gives_code_k_of_both_words(bits, bf16):
         assert np.array_equal(got, np.stack([codes_of(WORDS, bits)[:, k], codes_of(other, bits)[:, k]], -1))
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_centered_unpack_asm_gives_the_codes_less_half_their_range(bits):
+    """The FOLD path of xquant_remat's weigh kernel: code - 2^(bits-1), exact in fp16."""
+    other = WORDS[::-1].copy()
+    out = run_ptx(unpack_asm(bits, centered=True)[0], 32 // bits, [WORDS, other])
+    for k in range(32 // bits):
+        want = np.stack([codes_of(WORDS, bits)[:, k], codes_of(other, bits)[:, k]], -1).astype(np.int64)
+        assert np.array_equal(unpair(out[k]), want - (1 << (bits - 1)))
+    with pytest.raises(ValueError, match="fp16's"):
+        unpack_asm(2, bf16=True, centered=True)
+
+
 def signs_register(signs: np.ndarray) -> np.ndarray:
     """(n, 16) sign bits of a word's codes -> the signs register dequant_pair_asm(signed=True) takes: code a's at bit a, a + 8's at
     bit 16 + a (a < 8); the other bits random, which the PTX must ignore."""
