@@ -138,6 +138,26 @@ def test_bf16_at_the_8b_shape(two_pass):
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="compiled at the shapes a GPU decode step calls it with")
+@pytest.mark.parametrize("B,Hq,r,group,dtype", [(1, 32, 1024, 128, torch.bfloat16), (4, 32, 1024, 128, torch.float16),
+                                                (2, 9, 192, 96, torch.float16)])
+def test_weigh_gather_at_the_model_shapes(B, Hq, r, group, dtype):
+    """XQuant's value latents weighed over 32K rows at Llama-3.1-8B's shape (r = 1,024, groups of 128, 32 query
+    heads) and SmolLM2's (r = 192, groups of 96: channel blocks of 32, 9 query heads), with window rows."""
+    from kvzoo.kernels.xquant_remat import dequant_gather, weigh_gather
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    N, W = 32768, 40
+    q = quantize(torch.randn(B, N, r, generator=g, device="cuda"), 4, group, axis=-1)
+    window = torch.randn(B, W, r, generator=g, device="cuda").to(dtype)
+    src = torch.cat([torch.randperm(N + W, generator=g, device="cuda"), torch.full((8,), N + W, device="cuda")])
+    p = torch.randn(B, Hq, src.numel(), generator=g, device="cuda").softmax(-1)
+    want = torch.bmm(p.to(dtype).float(), dequant_gather(q, window, src, dtype).float())
+    got = weigh_gather(q, window, src, p)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
 @pytest.mark.parametrize("axis,group", [(-1, 32), (-2, 16)])
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_dequant_gather_puts_rows_in_a_new_order(axis, group, bits):
