@@ -28,9 +28,10 @@ kernel), KV Pareto's per-token groups (8-bit, groups of 32) and int8's (groups o
 window, and AlignedKV's planes (aligned_decode: its two kernels and the torch softmax, top-k and estimate between
 them), whose bytes are those its levels read (from random Gaussian keys and values: the bits read depend on the
 data), XQuant's two (the scores over its rematerialized keys, rotated as they are read, their fp32 scores counted
-with the bytes; the weighing of its 4-bit value latents by the probabilities), and fp16 SDPA for scale. On an H100 the InnerQ rows take the Gluon split kernel of
-kvzoo/kernels/innerq_hopper.py and KIVI-2's the one of kvzoo/kernels/outer_hopper.py for its quantized runs; a
-second row of InnerQ-2 hybrid and of KIVI-2 times the Triton kernel alone, in the same run. --cases keeps the
+with the bytes; the weighing of its 4-bit value latents by the probabilities), and fp16 SDPA for scale. On an
+H100 the InnerQ rows take the Gluon split kernel of kvzoo/kernels/innerq_hopper.py and KIVI-2's the one of
+kvzoo/kernels/outer_hopper.py for its quantized runs; a second row of InnerQ-2 hybrid and of KIVI-2 times the
+Triton kernel alone, in the same run. --cases keeps the
 kernels whose name holds one of the given texts; --shapes replaces the four (batch, tokens) rows, for --stages too:
 
     python scripts/bench_kernels.py --floors --cases "outer" --shapes 79x32768 1x8192 --out results/kernels/x

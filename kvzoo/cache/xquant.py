@@ -442,9 +442,10 @@ class XQuantCache(WholeStep, LayerCache):
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
         """decode with fixed shapes: the token's rows into each stream's window row; K rematerialized from every
         allocated row (latent_rows, then up_k), the token's exact k last; V's latent rows in K's row order by slot
-        (WindowedStore.row_map) where X U_k and X U_v hold their slots differently, weighed by the softmax as their codes
-        are read (weigh_latent) and then projected (weighed_attention), the step's mask applied (dead rows and the token's own row masked); then each
-        stream the token filled quantizes its window's oldest group into slots [Nq, Nq + G)."""
+        (WindowedStore.row_map) where X U_k and X U_v hold their slots differently, weighed by the softmax as their
+        codes are read (weigh_latent) and then projected (weighed_attention), the step's mask applied (dead rows and
+        the token's own row masked); then each stream the token filled quantizes its window's oldest group into
+        slots [Nq, Nq + G)."""
         st = self.store
         st.write_token_at(self.length, step, self._rows(x))               # rows (B, 1, width) into window row r
         (k_name, up_k), (v_name, up_v) = self._sources()

@@ -259,25 +259,34 @@ def dequant_rows(q: QTensor, dtype: torch.dtype, block_m: int = 16, block_k: int
     return out
 
 
+def _check_rows(q: QTensor, window: Tensor, src: Tensor, kernel, dtypes: tuple[torch.dtype, ...] | None = None
+                ) -> tuple[int, int, int]:
+    """The shared checks of dequant_gather and weigh_gather (window's dtype in `dtypes` when given): (B, N, r)."""
+    _check(q, None)
+    device = q.codes.device
+    check_runnable(kernel, device)
+    if len(q.shape) != 3:
+        raise ValueError(f"q must be (B, N, r) codes, got shape {tuple(q.shape)}")
+    B, N, r = q.shape
+    kind = " or ".join(str(t).removeprefix("torch.") for t in dtypes) + " " if dtypes else ""
+    if not isinstance(window, Tensor) or window.dim() != 3 or window.shape[0] != B or window.shape[2] != r \
+            or window.device != device or window.stride(-1) != 1 or (dtypes and window.dtype not in dtypes):
+        raise ValueError(f"window must be a (B={B}, W, r={r}) {kind}tensor on {device} with unit stride on r")
+    if not isinstance(src, Tensor) or src.dim() != 1 or src.device != device or src.is_floating_point():
+        raise ValueError(f"src must be a 1-D integer tensor of row indices on {device}")
+    if q.axis == -2 and N % q.group_size:
+        raise ValueError(f"per-channel codes need whole groups: N = {N} is not a multiple of {q.group_size}")
+    return B, N, r
+
+
 def dequant_gather(q: QTensor, window: Tensor, src: Tensor, dtype: torch.dtype, block_m: int = 16,
                    block_k: int = 128, num_warps: int = 4) -> Tensor:
     """Rows of a stream gathered into a new order and dequantized in one pass: q (B, N, r) coded rows, window
     (B, W, r) exact rows after them, src (S,) long -> (B, S, r) in `dtype`, row i = row src[i] of [dequant(q) ;
     window], or zeros where src[i] >= N + W. (XQuant's static step puts the value latents in the key rows' order
     this way before multiplying them, instead of gathering the multiplied rows.)"""
-    _check(q, None)
+    B, N, r = _check_rows(q, window, src, _gather_kernel)
     device = q.codes.device
-    check_runnable(_gather_kernel, device)
-    if len(q.shape) != 3:
-        raise ValueError(f"q must be (B, N, r) codes, got shape {tuple(q.shape)}")
-    B, N, r = q.shape
-    if not isinstance(window, Tensor) or window.dim() != 3 or window.shape[0] != B or window.shape[2] != r \
-            or window.device != device or window.stride(-1) != 1:
-        raise ValueError(f"window must be a (B={B}, W, r={r}) tensor on {device} with unit stride on r")
-    if not isinstance(src, Tensor) or src.dim() != 1 or src.device != device or src.is_floating_point():
-        raise ValueError(f"src must be a 1-D integer tensor of row indices on {device}")
-    if q.axis == -2 and N % q.group_size:
-        raise ValueError(f"per-channel codes need whole groups: N = {N} is not a multiple of {q.group_size}")
     S = src.numel()
     out = torch.empty(B, S, r, dtype=dtype, device=device)
     if B and S and r:
@@ -299,25 +308,14 @@ def weigh_gather(q: QTensor, window: Tensor, src: Tensor, p: Tensor, block_t: in
     bmm(p, dequant_gather(q, window, src)), each code read once instead of written and read again at 16 bits.
     Per-token groups of a multiple of 16 channels fold each row's scale into its weight (_weigh_kernel): the codes
     enter the product exact, p_t s_t rounded to fp16, the zeros' term in fp32, where bmm rounds p_t and
-    c_t s_t + z_t to the dtype; other layouts round as bmm does. Split over S (flash-decoding) into `programs` programs (default
-    2 per SM), their fp32 partials summed by torch."""
-    _check(q, None)
+    c_t s_t + z_t to the dtype; other layouts round as bmm does. Split over S (flash-decoding) into `programs`
+    programs (default 2 per SM), their fp32 partials summed by torch."""
+    B, N, r = _check_rows(q, window, src, _weigh_kernel, (torch.float16, torch.bfloat16))
     device = q.codes.device
-    check_runnable(_weigh_kernel, device)
-    if len(q.shape) != 3:
-        raise ValueError(f"q must be (B, N, r) codes, got shape {tuple(q.shape)}")
-    B, N, r = q.shape
-    if not isinstance(window, Tensor) or window.dim() != 3 or window.shape[0] != B or window.shape[2] != r \
-            or window.device != device or window.stride(-1) != 1 or window.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"window must be a (B={B}, W, r={r}) fp16 or bf16 tensor on {device} with unit stride on r")
-    if not isinstance(src, Tensor) or src.dim() != 1 or src.device != device or src.is_floating_point():
-        raise ValueError(f"src must be a 1-D integer tensor of row indices on {device}")
     S = src.numel()
     if not isinstance(p, Tensor) or p.dim() != 3 or p.shape[0] != B or p.shape[2] != S or p.device != device \
             or p.stride(-1) != 1:
         raise ValueError(f"p must be a (B={B}, Hq, S={S}) tensor on {device} with unit stride on S")
-    if q.axis == -2 and N % q.group_size:
-        raise ValueError(f"per-channel codes need whole groups: N = {N} is not a multiple of {q.group_size}")
     Hq = p.shape[1]
     block_h = max(16, triton.next_power_of_2(Hq))                  # tl.dot's smallest M
     fold_k = min(block_k, q.group_size & -q.group_size)            # the largest power of two dividing a group

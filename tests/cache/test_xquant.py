@@ -387,4 +387,5 @@ def test_weighed_attention_equals_attention_over_rematerialized_values(n_kv, rep
     values[:, :, -1:] = v
     rotated = rope.apply_tables(keys, *tables)
     want = torch.nn.functional.scaled_dot_product_attention(q, rotated, values, attn_mask=live, enable_gqa=rep > 1)
-    torch.testing.assert_close(weighed_attention(q, keys, tables, bias, weigh_rows(rows), up_v, v), want, rtol=1e-5, atol=1e-5)
+    got = weighed_attention(q, keys, tables, bias, weigh_rows(rows), up_v, v)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

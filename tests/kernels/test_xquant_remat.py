@@ -139,8 +139,8 @@ def test_bf16_at_the_8b_shape(two_pass):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="compiled at the shapes a GPU decode step calls it with")
-@pytest.mark.parametrize("B,Hq,r,group,dtype", [(1, 32, 1024, 128, torch.bfloat16), (4, 32, 1024, 128, torch.float16),
-                                                (2, 9, 192, 96, torch.float16)])
+@pytest.mark.parametrize("B,Hq,r,group,dtype", [(1, 32, 1024, 128, torch.bfloat16),
+                                                (4, 32, 1024, 128, torch.float16), (2, 9, 192, 96, torch.float16)])
 def test_weigh_gather_at_the_model_shapes(B, Hq, r, group, dtype):
     """XQuant's value latents weighed over 32K rows at Llama-3.1-8B's shape (r = 1,024, groups of 128, 32 query
     heads) and SmolLM2's (r = 192, groups of 96: channel blocks of 32, 9 query heads), with window rows."""
