@@ -192,14 +192,14 @@ def test_dequant_gather_puts_rows_in_a_new_order(axis, group, bits):
 
 
 @pytest.mark.parametrize("axis,group", [(-1, 32), (-1, 24), (-2, 16)])
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("programs", [1, 5])
 def test_weigh_gather_equals_the_product_of_the_gathered_rows(axis, group, bits, symmetric, programs):
     """Σ_i p_i · row src[i] read from the codes in one pass equals bmm(p, dequant_gather(...)) up to rounding:
     zero rows, window rows and coded rows in any order, query rows that are not a power of two, one split or
-    several; per-token groups of 32 channels (their scales folded into the weights), of 24 and per-channel groups
-    (dequantized first)."""
+    several; per-token groups of 32 channels (their scales folded into the weights), of 24, per-channel groups and
+    3-bit codes, which spill across words (dequantized first)."""
     from kvzoo.kernels.xquant_remat import dequant_gather, weigh_gather
 
     g = torch.Generator().manual_seed(bits * 7 + group + programs)
