@@ -84,7 +84,8 @@ def _scores_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, out_ptr, K, PER_PROGRAM, scal
 def gqa_scores(q: Tensor, keys: Tensor, scale: float, tables: tuple[Tensor, Tensor] | None = None, block: int = BLOCK,
                num_warps: int = 4, num_stages: int = 3, programs: int | None = None) -> Tensor:
     """q (B, Hq, d) and keys (B, K, H*d) in one dtype (unit last stride), Hq a multiple of H -> (B, Hq, K) fp32;
-    with tables (cos, sin) (B, 1, K, d), the keys rotated to those positions first."""
+    with tables (cos, sin) (B, 1, K, d), the keys rotated to those positions first. block keys a step, num_warps,
+    num_stages and `programs` (default PER_SM per SM; each program one KV head's run of keys) tune the launch."""
     if not isinstance(q, Tensor) or q.dim() != 3 or not isinstance(keys, Tensor) or keys.dim() != 3:
         raise ValueError("q must be (B, Hq, d) and keys (B, K, H*d)")
     B, Hq, d = q.shape

@@ -31,6 +31,21 @@ def test_matches_reference_on_a_strided_view(dtype, tol, H, rep):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+@pytest.mark.parametrize("programs,block", [(1, 16), (7, 16), (64, 32)])
+@pytest.mark.parametrize("rope", [False, True])
+def test_any_split_of_the_keys_over_programs(programs, block, rope):
+    """One program per KV head looping over all 200 keys, runs of keys per program that end inside a block, and more
+    programs than blocks: the same scores, with and without the keys rotated in the kernel."""
+    g = torch.Generator().manual_seed(programs + block)
+    B, K, H, rep, d = 2, 200, 2, 3, 32
+    q = torch.randn(B, H * rep, d, generator=g).to(DEVICE, torch.float16)
+    keys = torch.randn(B, K, H * d, generator=g).to(DEVICE, torch.float16)
+    tables = tuple(torch.rand(B, 1, K, d, generator=g).to(DEVICE, torch.float16) for _ in range(2)) if rope else None
+    want = gqa_scores_ref(q, keys, 0.25, tables)
+    got = gqa_scores(q, keys, 0.25, tables, block=block, programs=programs)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
 def test_keys_rotated_as_they_are_loaded(dtype, tol):
     """Keys stored before RoPE and the model's tables for their positions (up to 128K): the scores of the rotated
