@@ -121,6 +121,39 @@ def test_whole_step_through_the_kernel(gqa, monkeypatch, spec):
     torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="forces the kernel on CPU tensors, which needs the Triton interpreter")
+def test_bf16_step_weighs_the_value_latents_from_their_codes(gqa, monkeypatch):
+    """A bf16 model's static step, whose value latents a GPU weighs from their codes (weigh_gather), against the
+    same step gathering the rows and multiplying them, over the same teacher-forced tokens (16-channel groups:
+    their scales folded into the weights; a flush every 8 tokens)."""
+    import copy
+
+    import kvzoo.kernels.xquant_remat as remat
+
+    model = copy.deepcopy(gqa).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(7)
+    prompts, tokens = torch.randint(3, 97, (2, 3), generator=g), torch.randint(3, 97, (2, 16), generator=g)
+    weigh_latent, weigh_gather, calls = xq.weigh_latent, remat.weigh_gather, []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return weigh_gather(*args, **kwargs)
+
+    monkeypatch.setattr(remat, "weigh_gather", counted)
+
+    def logits(fused: bool) -> torch.Tensor:
+        monkeypatch.setattr(xq, "weigh_latent", lambda *args: weigh_latent(*args, fused=fused))
+        kv = model.new_cache("xquant:bits=4,group_size=8,policy=grouped", 2, 3 + tokens.shape[1])
+        prefill(model, prompts, kv, None)
+        step = decoder(model, kv)
+        assert isinstance(step, GraphDecoder)
+        return torch.stack([step(tokens[:, i]).float() for i in range(tokens.shape[1])], 1)
+
+    want, got = logits(False), logits(True)
+    assert calls and not any(latent.axis != -1 for latent in calls)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item())   # bf16 logits: 1.2% here
+
+
 def test_decoder_picks_the_whole_step(gqa):
     for spec in ("xquant", "xquant:policy=grouped", "xquant:bits=2,residual=128,policy=grouped", "xquant-cl",
                  "xquant-cl:policy=grouped", "xquant-cl:bits=16,high_bits=16,policy=grouped"):
