@@ -26,15 +26,20 @@ def test_every_floor_case_runs():
         "InnerQ-2 asymmetric", "InnerQ-2 hybrid", "InnerQ-2 hybrid (Triton kernel only)", "KIVI-2, SQuat (outer)",
         "KIVI-2, SQuat (outer, Triton kernel only)",
         "KIVI*-2 (keys rotated in the kernel)", "KV Pareto k8v8 (per-token groups of 32)",
-        "int8 (per-token groups of d)", "AlignedKV (planes; aligned_decode)", "fp16 SDPA"]
+        "int8 (per-token groups of d)", "AlignedKV (planes; aligned_decode)",
+        "XQuant scores (keys rotated in the kernel)", "XQuant weigh (4-bit value latents)", "fp16 SDPA"]
     read = {}
     for name, build in cases:
         launch, n_bytes = build()
         out = launch()
-        assert out.shape[-1] == 128 and bool(torch.isfinite(out.float()).all()), name
+        width = 1024 if name.startswith("XQuant") else 128       # scores of 1,024 keys, weighed 1,024-wide latents
+        assert out.shape[-1] == width and bool(torch.isfinite(out.float()).all()), name
         read[name] = n_bytes
     q, kv = 32 * 128 * 2, 8 * 1024 * 128 * 2                     # fp16 query rows; one fp16 stream
     assert read["fp16 SDPA"] == q + 2 * kv
+    assert read["XQuant scores (keys rotated in the kernel)"] == q + kv + 2 * 1024 * 128 * 2 + 32 * 1024 * 4
+    codes, groups = 1024 * 1024 // 2, 1024 * 8 * 2 * 2          # 4-bit codes; an fp16 scale and zero a group
+    assert read["XQuant weigh (4-bit value latents)"] == codes + groups + 32 * 1024 * 4 + 1024 * 8
     assert read["KIVI-2, SQuat (outer)"] < read["InnerQ-2 asymmetric"] < read["int8 (per-token groups of d)"]
     assert read["InnerQ-2 hybrid (Triton kernel only)"] == read["InnerQ-2 hybrid"]
     exponents = 8 * 1024 // 64 * 128 + 8 * 1024                   # at most one a block and channel, one a token
