@@ -120,11 +120,15 @@ def sym_flags(sym: Tensor | None, name: str, shape: tuple, device: torch.device)
     return head_rows(sym.view(torch.uint8) if sym.dtype == torch.bool else sym)
 
 
+@functools.lru_cache
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (1 elsewhere: the interpreter runs one program at a time)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 def target_programs(device: torch.device) -> int:
     """Programs that fill the device a few times over (split-K sizing); a handful under the interpreter."""
-    if device.type == "cuda":
-        return 8 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    return 8 * sm_count(device) if device.type == "cuda" else 4
 
 
 def split_groups(n_groups: int, rows: int, device: torch.device, num_splits: int | None,

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvzoo.kernels.quant_matvec import check_runnable, check_tensor
+from kvzoo.kernels.quant_matvec import check_runnable, check_tensor, sm_count
 
 BLOCK = 32                   # keys a step
 PER_SM = 2                   # programs per SM
@@ -107,7 +107,7 @@ def gqa_scores(q: Tensor, keys: Tensor, scale: float, tables: tuple[Tensor, Tens
     out = torch.empty(B, Hq, K, dtype=torch.float32, device=q.device)
     if B and K:
         if programs is None:
-            programs = (torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1) * PER_SM
+            programs = sm_count(q.device) * PER_SM
         per_program = triton.cdiv(triton.cdiv(K, max(1, programs // (B * H))), block) * block
         _scores_kernel[(B * H, triton.cdiv(K, per_program))](
             q.contiguous(), keys, cos, sin, out, K, per_program, scale, keys.stride(0), keys.stride(1), K * d, d, H=H,

@@ -49,7 +49,6 @@ are masked. Default tiles (`default_tiles`) were picked on an H100 with repro/kv
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +57,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kvzoo.cache.kvquant import QTensor, dequantize, quantize
-from kvzoo.kernels.quant_matvec import (check_runnable, check_tensor, join_codes, unpack_asm, unpack_codes,
+from kvzoo.kernels.quant_matvec import (check_runnable, check_tensor, join_codes, sm_count, unpack_asm, unpack_codes,
                                         unpacks_in_ptx)
 
 try:
@@ -341,11 +340,6 @@ def default_tiles(M: int, K: int, group_size: int = 128) -> Tiles:
     return SMALL if M <= 16 else PREFILL
 
 
-@functools.lru_cache
-def _sm_count(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device (1 elsewhere: the interpreter runs one program at a time)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
 
 # split-K sizing, programs per multiprocessor: the general kernel's two keep the memory system busy; the group
 # kernel's four per SM (the most its registers allow; two for tiles of more than 16 rows), of at least two groups
@@ -376,7 +370,7 @@ def _one_row(x2: Tensor, w: W4Weight, t: Tiles) -> Tensor:
     per_step = t.block_k // G                                           # groups per step
     tiles_n = triton.cdiv(N, t.block_n)
     steps = triton.cdiv(K // G, per_step)
-    split = t.split_k or max(1, min(steps // 2, ONE_ROW_PROGRAMS_PER_SM * _sm_count(x2.device) // tiles_n))
+    split = t.split_k or max(1, min(steps // 2, ONE_ROW_PROGRAMS_PER_SM * sm_count(x2.device) // tiles_n))
     per_split = triton.cdiv(steps, split)
     split = triton.cdiv(steps, per_split)                               # no empty splits
     out = torch.empty(1, N, dtype=x2.dtype, device=x2.device)
@@ -399,7 +393,7 @@ def _grouped(x2: Tensor, w: W4Weight, t: Tiles) -> Tensor:
     tiles_mn = triton.cdiv(N, t.block_n) * triton.cdiv(M, block_m)
     groups = K // G
     per_sm = GROUPED_PROGRAMS_PER_SM if block_m <= 16 else GROUPED_PROGRAMS_PER_SM // 2   # larger tiles: fewer
-    split = t.split_k or max(1, min(groups // 2, per_sm * _sm_count(x2.device) // tiles_mn))
+    split = t.split_k or max(1, min(groups // 2, per_sm * sm_count(x2.device) // tiles_mn))
     per_split = triton.cdiv(groups, split)
     split = triton.cdiv(groups, per_split)                              # no empty splits
     out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
@@ -439,7 +433,7 @@ def w4a16_matmul(x: Tensor, w: W4Weight, tiles: Tiles | None = None) -> Tensor:
     codes, scale, zero = w.codes.contiguous(), w.scale.contiguous(), w.zero.contiguous()
     if tiles is None and w4a16_hopper is not None and w4a16_hopper.eligible(x2, w.group_size, N, K):
         out = w4a16_hopper.w4a16_hopper(x2, codes, scale, zero, w.group_size,
-                                        _counters(x.device, triton.cdiv(N, w4a16_hopper.TILE_N)), _sm_count(x.device))
+                                        _counters(x.device, triton.cdiv(N, w4a16_hopper.TILE_N)), sm_count(x.device))
         return out.reshape(*x.shape[:-1], N)
     if t.gemv:
         return _one_row(x2, W4Weight(codes, scale, zero, w.group_size, w.shape), t).reshape(*x.shape[:-1], N)
@@ -449,7 +443,7 @@ def w4a16_matmul(x: Tensor, w: W4Weight, tiles: Tiles | None = None) -> Tensor:
     block_m = t.block_m or (triton.next_power_of_2(M) if not dot else 16 if M <= 16 else 128)
     grid_mn = triton.cdiv(M, block_m) * triton.cdiv(N, t.block_n)
     steps = triton.cdiv(K, t.block_k)
-    split = t.split_k or max(1, min(steps, PROGRAMS_PER_SM * _sm_count(x.device) // max(grid_mn, 1)))
+    split = t.split_k or max(1, min(steps, PROGRAMS_PER_SM * sm_count(x.device) // max(grid_mn, 1)))
     per_split = triton.cdiv(steps, split)
     split = triton.cdiv(steps, per_split)                               # no empty splits
     out = torch.empty(split, M, N, dtype=x.dtype if split == 1 else torch.float32, device=x.device)
