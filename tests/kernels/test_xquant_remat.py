@@ -223,7 +223,7 @@ def test_weigh_gather_equals_the_product_of_the_gathered_rows(axis, group, bits,
 
 def test_xquant_weighs_16_bit_value_latents_from_their_codes(monkeypatch):
     """xquant.weigh_latent: 16-bit rows of packed codes go through weigh_gather, never written as rows, and give
-    what gathering them (latent_rows) and multiplying gives; fp32 rows and an exact first channel take that path."""
+    what gathering them (latent_rows) and multiplying gives; fp32 rows take that path (weigh_gather refuses them)."""
     import kvzoo.cache.xquant as xq
 
     g = torch.Generator().manual_seed(3)
