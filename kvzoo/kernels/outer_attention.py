@@ -89,6 +89,7 @@ except ImportError:          # a Triton without Gluon's Hopper API (older releas
 GROUPS_PER_STEP = 4          # groups of 32 tokens per step of the split kernel (128 tokens)
 PROGRAMS_PER_SM = 2          # split-K sizing: programs per SM of the device
 SPLIT_WARPS = None           # warps of the split kernel; None: num_warps
+WHOLE_TOKEN_WARPS = 8        # ... where a group is a token's d channels (int8): faster at 8 (docs/decode.md)
 SPLIT_STAGES = 3             # software-pipelining depth of the split kernel's token loop
 ROPE_GROUPS_PER_STEP = 4     # the same two settings where the kernel rotates keys stored before RoPE (KIVI*)
 ROPE_STAGES = 2
@@ -499,6 +500,7 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     gluon = bool(splits) and outer_hopper is not None and outer_hopper.eligible(
         q, bits, v_bits, channel, rope, group, rep, gs, B * H * n_groups)
     split0 = splits if gluon else 0              # with the Gluon kernel, the Triton kernel runs the last column only
+    split_warps = WHOLE_TOKEN_WARPS if not channel and group == d else SPLIT_WARPS or num_warps
 
     def triton_columns():
         _split_kernel[(B * H, splits + 1 - split0)](
@@ -506,7 +508,7 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
             *(s for _, s in buffers), D=d, KB=bits, VB=v_bits, REP=rep, REP_P=rep_p, GS=gs, BLOCK=BLOCK_W, FAST=fast,
             AK=unpack_asm(bits)[0], CK=unpack_asm(bits)[1], AV=unpack_asm(v_bits)[0], CV=unpack_asm(v_bits)[1],
             ROPE=rope is not None, KT=not channel, CG=group, TOKEN=k_token is not None,
-            num_warps=SPLIT_WARPS or num_warps, num_stages=stages, enable_fp_fusion=True)
+            num_warps=split_warps, num_stages=stages, enable_fp_fusion=True)
 
     if not gluon:
         triton_columns()
