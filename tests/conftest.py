@@ -11,6 +11,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# under pytest-xdist (-n N) each worker gets its share of the cores, so N workers do not oversubscribe them
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 from kvzoo.eval.datasets import data_dir  # noqa: E402
 
 

