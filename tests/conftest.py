@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 # Triton kernels run on CPU tensors only under the interpreter, which must be chosen before triton is first
 # imported (importing kvzoo does: the XQuant cache imports its kernel); a CUDA machine runs them compiled
@@ -25,6 +26,24 @@ def shared_data_file(name: str) -> Path:
         pytest.fail(f"{file} not found: the shared data folder must sit beside the repository "
                     f"(../shared/data) or be named by KVZOO_DATA")
     return file
+
+
+@pytest.fixture(scope="session")
+def run_once(tmp_path_factory):
+    """once(name, compute): compute()'s result, computed by one process of the test run. pytest-xdist workers each
+    set up a module's fixtures for the tests they get; for the costly ones, the first computes and saves the result
+    (torch.save) under a lock, and the others load it."""
+    def once(name: str, compute):
+        if "PYTEST_XDIST_WORKER" not in os.environ:
+            return compute()
+        path = tmp_path_factory.getbasetemp().parent / f"{name}.pt"       # shared by the run's workers
+        with FileLock(f"{path}.lock"):
+            if path.is_file():
+                return torch.load(path, weights_only=False)
+            result = compute()
+            torch.save(result, path)
+            return result
+    return once
 
 
 @pytest.fixture(scope="session")

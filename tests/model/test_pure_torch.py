@@ -37,14 +37,18 @@ print("REPORT " + json.dumps(report))
 """
 
 
-@pytest.fixture(scope="module")
-def without_triton(default_model_dir):
-    """The child's report: import and load errors, the strategies it registered, each strategy's error (or None)."""
+def child_report() -> dict:
     out = subprocess.run([sys.executable, "-c", CHILD, *STRATEGIES], capture_output=True, text=True, timeout=600,
                          cwd=REPO)
     lines = [line for line in out.stdout.splitlines() if line.startswith("REPORT ")]
     assert out.returncode == 0 and lines, out.stderr[-4000:]
     return json.loads(lines[-1][len("REPORT "):])
+
+
+@pytest.fixture(scope="module")
+def without_triton(default_model_dir, run_once):
+    """The child's report: import and load errors, the strategies it registered, each strategy's error (or None)."""
+    return run_once("without-triton", child_report)
 
 
 def test_kvzoo_imports_and_lists_every_strategy_without_triton(without_triton):

@@ -43,18 +43,22 @@ def sharded(checkpoint: Path, out: Path, specs: list[str], device: str = "cpu") 
     return torch.load(out)
 
 
+def one_and_sharded(folder: Path, specs: list[str], **config) -> tuple[dict, dict]:
+    checkpoint = tiny_llama(folder, head_dim=32, hidden_size=64, **config)
+    return run_all(load_weights(checkpoint), specs), sharded(checkpoint, checkpoint / "out.pt", specs)
+
+
 @pytest.fixture(scope="module")
-def gqa(tmp_path_factory):
+def gqa(tmp_path_factory, run_once):
     """(single-process results, sharded results) for every spec of the contract tests, GQA 4/2 heads."""
-    checkpoint = tiny_llama(tmp_path_factory.mktemp("tp-gqa"), head_dim=32, hidden_size=64)
-    return run_all(load_weights(checkpoint), SPECS), sharded(checkpoint, checkpoint / "out.pt", SPECS)
+    return run_once("tp-gqa", lambda: one_and_sharded(tmp_path_factory.mktemp("tp-gqa"), SPECS))
 
 
 @pytest.fixture(scope="module")
-def mha(tmp_path_factory):
+def mha(tmp_path_factory, run_once):
     """The same on an MHA model (4/4 heads), where XQuant caches X itself."""
-    checkpoint = tiny_llama(tmp_path_factory.mktemp("tp-mha"), head_dim=32, hidden_size=64, num_key_value_heads=4)
-    return run_all(load_weights(checkpoint), MHA_SPECS), sharded(checkpoint, checkpoint / "out.pt", MHA_SPECS)
+    return run_once("tp-mha", lambda: one_and_sharded(tmp_path_factory.mktemp("tp-mha"), MHA_SPECS,
+                                                       num_key_value_heads=4))
 
 
 def assert_same(one: dict, many: dict, nbytes_factor: int = 1, tol: float = 1e-5) -> None:
