@@ -89,7 +89,6 @@ except ImportError:          # a Triton without Gluon's Hopper API (older releas
 GROUPS_PER_STEP = 4          # groups of 32 tokens per step of the split kernel (128 tokens)
 PROGRAMS_PER_SM = 2          # split-K sizing: programs per SM of the device
 SPLIT_WARPS = None           # warps of the split kernel; None: num_warps
-WHOLE_TOKEN_WARPS = 8        # ... where a group is a token's d >= 128 channels (int8): faster (docs/decode.md)
 SPLIT_STAGES = 3             # software-pipelining depth of the split kernel's token loop
 ROPE_GROUPS_PER_STEP = 4     # the same two settings where the kernel rotates keys stored before RoPE (KIVI*)
 ROPE_STAGES = 2
@@ -389,14 +388,6 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, D: tl.constexpr, REP
     tl.store(out_ptr + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live_r[:, None])
 
 
-def split_kernel_warps(key_groups: str, group: int, d: int, num_warps: int) -> int:
-    """Warps of the split kernel: WHOLE_TOKEN_WARPS where keys and values are grouped per token of d >= 128
-    channels (int8 on Llama's heads), else SPLIT_WARPS or num_warps."""
-    if key_groups == "token" and group == d >= 128:
-        return WHOLE_TOKEN_WARPS
-    return SPLIT_WARPS or num_warps
-
-
 def _check_rows(t: Tensor | None, name: str, B: int, H: int, d: int, q: Tensor) -> int:
     """Rows held by a window buffer (B, H, rows, d) in q's dtype; None holds none."""
     if t is None:
@@ -508,7 +499,6 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     gluon = bool(splits) and outer_hopper is not None and outer_hopper.eligible(
         q, bits, v_bits, channel, rope, group, rep, gs, B * H * n_groups)
     split0 = splits if gluon else 0              # with the Gluon kernel, the Triton kernel runs the last column only
-    split_warps = split_kernel_warps(key_groups, group, d, num_warps)
 
     def triton_columns():
         _split_kernel[(B * H, splits + 1 - split0)](
@@ -516,7 +506,7 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
             *(s for _, s in buffers), D=d, KB=bits, VB=v_bits, REP=rep, REP_P=rep_p, GS=gs, BLOCK=BLOCK_W, FAST=fast,
             AK=unpack_asm(bits)[0], CK=unpack_asm(bits)[1], AV=unpack_asm(v_bits)[0], CV=unpack_asm(v_bits)[1],
             ROPE=rope is not None, KT=not channel, CG=group, TOKEN=k_token is not None,
-            num_warps=split_warps, num_stages=stages, enable_fp_fusion=True)
+            num_warps=SPLIT_WARPS or num_warps, num_stages=stages, enable_fp_fusion=True)
 
     if not gluon:
         triton_columns()
