@@ -340,7 +340,6 @@ def default_tiles(M: int, K: int, group_size: int = 128) -> Tiles:
     return SMALL if M <= 16 else PREFILL
 
 
-
 # split-K sizing, programs per multiprocessor: the general kernel's two keep the memory system busy; the group
 # kernel's four per SM (the most its registers allow; two for tiles of more than 16 rows), of at least two groups
 # each, load the device evenly; the one-row kernel's sixteen (one warp each), of at least two steps each
