@@ -28,7 +28,9 @@ are the shared store's (store.py), as for KIVI; InnerQ changes what is quantized
 
 Stored per layer (B rows, H = n_kv_heads, d = head_dim, b = bits, Nq quantized tokens; inner layout):
     k_codes int32 (B, H, Nq, d*b/32)   k_scale fp16 + k_slot int32 (B, H, Nq, d/32)   per-token groups
-    v_codes int32 (B, H, Nq, d*b/32)   v_scale fp16 + v_slot int32 (B, H, Nq/32, d)   per-channel groups
+    v_codes int32 (B, H, Nq, d*b/32)   v_scale fp16 + v_slot int32 (B, H, Nq/32, d)   per-channel groups,
+                                       codes packed along tokens (kvquant.pack_tokens: a word is one channel's
+                                       16 tokens at 2 bits, in one group, so it takes one scale and slot)
     k_mask int32 (B, H, d/32, ⌈Nq/32⌉) v_mask int32 (B, H, Nq/32, d/32)              hybrid modes only
     sink and recent windows (B, H, ·, d) at the model's precision; norm (B, H, 1, d) with key_norm (per KV head, so a
     tensor-parallel rank, kvzoo/models/tp.py, takes its own heads' from the prompt)
@@ -57,7 +59,7 @@ from torch import Tensor
 
 from kvzoo.cache.base import Chunk, LayerCache, Positions, StaticStep, register
 from kvzoo.cache.kvquant import (UnifiedQTensor, check_bits, pack_sym_mask, packed_words, quantize_unified,
-                                 scale_codes_, unpack_float, unpack_sym_mask)
+                                 scale_codes_, unpack_float, unpack_sym_mask, unpack_tokens)
 from kvzoo.cache.store import Codec, Window, WindowedStore, check_policy, policy_windows
 from kvzoo.graphs import WholeStep
 
@@ -177,7 +179,7 @@ class InnerQCodec(Codec):
         else:                       # groups (B, H, T/32, d): along its tokens
             shifts = torch.arange(GROUP, dtype=torch.int32, device=signs.device)
             flip = (signs.unsqueeze(-2) >> shifts[:, None]).bitwise_left_shift_(31)  # (B, H, T/32, 32, d): bit 31
-            codes = unpack_float(q.codes, self.bits, self.width)                    # (B, H, T, d)
+            codes = unpack_tokens(q.codes, self.bits).float()                       # (B, H, T, d)
             codes.view(torch.int32).unflatten(-2, (-1, GROUP)).bitwise_xor_(flip)   # an fp32's sign flipped
         zero = torch.where(q.sym, 0.0, q.slot.view(torch.float32))                 # a symmetric group's is 0
         return scale_codes_(codes, q.scale, zero, GROUP, self.axis).to(dtype)

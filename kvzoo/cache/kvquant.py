@@ -16,6 +16,11 @@ Codes are bit-packed along the last dimension into int32 words as one continuous
 occupies bits [i*b, (i+1)*b) of the stream, so 2-, 4- and 8-bit codes sit 16, 8 and 4 to a word and
 3-bit codes take exactly 3 words per 32 codes (some straddle two words). Storage is therefore exactly
 b bits per code, padding aside (the last dimension is padded to a whole block of codes).
+
+pack_tokens packs (..., n, d) codes along the tokens instead, for groups that run along them (InnerQ's values):
+each chunk of block_codes(b) tokens keeps, channel by channel, the words of its codes along those tokens, so a
+word holds one channel's codes (16 tokens at 2 bits) and shares its group's scale; the chunk's words fill its own
+rows of an (..., n, d*b/32) buffer, so whole chunks can be written and sliced by token as before.
 """
 
 from __future__ import annotations
@@ -95,6 +100,22 @@ def unpack_int(words: Tensor, bits: int, n: int) -> Tensor:
     first = (low.unsqueeze(-1) >> torch.arange(0, 63, 3, device=words.device)) & mask            # codes 0..20
     rest = (high.unsqueeze(-1) >> torch.arange(31, 64, 3, device=words.device)) & mask           # codes 21..31
     return torch.cat([first, rest], dim=-1).flatten(-2)[..., :n]
+
+
+def pack_tokens(codes: Tensor, bits: int) -> Tensor:
+    """Pack integer codes (..., n, d) along the tokens, n a multiple of block_codes(bits): int32 (..., n, d*b/32),
+    chunk k's words (block_codes(bits) tokens) channel after channel in its own rows."""
+    block, (n, d) = block_codes(bits), codes.shape[-2:]
+    x = codes.unflatten(-2, (n // block, block)).transpose(-1, -2)               # (..., n/block, d, block)
+    return pack(x, bits).reshape(*codes.shape[:-2], n, d * bits // 32)          # (..., n/block, d, words) -> rows
+
+
+def unpack_tokens(words: Tensor, bits: int) -> Tensor:
+    """Inverse of pack_tokens: int32 (..., n, W) -> integer codes (..., n, 32 W / b), as unpack_int returns them."""
+    block, (n, width) = block_codes(bits), words.shape[-2:]
+    d = width * 32 // bits
+    chunks = words.reshape(*words.shape[:-2], n // block, d, block * bits // 32)  # (..., n/block, d, words)
+    return unpack_int(chunks, bits, block).transpose(-1, -2).flatten(-3, -2)     # (..., n/block, block, d) -> n
 
 
 def unpack_float(words: Tensor, bits: int, n: int, signs: Tensor | None = None) -> Tensor:
@@ -208,7 +229,8 @@ UNIFIED_MODES = ("asym", "sym", "hybrid")
 class UnifiedQTensor:
     """Groups of 32 that are each asymmetric or symmetric (sign + magnitude), in one layout:
 
-        codes  int32, packed b-bit codes (asym: (x - zero) / scale; sym: |x| / scale)
+        codes  int32, b-bit codes (asym: (x - zero) / scale; sym: |x| / scale) packed along their groups' axis:
+               along d (pack) for axis -1, along the tokens (pack_tokens) for axis -2
         scale  fp16 per group
         slot   int32 per group: the fp32 bits of the zero point (asym) or the 32 sign bits (sym)
         sym    bool per group: which mode the group uses (InnerQ's mask M^sym)
@@ -230,6 +252,8 @@ def quantize_unified(x: Tensor, bits: int, axis: int, mode: str) -> UnifiedQTens
     check_bits(bits)
     if mode not in UNIFIED_MODES:
         raise ValueError(f"unknown quantization mode {mode!r}; accepted: {', '.join(UNIFIED_MODES)}")
+    if axis not in (-1, -2):
+        raise ValueError(f"groups run along the last axis (-1, per token) or the tokens (-2), got axis {axis}")
     G, top = 32, 2 ** bits - 1
     g = _grouped(x.float(), axis, G)                                            # (..., 32)
     lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
@@ -247,13 +271,15 @@ def quantize_unified(x: Tensor, bits: int, axis: int, mode: str) -> UnifiedQTens
     codes = torch.where(sym, code_s, code_a)
     signs = pack(negative, 1).squeeze(-1)                                       # (...,) one word per group
     slot = torch.where(sym.squeeze(-1), signs, lo.squeeze(-1).contiguous().view(torch.int32))
-    return UnifiedQTensor(codes=pack(_ungrouped(codes, axis), bits),
+    codes = _ungrouped(codes, axis)                                             # x's shape again
+    return UnifiedQTensor(codes=pack(codes, bits) if axis == -1 else pack_tokens(codes, bits),
                           scale=torch.where(sym, scale_s, scale_a).squeeze(-1).half(), slot=slot,
                           sym=sym.squeeze(-1), bits=bits, axis=axis, shape=tuple(x.shape))
 
 
 def dequantize_unified(q: UnifiedQTensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    codes = _grouped(unpack_int(q.codes, q.bits, q.shape[-1]).float(), q.axis, 32)  # (..., 32)
+    codes = unpack_int(q.codes, q.bits, q.shape[-1]) if q.axis == -1 else unpack_tokens(q.codes, q.bits)
+    codes = _grouped(codes.float(), q.axis, 32)                                 # (..., 32)
     magnitude = codes * q.scale.float().unsqueeze(-1)
     negative = unpack(q.slot.unsqueeze(-1), 1, 32).bool()                      # (..., 32) sign bits
     zero = q.slot.view(torch.float32).unsqueeze(-1)

@@ -7,7 +7,8 @@ Inputs (H KV heads, Hq = n_rep * H query heads, GQA: query head h*n_rep + r read
 W_d = d*b/32 code words per token; N a multiple of 32, possibly 0):
     q       (B, Hq, d)       fp16 / bf16 / fp32, the model dtype
     k_codes int32 (B, H, N, W_d)  k_scale fp16, k_slot int32, k_sym bool|None (B, H, N, d/32)  per-token groups
-    v_codes int32 (B, H, N, W_d)  v_scale fp16, v_slot int32, v_sym bool|None (B, H, N/32, d)  per-channel groups
+    v_codes int32 (B, H, N, W_d)  v_scale fp16, v_slot int32, v_sym bool|None (B, H, N/32, d)  per-channel groups,
+            codes packed along the tokens (kvzoo.cache.kvquant.pack_tokens: word [chunk of 32/b tokens, channel])
     k_win, v_win (B, H, W, d)  in q's dtype, W >= 0 (W + N > 0)
 Groups decode as in quant_matvec.py: asymmetric code*scale + zero (the slot's fp32 bits), symmetric
 code*scale with the sign in bit j of the slot; sym None means all groups asymmetric (sign path compiled out).
@@ -20,13 +21,14 @@ Two kernels:
      cores), so every code is read from memory exactly once. Each step takes GS groups (BLOCK_N = 32*GS
      tokens; up to 256): it unpacks the key codes (BLOCK_N, W_d, 32/b), applies per-(token, group)
      scale/zero/sign, and computes the scores (REP_P, BLOCK_N) with one tl.dot in the model dtype (fp32
-     accumulation); an online softmax in base 2 keeps running max m, sum l and output acc (REP_P, d); the value
-     codes of the step form GS per-channel groups, dequantized as (GS, 32, d) tiles and multiplied by p in one
-     tl.dot. fp16 and bf16 models on a GPU take a fast path: code words are unpacked two at a time into
-     half2 registers with inline PTX (quant_matvec.unpack_asm: prmt, lop3 into the mantissa of 1024.0,
-     sub.f16x2), then code * scale + zero is one fp16 fused multiply-add (the fp32 zero point rounded to fp16
-     first), and the dots run in fp16 (a bf16 query is converted); a symmetric group's sign
-     bits are XOR-ed into its fp16 codes (keys and values alike). The generic
+     accumulation); an online softmax in base 2 keeps running max m, sum l and the output transposed, accᵀ
+     (d, REP_P); the value words of the step (d, GS*b) unpack to Vᵀ (d, BLOCK_N), each channel's tokens in
+     order and a scale and slot per (channel, group), as the keys' tiles with the roles of tokens and channels
+     exchanged, and accᵀ += Vᵀ · pᵀ is one tl.dot. fp16 and bf16 models on a GPU take a fast path: code
+     words are unpacked two at a time into half2 registers with inline PTX (quant_matvec.unpack_asm: prmt,
+     lop3 into the mantissa of 1024.0, sub.f16x2), then code * scale + zero is one fp16 fused multiply-add
+     (the fp32 zero point rounded to fp16 first), and the dots run in fp16 (a bf16 query is converted); a
+     symmetric group's sign bits are XOR-ed into its fp16 codes (keys and values alike). The generic
      path (fp32, the interpreter) keeps one group per step for fp32 or sym groups at d >= 128
      (_split_kernel_g1: scale and zero of the values after the dot). Symmetric flags are read from the cache's
      packed mask bits. It writes (m, l, acc) per split; with device lengths, a split past the live tokens
@@ -173,6 +175,7 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
     NG: tl.constexpr = D // 32                   # key groups per token
     W: tl.constexpr = D * BITS // 32             # words per token
     BLOCK_N: tl.constexpr = GS * 32              # tokens per step: GS value groups
+    KC: tl.constexpr = GS * BITS                 # value chunks of CPW tokens per step
     kv = tl.program_id(0)                        # b * H + h
     head = kv.to(tl.int64)                       # 64-bit offsets of the head's rows
     kc_ptr += head * s_kc
@@ -187,9 +190,10 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
     r = tl.arange(0, REP_P)
     live_r = r < REP
     d = tl.arange(0, D)
-    i = tl.arange(0, 32)                         # token within a value group
+    i = tl.arange(0, 32)                         # element within a group: a key's channel, a value's token
     j = tl.arange(0, BLOCK_N)                    # token within the step
     g = tl.arange(0, GS)                         # value group within the step
+    kk = tl.arange(0, KC)                        # value chunk of CPW tokens within the step
     w = tl.arange(0, W)
     kg = tl.arange(0, NG)                        # key group within a token
     c = tl.arange(0, CPW)
@@ -201,7 +205,7 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
     q = _dot_dtype(q)
     m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((REP_P,), dtype=tl.float32)
-    acc = tl.zeros((REP_P, D), dtype=tl.float32)
+    acc = tl.zeros((D, REP_P), dtype=tl.float32)    # the output transposed, as the value tiles
     start = split * PER_SPLIT
     stop = tl.minimum(start + PER_SPLIT, _live(len_ptr, N_GROUPS, 0, DYN) // 32)
     stop_tok = stop * 32
@@ -237,40 +241,40 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
             k = tl.reshape(x * scale + zero, (BLOCK_N, D), can_reorder=False).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale                # (REP_P, BLOCK_N), base 2
         m, l, alpha, p = softmax_step(tl.where(live[None, :], s, float("-inf")), m, l)
-        # values: each run of 32 tokens is one group per channel: (GS, 32, D) codes, (GS, 1, D) scale/slot
-        vw = tl.load(vc_ptr + n[:, None] * W + w[None, :], mask=live[:, None], other=0)
-        vg = t + g
-        per_ch = (vg[:, None] * D + d[None, :])[:, None, :]                          # (GS, 1, D)
-        live_g = (vg < stop)[:, None, None]
+        # values as Vᵀ: codes packed along tokens, so a channel's words of the step (D, KC) unpack to its BLOCK_N
+        # tokens in order, GS groups of 32 per channel, each with one scale and slot, as the keys' groups
+        vg = t + g                                                                   # (GS,)
+        live_g = (vg < stop)[None, :]
+        vw = tl.load(vc_ptr + t * 32 * W + kk[None, :] * D + d[:, None], mask=(t + kk // BITS < stop)[None, :],
+                     other=0)                                                        # (D, KC)
+        per_ch = vg[None, :] * D + d[:, None]                                        # (D, GS)
         if FAST:
             o = tl.inline_asm_elementwise(ASM, CON, [vw], dtype=(tl.float16,) * CPW, is_pure=True, pack=2)
-            vx = tl.reshape(join_codes(o, BITS), (GS, 32, D), can_reorder=False)
-            v_scale = tl.load(vs_ptr + per_ch, mask=live_g, other=0)
+            vx = tl.reshape(join_codes(o, BITS), (D, GS, 32), can_reorder=False)
+            v_scale = tl.load(vs_ptr + per_ch, mask=live_g, other=0)[:, :, None]
             v_slot = tl.load(vz_ptr + per_ch, mask=live_g, other=0)
-            v_zero = v_slot.to(tl.float32, bitcast=True).to(tl.float16)
+            v_zero = v_slot.to(tl.float32, bitcast=True).to(tl.float16)[:, :, None]
             if HAS_SYM:   # bit i of a symmetric group's slot: token i's sign
-                v_sym = _value_sym(vm_ptr, vg[:, None, None], d[None, None, :], live_g, MASK_UPTO, D)
-                v_zero = tl.where(v_sym, 0.0, v_zero).to(tl.float16)
-                signs = tl.where(v_sym, v_slot, 0)                                 # (GS, 1, D)
-                flip = ((signs >> i[None, :, None]) << 15).to(tl.int16)           # (GS, 32, D): bit 15
+                v_sym = _value_sym(vm_ptr, vg[None, :], d[:, None], live_g, MASK_UPTO, D)
+                flip = ((tl.where(v_sym, v_slot, 0)[:, :, None] >> i[None, None, :]) << 15).to(tl.int16)
                 vx = (vx.to(tl.int16, bitcast=True) ^ flip).to(tl.float16, bitcast=True)
-            v = tl.reshape(vx * v_scale + v_zero, (BLOCK_N, D), can_reorder=False).to(q.dtype)
+                v_zero = tl.where(v_sym[:, :, None], 0.0, v_zero).to(tl.float16)
         else:
-            vx = tl.reshape(unpack_codes(vw[:, :, None], shifts, BITS), (GS, 32, D), can_reorder=False)
-            v_scale = tl.load(vs_ptr + per_ch, mask=live_g, other=0).to(tl.float32)
+            vx = tl.reshape(unpack_codes(vw[:, :, None], shifts, BITS), (D, GS, 32), can_reorder=False)
+            v_scale = tl.load(vs_ptr + per_ch, mask=live_g, other=0).to(tl.float32)[:, :, None]
             v_slot = tl.load(vz_ptr + per_ch, mask=live_g, other=0)
-            v_zero = v_slot.to(tl.float32, bitcast=True)
+            v_zero = v_slot.to(tl.float32, bitcast=True)[:, :, None]
             if HAS_SYM:
-                v_sym = _value_sym(vm_ptr, vg[:, None, None], d[None, None, :], live_g, MASK_UPTO, D)
-                negative = ((v_slot >> i[None, :, None]) & 1) != 0                   # bit i: token i's sign
+                v_sym = _value_sym(vm_ptr, vg[None, :], d[:, None], live_g, MASK_UPTO, D)[:, :, None]
+                negative = ((v_slot[:, :, None] >> i[None, None, :]) & 1) != 0
                 vx = tl.where(v_sym & negative, -vx, vx)
                 v_zero = tl.where(v_sym, 0.0, v_zero)
-            v = tl.reshape(vx * v_scale + v_zero, (BLOCK_N, D), can_reorder=False).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
+        v = tl.reshape(vx * v_scale + v_zero, (D, BLOCK_N), can_reorder=False)     # Vᵀ
+        acc = acc * alpha[None, :] + tl.dot(v.to(q.dtype), tl.trans(p.to(q.dtype)), input_precision="ieee")
     rows = (kv * REP + r) * tl.num_programs(1) + split
     tl.store(m_ptr + rows, m, mask=live_r)
     tl.store(l_ptr + rows, l, mask=live_r)
-    tl.store(acc_ptr + rows[:, None] * D + d[None, :], acc, mask=live_r[:, None])
+    tl.store(acc_ptr + rows[None, :] * D + d[:, None], acc, mask=live_r[None, :])
 
 
 @triton.jit
@@ -296,11 +300,11 @@ def _split_kernel_g1(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_p
     r = tl.arange(0, REP_P)
     live_r = r < REP
     d = tl.arange(0, D)
-    i = tl.arange(0, 32)                         # token within the group
+    i = tl.arange(0, 32)                         # element within a group: a key's channel, a value's token
     w = tl.arange(0, W)
     c = tl.arange(0, CPW)
     shifts = (c * BITS)[None, None, :]
-    channel = w[:, None] * CPW + c[None, :]                                          # (W, CPW)
+    kb = tl.arange(0, BITS)                      # value chunk of CPW tokens within the group
     bit = (w % BITS)[:, None] * CPW + c[None, :]                                     # key: index in its group
     q = tl.load(q_ptr + (kv * REP + r[:, None]) * D + d[None, :], mask=live_r[:, None], other=0)   # (REP_P, D)
     if HAS_QS:
@@ -329,18 +333,18 @@ def _split_kernel_g1(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_p
         m, l, alpha, p = softmax_step(s, m, l)
         p_sum = tl.sum(p, 1)
         # values: the 32 tokens are one group per channel; scale/zero apply after the dot
-        vx = unpack_codes(tl.load(vc_ptr + n[:, None] * W + w[None, :])[:, :, None], shifts, BITS)
-        v_slot = tl.load(vz_ptr + t * D + channel)                      # (W, CPW)
+        vw = tl.load(vc_ptr + t * 32 * W + kb[None, :] * D + d[:, None])           # (D, BITS): a channel's 32 tokens
+        vx = tl.reshape(unpack_codes(vw[:, :, None], shifts, BITS), (D, 32), can_reorder=False)   # Vᵀ codes
+        v_slot = tl.load(vz_ptr + t * D + d)                                         # (D,)
         v_zero = v_slot.to(tl.float32, bitcast=True)
         if HAS_SYM:
-            v_sym = _value_sym(vm_ptr, t + 0 * channel, channel, channel >= 0, MASK_UPTO, D)
-            negative = ((v_slot[None, :, :] >> i[:, None, None]) & 1) != 0          # bit i: token i's sign
-            vx = tl.where(v_sym[None, :, :] & negative, -vx, vx)
+            v_sym = _value_sym(vm_ptr, t + 0 * d, d, d >= 0, MASK_UPTO, D)
+            negative = ((v_slot[:, None] >> i[None, :]) & 1) != 0                     # bit i: token i's sign
+            vx = tl.where(v_sym[:, None] & negative, -vx, vx)
             v_zero = tl.where(v_sym, 0.0, v_zero)
-        pc = tl.dot(p.to(q.dtype), tl.reshape(vx, (32, D), can_reorder=False).to(q.dtype), input_precision="ieee")
+        pc = tl.dot(p.to(q.dtype), tl.trans(vx.to(q.dtype)), input_precision="ieee")
         v_scale = tl.load(vs_ptr + t * D + d).to(tl.float32)
-        acc = acc * alpha[:, None] + pc * v_scale[None, :] \
-            + p_sum[:, None] * tl.reshape(v_zero, (D,), can_reorder=False)[None, :]
+        acc = acc * alpha[:, None] + pc * v_scale[None, :] + p_sum[:, None] * v_zero[None, :]
     rows = (kv * REP + r) * tl.num_programs(1) + split
     tl.store(m_ptr + rows, m, mask=live_r)
     tl.store(l_ptr + rows, l, mask=live_r)

@@ -149,16 +149,19 @@ def _query(q_ptr, qs_ptr, kv, REP: gl.constexpr, ROWS: gl.constexpr, D: gl.const
 
 
 @gluon.jit
-def _start(q):
-    """A program's shared tiles (the query q (ROWS, D) stored, a step's keys and values (BLOCK, D), its weights
-    transposed (ROWS, BLOCK), tokens contiguous as the query's channels) and its empty online-softmax state: running
-    max m, sum l (ROWS,) and output accᵀ (D, ROWS)."""
+def _start(q, TRANSPOSED: gl.constexpr):
+    """A program's shared tiles (the query q (ROWS, D) stored, a step's keys (BLOCK, D) and values, (BLOCK, D) or
+    TRANSPOSED (D, BLOCK), its weights transposed (ROWS, BLOCK), tokens contiguous as the query's channels) and its
+    empty online-softmax state: running max m, sum l (ROWS,) and output accᵀ (D, ROWS)."""
     ROWS: gl.constexpr = q.shape[0]
     D: gl.constexpr = q.shape[1]
     MMA: gl.constexpr = mma_layout(ROWS)
     q_s = gl.allocate_shared_memory(gl.float16, [ROWS, D], TILE, q)
     k_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
-    v_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
+    if TRANSPOSED:
+        v_s = gl.allocate_shared_memory(gl.float16, [D, BLOCK], TILE)
+    else:
+        v_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
     p_s = gl.allocate_shared_memory(gl.float16, [ROWS, BLOCK], TILE)
     m = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
     l = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(0, MMA))
@@ -166,10 +169,10 @@ def _start(q):
 
 
 @gluon.jit
-def _softmax_and_output(s, live, m, l, acc_v, v_s, p_s, qk_scale):
+def _softmax_and_output(s, live, m, l, acc_v, vt, p_s, qk_scale):
     """One step's online softmax in base 2 over scores s (BLOCK, ROWS) (transposed; tokens not `live` masked), with
-    the running max m and sum l, and the output product accᵀ += Vᵀ · pᵀ issued asynchronously on acc_v (the
-    previous one, waited for): (m, l, acc)."""
+    the running max m and sum l, and the output product accᵀ += Vᵀ · pᵀ (vt: Vᵀ (D, BLOCK) in shared memory)
+    issued asynchronously on acc_v (the previous one, waited for): (m, l, acc)."""
     s = s * qk_scale + gl.where(live, 0.0, float("-inf"))[:, None]            # one FMA; masked: -inf
     m_new = gl.maximum(m, gl.max(s, axis=0))
     alpha = gl.exp2(m - m_new)
@@ -179,7 +182,7 @@ def _softmax_and_output(s, live, m, l, acc_v, v_s, p_s, qk_scale):
     fence_async_shared()
     if gl.min(alpha, axis=0) < 1.0:                           # a row's max grew: rescale (rare after the start)
         acc_v = acc_v * alpha[None, :]
-    return m_new, l, warpgroup_mma(v_s.permute((1, 0)), p_s.permute((1, 0)), acc_v, is_async=True)
+    return m_new, l, warpgroup_mma(vt, p_s.permute((1, 0)), acc_v, is_async=True)
 
 
 @gluon.jit
@@ -235,7 +238,7 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_p
     vz_ptr += head * s_vz
     split = gl.program_id(1)
 
-    q_s, k_s, v_s, p_s, m, l, acc = _start(_query(q_ptr, q_ptr, kv, REP, ROWS, D, False))
+    q_s, k_s, v_s, p_s, m, l, acc = _start(_query(q_ptr, q_ptr, kv, REP, ROWS, D, False), False)
 
     n_both = gl.minimum(gl.load(len_ptr), gl.load(len_ptr + 1))
     start = split * PER_SPLIT
@@ -259,7 +262,7 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_p
         xv = gl.reshape(_unpack(vw, LP), (BLOCK, D // CG, CG))
         acc_v = warpgroup_mma_wait(0, deps=[acc])                 # the previous output product: v_s, p_s free
         v_s.store(gl.reshape(xv * vs + vz, (BLOCK, D)))            # stored while the softmax runs
-        m, l, acc = _softmax_and_output(s, t * 32 + ns < n_both, m, l, acc_v, v_s, p_s, qk_scale)
+        m, l, acc = _softmax_and_output(s, t * 32 + ns < n_both, m, l, acc_v, v_s.permute((1, 0)), p_s, qk_scale)
         kw, vw, ks, kz, vs, vz = nxt
     acc = warpgroup_mma_wait(0, deps=[acc])
     _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, kv, split, N_COLS, REP, D)

@@ -8,13 +8,16 @@ against the quantized values, each in the inner-grouped layout (InnerQ) and the 
 Codes are b-bit (b in {2, 4}) integers packed along the last dim (head_dim d) into int32 words as one
 little-endian bit stream (kvzoo.cache.kvquant.pack): channel j of a token sits at bits (j*b) % 32 of word
 (j*b) // 32, so a token's codes are W = d*b/32 words and a group of 32 channels is exactly b words. Groups
-hold G = 32 values. Per KV head (N quantized tokens, N a multiple of 32):
+hold G = 32 values. InnerQ's values are packed along the tokens instead (below). Per KV head (N quantized
+tokens, N a multiple of 32):
 
   inner layout (InnerQ; unified groups of kvzoo.cache.kvquant.quantize_unified)
     keys, per-token groups along d        k_codes int32 (B, H, N, W)  k_scale fp16 (B, H, N, d/32)
                                           k_slot int32 (B, H, N, d/32)  k_sym bool (B, H, N, d/32) or None
     values, per-channel groups of tokens  v_codes int32 (B, H, N, W)  v_scale fp16 (B, H, N/32, d)
                                           v_slot int32 (B, H, N/32, d)  v_sym bool (B, H, N/32, d) or None
+                                          codes packed along tokens (kvquant.pack_tokens): the 32/b tokens of
+                                          a chunk hold one word per channel, in the chunk's own rows
     an asymmetric group decodes to code*scale + zero (zero = the slot's bits read as fp32); a symmetric
     one to code*scale, negated where bit j of the slot is set (j = the element's index in its group).
     sym=None means every group is asymmetric (the sign path is compiled out).
@@ -30,7 +33,7 @@ the sum of the other operand over the group) once per group, which is what makes
     q·Kᵀ outer   a program scores GROUPS groups of 32 tokens of one KV head for all its query rows, a group at a
                  time: its keys dequantized once (32, d), multiplied by the rows (padded to 16) in one tl.dot
     p·V inner    split-K over token groups: a program loops over GROUPS groups of 32 tokens at a time,
-                 codes (GROUPS, 32, W, 32/b), and applies scale/zero per (group, channel) after the sum
+                 codes (GROUPS, b chunks, d, 32/b), and applies scale/zero per (group, channel) after the sum
                  over the group's 32 tokens
     p·V outer    split-K over tokens, a program per (KV head, split) for all its query rows: each tile of
                  values dequantized once (BLOCK_N, d), weighted by the rows' p (padded to 16) in one tl.dot
@@ -217,36 +220,22 @@ def pair_asm(bits: int) -> tuple[str, str]:
 
 
 @functools.lru_cache
-def dequant_pair_asm(signed: bool, per_output: bool = False) -> tuple[str, str]:
+def dequant_pair_asm(signed: bool) -> tuple[str, str]:
     """(PTX, constraints): pair_asm(2) with the scale and zero applied in the same PTX, one fp16x2 FMA per output.
-    pack=2: the word, then with `signed` its signs, each entered twice, then the scale and the zero as half2
-    registers, one each for the word's 16 codes or, per_output, one each per output (the 8 scales, then the 8
-    zeros). signed: bit a of the signs register is code a's sign, bit 16 + a code a + 8's (a < 8); the sign goes
+    pack=2: the word, then with `signed` its signs, each entered twice, then the word's scale and zero as half2
+    registers. signed: bit a of the signs register is code a's sign, bit 16 + a code a + 8's (a < 8); the sign goes
     into both the code's magic number and the subtracted one, so that -(1024 + c) - (-1024) = -c exactly (two
     more instructions per half2)."""
     first = 12 if signed else 10
     lines = ["{", ".reg .b32 t, m;"] + ([] if signed else ["mov.b32 m, 0x64006400;"])
     for a in range(8):
-        sc, zr = (first + a, first + 8 + a) if per_output else (first, first + 1)
         if signed:
             lines += [f"shl.b32 m, $10, {15 - a};", "lop3.b32 m, m, 0x80008000, 0x64006400, 0xEA;"]
         lines += [f"shr.b32 t, $8, {2 * a};" if a else "mov.b32 t, $8;",
-                  "lop3.b32 t, t, 0x00030003, m, 0xEA;", "sub.f16x2 t, t, m;", f"fma.rn.f16x2 ${a}, t, ${sc}, ${zr};"]
+                  "lop3.b32 t, t, 0x00030003, m, 0xEA;", "sub.f16x2 t, t, m;",
+                  f"fma.rn.f16x2 ${a}, t, ${first}, ${first + 1};"]
     lines.append("}")
-    inputs = (4 if signed else 2) + (16 if per_output else 2)
-    return "\n".join(lines), ",".join(["=r"] * 8 + ["r"] * inputs)
-
-
-@functools.lru_cache
-def sym_zero_asm() -> tuple[str, str]:
-    """(PTX, constraints) for pack=2: 8 half2 zero pairs, then a 32-bit word of flags entered twice -> the pairs
-    with the halves whose flag is set cleared; pair a's flags are bits a and 16 + a. Per pair: the flags shifted to
-    bits 15 and 31, each spread over its half (prmt's sign-replicating selector), and-not."""
-    lines = ["{", ".reg .b32 m;"]
-    for a in range(8):
-        lines += [f"shl.b32 m, $16, {15 - a};", "prmt.b32 m, m, m, 0xBB99;", f"lop3.b32 ${a}, ${8 + a}, m, 0, 0x30;"]
-    lines.append("}")
-    return "\n".join(lines), ",".join(["=r"] * 8 + ["r"] * 10)
+    return "\n".join(lines), ",".join(["=r"] * 8 + ["r"] * ((4 if signed else 2) + 2))
 
 
 @triton.jit
@@ -445,7 +434,6 @@ def _pv_inner_kernel(p_ptr, codes_ptr, scale_ptr, slot_ptr, sym_ptr, out_ptr, N_
                      s_p, s_codes, s_scale, s_slot, s_sym,
                      D: tl.constexpr, BITS: tl.constexpr, HAS_SYM: tl.constexpr, GROUPS: tl.constexpr):
     CPW: tl.constexpr = 32 // BITS
-    W: tl.constexpr = D * BITS // 32
     row = tl.program_id(0).to(tl.int64)
     p_ptr += row * s_p
     codes_ptr += row * s_codes
@@ -453,33 +441,34 @@ def _pv_inner_kernel(p_ptr, codes_ptr, scale_ptr, slot_ptr, sym_ptr, out_ptr, N_
     slot_ptr += row * s_slot
     sym_ptr += row * s_sym
     split = tl.program_id(1)
-    i = tl.arange(0, 32)                                                             # token in its group
-    w = tl.arange(0, W)
+    k = tl.arange(0, BITS)                                                           # chunk of CPW tokens
     c = tl.arange(0, CPW)
-    channel = w[:, None] * CPW + c[None, :]                                          # (W, CPW)
+    d = tl.arange(0, D)
+    tok = k[:, None] * CPW + c[None, :]                                              # (BITS, CPW) token in its group
     start = split * PER_SPLIT
     stop = tl.minimum(start + PER_SPLIT, N_GROUPS)
-    acc = tl.zeros((W, CPW), dtype=tl.float32)
+    acc = tl.zeros((D,), dtype=tl.float32)
     for t0 in range(start, stop, GROUPS):
         t = t0 + tl.arange(0, GROUPS)
         live = t < stop
-        n = t[:, None] * 32 + i[None, :]                                             # (GROUPS, 32)
-        p = tl.load(p_ptr + n, mask=live[:, None], other=0).to(tl.float32)
-        words = tl.load(codes_ptr + n[:, :, None] * W + w[None, None, :],
-                        mask=live[:, None, None], other=0)                           # (GROUPS, 32, W)
-        x = unpack_codes(words[:, :, :, None], (c * BITS)[None, None, None, :], BITS)   # (GROUPS, 32, W, CPW)
-        per_group = t[:, None, None] * D + channel[None, :, :]                       # (GROUPS, W, CPW)
-        scale = tl.load(scale_ptr + per_group, mask=live[:, None, None], other=0).to(tl.float32)
-        slot = tl.load(slot_ptr + per_group, mask=live[:, None, None], other=0)
+        p = tl.load(p_ptr + t[:, None, None] * 32 + tok[None, :, :], mask=live[:, None, None],
+                    other=0).to(tl.float32)                                          # (GROUPS, BITS, CPW)
+        # a group's 32 tokens are BITS chunks, each one word per channel (codes packed along tokens)
+        words = tl.load(codes_ptr + t[:, None, None] * (D * BITS) + k[None, :, None] * D
+                        + d[None, None, :], mask=live[:, None, None], other=0)      # (GROUPS, BITS, D)
+        x = unpack_codes(words[:, :, :, None], (c * BITS)[None, None, None, :], BITS)   # (GROUPS, BITS, D, CPW)
+        per_group = t[:, None] * D + d[None, :]                                      # (GROUPS, D)
+        scale = tl.load(scale_ptr + per_group, mask=live[:, None], other=0).to(tl.float32)
+        slot = tl.load(slot_ptr + per_group, mask=live[:, None], other=0)
         zero = slot.to(tl.float32, bitcast=True)
         if HAS_SYM:
-            sym = tl.load(sym_ptr + per_group, mask=live[:, None, None], other=0) != 0
-            negative = ((slot[:, None, :, :] >> i[None, :, None, None]) & 1) != 0    # bit i: token i's sign
-            x = tl.where(negative & sym[:, None, :, :], -x, x)
+            sym = tl.load(sym_ptr + per_group, mask=live[:, None], other=0) != 0
+            negative = ((slot[:, None, :, None] >> tok[None, :, None, :]) & 1) != 0   # bit i: token i's sign
+            x = tl.where(negative & sym[:, None, :, None], -x, x)
             zero = tl.where(sym, 0.0, zero)
-        px = tl.sum(x * p[:, :, None, None], 1)                                      # (GROUPS, W, CPW)
-        acc += tl.sum(scale * px + zero * tl.sum(p, 1)[:, None, None], 0)
-    tl.store(out_ptr + (row * tl.num_programs(1) + split) * D + channel, acc)
+        px = tl.sum(tl.sum(x * p[:, :, None, :], 3), 1)                              # (GROUPS, D)
+        acc += tl.sum(scale * px + zero * tl.sum(tl.sum(p, 2), 1)[:, None], 0)
+    tl.store(out_ptr + (row * tl.num_programs(1) + split) * D + d, acc)
 
 
 @triton.jit

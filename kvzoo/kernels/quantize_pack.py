@@ -23,8 +23,8 @@ packing a word is a sum of shifted codes over the last one.
 innerq_flush is the same quantizer for InnerQ's CUDA-graph decode step: one program per (row, KV head) takes
 the recent window's oldest 32 tokens and writes them straight into the cache's buffers at a slot read from a
 device tensor. Keys are per-token groups as above. Values are per-channel groups: the tile is loaded as
-(d, 1, b, 32/b), channels by tokens, and the codes are transposed back to be packed along d. The symmetric
-flags become the cache's mask bits.
+(d, 1, b, 32/b), channels by tokens, and packed along the tokens as they lie (kvquant.pack_tokens: word
+[chunk of 32/b tokens, channel]). The symmetric flags become the cache's mask bits.
 
 innerq_key_step is the per-token key work of that step at the paper's windows (keys leave their window a token
 at a time, values 32 at a time), one program per (row, KV head) in place of some hundred small torch ops:
@@ -130,7 +130,7 @@ def _flush_kernel(kr_ptr, vr_ptr, n_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr,
                   D: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr, TOP: tl.constexpr, MASK: tl.constexpr):
     """One (batch row, KV head) per program: the first 32 tokens of the recent window (32, D) quantized into
     quantized slots [n, n + 32) of InnerQ's buffers, n read from n_ptr: keys as per-token groups along D,
-    values as per-channel groups of the 32 tokens (codes packed along D all the same), and with MASK the
+    values as per-channel groups of the 32 tokens (codes packed along the tokens), and with MASK the
     groups' symmetric flags as one word of mask bits per key group and D/32 words for the values."""
     CPW: tl.constexpr = 32 // BITS
     NG: tl.constexpr = D // 32
@@ -167,9 +167,8 @@ def _flush_kernel(kr_ptr, vr_ptr, n_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr,
     codes, scale, slot, sym = _quantize_groups(x.to(tl.float32), bit, MODE, TOP)
     tl.store(vs_ptr + ch, tl.reshape(scale, (D,)).to(tl.float16))
     tl.store(vz_ptr + ch, tl.reshape(slot, (D,)))
-    per_token = tl.reshape(tl.trans(tl.reshape(codes, (D, 32))), (32, W, CPW))      # codes by token, packed along D
-    words = tl.sum(per_token.to(tl.int32) << (c * BITS)[None, None, :], 2)          # (32, W)
-    tl.store(vc_ptr + t[:, None] * W + tl.arange(0, W)[None, :], words)
+    words = tl.sum(codes.to(tl.int32) << (c * BITS)[None, None, None, :], 3)        # (D, 1, BITS)
+    tl.store(vc_ptr + wi[None, None, :] * D + ch[:, None, None], words)            # chunk wi, channel by channel
     if MASK:   # bit c % 32 of word [n // 32, c // 32]
         flags = tl.reshape(sym, (NG, 32)).to(tl.int32) << t[None, :]
         tl.store(vm_ptr + g, tl.sum(flags, 1))

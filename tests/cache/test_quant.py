@@ -8,7 +8,8 @@ pytest.importorskip("hypothesis")   # the `test` extra
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kvzoo.cache.kvquant import SUPPORTED_BITS, check_bits, pack, packed_words, quantize, unpack  # noqa: E402
+from kvzoo.cache.kvquant import (SUPPORTED_BITS, block_codes, check_bits, pack, pack_tokens, packed_words,  # noqa: E402
+                                 quantize, unpack, unpack_tokens)
 
 bits_st = st.sampled_from(SUPPORTED_BITS)
 mask_bits_st = st.sampled_from((1, *SUPPORTED_BITS))   # 1 bit: InnerQ's sign and mask words
@@ -31,6 +32,20 @@ def test_unpack_reads_slices_of_the_stored_words(bits):
     assert torch.equal(unpack(words[:, 2:7], bits, 64), codes[:, 2:7])
     strided = words.transpose(-1, -2).contiguous().transpose(-1, -2)         # same values, last-dim stride 9
     assert strided.stride(-1) == 9 and torch.equal(unpack(strided, bits, 64), codes)
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_packing_along_tokens(bits):
+    """pack_tokens (InnerQ's values): a word holds one channel's codes of consecutive tokens, a chunk's words lie in
+    its own rows, so chunks are written and sliced by token; unpack_tokens inverts it."""
+    codes = torch.randint(0, 2**bits, (2, 64, 96), generator=torch.Generator().manual_seed(bits))
+    words = pack_tokens(codes, bits)
+    assert words.shape == (2, 64, packed_words(96, bits))
+    assert torch.equal(unpack_tokens(words, bits), codes)
+    block = block_codes(bits)
+    assert torch.equal(pack_tokens(codes[:, block:3 * block], bits), words[:, block:3 * block])
+    chunk = words[:, :block].flatten(-2).unflatten(-1, (96, -1))               # (2, d, words): channel by channel
+    assert torch.equal(chunk[:, 5], pack(codes[:, :block, 5], bits))
 
 
 def test_packing_is_exactly_b_bits_per_code():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvzoo.kernels.quant_matvec import dequant_pair_asm, pair_asm, sym_zero_asm, unpack_asm
+from kvzoo.kernels.quant_matvec import dequant_pair_asm, pair_asm, unpack_asm
 
 RNG = np.random.default_rng(0)
 LANES = 4096
@@ -159,45 +159,27 @@ def test_signed_dequant_asm_negates_the_codes_whose_sign_is_set():
 
 
 @pytest.mark.parametrize("signed", [False, True])
-@pytest.mark.parametrize("per_output", [False, True])
-def test_dequant_pair_asm_is_one_rounding_of_code_times_scale_plus_zero(signed, per_output):
+def test_dequant_pair_asm_is_one_rounding_of_code_times_scale_plus_zero(signed):
     """Each output code * scale + zero, rounded once to fp16 (the one-FMA dequantization of the Triton kernels)."""
-    n_scales = 8 if per_output else 1
-    scale = RNG.uniform(0.01, 3.0, (n_scales, LANES, 2)).astype(np.float16)
-    zero = RNG.uniform(-20.0, 20.0, (n_scales, LANES, 2)).astype(np.float16)
+    scale = RNG.uniform(0.01, 3.0, (LANES, 2)).astype(np.float16)
+    zero = RNG.uniform(-20.0, 20.0, (LANES, 2)).astype(np.float16)
     register = signs_register(SIGNS)
-    inputs = [WORDS, WORDS] + ([register, register] if signed else []) + \
-        [half_pair(s) for s in scale] + [half_pair(z) for z in zero]
-    out = run_ptx(dequant_pair_asm(signed, per_output)[0], 8, inputs)
+    inputs = [WORDS, WORDS] + ([register, register] if signed else []) + [half_pair(scale), half_pair(zero)]
+    out = run_ptx(dequant_pair_asm(signed)[0], 8, inputs)
     codes = codes_of(WORDS, 2) * (np.where(SIGNS == 1, -1.0, 1.0) if signed else 1.0)
     for a in range(8):
-        s, z = scale[a if per_output else 0].astype(float), zero[a if per_output else 0].astype(float)
-        want = (codes[:, [a, a + 8]] * s + z).astype(np.float16).astype(float)
+        want = (codes[:, [a, a + 8]] * scale.astype(float) + zero.astype(float)).astype(np.float16).astype(float)
         assert np.array_equal(unpair(out[a]), want)
 
 
-def test_sym_zero_asm_clears_the_flagged_halves():
-    zeros = RNG.uniform(-5.0, 5.0, (8, LANES, 2)).astype(np.float16)
-    flags = RNG.integers(0, 2, (LANES, 16))
-    register = signs_register(flags)             # the same layout: pair a's flags at bits a and 16 + a
-    out = run_ptx(sym_zero_asm()[0], 8, [half_pair(z) for z in zeros] + [register, register])
-    for a in range(8):
-        keep = flags[:, [a, a + 8]] == 0
-        assert np.array_equal(unpair(out[a]), np.where(keep, zeros[a].astype(float), 0.0))
-
-
-def test_prmt_selectors_of_the_sign_gathering():
-    """innerq_hopper's byte permutes: a key word's signs from its group's slot (0x0100 even words, 0x0302 odd), and a
-    value word's from the gathered low and high channel bytes of token k (k + 256 * (4 + k))."""
+def test_prmt_selectors_of_a_words_signs():
+    """innerq_hopper's byte permute (_signs): a word's 16 signs from its group's slot, 0x0100 for the group's first 16
+    elements and 0x0302 for the other 16, at bits 0-7 and 16-23 as dequant_pair_asm takes them."""
     slot = WORDS
     for select, shift in ((0x0100, 0), (0x0302, 16)):
         out = run_ptx(f"prmt.b32 $0, $1, $2, {select};", 1, [slot, slot, slot])[0]
         want = (slot >> shift) & 0xFF | ((slot >> (shift + 8)) & 0xFF) << 16
         assert np.array_equal(out & 0x00FF00FF, want)
-    lo, hi = WORDS, WORDS[::-1].copy()
-    for k in range(4):
-        out = run_ptx(f"prmt.b32 $0, $1, $2, {k + 256 * (4 + k)};", 1, [lo, hi, lo])[0]
-        assert np.array_equal(out & 0x00FF00FF, (lo >> 8 * k) & 0xFF | ((hi >> 8 * k) & 0xFF) << 16)
 
 
 def test_unpack_asm_refuses_8_bit_codes_in_bf16():
