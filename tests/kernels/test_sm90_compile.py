@@ -1,0 +1,46 @@
+"""The H100's decode split kernels (InnerQ's and KIVI's in Gluon, InnerQ's and the outer layout's in Triton) compiled
+for sm_90 on any machine (tests/kernels/sm90_compile.py), at the head shapes the benchmarks run and with the
+launchers' settings: a kernel that does not fit an H100 (its shared
+memory, or registers ptxas cannot assign) fails here, not first on the device. The interpreter tests check what the
+kernels compute; they run none of the compiled code."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton.experimental.gluon._runtime")
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED_MEMORY = 232_448          # bytes a program may take on an H100 (227 KB)
+MODES = ("hybrid", "asym")
+NAMES = [f"innerq-gluon-d{d}-{g}" for d in (128, 64) for g in MODES] + [f"kivi-gluon-d{d}" for d in (128, 64)] + \
+    [f"innerq-triton-{b}bit-{g}" for b in (2, 4) for g in MODES] + \
+    [f"outer-triton-{name}" for name in ("kivi", "kivi-pre", "int8", "kvpareto")]
+
+
+def _compile_all() -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    run = subprocess.run([sys.executable, "-m", "tests.kernels.sm90_compile"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def compiled(run_once):
+    return run_once("sm90-compile", _compile_all)
+
+
+def test_every_case_is_checked(compiled):
+    assert sorted(compiled) == sorted(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_kernel_compiles_for_an_h100_and_fits_its_shared_memory(compiled, name):
+    result = compiled[name]
+    assert "error" not in result, result.get("error")
+    assert 0 < result["shared"] <= SHARED_MEMORY
