@@ -344,7 +344,9 @@ def aligned_read_bytes(q: Tensor, planes, topk: int, min_bits: int, block: int) 
 
 def floor_cases(B: int, N: int, gen: torch.Generator):
     """(name, build) of every fused attention over B rows x N tokens of the 8B heads; build() makes the case's
-    buffers and returns (launch, bytes read): one case at a time (at batch 32 and 128K some hold 17 GB)."""
+    buffers and returns (launch, bytes read): one case at a time (at batch 32 and 128K some hold 17 GB). The
+    outer-layout kernels (KIVI, KIVI*, KV Pareto, int8) take the token being decoded apart, as the graph step gives
+    it: their last program attends it after the window."""
     from kvzoo.cache.alignedkv import AlignedKVOptions
     from kvzoo.cache.kvquant import QTensor
     from kvzoo.kernels import alignedkv_attention as al, innerq_attention as att
@@ -355,6 +357,7 @@ def floor_cases(B: int, N: int, gen: torch.Generator):
     n_q = N - WINDOW
     q = torch.randn(B, Hq, d, device=DEVICE, generator=gen).half()
     k_win, v_win = torch.randn(2, B, H, WINDOW, d, device=DEVICE, generator=gen).half()
+    tok = torch.randn(2, B, H, 1, d, device=DEVICE, generator=gen).half()   # the outer kernel's token, given apart
     lengths = torch.tensor([n_q, n_q, N, 0], dtype=torch.int32, device=DEVICE)
 
     def words(bits):
@@ -381,10 +384,11 @@ def floor_cases(B: int, N: int, gen: torch.Generator):
         keys, values = synthetic_outer(H, n_q, d, gen, B)
         codes = (*keys, *values)
         tables = (torch.randn(N, d, device=DEVICE, generator=gen).half(),) * 2 if rotated else None
-        read = nbytes(q, *codes, k_win, v_win) + (nbytes(tables[0]) // 2 if rotated else 0)   # cos, sin: half rows
+        read = nbytes(q, *codes, k_win, v_win, *tok) + (nbytes(tables[0]) // 2 if rotated else 0)  # cos, sin: half rows
 
         def launch():
-            return outer_attention.outer_decode_attention(q, *codes, BITS, k_win, v_win, lengths, rope=tables)
+            return outer_attention.outer_decode_attention(q, *codes, BITS, k_win, v_win, lengths, rope=tables,
+                                                          k_token=tok[0], v_token=tok[1])
         return launch if hopper else triton_only(outer_attention.outer_hopper, launch), read
 
     def token(group):
@@ -392,7 +396,8 @@ def floor_cases(B: int, N: int, gen: torch.Generator):
         scales = [halves((B, H, n_q, d // group)) for _ in range(4)]
         codes = (k_codes, scales[0], scales[1], v_codes, scales[2], scales[3])
         return lambda: outer_attention.outer_decode_attention(q, *codes, 8, k_win, v_win, lengths, key_groups="token",
-                                                 group=group), nbytes(q, *codes, k_win, v_win)
+                                                              group=group, k_token=tok[0], v_token=tok[1]), \
+            nbytes(q, *codes, k_win, v_win, *tok)
 
     def aligned():
         opts = AlignedKVOptions()

@@ -42,6 +42,8 @@ def test_every_floor_case_runs():
     assert read["XQuant weigh (4-bit value latents)"] == codes + groups + 32 * 1024 * 4 + 1024 * 8
     assert read["KIVI-2, SQuat (outer)"] < read["InnerQ-2 asymmetric"] < read["int8 (per-token groups of d)"]
     assert read["InnerQ-2 hybrid (Triton kernel only)"] == read["InnerQ-2 hybrid"]
+    slots, window, token = 8 * 896, 2 * 8 * 128 * 128 * 2, 2 * 8 * 128 * 2   # 896 quantized slots a head; fp16 rows
+    assert read["int8 (per-token groups of d)"] == q + 2 * slots * 128 + 4 * slots * 2 + window + token   # + token apart
     exponents = 8 * 1024 // 64 * 128 + 8 * 1024                   # at most one a block and channel, one a token
     assert read["AlignedKV (planes; aligned_decode)"] <= 2 * kv + q + exponents
 
