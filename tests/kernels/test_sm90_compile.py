@@ -1,8 +1,8 @@
-"""The H100's decode split kernels (InnerQ's and KIVI's in Gluon, InnerQ's and the outer layout's in Triton) compiled
-for sm_90 on any machine (tests/kernels/sm90_compile.py), at the head shapes the benchmarks run and with the
-launchers' settings: a kernel that does not fit an H100 (its shared
-memory, or registers ptxas cannot assign) fails here, not first on the device. The interpreter tests check what the
-kernels compute; they run none of the compiled code."""
+"""The H100's decode kernels (InnerQ's and KIVI's split kernels in Gluon, InnerQ's and the outer layout's in Triton,
+XQuant's scores and weighing, the 4-bit weight kernels) compiled for sm_90 on any machine
+(tests/kernels/sm90_compile.py), at the shapes the benchmarks run and with the launchers' settings: a kernel that
+does not fit an H100 (its shared memory, or registers ptxas cannot assign) fails here, not first on the device. The
+interpreter tests check what the kernels compute; they run none of the compiled code."""
 
 import json
 import os
@@ -19,7 +19,9 @@ SHARED_MEMORY = 232_448          # bytes a program may take on an H100 (227 KB)
 MODES = ("hybrid", "asym")
 NAMES = [f"innerq-gluon-d{d}-{g}" for d in (128, 64) for g in MODES] + [f"kivi-gluon-d{d}" for d in (128, 64)] + \
     [f"innerq-triton-{b}bit-{g}" for b in (2, 4) for g in MODES] + \
-    [f"outer-triton-{name}" for name in ("kivi", "kivi-pre", "int8", "kvpareto")]
+    [f"outer-triton-{name}" for name in ("kivi", "kivi-pre", "int8", "kvpareto")] + \
+    ["xquant-weigh", "xquant-scores", "w4a16-one-row", "w4a16-group-16-rows"] + \
+    [f"w4a16-gluon-{rows}-rows-split-{split}" for rows in (8, 16) for split in (1, 4)]
 
 
 def _compile_all() -> dict:
