@@ -1,7 +1,7 @@
 """The H100's decode kernels (InnerQ's and KIVI's split kernels in Gluon, InnerQ's and the outer layout's in Triton,
 XQuant's scores and weighing, the 4-bit weight kernels) compiled for sm_90 on any machine
-(tests/kernels/sm90_compile.py), at the shapes the benchmarks run and with the launchers' settings: a kernel that
-does not fit an H100 (its shared memory, or registers ptxas cannot assign) fails here, not first on the device. The
+(scripts/compile_sm90.py), at the shapes the benchmarks run and with the launchers' settings: a kernel that does not
+fit an H100 (its shared memory, registers ptxas cannot assign, or spills) fails here, not first on the device. The
 interpreter tests check what the kernels compute; they run none of the compiled code."""
 
 import json
@@ -26,7 +26,7 @@ NAMES = [f"innerq-gluon-d{d}-{g}" for d in (128, 64) for g in MODES] + [f"kivi-g
 
 def _compile_all() -> dict:
     env = dict(os.environ, TRITON_INTERPRET="0")
-    run = subprocess.run([sys.executable, "-m", "tests.kernels.sm90_compile"], cwd=ROOT, env=env, capture_output=True,
+    run = subprocess.run([sys.executable, "scripts/compile_sm90.py", "--json"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -42,7 +42,17 @@ def test_every_case_is_checked(compiled):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_kernel_compiles_for_an_h100_and_fits_its_shared_memory(compiled, name):
+def test_kernel_compiles_for_an_h100_and_fits_it(compiled, name):
     result = compiled[name]
     assert "error" not in result, result.get("error")
     assert 0 < result["shared"] <= SHARED_MEMORY
+    assert result["registers"] <= 255 and result["local"] == 0, f"{name} spills: {result}"
+    assert result["loop"] > 0                                      # its main loop was found in the SASS
+
+
+def test_compile_sm90_refuses_the_interpreter_and_unknown_cases():
+    for env, argv, message in ((dict(TRITON_INTERPRET="1"), [], "TRITON_INTERPRET unset or 0"),
+                               (dict(TRITON_INTERPRET="0"), ["--cases", "nope"], "names no kernel")):
+        run = subprocess.run([sys.executable, "scripts/compile_sm90.py", *argv], cwd=ROOT, env=dict(os.environ, **env),
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode != 0 and message in run.stderr

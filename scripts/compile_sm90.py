@@ -1,24 +1,44 @@
-"""Compile the H100's decode split kernels for sm_90 without a GPU and print each case's shared memory (or its
-error) as JSON: `TRITON_INTERPRET=0 python -m tests.kernels.sm90_compile`. Triton compiles and assembles kernels for
-a target it is given, but not under the interpreter, so test_sm90_compile.py runs this in a process of its own.
+"""Compile the H100's decode kernels for sm_90 without a GPU and report, per kernel: the shared memory a program
+takes, its registers, its local memory (register spills) and the instructions of its main loop (the longest
+backward branch of its SASS). Triton compiles and assembles for a target it is given on any machine, with its own
+ptxas and cuobjdump; the interpreter (TRITON_INTERPRET=1) must be off.
 
-Cases: the Gluon split kernels at the head shapes the benchmarks run (Llama-3.1-8B's head_dim 128 and rep 4,
-SmolLM2's 64 and rep 3), and at the 8B shape the Triton InnerQ split kernel's fp16 fast path and the outer-layout
-split kernel as KIVI-2, KIVI*-2 (keys rotated in the kernel), int8 and KV Pareto's k8v8 take it, with the token given
-apart as the graph step gives it; XQuant's scores over its rotated keys and its weighing of 4-bit value latents (1,024
-wide, groups of 128); the 4-bit weight kernels (groups of 128, bf16 activations) for one row, the group kernel's
-16 rows, and the Gluon kernel's 8 and 16 rows, split over K or not. Each with its launcher's settings."""
+    python scripts/compile_sm90.py                          # every kernel, a table
+    python scripts/compile_sm90.py --cases innerq-gluon --mix   # and each loop's most frequent instructions
+    python scripts/compile_sm90.py --json                   # JSON (tests/kernels/test_sm90_compile.py)
 
+A kernel's loop instructions are a proxy for the issue-bound kernels' speed, read before device time is spent: the
+InnerQ split kernel's hybrid loop went from 1,586 to 1,363 instructions with its values packed along the tokens,
+and from 831 to 747 us at 32K, batch 32 (docs/decode.md). Cases: the Gluon split kernels at the head shapes the
+benchmarks run (Llama-3.1-8B's head_dim 128 and rep 4, SmolLM2's 64 and rep 3), and at the 8B shape the Triton
+InnerQ split kernel's fp16 fast path, the outer-layout split kernel as KIVI-2, KIVI*-2 (keys rotated in the
+kernel), int8 and KV Pareto's k8v8 take it (the token given apart, as the graph step gives it), XQuant's scores over
+its rotated keys and its weighing of 4-bit value latents (1,024 wide, groups of 128), and the 4-bit weight kernels
+(groups of 128, bf16 activations) for one row, the group kernel's 16 rows and the Gluon kernel's 8 and 16 rows,
+split over K or not. Each with its launcher's settings."""
+
+from __future__ import annotations
+
+import argparse
+import collections
 import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.experimental.gluon._runtime import GluonASTSource
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("compile_sm90.py compiles for the GPU: run it with TRITON_INTERPRET unset or 0")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from kvzoo.kernels import (innerq_attention, innerq_hopper, outer_attention, outer_hopper, scores, w4a16, w4a16_hopper,
-                           xquant_remat)
-from kvzoo.kernels.quant_matvec import unpack_asm
+                           xquant_remat)  # noqa: E402
+from kvzoo.kernels.quant_matvec import unpack_asm  # noqa: E402
 
 H100 = GPUTarget("cuda", 90, 32)
 POINTERS = {"q_ptr": "*fp16", "qs_ptr": "*fp16", "kc_ptr": "*i32", "ks_ptr": "*fp16", "kz_ptr": "*i32",
@@ -98,14 +118,55 @@ def cases() -> dict:
     return out
 
 
+def resources(cubin: bytes) -> dict:
+    """Registers and local memory (bytes a thread spills) of a compiled kernel, and its main loop: the longest
+    backward branch's instructions, with their opcodes counted."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        tool = triton.knobs.nvidia.cuobjdump.path
+        usage = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    ins = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    loops = [(int(m.group(1), 16), addr) for addr, text in ins
+             if (m := re.search(r"BRA\s+`?\(?(?:\.L_x_\d+\)?\s*)?0x([0-9a-f]+)", text)) and int(m.group(1), 16) < addr]
+    first, last = max(loops, key=lambda span: span[1] - span[0], default=(0, -1))
+    body = [text.split()[1] if text.startswith("@") else text.split()[0] for addr, text in ins if first <= addr <= last]
+    return {"registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "local": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
+            "loop": len(body), "mix": collections.Counter(op.split(".")[0] for op in body).most_common(12)}
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", metavar="TEXT", help="only the kernels whose names hold one of these")
+    parser.add_argument("--mix", action="store_true", help="also each main loop's most frequent instructions")
+    parser.add_argument("--json", action="store_true", help="print JSON, not a table")
+    args = parser.parse_args()
+    todo = {name: case for name, case in cases().items() if not args.cases or any(c in name for c in args.cases)}
+    if not todo:
+        parser.error(f"--cases {args.cases} names no kernel; the kernels: {', '.join(cases())}")
     results = {}
-    for name, (fn, constexprs, source, pointers, options) in cases().items():
+    for name, (fn, constexprs, source, pointers, options) in todo.items():
         try:
-            results[name] = {"shared": compile_for_h100(fn, constexprs, source, pointers, **options).metadata.shared}
-        except Exception as e:     # reported per case: the test names the kernel that failed and why
+            kernel = compile_for_h100(fn, constexprs, source, pointers, **options)
+            results[name] = {"shared": kernel.metadata.shared, **resources(kernel.asm["cubin"])}
+        except Exception as e:     # reported per kernel: the test names the kernel that failed and why
             results[name] = {"error": f"{type(e).__name__}: {e}"[-2000:]}
-    print(json.dumps(results))
+    if args.json:
+        print(json.dumps(results))
+        return
+    print("| kernel (sm_90) | shared memory (bytes) | registers | local (spill) bytes | loop instructions |")
+    print("|---|---|---|---|---|")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"| {name} | {r['error'].splitlines()[-1]} | | | |")
+            continue
+        print(f"| {name} | {r['shared']:,} | {r['registers']} | {r['local']} | {r['loop']:,} |")
+        if args.mix:
+            print(f"|  | {' '.join(f'{op} {n}' for op, n in r['mix'])} | | | |")
 
 
 if __name__ == "__main__":
