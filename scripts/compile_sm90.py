@@ -28,17 +28,14 @@ import subprocess
 import sys
 import tempfile
 
-if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-    sys.exit("compile_sm90.py compiles for the GPU: run it with TRITON_INTERPRET unset or 0")
-
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 from kvzoo.kernels import (innerq_attention, innerq_hopper, outer_attention, outer_hopper, scores, w4a16, w4a16_hopper,
-                           xquant_remat)  # noqa: E402
-from kvzoo.kernels.quant_matvec import unpack_asm  # noqa: E402
+                           xquant_remat)
+from kvzoo.kernels.quant_matvec import unpack_asm
 
 H100 = GPUTarget("cuda", 90, 32)
 POINTERS = {"q_ptr": "*fp16", "qs_ptr": "*fp16", "kc_ptr": "*i32", "ks_ptr": "*fp16", "kz_ptr": "*i32",
@@ -145,6 +142,8 @@ def main() -> None:
     parser.add_argument("--mix", action="store_true", help="also each main loop's most frequent instructions")
     parser.add_argument("--json", action="store_true", help="print JSON, not a table")
     args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):     # its kernels were made interpreted at import
+        sys.exit("compile_sm90.py compiles for the GPU: run it with TRITON_INTERPRET unset or 0")
     todo = {name: case for name, case in cases().items() if not args.cases or any(c in name for c in args.cases)}
     if not todo:
         parser.error(f"--cases {args.cases} names no kernel; the kernels: {', '.join(cases())}")
