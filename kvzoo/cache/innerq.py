@@ -45,9 +45,10 @@ that a CUDA graph holds it (kvzoo/graphs.py). It has one graph per phase: a toke
 recent window, or fills it and a group is quantized in place (one window for both: innerq_flush, one kernel; the
 paper's windows: values 32 at a time through InnerQCodec.write_at, keys a token at a time). With the paper's
 windows up to 31 keys are quantized while their values are still exact; the kernel reads them dequantized beside
-their values' rows. Those aligned keys, the key quantized and the key window's move are one kernel per step
-(_key_step: innerq_key_step, or its torch reference with FUSED_KEY_STEP off). Elsewhere (a CPU) decode reads the codes a stream at a time (WindowedStore.attend; a
-symmetric group's signs flipped into its codes).
+their values' rows. Those aligned keys are one kernel before the attention (_aligned_keys); the key leaving its
+window is quantized and the window moved in one kernel after it, beside the step (_flush_keys); with
+FUSED_KEY_STEP off, their torch reference. Elsewhere (a CPU) decode reads the codes a stream at a time
+(WindowedStore.attend; a symmetric group's signs flipped into its codes).
 """
 
 from __future__ import annotations
@@ -410,52 +411,66 @@ class InnerQCache(WholeStep, LayerCache):
             step.derived[key] = (n_q, lengths)
         return step.derived[key]
 
-    def _key_step(self, step: StaticStep, n_q: Tensor) -> Tensor:
+    def _aligned_keys(self, step: StaticStep, n_q: Tensor) -> Tensor:
         """The keys of the value window's rows (B, H, R + 32, d), row j holding slot S + n_q + j's key: quantized
         (read from the codes) for j < Nq_k - n_q (< 32 keys that left their window before their values left
-        theirs), else exact in the key window. Then the key window's oldest token, if the token filled it, is
-        quantized at its device-held slot and the window moves down by one. With one window for both streams:
-        the key window itself. One kernel (kvzoo/kernels/quantize_pack.py) where FUSED_KEY_STEP, else the torch
-        path, its reference."""
+        theirs), else exact in the key window. With one window for both streams: the key window itself. One kernel
+        (kvzoo/kernels/quantize_pack.py) where FUSED_KEY_STEP, else the torch path, its reference."""
         st = self.store
         if st.window is not None:
             return st.recent("k")
         n_k, _ = st.window_row(step, "k")
-        codec, flush = st.codecs["k"], st.phase(self.length, "k") == "flush"
+        codec = st.codecs["k"]
         if FUSED_KEY_STEP:
-            from kvzoo.kernels.quantize_pack import innerq_key_step
+            from kvzoo.kernels.quantize_pack import innerq_aligned_keys
             read = "asym" if codec.mode == "asym" else "mask" if codec.has_mask else "sym"
-            return innerq_key_step(st.recent("k"), n_k, n_q, codec.codes, codec.scale, codec.slot,
-                                   codec.mask if codec.has_mask else None, st.recent("v").shape[2], codec.bits,
-                                   codec._static_mode(), read, codec.mask_upto(), flush)
+            return innerq_aligned_keys(st.recent("k"), n_k, n_q, codec.codes, codec.scale, codec.slot,
+                                       codec.mask if codec.has_mask else None, st.recent("v").shape[2], codec.bits,
+                                       read, codec.mask_upto())
         delta = n_k - n_q                                                        # (1,) in [0, 32)
         rows = torch.arange(st.recent("v").shape[2], device=n_q.device)
         keys = st.recent("k").index_select(2, (rows - delta).clamp(0, st.recent("k").shape[2] - 1))
         if codec.capacity:                       # else nothing is ever quantized: every key is in its window
             quantized = codec.read_at(n_q, GROUP, keys.dtype).index_select(2, rows.clamp_max(GROUP - 1))
             keys = torch.where((rows < delta)[:, None], quantized, keys)
-        if flush:
-            st.flush_at(self.length, step, ("k",))
         return keys
+
+    def _flush_keys(self, step: StaticStep) -> None:
+        """With the paper's windows, if the token filled the key window: its oldest token quantized at its
+        device-held slot and the window moved down by one (innerq_key_flush where FUSED_KEY_STEP)."""
+        st = self.store
+        if st.window is not None or st.phase(self.length, "k") != "flush":
+            return
+        if FUSED_KEY_STEP:
+            from kvzoo.kernels.quantize_pack import innerq_key_flush
+            codec = st.codecs["k"]
+            n_k, _ = st.window_row(step, "k")
+            innerq_key_flush(st.recent("k"), n_k, codec.codes, codec.scale, codec.slot,
+                             codec.mask if codec.has_mask else None, codec.bits, codec._static_mode())
+        else:
+            st.flush_at(self.length, step, ("k",))
 
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
         """decode with fixed shapes: the token's k, v into their windows' rows and the keys aligned with the value
-        window (_key_step, which quantizes the key leaving its window), then the fused kernel over every
-        quantized slot (`lengths` says which are live), the sink and the value window's rows with their keys;
-        then a value window the token filled quantizes its oldest group at a device-held slot."""
+        window (_aligned_keys), then the fused kernel over every quantized slot (`lengths` says which are live),
+        the sink and the value window's rows with their keys; then, beside the step (StaticStep.beside: a second
+        stream on a GPU, joined at the step's end), the key leaving its window quantized and a value window the
+        token filled quantizing its oldest group, at device-held slots."""
         q, k = self.attn.rope(q, k, step.ids)
         if self.opts.key_norm:
             k = k / self.norm                            # the kernel multiplies q by the norm
         n_q, lengths = self._static_lengths(step)
         st = self.store
         st.write_token_at(self.length, step, {"k": k, "v": v})      # k, v (B, H, 1, d) into their window rows
-        keys = self._key_step(step, n_q)
+        keys = self._aligned_keys(step, n_q)
         out = self._attend_fused(q, None, ((st.sink("k"), st.sink("v")), (keys, st.recent("v"))),
                                  lengths, self.norm[:, :, 0] if self.opts.key_norm else None)
-        if st.window is None:
-            st.flush_at(self.length, step, ("v",))      # values 32 at a time
-        elif st.phase(self.length) == "flush":
-            self._flush_static(n_q)
+        with step.beside():                 # nothing later in the step reads this layer's windows or codes
+            self._flush_keys(step)
+            if st.window is None:
+                st.flush_at(self.length, step, ("v",))      # values 32 at a time
+            elif st.phase(self.length) == "flush":
+                self._flush_static(n_q)
         return out
 
     def _flush_static(self, n_q: Tensor) -> None:

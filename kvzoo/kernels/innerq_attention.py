@@ -15,7 +15,7 @@ code*scale with the sign in bit j of the slot; sym None means all groups asymmet
 q is the query as the cache attends with it (after RoPE, times InnerQ's key-normalization factors). There is
 no mask: every quantized and window token is attended, as for one decode token of an unpadded sequence.
 
-Two kernels:
+Three kernels:
   1. split: grid (B*H, splits). A program owns one KV head and a contiguous run of 32-token groups, and
      serves all n_rep query heads of that KV head (rows padded to REP_P = max(16, pow2(n_rep)) for the tensor
      cores), so every code is read from memory exactly once. Each step takes GS groups (BLOCK_N = 32*GS
@@ -34,8 +34,10 @@ Two kernels:
      packed mask bits. It writes (m, l, acc) per split; with device lengths, a split past the live tokens
      writes an empty partial (m = -inf). On an H100, 2-bit codes with head_dim 64 or 128 and at most 16 query
      rows a KV head take the same split in Gluon instead (kvzoo/kernels/innerq_hopper.py), 128 tokens a step.
-  2. combine: grid (B*H,). Merges the splits' partials and the exact window tokens (32 at a time, tl.dot
-     against k_win/v_win) with the same online softmax, divides by l and writes (B, Hq, d) in q's dtype.
+  2. windows: grid (B*H, blocks). The exact window tokens, a block of 32 a program (tl.dot against k_win/v_win),
+     with the same online softmax, one more partial a block (the last columns).
+  3. combine: grid (B*H,). Merges every column's partial (combine, shared with outer_attention), divides by l
+     and writes (B, Hq, d) in q's dtype.
 fp32 inputs use exact fp32 dots (input_precision "ieee"); fp16/bf16 round the dequantized keys and the
 softmax weights to fp16 (fast path) or the model dtype before the dots, as flash attention does.
 """
@@ -60,7 +62,7 @@ except ImportError:          # a Triton without Gluon's Hopper API (older releas
     innerq_hopper = None
 
 LOG2E = 1.4426950408889634
-BLOCK_W = 32                 # window tokens per step of the combine kernel
+BLOCK_W = 32                 # window tokens per step of the window kernel
 FAST_PATH = True             # fp16/bf16 models on a GPU: unpack/dequant codes as half2 in inline PTX
 MAX_GS = None                # value groups (of 32 tokens) per step of the split kernel; None: by GQA ratio
 PROGRAMS_PER_SM = None       # split-K sizing: programs per SM of the device; None: by GQA ratio
@@ -166,7 +168,7 @@ def _value_sym(vm_ptr, vg, ch, live, MASK_UPTO, D: tl.constexpr):
 
 @triton.jit
 def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_ptr, vm_ptr, m_ptr, l_ptr, acc_ptr,
-                  len_ptr, N_GROUPS, PER_SPLIT, MASK_UPTO, qk_scale,
+                  len_ptr, N_GROUPS, PER_SPLIT, N_COLS, MASK_UPTO, qk_scale,
                   s_kc, s_ks, s_kz, s_km, s_kmg, s_vc, s_vs, s_vz, s_vm,
                   D: tl.constexpr, BITS: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
                   HAS_SYM: tl.constexpr, DYN: tl.constexpr, HAS_QS: tl.constexpr, GS: tl.constexpr,
@@ -271,7 +273,7 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
                 v_zero = tl.where(v_sym, 0.0, v_zero)
         v = tl.reshape(vx * v_scale + v_zero, (D, BLOCK_N), can_reorder=False)     # Vᵀ
         acc = acc * alpha[None, :] + tl.dot(v.to(q.dtype), tl.trans(p.to(q.dtype)), input_precision="ieee")
-    rows = (kv * REP + r) * tl.num_programs(1) + split
+    rows = (kv * REP + r) * N_COLS + split
     tl.store(m_ptr + rows, m, mask=live_r)
     tl.store(l_ptr + rows, l, mask=live_r)
     tl.store(acc_ptr + rows[None, :] * D + d[:, None], acc, mask=live_r[None, :])
@@ -279,7 +281,7 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
 
 @triton.jit
 def _split_kernel_g1(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_ptr, vm_ptr, m_ptr, l_ptr, acc_ptr,
-                     len_ptr, N_GROUPS, PER_SPLIT, MASK_UPTO, qk_scale,
+                     len_ptr, N_GROUPS, PER_SPLIT, N_COLS, MASK_UPTO, qk_scale,
                      s_kc, s_ks, s_kz, s_km, s_kmg, s_vc, s_vs, s_vz, s_vm,
                      D: tl.constexpr, BITS: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
                      HAS_SYM: tl.constexpr, DYN: tl.constexpr, HAS_QS: tl.constexpr):
@@ -345,7 +347,7 @@ def _split_kernel_g1(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_p
         pc = tl.dot(p.to(q.dtype), tl.trans(vx.to(q.dtype)), input_precision="ieee")
         v_scale = tl.load(vs_ptr + t * D + d).to(tl.float32)
         acc = acc * alpha[:, None] + pc * v_scale[None, :] + p_sum[:, None] * v_zero[None, :]
-    rows = (kv * REP + r) * tl.num_programs(1) + split
+    rows = (kv * REP + r) * N_COLS + split
     tl.store(m_ptr + rows, m, mask=live_r)
     tl.store(l_ptr + rows, l, mask=live_r)
     tl.store(acc_ptr + rows[:, None] * D + d[None, :], acc, mask=live_r[:, None])
@@ -397,27 +399,62 @@ def merge_splits(m_ptr, l_ptr, acc_ptr, heads, live_r, SPLITS, D: tl.constexpr, 
 
 
 @triton.jit
-def _combine_kernel(q_ptr, qs_ptr, kw_ptr, vw_ptr, kw2_ptr, vw2_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, len_ptr, SPLITS, WIN,
-                    WIN2, qk_scale, s_kw, s_vw, s_kw2, s_vw2,
-                    D: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, BLOCK: tl.constexpr,
-                    DYN: tl.constexpr, HAS_QS: tl.constexpr):
+def _window_kernel(q_ptr, qs_ptr, kw_ptr, vw_ptr, kw2_ptr, vw2_ptr, m_ptr, l_ptr, acc_ptr, len_ptr, COL, N_COLS, WIN,
+                   WIN2, qk_scale, s_kw, s_vw, s_kw2, s_vw2,
+                   D: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, BLOCK: tl.constexpr,
+                   DYN: tl.constexpr, HAS_QS: tl.constexpr):
+    """Program (KV head, i): the (m, l, acc) partial of the head's query rows over block i of BLOCK exact tokens
+    of the windows (the first window's blocks, then the second's), at column COL + i; an empty block (past the
+    live tokens) writes m = -inf."""
     kv = tl.program_id(0)
     head = kv.to(tl.int64)
+    i = tl.program_id(1)
     r = tl.arange(0, REP_P)
     live_r = r < REP
     d = tl.arange(0, D)
     heads = kv * REP + r
-    m, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, heads, live_r, SPLITS, D, 4)
     q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=live_r[:, None], other=0)
     if HAS_QS:
         q = (q.to(tl.float32) * tl.load(qs_ptr + kv * D + d).to(tl.float32)[None, :]).to(q.dtype)
     q = _dot_dtype(q)
-    m, l, acc = _attend_window(q, kw_ptr + head * s_kw, vw_ptr + head * s_vw, _live(len_ptr, WIN, 1, DYN), m, l,
-                               acc, qk_scale, D, BLOCK)
-    m, l, acc = _attend_window(q, kw2_ptr + head * s_kw2, vw2_ptr + head * s_vw2, _live(len_ptr, WIN2, 2, DYN), m,
-                               l, acc, qk_scale, D, BLOCK)
+    m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((REP_P,), dtype=tl.float32)
+    acc = tl.zeros((REP_P, D), dtype=tl.float32)
+    first = tl.cdiv(WIN, BLOCK)                                 # the first window's blocks
+    if i < first:
+        m, l, acc = _attend_window(q, kw_ptr + head * s_kw + i * BLOCK * D, vw_ptr + head * s_vw + i * BLOCK * D,
+                                   tl.minimum(_live(len_ptr, WIN, 1, DYN) - i * BLOCK, BLOCK), m, l, acc, qk_scale,
+                                   D, BLOCK)
+    else:
+        j = i - first
+        m, l, acc = _attend_window(q, kw2_ptr + head * s_kw2 + j * BLOCK * D, vw2_ptr + head * s_vw2 + j * BLOCK * D,
+                                   tl.minimum(_live(len_ptr, WIN2, 2, DYN) - j * BLOCK, BLOCK), m, l, acc, qk_scale,
+                                   D, BLOCK)
+    rows = heads * N_COLS + COL + i
+    tl.store(m_ptr + rows, m, mask=live_r)
+    tl.store(l_ptr + rows, l, mask=live_r)
+    tl.store(acc_ptr + rows[:, None] * D + d[None, :], acc, mask=live_r[:, None])
+
+
+@triton.jit
+def combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, D: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
+                   CHUNK: tl.constexpr):
+    """grid (B*H,): a KV head's query rows' SPLITS partials merged, divided by l and written in out's dtype."""
+    kv = tl.program_id(0)
+    r = tl.arange(0, REP_P)
+    live_r = r < REP
+    d = tl.arange(0, D)
+    heads = kv * REP + r
+    m, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, heads, live_r, SPLITS, D, CHUNK)
     out = acc / tl.where(live_r, l, 1.0)[:, None]                 # padded rows: l = 0
     tl.store(out_ptr + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live_r[:, None])
+
+
+def combine(m: Tensor, l: Tensor, acc: Tensor, out: Tensor, kv_rows: int, rep: int, num_warps: int) -> None:
+    """out (B, Hq, d) from the partials m, l (B*Hq, columns), acc (B*Hq, columns, d) of every split and tail."""
+    rows = triton.next_power_of_2(rep)                             # no dots: rows pad to a power of two only
+    combine_kernel[(kv_rows,)](m, l, acc, out, m.shape[1], D=out.shape[-1], REP=rep, REP_P=rows,
+                               CHUNK=max(64 // rows, 1), num_warps=num_warps)
 
 
 def _check_window(k: Tensor, v: Tensor, name: str, q: Tensor, B: int, H: int) -> int:
@@ -525,10 +562,19 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
             gluon = plan[2] == innerq_hopper.GROUPS_PER_STEP         # splits of whole steps, else the Triton plan
             if gluon:
                 splits, per_split, gs = plan
-    m = torch.empty(B * Hq, max(splits, 1), dtype=torch.float32, device=dev)   # never a null pointer
+    blocks = triton.cdiv(W, BLOCK_W) + triton.cdiv(W2, BLOCK_W)       # of window tokens, a program each
+    cols = splits + max(blocks, 1)      # a partial per split, then one per block of window tokens
+    m = torch.empty(B * Hq, cols, dtype=torch.float32, device=dev)
     l = torch.empty_like(m)
-    acc = torch.empty(B * Hq, max(splits, 1), d, dtype=torch.float32, device=dev)
+    acc = torch.empty(B * Hq, cols, d, dtype=torch.float32, device=dev)
     len_ptr = lengths if dyn else m
+    # an empty window may have no storage: pass q, never read, rather than a null pointer
+    (kw, s_kw), (vw, s_vw) = (head_rows(k_win), head_rows(v_win)) if W else ((q, 0), (q, 0))
+    (kw2, s_kw2), (vw2, s_vw2) = (head_rows(k_win2), head_rows(v_win2)) if W2 else ((q, 0), (q, 0))
+    _window_kernel[(B * H, max(blocks, 1))](
+        q, q if q_scale is None else q_scale, kw, vw, kw2, vw2, m, l, acc, len_ptr, splits, cols, W, W2, qk_scale,
+        s_kw, s_vw, s_kw2, s_vw2, D=d, REP=rep, REP_P=rep_p, BLOCK=BLOCK_W, DYN=dyn, HAS_QS=q_scale is not None,
+        num_warps=num_warps, enable_fp_fusion=True)
     if splits:
         (kc, s_kc), (ks, s_ks), (kz, s_kz), (vc, s_vc), (vs, s_vs), (vz, s_vz) = map(
             head_rows, (k_codes, k_scale, k_slot, v_codes, v_scale, v_slot))
@@ -536,12 +582,12 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
         (km, s_km), (vm, s_vm) = (head_rows(k_mask), head_rows(v_mask)) if has_sym and k_mask.numel() \
             else ((kc, 0), (kc, 0))
         s_kmg = km.stride(2) if km is not kc else 0
-        common = (q, q if q_scale is None else q_scale, kc, ks, kz, km, vc, vs, vz, vm, m, l, acc, len_ptr, N, per_split, mask_upto, qk_scale,
-                  s_kc, s_ks, s_kz, s_km, s_kmg, s_vc, s_vs, s_vz, s_vm)
+        common = (q, q if q_scale is None else q_scale, kc, ks, kz, km, vc, vs, vz, vm, m, l, acc, len_ptr, N,
+                  per_split, cols, mask_upto, qk_scale, s_kc, s_ks, s_kz, s_km, s_kmg, s_vc, s_vs, s_vz, s_vm)
         if gluon:
             innerq_hopper.split_partials(q, q_scale, [(kc, s_kc), (ks, s_ks), (kz, s_kz), (km, s_km), (vc, s_vc),
                                                       (vs, s_vs), (vz, s_vz), (vm, s_vm)], s_kmg, m, l, acc, lengths,
-                                         N, per_split, splits, mask_upto, has_sym, qk_scale)
+                                         N, per_split, splits, cols, mask_upto, has_sym, qk_scale)
         elif heavy:
             _split_kernel_g1[(B * H, splits)](*common, D=d, BITS=bits, REP=rep, REP_P=rep_p, HAS_SYM=has_sym,
                                               DYN=dyn, HAS_QS=q_scale is not None, num_warps=num_warps,
@@ -551,13 +597,7 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
                 *common, D=d, BITS=bits, REP=rep, REP_P=rep_p, HAS_SYM=has_sym, DYN=dyn, HAS_QS=q_scale is not None,
                 GS=gs, FAST=fast, ASM=unpack_asm(bits)[0], CON=unpack_asm(bits)[1], num_warps=split_warps,
                 num_stages=stages, enable_fp_fusion=True)
-    # an empty window may have no storage: pass q, never read, rather than a null pointer
-    (kw, s_kw), (vw, s_vw) = (head_rows(k_win), head_rows(v_win)) if W else ((q, 0), (q, 0))
-    (kw2, s_kw2), (vw2, s_vw2) = (head_rows(k_win2), head_rows(v_win2)) if W2 else ((q, 0), (q, 0))
-    _combine_kernel[(B * H,)](q, q if q_scale is None else q_scale, kw, vw, kw2, vw2, m, l, acc, out, len_ptr,
-                              splits, W, W2, qk_scale, s_kw, s_vw, s_kw2, s_vw2, D=d, REP=rep, REP_P=rep_p,
-                              BLOCK=BLOCK_W, DYN=dyn, HAS_QS=q_scale is not None, num_warps=num_warps,
-                              enable_fp_fusion=True)
+    combine(m, l, acc, out, B * H, rep, num_warps)
     return out
 
 

@@ -1,7 +1,7 @@
 """innerq_attention's split kernel on Hopper (sm_90), in Gluon: 2-bit InnerQ codes (keys in per-token groups of 32
 channels, values in per-channel groups of 32 tokens, asymmetric or hybrid sym/asym groups), head_dim 64 or 128, an
-fp16/bf16 model. The windows stay with innerq_attention's combine kernel, which merges this kernel's (m, l, acc)
-partials as it merges the Triton split kernel's.
+fp16/bf16 model. The windows stay with innerq_attention's window kernel (beside this one, on a second stream) and
+its combine kernel, which merges this kernel's (m, l, acc) partials as it merges the Triton split kernel's.
 
     grid (B*H, splits): program (kv head, split) attends its rep query rows (ROWS = 8 or 16, padding past rep)
     over the value groups [split * PER_SPLIT, ...) of the live quantized tokens, 128 tokens a step.
@@ -203,14 +203,15 @@ def eligible(q: Tensor, bits: int, rep: int) -> bool:
 
 def split_partials(q: Tensor, q_scale: Tensor | None, buffers: list[tuple[Tensor, int]], s_kmg: int, m: Tensor,
                    l: Tensor, acc: Tensor, lengths: Tensor | None, n_tokens: int, per_split: int, splits: int,
-                   mask_upto: int, has_sym: bool, qk_scale: float) -> None:
-    """Write the (m, l, acc) partials of innerq_decode_attention's `splits` columns for q (B, Hq, d) contiguous;
+                   n_cols: int, mask_upto: int, has_sym: bool, qk_scale: float) -> None:
+    """Write the (m, l, acc) partials of innerq_decode_attention's first `splits` of n_cols columns for q (B, Hq, d)
+    contiguous;
     buffers: its (tensor, head stride) pairs of the key codes, scales, slots and mask, then the values'."""
     B, Hq, d = q.shape
     H = buffers[0][0].shape[1]
     lp, _ = _layouts(d)
     _split_kernel[(B * H, splits)](
         q, q if q_scale is None else q_scale, *(t for t, _ in buffers), m, l, acc, m if lengths is None else lengths,
-        n_tokens, per_split, splits, mask_upto, qk_scale, buffers[0][1], buffers[1][1], buffers[2][1], buffers[3][1],
+        n_tokens, per_split, n_cols, mask_upto, qk_scale, buffers[0][1], buffers[1][1], buffers[2][1], buffers[3][1],
         s_kmg, *(s for _, s in buffers[4:]), D=d, REP=Hq // H, ROWS=rows_for(Hq // H), HAS_SYM=has_sym,
         DYN=lengths is not None, HAS_QS=q_scale is not None, LP=lp, LV=_value_layout(d), num_warps=N_WARPS)

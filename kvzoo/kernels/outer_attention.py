@@ -49,7 +49,8 @@ Two kernels:
      its quantized columns in the Gluon kernel of kvzoo/kernels/outer_hopper.py, and this kernel runs only the last
      program (SPLIT0: the first column this launch owns), on a second stream beside the Gluon kernel (TAIL_BESIDE),
      so that it reads its windows while the Gluon kernel computes; the combine waits for both.
-  2. combine: grid (B*H,). Merges the partials, divides by l and writes (B, Hq, d) in q's dtype.
+  2. combine: grid (B*H,). Merges the partials, divides by l and writes (B, Hq, d) in q's dtype
+     (innerq_attention.combine, shared with InnerQ's kernels).
 Keys stored before RoPE (KIVI*, `rope=(cos, sin)`): every key, quantized or exact (the sink, the key window), is
 rotated to its position in the kernel: sink row i to position i, tail slot u to n_sink + u. The kernel unpacks
 each key's two channel halves as separate tiles, rotates them in fp32 ([lo, hi] -> [lo cos - hi sin,
@@ -75,8 +76,8 @@ from torch import Tensor
 
 from kvzoo.cache.base import side_stream
 from kvzoo.cache.kvquant import QTensor, dequantize
-from kvzoo.kernels.innerq_attention import (BLOCK_W, LOG2E, _attend_window, _dot_dtype, _plan_splits,
-                                            merge_splits, softmax_step)
+from kvzoo.kernels.innerq_attention import (BLOCK_W, LOG2E, _attend_window, _dot_dtype, _plan_splits, combine,
+                                            softmax_step)
 from kvzoo.kernels.quant_matvec import (GROUP, check_head_dim, check_runnable, check_tensor,
                                         dequant_outer, head_rows, join_codes, unpack_asm, unpack_codes,
                                         unpacks_in_ptx)
@@ -375,19 +376,6 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
     tl.store(acc_ptr + rows[:, None] * D + d[None, :], acc, mask=live_r[:, None])
 
 
-@triton.jit
-def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, D: tl.constexpr, REP: tl.constexpr,
-                    REP_P: tl.constexpr, CHUNK: tl.constexpr):
-    kv = tl.program_id(0)
-    r = tl.arange(0, REP_P)
-    live_r = r < REP
-    d = tl.arange(0, D)
-    heads = kv * REP + r
-    m, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, heads, live_r, SPLITS, D, CHUNK)
-    out = acc / tl.where(live_r, l, 1.0)[:, None]                 # padded rows: l = 0
-    tl.store(out_ptr + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live_r[:, None])
-
-
 def _check_rows(t: Tensor | None, name: str, B: int, H: int, d: int, q: Tensor) -> int:
     """Rows held by a window buffer (B, H, rows, d) in q's dtype; None holds none."""
     if t is None:
@@ -520,10 +508,7 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     else:
         outer_hopper.quantized_splits(q, buffers[:6], m, l, acc, lengths, per_split, splits, qk_scale, group)
         triton_columns()
-    # the merge has no dots: its rows pad to a power of two only
-    merge_rows = triton.next_power_of_2(rep)
-    _combine_kernel[(B * H,)](m, l, acc, out, splits + 1, D=d, REP=rep, REP_P=merge_rows,
-                              CHUNK=max(64 // merge_rows, 1), num_warps=num_warps)
+    combine(m, l, acc, out, B * H, rep, num_warps)
     return out
 
 

@@ -26,11 +26,12 @@ device tensor. Keys are per-token groups as above. Values are per-channel groups
 (d, 1, b, 32/b), channels by tokens, and packed along the tokens as they lie (kvquant.pack_tokens: word
 [chunk of 32/b tokens, channel]). The symmetric flags become the cache's mask bits.
 
-innerq_key_step is the per-token key work of that step at the paper's windows (keys leave their window a token
-at a time, values 32 at a time), one program per (row, KV head) in place of some hundred small torch ops:
-the keys of the value window's rows, aligned slot for slot (the first `n_k - n_q` dequantized from the codes,
-the rest the key window's exact rows), then the key window's oldest token quantized at slot n_k and the window
-moved down by one.
+innerq_aligned_keys and innerq_key_flush are the per-token key work of that step at the paper's windows (keys
+leave their window a token at a time, values 32 at a time), in place of some hundred small torch ops. The first
+gives the keys of the value window's rows, aligned slot for slot (the first `n_k - n_q` dequantized from the
+codes, the rest the key window's exact rows), a program per (row, KV head, 32 rows), before the attention; the
+second quantizes the key window's oldest token at slot n_k and moves the window down by one, a program per (row,
+KV head), after it (the static step runs it beside the layers that follow).
 
 group_token_write is kvzoo.cache.kvquant.quantize's asymmetric per-token groups (G channels of one token share
 an fp16 scale and zero: KIVI's and SQuat's values, XQuant's X U_v) for the one token a static step quantizes,
@@ -213,116 +214,149 @@ def _round_to(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _key_step_kernel(win_ptr, out_ptr, nk_ptr, nq_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr,
-                     s_win, s_out, s_codes, s_groups, s_km, s_kmg, CAPACITY, MASK_UPTO,
-                     D: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr, TOP: tl.constexpr,
-                     KW: tl.constexpr, VW: tl.constexpr, READ: tl.constexpr, CODES: tl.constexpr,
-                     FLUSH: tl.constexpr, MASK: tl.constexpr):
-    """One (batch row, KV head) per program. win (KW, D): the key window, its token already written; out
-    (VW, D): row j holds the key of slot n_q + j, dequantized from the codes for j < n_k - n_q, else the window's
-    row j - (n_k - n_q). With FLUSH, window row 0 is then quantized into slot n_k and rows 1.. move down."""
+def _key_buffers(kc_ptr, ks_ptr, kz_ptr, km_ptr, head, s_codes, s_groups, s_km):
+    """The key codec's buffers of one (batch row, KV head)."""
+    return kc_ptr + head * s_codes, ks_ptr + head * s_groups, kz_ptr + head * s_groups, km_ptr + head * s_km
+
+
+@triton.jit
+def _aligned_keys_kernel(win_ptr, out_ptr, nk_ptr, nq_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr,
+                         s_win, s_out, s_codes, s_groups, s_km, s_kmg, CAPACITY, MASK_UPTO,
+                         D: tl.constexpr, BITS: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr,
+                         READ: tl.constexpr, CODES: tl.constexpr):
+    """Program (batch row x KV head, i): rows [32 i, 32 i + 32) of out (VW, D), row j the key of slot n_q + j,
+    dequantized from the codes for j < n_k - n_q, else row j - (n_k - n_q) of the key window win (KW, D)."""
     CPW: tl.constexpr = 32 // BITS
     NG: tl.constexpr = D // 32
     W: tl.constexpr = D * BITS // 32
     head = tl.program_id(0).to(tl.int64)
     win_ptr += head * s_win
     out_ptr += head * s_out
-    kc_ptr += head * s_codes
-    ks_ptr += head * s_groups
-    kz_ptr += head * s_groups
-    km_ptr += head * s_km
+    kc_ptr, ks_ptr, kz_ptr, km_ptr = _key_buffers(kc_ptr, ks_ptr, kz_ptr, km_ptr, head, s_codes, s_groups, s_km)
     n_k = tl.load(nk_ptr).to(tl.int32)                                              # keys quantized before the step
     delta = n_k - tl.load(nq_ptr).to(tl.int32)                                      # of them, values still exact
     d = tl.arange(0, D)
+    row = tl.program_id(1) * 32 + tl.arange(0, 32)
+    from_win = (row >= delta) & (row < VW)
+    src = tl.minimum(tl.maximum(row - delta, 0), KW - 1)
+    x = tl.load(win_ptr + src[:, None] * D + d[None, :], mask=from_win[:, None], other=0).to(tl.float32)
+    if CODES:                                                                    # (32, D) from the codes
+        coded = row < delta
+        slot = tl.minimum(n_k - delta + row, CAPACITY - 1)
+        word = tl.load(kc_ptr + slot[:, None] * W + (d // CPW)[None, :], mask=coded[:, None], other=0)
+        code = ((word >> ((d % CPW) * BITS)[None, :]) & (2 ** BITS - 1)).to(tl.float32)
+        group = slot[:, None] * NG + (d // 32)[None, :]
+        scale = tl.load(ks_ptr + group, mask=coded[:, None], other=0).to(tl.float32)
+        bits = tl.load(kz_ptr + group, mask=coded[:, None], other=0)
+        if READ == 0:
+            sym = tl.zeros((32, D), tl.int1)
+        elif READ == 1:
+            sym = tl.full((32, D), 1, tl.int1)
+        else:       # bit slot % 32 of word [group, slot // 32]; slots from MASK_UPTO on are symmetric
+            has_bit = slot < MASK_UPTO
+            mword = tl.load(km_ptr + (d // 32)[None, :] * s_kmg + (slot // 32)[:, None],
+                            mask=(coded & has_bit)[:, None], other=0)
+            sym = (((mword >> (slot % 32)[:, None]) & 1) != 0) | (~has_bit)[:, None]
+        negative = ((bits >> (d % 32)[None, :]) & 1) != 0
+        code = tl.where(sym & negative, -code, code)
+        zero = tl.where(sym, 0.0, bits.to(tl.float32, bitcast=True))
+        x = tl.where(coded[:, None], code * scale + zero, x)
+    tl.store(out_ptr + row[:, None] * D + d[None, :], _round_to(x, out_ptr.dtype.element_ty),
+             mask=(row < VW)[:, None])
+
+
+@triton.jit
+def _key_flush_kernel(win_ptr, nk_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, s_win, s_codes, s_groups, s_km, s_kmg,
+                      D: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr, TOP: tl.constexpr, KW: tl.constexpr,
+                      MASK: tl.constexpr):
+    """One (batch row, KV head) per program: row 0 of the key window win (KW, D) quantized into slot n_k (its mask
+    bit written with MASK), and rows 1.. moved down."""
+    CPW: tl.constexpr = 32 // BITS
+    NG: tl.constexpr = D // 32
+    W: tl.constexpr = D * BITS // 32
+    head = tl.program_id(0).to(tl.int64)
+    win_ptr += head * s_win
+    kc_ptr, ks_ptr, kz_ptr, km_ptr = _key_buffers(kc_ptr, ks_ptr, kz_ptr, km_ptr, head, s_codes, s_groups, s_km)
+    n_k = tl.load(nk_ptr).to(tl.int32)
+    d = tl.arange(0, D)
     j = tl.arange(0, 32)
-    for c in range(0, VW, 32):                                                       # the aligned keys, 32 rows a time
+    g = tl.arange(0, NG)
+    wi = tl.arange(0, BITS)
+    cw = tl.arange(0, CPW)
+    bit = wi[:, None] * CPW + cw[None, :]                                        # index in a group of 32
+    oldest = tl.load(win_ptr + g[None, :, None, None] * 32 + bit[None, None, :, :])  # (1, NG, BITS, CPW): row 0
+    codes, scale, slot, sym = _quantize_groups(oldest.to(tl.float32), bit, MODE, TOP)
+    words = tl.sum(codes.to(tl.int32) << (cw * BITS)[None, None, None, :], 3)  # (1, NG, BITS)
+    tl.store(kc_ptr + n_k * W + g[None, :, None] * BITS + wi[None, None, :], words)
+    tl.store(ks_ptr + n_k * NG + g[None, :], scale.to(tl.float16))
+    tl.store(kz_ptr + n_k * NG + g[None, :], slot)
+    if MASK:   # bit n_k % 32 of word [g, n_k // 32]
+        at = km_ptr + g * s_kmg + n_k // 32
+        flag = tl.reshape(sym, (NG,)).to(tl.int32) << (n_k % 32)
+        tl.store(at, (tl.load(at) & ~(1 << (n_k % 32))) | flag)
+    tl.debug_barrier()                                                           # every row read before any moves
+    for c in range(0, KW - 1, 32):
         row = c + j
-        from_win = (row >= delta) & (row < VW)
-        src = tl.minimum(tl.maximum(row - delta, 0), KW - 1)
-        x = tl.load(win_ptr + src[:, None] * D + d[None, :], mask=from_win[:, None], other=0).to(tl.float32)
-        if CODES:                                                                    # (32, D) from the codes
-            coded = row < delta
-            slot = tl.minimum(n_k - delta + row, CAPACITY - 1)
-            word = tl.load(kc_ptr + slot[:, None] * W + (d // CPW)[None, :], mask=coded[:, None], other=0)
-            code = ((word >> ((d % CPW) * BITS)[None, :]) & (2 ** BITS - 1)).to(tl.float32)
-            group = slot[:, None] * NG + (d // 32)[None, :]
-            scale = tl.load(ks_ptr + group, mask=coded[:, None], other=0).to(tl.float32)
-            bits = tl.load(kz_ptr + group, mask=coded[:, None], other=0)
-            if READ == 0:
-                sym = tl.zeros((32, D), tl.int1)
-            elif READ == 1:
-                sym = tl.full((32, D), 1, tl.int1)
-            else:       # bit slot % 32 of word [group, slot // 32]; slots from MASK_UPTO on are symmetric
-                has_bit = slot < MASK_UPTO
-                mword = tl.load(km_ptr + (d // 32)[None, :] * s_kmg + (slot // 32)[:, None],
-                                mask=(coded & has_bit)[:, None], other=0)
-                sym = (((mword >> (slot % 32)[:, None]) & 1) != 0) | (~has_bit)[:, None]
-            negative = ((bits >> (d % 32)[None, :]) & 1) != 0
-            code = tl.where(sym & negative, -code, code)
-            zero = tl.where(sym, 0.0, bits.to(tl.float32, bitcast=True))
-            x = tl.where(coded[:, None], code * scale + zero, x)
-        tl.store(out_ptr + row[:, None] * D + d[None, :], _round_to(x, out_ptr.dtype.element_ty),
-                 mask=(row < VW)[:, None])
-    if FLUSH:
-        g = tl.arange(0, NG)
-        wi = tl.arange(0, BITS)
-        cw = tl.arange(0, CPW)
-        bit = wi[:, None] * CPW + cw[None, :]                                        # index in a group of 32
-        oldest = tl.load(win_ptr + g[None, :, None, None] * 32 + bit[None, None, :, :])  # (1, NG, BITS, CPW): row 0
-        codes, scale, slot, sym = _quantize_groups(oldest.to(tl.float32), bit, MODE, TOP)
-        words = tl.sum(codes.to(tl.int32) << (cw * BITS)[None, None, None, :], 3)  # (1, NG, BITS)
-        tl.store(kc_ptr + n_k * W + g[None, :, None] * BITS + wi[None, None, :], words)
-        tl.store(ks_ptr + n_k * NG + g[None, :], scale.to(tl.float16))
-        tl.store(kz_ptr + n_k * NG + g[None, :], slot)
-        if MASK:   # bit n_k % 32 of word [g, n_k // 32]
-            at = km_ptr + g * s_kmg + n_k // 32
-            flag = tl.reshape(sym, (NG,)).to(tl.int32) << (n_k % 32)
-            tl.store(at, (tl.load(at) & ~(1 << (n_k % 32))) | flag)
-        tl.debug_barrier()                                                           # every row read before any moves
-        for c in range(0, KW - 1, 32):
-            row = c + j
-            moved = row < KW - 1
-            below = tl.load(win_ptr + (row + 1)[:, None] * D + d[None, :], mask=moved[:, None], other=0)
-            tl.debug_barrier()
-            tl.store(win_ptr + row[:, None] * D + d[None, :], below, mask=moved[:, None])
-            tl.debug_barrier()
+        moved = row < KW - 1
+        below = tl.load(win_ptr + (row + 1)[:, None] * D + d[None, :], mask=moved[:, None], other=0)
+        tl.debug_barrier()
+        tl.store(win_ptr + row[:, None] * D + d[None, :], below, mask=moved[:, None])
+        tl.debug_barrier()
 
 
-def innerq_key_step(win: Tensor, n_k: Tensor, n_q: Tensor, codes: Tensor, scale: Tensor, slot: Tensor,
-                    mask: Tensor | None, rows: int, bits: int, mode: str, read: str, mask_upto: int,
-                    flush: bool) -> Tensor:
-    """The keys of the value window's `rows` rows (B, H, rows, d) in win's dtype, then (flush) the key window's
-    oldest token quantized into InnerQ's key buffers and the window moved down by one, in one kernel.
+def _key_step_checks(win: Tensor, codes: Tensor, scale: Tensor, slot: Tensor, mask: Tensor | None,
+                     bits: int) -> tuple[Tensor, int, int]:
+    """Refuse what the key kernels cannot take; (the mask words or, with none stored, the codes, never read, and
+    their head and group strides)."""
+    check_bits(bits)
+    check_runnable(_key_flush_kernel, win.device)
+    check_head_dim(win.shape[-1])
+    for name, t in (("win", win), ("codes", codes), ("scale", scale), ("slot", slot), ("mask", mask)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous: the step writes the cache's own buffers, not views")
+    if mask is not None and mask.numel():
+        return mask, mask.stride(1), mask.stride(2)
+    return codes, 0, 0
+
+
+def innerq_aligned_keys(win: Tensor, n_k: Tensor, n_q: Tensor, codes: Tensor, scale: Tensor, slot: Tensor,
+                        mask: Tensor | None, rows: int, bits: int, read: str, mask_upto: int) -> Tensor:
+    """The keys of the value window's `rows` rows (B, H, rows, d) in win's dtype.
 
     win (B, H, KW, d) the key window (its token written); n_k, n_q int64 device tensors (1,): keys and values
     held quantized before the step; codes/scale/slot (B, H, capacity, ...) the key codec's buffers, mask its bits
     (B, H, d/32, words) or None. Row j of the result is slot n_q + j's key: the codes' (read as `read`: every group
     "asym", "sym", or by its "mask" bit, slots from mask_upto on symmetric) for j < n_k - n_q, else win's row
-    j - (n_k - n_q). The flushed token is quantized in `mode` (asym | sym | hybrid), its mask bit written in
-    hybrid mode. Equals InnerQCodec.read_at + write_at + WindowedStore.shift (kvzoo/cache/innerq.py's torch path)."""
-    check_bits(bits)
-    if mode not in MODES:
-        raise ValueError(f"unknown quantization mode {mode!r}; accepted: {', '.join(MODES)}")
+    j - (n_k - n_q). Equals InnerQCodec.read_at beside the key window (kvzoo/cache/innerq.py's torch path)."""
     if read not in READS:
         raise ValueError(f"unknown read mode {read!r}; accepted: {', '.join(READS)}")
-    check_runnable(_key_step_kernel, win.device)
-    B, H, kw, d = win.shape
-    check_head_dim(d)
-    for name, t in (("win", win), ("codes", codes), ("scale", scale), ("slot", slot), ("mask", mask)):
-        if t is not None and not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous: the step writes the cache's own buffers, not views")
-    if (read == "mask" or mode == "hybrid" and flush) and mask is None:
+    km, s_km, s_kmg = _key_step_checks(win, codes, scale, slot, mask, bits)
+    if read == "mask" and mask is None:
         raise ValueError("hybrid groups need the mask bits")
+    B, H, kw, d = win.shape
     out = torch.empty(B, H, rows, d, dtype=win.dtype, device=win.device)
     capacity = codes.shape[2]
-    km = mask if mask is not None and mask.numel() else codes
-    _key_step_kernel[(B * H,)](win, out, n_k, n_q, codes, scale, slot, km, win.stride(1), out.stride(1),
-                               codes.stride(1), scale.stride(1), km.stride(1) if km is mask else 0,
-                               km.stride(2) if km is mask else 0, max(capacity, 1), mask_upto, D=d, BITS=bits,
-                               MODE=MODES.index(mode), TOP=float(2 ** bits - 1), KW=kw, VW=rows,
-                               READ=READS.index(read), CODES=capacity > 0, FLUSH=flush,
-                               MASK=flush and mode == "hybrid", num_warps=4, enable_fp_fusion=False)
+    _aligned_keys_kernel[(B * H, triton.cdiv(rows, 32))](
+        win, out, n_k, n_q, codes, scale, slot, km, win.stride(1), out.stride(1), codes.stride(1), scale.stride(1),
+        s_km, s_kmg, max(capacity, 1), mask_upto, D=d, BITS=bits, KW=kw, VW=rows, READ=READS.index(read),
+        CODES=capacity > 0, num_warps=4, enable_fp_fusion=False)
     return out
+
+
+def innerq_key_flush(win: Tensor, n_k: Tensor, codes: Tensor, scale: Tensor, slot: Tensor, mask: Tensor | None,
+                     bits: int, mode: str) -> None:
+    """The key window's oldest token (win (B, H, KW, d)) quantized in `mode` (asym | sym | hybrid) into InnerQ's key
+    buffers at slot n_k (an int64 device tensor (1,)), its mask bit written in hybrid mode, and the window moved
+    down by one. Equals InnerQCodec.write_at + WindowedStore.shift (kvzoo/cache/innerq.py's torch path)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown quantization mode {mode!r}; accepted: {', '.join(MODES)}")
+    km, s_km, s_kmg = _key_step_checks(win, codes, scale, slot, mask, bits)
+    if mode == "hybrid" and mask is None:
+        raise ValueError("hybrid groups need the mask bits")
+    B, H, kw, d = win.shape
+    _key_flush_kernel[(B * H,)](win, n_k, codes, scale, slot, km, win.stride(1), codes.stride(1), scale.stride(1),
+                                s_km, s_kmg, D=d, BITS=bits, MODE=MODES.index(mode), TOP=float(2 ** bits - 1), KW=kw,
+                                MASK=mode == "hybrid", num_warps=4, enable_fp_fusion=False)
 
 
 @triton.jit

@@ -347,8 +347,9 @@ def test_flush_kernel_writes_what_the_cache_writes(bits, mode, dtype):
                                              (2, "sym", torch.float32), (2, "hybrid_prefill", torch.bfloat16)],
                          ids=name)
 def test_key_step_kernel_equals_the_torch_path(monkeypatch, bits, mode, dtype):
-    """innerq_key_step (the static step's per-token key work at the paper's windows) against the torch path it
-    replaces (InnerQCache._key_step with FUSED_KEY_STEP off): the aligned keys, the key codes, scales, slots and
+    """innerq_aligned_keys and innerq_key_flush (the static step's per-token key work at the paper's windows)
+    against the torch path they replace (InnerQCache._aligned_keys and _flush_keys with FUSED_KEY_STEP off): the
+    aligned keys, the key codes, scales, slots and
     mask bits, and the moved key window, bit for bit, over 72 steps (keys leaving a token at a time, values 32
     at a time, so every lag of keys behind values from 0 to 31 occurs)."""
     import kvzoo.cache.innerq as innerq
@@ -370,7 +371,8 @@ def test_key_step_kernel_equals_the_torch_path(monkeypatch, bits, mode, dtype):
                                    112)
             st = cache.store
             st.write_token_at(t, step, {"k": k[:, :, t:t + 1], "v": v[:, :, t:t + 1]})
-            cache.keys = cache._key_step(step, st.window_row(step, "v")[0])
+            cache.keys = cache._aligned_keys(step, st.window_row(step, "v")[0])
+            cache._flush_keys(step)
             st.flush_at(t, step, ("v",))
             cache.length += 1
         assert torch.equal(ours.keys, ref.keys), f"aligned keys, step {t}"
