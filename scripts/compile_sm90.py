@@ -15,7 +15,8 @@ InnerQ split kernel's fp16 fast path, the outer-layout split kernel as KIVI-2, K
 kernel), int8 and KV Pareto's k8v8 take it (the token given apart, as the graph step gives it), XQuant's scores over
 its rotated keys and its weighing of 4-bit value latents (1,024 wide, groups of 128), and the 4-bit weight kernels
 (groups of 128, bf16 activations) for one row, the group kernel's 16 rows and the Gluon kernel's 8 and 16 rows,
-split over K or not. Each with its launcher's settings."""
+split over K or not; InnerQ's window kernel, the combine kernel its split kernels and the outer ones share, and
+InnerQ's two key kernels of the graph step at the paper's windows. Each with its launcher's settings."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from kvzoo.kernels import (innerq_attention, innerq_hopper, outer_attention, outer_hopper, scores, w4a16, w4a16_hopper,
-                           xquant_remat)
+from kvzoo.kernels import (innerq_attention, innerq_hopper, outer_attention, outer_hopper, quantize_pack, scores, w4a16,
+                           w4a16_hopper, xquant_remat)
 from kvzoo.kernels.quant_matvec import unpack_asm
 
 H100 = GPUTarget("cuda", 90, 32)
@@ -88,6 +89,20 @@ def cases() -> dict:
             AK=unpack_asm(kb)[0], CK=unpack_asm(kb)[1], AV=unpack_asm(vb)[0], CV=unpack_asm(vb)[1], ROPE=rope, KT=kt,
             CG=group, TOKEN=True), ASTSource, OUTER_POINTERS, dict(num_warps=4, num_stages=stages,
                                                                    enable_fp_fusion=True))
+    win = dict(POINTERS, q_ptr="*bf16", qs_ptr="*bf16", kw_ptr="*bf16", vw_ptr="*bf16", kw2_ptr="*bf16",
+               vw2_ptr="*bf16", win_ptr="*bf16", out_ptr="*bf16", nk_ptr="*i64", nq_ptr="*i64", ks_ptr="*fp16")
+    out["innerq-window"] = (innerq_attention._window_kernel, dict(
+        D=128, REP=4, REP_P=16, BLOCK=innerq_attention.BLOCK_W, DYN=True, HAS_QS=True), ASTSource, win,
+        dict(num_warps=4, enable_fp_fusion=True))
+    out["combine"] = (innerq_attention.combine_kernel, dict(D=128, REP=4, REP_P=4, CHUNK=16), ASTSource, win,
+                      dict(num_warps=4))
+    # InnerQ's key work at the paper's windows: a key window of R + 1 = 97 rows, a value window of R + 32 = 128
+    out["innerq-aligned-keys"] = (quantize_pack._aligned_keys_kernel, dict(
+        D=128, BITS=2, KW=97, VW=128, READ=quantize_pack.READS.index("mask"), CODES=True), ASTSource, win,
+        dict(num_warps=4, enable_fp_fusion=False))
+    out["innerq-key-flush"] = (quantize_pack._key_flush_kernel, dict(
+        D=128, BITS=2, MODE=quantize_pack.MODES.index("hybrid"), TOP=3.0, KW=97, MASK=True), ASTSource, win,
+        dict(num_warps=4, enable_fp_fusion=False))
     xq = dict(POINTERS, codes_ptr="*i32", scale_ptr="*fp16", zero_ptr="*fp16", win_ptr="*bf16", src_ptr="*i64",
               p_ptr="*fp32", out_ptr="*fp32", k_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", q_ptr="*bf16")
     asm, con = unpack_asm(4, centered=True)

@@ -1,5 +1,5 @@
 """The H100's decode kernels (InnerQ's and KIVI's split kernels in Gluon, InnerQ's and the outer layout's in Triton,
-XQuant's scores and weighing, the 4-bit weight kernels) compiled for sm_90 on any machine
+InnerQ's window and key kernels and the shared combine, XQuant's scores and weighing, the 4-bit weight kernels) compiled for sm_90 on any machine
 (scripts/compile_sm90.py), at the shapes the benchmarks run and with the launchers' settings: a kernel that does not
 fit an H100 (its shared memory, registers ptxas cannot assign, or spills) fails here, not first on the device. The
 interpreter tests check what the kernels compute; they run none of the compiled code."""
@@ -22,6 +22,9 @@ NAMES = [f"innerq-gluon-d{d}-{g}" for d in (128, 64) for g in MODES] + [f"kivi-g
     [f"outer-triton-{name}" for name in ("kivi", "kivi-pre", "int8", "kvpareto")] + \
     ["xquant-weigh", "xquant-scores", "w4a16-one-row", "w4a16-group-16-rows"] + \
     [f"w4a16-gluon-{rows}-rows-split-{split}" for rows in (8, 16) for split in (1, 4)]
+NAMES += ["innerq-window", "combine", "innerq-aligned-keys", "innerq-key-flush"]
+# no loop: a block of 32 rows a program (the window's 32 tokens, 32 aligned keys), or the flush's moves unrolled
+LOOPLESS = {"innerq-window", "innerq-aligned-keys", "innerq-key-flush"}
 
 
 def _compile_all() -> dict:
@@ -45,9 +48,10 @@ def test_every_case_is_checked(compiled):
 def test_kernel_compiles_for_an_h100_and_fits_it(compiled, name):
     result = compiled[name]
     assert "error" not in result, result.get("error")
-    assert 0 < result["shared"] <= SHARED_MEMORY
+    assert result["shared"] <= SHARED_MEMORY
     assert result["registers"] <= 255 and result["local"] == 0, f"{name} spills: {result}"
-    assert result["loop"] > 0                                      # its main loop was found in the SASS
+    if name not in LOOPLESS:
+        assert result["shared"] > 0 and result["loop"] > 0         # its main loop was found in the SASS
 
 
 def test_compile_sm90_refuses_the_interpreter_and_unknown_cases():
