@@ -304,10 +304,12 @@ def _key_flush_kernel(win_ptr, nk_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, s_win, s_
         tl.debug_barrier()
 
 
-def _key_step_checks(win: Tensor, codes: Tensor, scale: Tensor, slot: Tensor, mask: Tensor | None,
-                     bits: int) -> tuple[Tensor, int, int]:
+def _key_step_checks(win: Tensor, codes: Tensor, scale: Tensor, slot: Tensor, mask: Tensor | None, bits: int,
+                     needs_mask: bool) -> tuple[Tensor, int, int]:
     """Refuse what the key kernels cannot take; (the mask words or, with none stored, the codes, never read, and
     their head and group strides)."""
+    if needs_mask and mask is None:
+        raise ValueError("hybrid groups need the mask bits")
     check_bits(bits)
     check_runnable(_key_flush_kernel, win.device)
     check_head_dim(win.shape[-1])
@@ -330,9 +332,7 @@ def innerq_aligned_keys(win: Tensor, n_k: Tensor, n_q: Tensor, codes: Tensor, sc
     j - (n_k - n_q). Equals InnerQCodec.read_at beside the key window (kvzoo/cache/innerq.py's torch path)."""
     if read not in READS:
         raise ValueError(f"unknown read mode {read!r}; accepted: {', '.join(READS)}")
-    km, s_km, s_kmg = _key_step_checks(win, codes, scale, slot, mask, bits)
-    if read == "mask" and mask is None:
-        raise ValueError("hybrid groups need the mask bits")
+    km, s_km, s_kmg = _key_step_checks(win, codes, scale, slot, mask, bits, read == "mask")
     B, H, kw, d = win.shape
     out = torch.empty(B, H, rows, d, dtype=win.dtype, device=win.device)
     capacity = codes.shape[2]
@@ -350,9 +350,7 @@ def innerq_key_flush(win: Tensor, n_k: Tensor, codes: Tensor, scale: Tensor, slo
     down by one. Equals InnerQCodec.write_at + WindowedStore.shift (kvzoo/cache/innerq.py's torch path)."""
     if mode not in MODES:
         raise ValueError(f"unknown quantization mode {mode!r}; accepted: {', '.join(MODES)}")
-    km, s_km, s_kmg = _key_step_checks(win, codes, scale, slot, mask, bits)
-    if mode == "hybrid" and mask is None:
-        raise ValueError("hybrid groups need the mask bits")
+    km, s_km, s_kmg = _key_step_checks(win, codes, scale, slot, mask, bits, mode == "hybrid")
     B, H, kw, d = win.shape
     _key_flush_kernel[(B * H,)](win, n_k, codes, scale, slot, km, win.stride(1), codes.stride(1), scale.stride(1),
                                 s_km, s_kmg, D=d, BITS=bits, MODE=MODES.index(mode), TOP=float(2 ** bits - 1), KW=kw,
