@@ -462,6 +462,28 @@ def test_flush_kernel_refuses_views():
                      k.codes, k.scale, k.slot, k.mask, v.codes, v.scale, v.slot, v.mask, 2, "hybrid", True)
 
 
+def test_key_kernels_refuse_bad_inputs():
+    from kvzoo.kernels.quantize_pack import innerq_aligned_keys, innerq_key_flush
+
+    win = torch.zeros(1, 2, 33, 64, device=DEVICE)
+    n = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    codes = torch.zeros(1, 2, 64, 4, dtype=torch.int32, device=DEVICE)
+    scale = torch.zeros(1, 2, 64, 2, dtype=torch.float16, device=DEVICE)
+    slot = torch.zeros(1, 2, 64, 2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="unknown read mode 'nope'; accepted: asym, sym, mask"):
+        innerq_aligned_keys(win, n, n, codes, scale, slot, None, 64, 2, "nope", 0)
+    with pytest.raises(ValueError, match="hybrid groups need the mask bits"):
+        innerq_aligned_keys(win, n, n, codes, scale, slot, None, 64, 2, "mask", 0)
+    with pytest.raises(ValueError, match="unknown quantization mode 'nope'"):
+        innerq_key_flush(win, n, codes, scale, slot, None, 2, "nope")
+    with pytest.raises(ValueError, match="hybrid groups need the mask bits"):
+        innerq_key_flush(win, n, codes, scale, slot, None, 2, "hybrid")
+    with pytest.raises(ValueError, match="win must be contiguous"):
+        innerq_key_flush(win[:, :, :32], n, codes, scale, slot, None, 2, "asym")
+    with pytest.raises(ValueError, match="bits"):
+        innerq_aligned_keys(win, n, n, codes, scale, slot, None, 64, 3, "asym", 0)
+
+
 HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 
 
