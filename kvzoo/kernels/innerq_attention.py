@@ -451,7 +451,8 @@ def combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, D: tl.constexpr, REP:
 
 
 def combine(m: Tensor, l: Tensor, acc: Tensor, out: Tensor, kv_rows: int, rep: int, num_warps: int) -> None:
-    """out (B, Hq, d) from the partials m, l (B*Hq, columns), acc (B*Hq, columns, d) of every split and tail."""
+    """out (B, Hq, d) from the partials m, l (B*Hq, columns), acc (B*Hq, columns, d): every split's, and the tail's or
+    the window blocks'."""
     rows = triton.next_power_of_2(rep)                             # no dots: rows pad to a power of two only
     combine_kernel[(kv_rows,)](m, l, acc, out, m.shape[1], D=out.shape[-1], REP=rep, REP_P=rows,
                                CHUNK=max(64 // rows, 1), num_warps=num_warps)
