@@ -15,7 +15,8 @@ InnerQ split kernel's fp16 fast path, the outer-layout split kernel as KIVI-2, K
 kernel), int8 and KV Pareto's k8v8 take it (the token given apart, as the graph step gives it), XQuant's scores over
 its rotated keys and its weighing of 4-bit value latents (1,024 wide, groups of 128), and the 4-bit weight kernels
 (groups of 128, bf16 activations) for one row, the group kernel's 16 rows and the Gluon kernel's 8 and 16 rows,
-split over K or not; InnerQ's window kernel, the combine kernel its split kernels and the outer ones share, and
+split over K or not; the InnerQ Gluon kernel at 8B also under the register cap of three programs an SM
+(innerq_hopper.register_cap, "-busy"); InnerQ's window kernel, the combine kernel its split kernels and the outer ones share, and
 InnerQ's two key kernels of the graph step at the paper's windows. Each with its launcher's settings."""
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ def cases() -> dict:
             out[f"innerq-gluon-d{d}-{mode}"] = (innerq_hopper._split_kernel, dict(
                 D=d, REP=rep, ROWS=rows, HAS_SYM=has_sym, DYN=True, HAS_QS=True, LP=lp,
                 LV=innerq_hopper._value_layout(d)), GluonASTSource, POINTERS, gluon)
+            if d == 128:      # large batches: BUSY_PROGRAMS_PER_SM programs an SM, under register_cap
+                busy = dict(gluon, maxnreg=innerq_hopper.register_cap(innerq_hopper.BUSY_PROGRAMS_PER_SM))
+                out[f"innerq-gluon-d{d}-{mode}-busy"] = out[f"innerq-gluon-d{d}-{mode}"][:4] + (busy,)
         out[f"kivi-gluon-d{d}"] = (outer_hopper._quantized_kernel, dict(D=d, REP=rep, ROWS=rows, CG=32, LP=lp, KSL=ksl),
                                    GluonASTSource, dict(POINTERS, kz_ptr="*fp16", vz_ptr="*fp16"), gluon)
     for bits in (2, 4):

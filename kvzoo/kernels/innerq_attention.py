@@ -53,7 +53,7 @@ from torch import Tensor
 
 from kvzoo.cache.kvquant import unpack_sym_mask
 from kvzoo.kernels.quant_matvec import (GROUP, check_bits, check_head_dim, check_runnable, check_tensor, dequant_inner,
-                                        head_rows, join_codes, split_groups, unpack_asm,
+                                        head_rows, join_codes, sm_count, split_groups, unpack_asm,
                                         unpack_codes, unpacks_in_ptx)
 
 try:
@@ -558,8 +558,8 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
         splits, per_split, gs = _plan_splits(N // GROUP, B * H, dev, num_splits, max_gs, programs_per_sm) \
             if N else (0, 0, 1)
         if N and innerq_hopper is not None and innerq_hopper.eligible(q, bits, rep):
-            plan = _plan_splits(N // GROUP, B * H, dev, num_splits, innerq_hopper.GROUPS_PER_STEP,
-                                innerq_hopper.PROGRAMS_PER_SM)
+            per_sm = innerq_hopper.programs_per_sm(B * H, sm_count(dev))
+            plan = _plan_splits(N // GROUP, B * H, dev, num_splits, innerq_hopper.GROUPS_PER_STEP, per_sm)
             gluon = plan[2] == innerq_hopper.GROUPS_PER_STEP         # splits of whole steps, else the Triton plan
             if gluon:
                 splits, per_split, gs = plan
@@ -588,7 +588,7 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
         if gluon:
             innerq_hopper.split_partials(q, q_scale, [(kc, s_kc), (ks, s_ks), (kz, s_kz), (km, s_km), (vc, s_vc),
                                                       (vs, s_vs), (vz, s_vz), (vm, s_vm)], s_kmg, m, l, acc, lengths,
-                                         N, per_split, splits, cols, mask_upto, has_sym, qk_scale)
+                                         N, per_split, splits, cols, mask_upto, has_sym, qk_scale, per_sm)
         elif heavy:
             _split_kernel_g1[(B * H, splits)](*common, D=d, BITS=bits, REP=rep, REP_P=rep_p, HAS_SYM=has_sym,
                                               DYN=dyn, HAS_QS=q_scale is not None, num_warps=num_warps,

@@ -13,15 +13,16 @@ asynchronous output product) with InnerQ's groups, which make every code word on
     signs, both streams alike (_keys, _value_groups). The value words are unpacked as Vᵀ (d, 128), a row per
     channel, and stored as the output product's A operand; its tokens come out in the unpack's logical order
     (token 16 c + a + 8 b at 16 c + 2 a + b, outer_hopper._real), so the key rows are loaded in that order too;
-  - a slot is the fp32 zero point of an asymmetric group (rounded to fp16 for the one-FMA dequantization, as the
-    Triton kernel does) or the 32 sign bits of a symmetric one, whose zero is 0 (keys' bit i: channel i of the
-    group; values' bit i: token i);
-  - a code's sign goes into the magic numbers it is unpacked with, and scale and zero are applied in the same PTX
-    (quant_matvec.dequant_pair_asm); a word's signs are one byte permute of its group's slot;
+  - a slot is the fp32 zero point of an asymmetric group or the 32 sign bits of a symmetric one, whose zero is 0
+    (keys' bit i: channel i of the group; values' bit i: token i);
+  - the unpack PTX (quant_matvec.dequant_pair_asm) reads a code c as 4 + c and applies the scale and an offset,
+    zero - 4 * scale rounded to fp16 once a word (_offset), in one fp16 FMA; a code's sign is XOR-ed into the
+    result; a word's signs are one byte permute of its group's slot;
   - which groups are symmetric is read from the cache's packed mask bits: keys' bit n % 32 of word [g, n // 32],
     values' bit c % 32 of word [n // 32, c // 32]; tokens from MASK_UPTO on carry no bit and are symmetric.
-Numerics are the Triton kernel's fast path: exact fp16 codes, one fp16 FMA with the zero rounded to fp16, fp16
-tiles, fp32 products and softmax, the query times the key normalization in the model dtype, then fp16.
+Numerics are the Triton kernel's fast path but for that offset: one fp16 FMA a code (where the Triton kernel
+rounds the zero to fp16, this kernel rounds zero - 4 * scale, within an fp16 ulp of it on asymmetric groups and
+the same on symmetric ones), fp16 tiles, fp32 products and softmax, the query times the key normalization in the model dtype, then fp16.
 
 Speed: docs/decode.md, "InnerQ's split kernel in Gluon".
 KVZOO_INNERQ_KERNEL=triton|gluon|auto (default) overrides the choice: triton never takes this kernel.
@@ -38,18 +39,23 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from kvzoo.kernels.outer_hopper import (BLOCK, N_ROWS, N_WARPS, TOKENS, _is_hopper, _layouts, _query, _real,
                                         _softmax_and_output, _start, _store_partials, _unpack, mma_layout, rows_for)
-from kvzoo.kernels.quant_matvec import kernel_choice, unpacks_in_ptx
+from kvzoo.kernels.quant_matvec import DEQUANT_MAGIC, kernel_choice, unpacks_in_ptx
 
 CHOICE = kernel_choice("KVZOO_INNERQ_KERNEL")
 ENABLED = CHOICE != "triton"
 GROUPS_PER_STEP = BLOCK // 32    # value groups of 32 tokens a step
-PROGRAMS_PER_SM = 2              # split-K sizing, as the outer kernel's
+PROGRAMS_PER_SM = 2              # split-K sizing below BUSY_ROWS_PER_SM, as the outer kernel's
+BUSY_PROGRAMS_PER_SM = 3         # from BUSY_ROWS_PER_SM: three programs an SM, under a register cap
+BUSY_ROWS_PER_SM = 1             # KV rows (B*H) per SM from which an SM takes BUSY_PROGRAMS_PER_SM
+REGISTERS_PER_SM = 65536
+MAGIC = gl.constexpr(DEQUANT_MAGIC)
 
 
 @gluon.jit
-def _fp16_zero(slot, sym):
-    """The fp16 zero point of a group: its slot's fp32 bits rounded, or 0 for a symmetric group."""
-    return gl.where(sym, 0.0, slot.to(gl.float32, bitcast=True)).to(gl.float16)
+def _offset(slot, sym, scale):
+    """A group's fp16 offset for the unpack PTX: its zero (the slot's fp32 bits, 0 in a symmetric group) less
+    DEQUANT_MAGIC times its fp16 scale, rounded once."""
+    return (gl.where(sym, 0.0, slot.to(gl.float32, bitcast=True)) - MAGIC * scale.to(gl.float32)).to(gl.float16)
 
 
 @gluon.jit
@@ -66,7 +72,7 @@ def _signs(slot, sym, half):
 def _keys(kc_ptr, ks_ptr, kz_ptr, km_ptr, t, last, MASK_UPTO, s_kmg, n, w, D: gl.constexpr,
           HAS_SYM: gl.constexpr):
     """Step t's key code words (BLOCK, W), row n token _real(n) of the step (the order the value tile's tokens come
-    out in), and each word's scale, fp16 zero and signs (0 in an asymmetric group). Tokens past `last` (the last
+    out in), and each word's scale, fp16 offset (_offset) and signs (0 in an asymmetric group). Tokens past `last` (the last
     live one) read `last`."""
     W: gl.constexpr = D // 16
     NG: gl.constexpr = D // 32
@@ -83,7 +89,7 @@ def _keys(kc_ptr, ks_ptr, kz_ptr, km_ptr, t, last, MASK_UPTO, s_kmg, n, w, D: gl
     else:
         sym = False
         signs = kw                                     # not read without symmetric groups
-    return kw, scale, _fp16_zero(slot, sym), signs
+    return kw, scale, _offset(slot, sym, scale), signs
 
 
 @gluon.jit
@@ -102,7 +108,7 @@ def _value_words(vc_ptr, t, last, c, k, D: gl.constexpr):
 
 @gluon.jit
 def _value_groups(vs_ptr, vz_ptr, vm_ptr, t, last, MASK_UPTO, c, k, D: gl.constexpr, HAS_SYM: gl.constexpr):
-    """Each of step t's value words' (_value_words) scale, fp16 zero and signs, as _keys."""
+    """Each of step t's value words' (_value_words) scale, fp16 offset and signs, as _keys."""
     ch = _real(c)[:, None]                                                           # (D, 1)
     chunk = _chunks(t, last, k)
     g = chunk // 2
@@ -115,7 +121,7 @@ def _value_groups(vs_ptr, vz_ptr, vm_ptr, t, last, MASK_UPTO, c, k, D: gl.conste
     else:
         sym = False
         signs = slot                                   # not read without symmetric groups
-    return scale, _fp16_zero(slot, sym), signs
+    return scale, _offset(slot, sym, scale), signs
 
 
 @gluon.jit
@@ -201,11 +207,28 @@ def eligible(q: Tensor, bits: int, rep: int) -> bool:
             and q.shape[-1] in (64, 128) and rep <= N_ROWS)
 
 
+def programs_per_sm(rows: int, sms: int) -> int:
+    """Programs of this kernel an SM runs at once for B*H = rows KV rows: 2 (ptxas's own registers, 243-255 at
+    head_dim 128) while the rows are fewer than BUSY_ROWS_PER_SM per SM, else 3 under register_cap. A third program
+    hides more of each program's load and shared-memory latency, and pays off once every SM has a row's worth of
+    steps; at batch 1 the extra splits' shorter runs, partials and capped registers cost more than it hides
+    (docs/decode.md, "Three programs an SM at large batches")."""
+    return BUSY_PROGRAMS_PER_SM if rows >= BUSY_ROWS_PER_SM * sms else PROGRAMS_PER_SM
+
+
+def register_cap(programs: int) -> int | None:
+    """The register cap (ptxas maxnreg, a multiple of 8) that fits `programs` programs of N_WARPS warps in an SM's
+    registers; None (no cap) for PROGRAMS_PER_SM."""
+    if programs <= PROGRAMS_PER_SM:
+        return None
+    return REGISTERS_PER_SM // (programs * 32 * N_WARPS) // 8 * 8
+
+
 def split_partials(q: Tensor, q_scale: Tensor | None, buffers: list[tuple[Tensor, int]], s_kmg: int, m: Tensor,
                    l: Tensor, acc: Tensor, lengths: Tensor | None, n_tokens: int, per_split: int, splits: int,
-                   n_cols: int, mask_upto: int, has_sym: bool, qk_scale: float) -> None:
+                   n_cols: int, mask_upto: int, has_sym: bool, qk_scale: float, programs: int) -> None:
     """Write the (m, l, acc) partials of innerq_decode_attention's first `splits` of n_cols columns for q (B, Hq, d)
-    contiguous;
+    contiguous, compiled for `programs` programs an SM (programs_per_sm);
     buffers: its (tensor, head stride) pairs of the key codes, scales, slots and mask, then the values'."""
     B, Hq, d = q.shape
     H = buffers[0][0].shape[1]
@@ -214,4 +237,5 @@ def split_partials(q: Tensor, q_scale: Tensor | None, buffers: list[tuple[Tensor
         q, q if q_scale is None else q_scale, *(t for t, _ in buffers), m, l, acc, m if lengths is None else lengths,
         n_tokens, per_split, n_cols, mask_upto, qk_scale, buffers[0][1], buffers[1][1], buffers[2][1], buffers[3][1],
         s_kmg, *(s for _, s in buffers[4:]), D=d, REP=Hq // H, ROWS=rows_for(Hq // H), HAS_SYM=has_sym,
-        DYN=lengths is not None, HAS_QS=q_scale is not None, LP=lp, LV=_value_layout(d), num_warps=N_WARPS)
+        DYN=lengths is not None, HAS_QS=q_scale is not None, LP=lp, LV=_value_layout(d), num_warps=N_WARPS,
+        **({} if register_cap(programs) is None else {"maxnreg": register_cap(programs)}))

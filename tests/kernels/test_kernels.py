@@ -527,6 +527,34 @@ def test_hopper_kernel_matches_reference_and_triton_kernel(d, dtype, rep, B, N, 
     assert len(calls) == 2                     # eager and captured; none with the kernel disabled
 
 
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
+@pytest.mark.parametrize("mode", ["hybrid", "asym"])
+def test_hopper_kernel_under_the_register_cap_gives_the_same_output(mode, monkeypatch):
+    """Three programs an SM (programs_per_sm at large batches, forced here for 4 KV rows): the kernel compiled under
+    register_cap computes what the uncapped one does, bit for bit."""
+    innerq_hopper = pytest.importorskip("kvzoo.kernels.innerq_hopper")
+    torch.manual_seed(3)
+    B, H, N, d, rep = 2, 2, 2048, 128, 4
+    k, v = torch.randn(2, B, H, N, d, device=DEVICE) + torch.randn(d, device=DEVICE)
+    args = (torch.randn(B, H * rep, d, device=DEVICE).half(), *packed(k, 2, -1, mode), *packed(v, 2, -2, mode),
+            *torch.randn(2, B, H, 8, d, device=DEVICE).half(), 2)
+    programs = []
+    run = innerq_hopper.split_partials
+    monkeypatch.setattr(innerq_hopper, "split_partials", lambda *a: programs.append(a[-1]) or run(*a))
+    uncapped = innerq_decode_attention(*args, num_splits=4)
+    monkeypatch.setattr(innerq_hopper, "BUSY_ROWS_PER_SM", 0)
+    capped = innerq_decode_attention(*args, num_splits=4)
+    assert programs == [innerq_hopper.PROGRAMS_PER_SM, innerq_hopper.BUSY_PROGRAMS_PER_SM]
+    assert torch.equal(capped, uncapped)
+
+
+def test_hopper_programs_per_sm_and_register_cap():
+    """Two programs an SM (no register cap) below a KV row per SM, three (168 registers, 4 warps) from there."""
+    innerq_hopper = pytest.importorskip("kvzoo.kernels.innerq_hopper")
+    assert [innerq_hopper.programs_per_sm(rows, 132) for rows in (8, 131, 132, 488)] == [2, 2, 3, 3]
+    assert innerq_hopper.register_cap(2) is None and innerq_hopper.register_cap(3) == 168
+
+
 def test_hopper_kernel_is_not_taken_off_its_shapes():
     """4-bit codes, head_dim 32 or 256, more than 16 query rows a KV head, fp32, and anything off an H100 take the
     Triton split kernel."""

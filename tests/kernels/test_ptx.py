@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvzoo.kernels.quant_matvec import dequant_pair_asm, pair_asm, unpack_asm
+from kvzoo.kernels.quant_matvec import DEQUANT_MAGIC, dequant_pair_asm, pair_asm, unpack_asm
 
 RNG = np.random.default_rng(0)
 LANES = 4096
@@ -151,25 +151,34 @@ SIGNS = RNG.integers(0, 2, (LANES, 16))
 
 
 def test_signed_dequant_asm_negates_the_codes_whose_sign_is_set():
-    register, one, zero = signs_register(SIGNS), half_pair(np.ones((LANES, 2))), half_pair(np.zeros((LANES, 2)))
-    out = run_ptx(dequant_pair_asm(True)[0], 8, [WORDS, WORDS, register, register, one, zero])
+    """A symmetric group's offset, -4 * scale, leaves sign * code * scale."""
+    register, one = signs_register(SIGNS), half_pair(np.ones((LANES, 2)))
+    offset = half_pair(np.full((LANES, 2), -DEQUANT_MAGIC))
+    out = run_ptx(dequant_pair_asm(True)[0], 8, [WORDS, WORDS, register, register, one, offset])
     values = codes_of(WORDS, 2) * np.where(SIGNS == 1, -1.0, 1.0)
     for a in range(8):
         assert np.array_equal(unpair(out[a]), values[:, [a, a + 8]])
 
 
 @pytest.mark.parametrize("signed", [False, True])
-def test_dequant_pair_asm_is_one_rounding_of_code_times_scale_plus_zero(signed):
-    """Each output code * scale + zero, rounded once to fp16 (the one-FMA dequantization of the Triton kernels)."""
+def test_dequant_pair_asm_is_one_rounding_of_magic_code_times_scale_plus_offset(signed):
+    """Each output (4 + code) * scale + offset, rounded once to fp16, then its sign flipped where the code's is set;
+    with offset = zero - 4 * scale rounded to fp16, within an fp16 ulp of code * scale + zero."""
     scale = RNG.uniform(0.01, 3.0, (LANES, 2)).astype(np.float16)
     zero = RNG.uniform(-20.0, 20.0, (LANES, 2)).astype(np.float16)
+    offset = (zero.astype(float) - DEQUANT_MAGIC * scale.astype(float)).astype(np.float16)
     register = signs_register(SIGNS)
-    inputs = [WORDS, WORDS] + ([register, register] if signed else []) + [half_pair(scale), half_pair(zero)]
+    inputs = [WORDS, WORDS] + ([register, register] if signed else []) + [half_pair(scale), half_pair(offset)]
     out = run_ptx(dequant_pair_asm(signed)[0], 8, inputs)
-    codes = codes_of(WORDS, 2) * (np.where(SIGNS == 1, -1.0, 1.0) if signed else 1.0)
+    sign = np.where(SIGNS == 1, -1.0, 1.0) if signed else np.ones(SIGNS.shape)
+    codes = codes_of(WORDS, 2)
     for a in range(8):
-        want = (codes[:, [a, a + 8]] * scale.astype(float) + zero.astype(float)).astype(np.float16).astype(float)
-        assert np.array_equal(unpair(out[a]), want)
+        pair = [a, a + 8]
+        magic = (codes[:, pair] + DEQUANT_MAGIC) * scale.astype(float) + offset.astype(float)
+        assert np.array_equal(unpair(out[a]), magic.astype(np.float16).astype(float) * sign[:, pair])
+        exact = codes[:, pair] * scale.astype(float) + zero.astype(float)
+        ulp = np.spacing(np.maximum(np.abs(exact), np.abs(offset.astype(float))).astype(np.float16)).astype(float)
+        assert np.all(np.abs(unpair(out[a]) * sign[:, pair] - exact) <= ulp)
 
 
 def test_prmt_selectors_of_a_words_signs():

@@ -16,8 +16,10 @@ pytest.importorskip("triton.experimental.gluon._runtime")
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED_MEMORY = 232_448          # bytes a program may take on an H100 (227 KB)
+SM_SHARED_MEMORY = 233_472       # bytes of an SM's shared memory, of which the driver takes 1 KB a program
 MODES = ("hybrid", "asym")
-NAMES = [f"innerq-gluon-d{d}-{g}" for d in (128, 64) for g in MODES] + [f"kivi-gluon-d{d}" for d in (128, 64)] + \
+NAMES = [f"innerq-gluon-d{d}-{g}" for d in (128, 64) for g in MODES] + [f"innerq-gluon-d128-{g}-busy" for g in MODES] + \
+    [f"kivi-gluon-d{d}" for d in (128, 64)] + \
     [f"innerq-triton-{b}bit-{g}" for b in (2, 4) for g in MODES] + \
     [f"outer-triton-{name}" for name in ("kivi", "kivi-pre", "int8", "kvpareto")] + \
     ["xquant-weigh", "xquant-scores", "w4a16-one-row", "w4a16-group-16-rows"] + \
@@ -52,6 +54,16 @@ def test_kernel_compiles_for_an_h100_and_fits_it(compiled, name):
     assert result["registers"] <= 255 and result["local"] == 0, f"{name} spills: {result}"
     if name not in LOOPLESS:
         assert result["shared"] > 0 and result["loop"] > 0         # its main loop was found in the SASS
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_innerq_gluon_kernel_fits_three_programs_an_sm_under_its_register_cap(compiled, mode):
+    """innerq_hopper.programs_per_sm's three programs: their registers and shared memory fit one SM, without spills."""
+    from kvzoo.kernels.innerq_hopper import BUSY_PROGRAMS_PER_SM, N_WARPS, REGISTERS_PER_SM
+
+    result = compiled[f"innerq-gluon-d128-{mode}-busy"]
+    assert result["registers"] * 32 * N_WARPS * BUSY_PROGRAMS_PER_SM <= REGISTERS_PER_SM and result["local"] == 0
+    assert (result["shared"] + 1024) * BUSY_PROGRAMS_PER_SM <= SM_SHARED_MEMORY
 
 
 def test_compile_sm90_refuses_the_interpreter_and_unknown_cases():
