@@ -71,8 +71,9 @@ def cases() -> dict:
         rows = outer_hopper.rows_for(rep)
         for mode, has_sym in (("hybrid", True), ("asym", False)):
             out[f"innerq-gluon-d{d}-{mode}"] = (innerq_hopper._split_kernel, dict(
-                D=d, REP=rep, ROWS=rows, HAS_SYM=has_sym, DYN=True, HAS_QS=True, LP=lp,
-                LV=innerq_hopper._value_layout(d)), GluonASTSource, POINTERS, gluon)
+                D=d, REP=rep, ROWS=rows, HAS_SYM=has_sym, DYN=True, HAS_QS=True,
+                LK=innerq_hopper._operand_layouts(d)[0], LV=innerq_hopper._operand_layouts(d)[1]), GluonASTSource,
+                POINTERS, gluon)
             if d == 128:      # large batches: BUSY_PROGRAMS_PER_SM programs an SM, under register_cap
                 busy = dict(gluon, maxnreg=innerq_hopper.register_cap(innerq_hopper.BUSY_PROGRAMS_PER_SM))
                 out[f"innerq-gluon-d{d}-{mode}-busy"] = out[f"innerq-gluon-d{d}-{mode}"][:4] + (busy,)

@@ -86,9 +86,17 @@ SIGNED_DEQUANT_ASM, SIGNED_DEQUANT_CON = (gl.constexpr(part) for part in dequant
 @gluon.jit
 def _unpack(words, LP: gl.constexpr, signs=None, scale=None, zero=None):
     """(R, W) 2-bit code words -> (R, 16 W) exact fp16 codes in logical channel order c' = 16 w + 2 a + b (slot
-    a + 8 b of word w). Each word enters the PTX twice (pack=2 over a pair axis) and leaves as 8 half2 registers.
-    scale and zero (R, W) fp16, one each a word: the codes times the scale plus the zero, in the same PTX; signs
-    (R, W), in the words' layout, with them: each word's signs as quant_matvec.dequant_pair_asm takes them."""
+    a + 8 b of word w): _logical_tile of _unpack_pairs."""
+    return _logical_tile(_unpack_pairs(words, LP, signs, scale, zero))
+
+
+@gluon.jit
+def _unpack_pairs(words, LP: gl.constexpr, signs=None, scale=None, zero=None):
+    """(R, W) 2-bit code words -> the unpack PTX's 8 outputs, each (R, W, 2) in layout LP: output a holds codes a
+    (b = 0) and a + 8 (b = 1) of each word, exact fp16. Each word enters the PTX twice (pack=2 over the pair axis).
+    scale and zero (R, W) fp16, one each a word: the codes times the scale plus the zero, in the same PTX
+    (quant_matvec.dequant_pair_asm, whose zero is an offset); signs (R, W), in the words' layout, with them: each
+    word's signs as dequant_pair_asm takes them."""
     R: gl.constexpr = words.shape[0]
     W: gl.constexpr = words.shape[1]
     pairs = gl.expand_dims(words, 2) + gl.zeros([R, W, 2], gl.int32, LP)           # (R, W, 2): the word twice
@@ -105,7 +113,7 @@ def _unpack(words, LP: gl.constexpr, signs=None, scale=None, zero=None):
             o = gl.inline_asm_elementwise(SIGNED_DEQUANT_ASM, SIGNED_DEQUANT_CON,
                                           [pairs, gl.expand_dims(signs, 2) + pairs * 0, scale, zero],
                                           dtype=(gl.float16,) * 8, is_pure=True, pack=2)
-    return _logical_tile(o)
+    return o
 
 
 @gluon.jit
@@ -136,12 +144,13 @@ def _logical(x, L3: gl.constexpr):
 
 
 @gluon.jit
-def _query(q_ptr, qs_ptr, kv, REP: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr, HAS_QS: gl.constexpr):
-    """The query rows of KV head kv (ROWS, D) in logical channel order, padded past REP with zeros; with HAS_QS times
-    qs_ptr's row kv channel by channel in the model dtype (InnerQ's key normalization); then fp16 (a bf16 query
-    clamped to the fp16 range, as the Triton kernels)."""
+def _query(q_ptr, qs_ptr, kv, dq, REP: gl.constexpr, ROWS: gl.constexpr, HAS_QS: gl.constexpr):
+    """The query rows of KV head kv (ROWS, D), column c its channel dq[c] (D,) (the keys' logical channel order,
+    in SliceLayout(0, LQ)), padded past REP with zeros; with HAS_QS times qs_ptr's row kv channel by channel in the
+    model dtype (InnerQ's key normalization); then fp16 (a bf16 query clamped to the fp16 range, as the Triton
+    kernels)."""
+    D: gl.constexpr = dq.shape[0]
     rq = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LQ))
-    dq = _real(gl.arange(0, D, layout=gl.SliceLayout(0, LQ)))
     q = gl.load(q_ptr + (kv * REP + rq[:, None]) * D + dq[None, :], mask=(rq < REP)[:, None], other=0)
     if HAS_QS:
         q = (q.to(gl.float32) * gl.load(qs_ptr + kv * D + dq).to(gl.float32)[None, :]).to(q.dtype)
@@ -186,9 +195,10 @@ def _softmax_and_output(s, live, m, l, acc_v, vt, p_s, qk_scale):
 
 
 @gluon.jit
-def _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, kv, split, N_COLS, REP: gl.constexpr, D: gl.constexpr):
-    """Program (kv, split)'s (m, l, acc) partials of its live query rows at column `split` of N_COLS, the output
-    channels back in their real places."""
+def _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, kv, split, N_COLS, REP: gl.constexpr, REAL: gl.constexpr):
+    """Program (kv, split)'s (m, l, acc) partials of its live query rows at column `split` of N_COLS; accᵀ's rows
+    are the output channels in logical order (_real puts them back) or, with REAL, in their real order."""
+    D: gl.constexpr = acc.shape[0]
     ROWS: gl.constexpr = m.shape[0]
     MMA: gl.constexpr = mma_layout(ROWS)
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
@@ -196,7 +206,9 @@ def _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, kv, split, N_COLS, REP: gl
     rows = (kv * REP + r) * N_COLS + split
     gl.store(m_ptr + rows, m, mask=live_r)
     gl.store(l_ptr + rows, l, mask=live_r)
-    d = _real(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)))
+    d = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
+    if not REAL:
+        d = _real(d)
     gl.store(acc_ptr + rows[None, :] * D + d[:, None], acc, mask=live_r[None, :])
 
 
@@ -238,7 +250,8 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_p
     vz_ptr += head * s_vz
     split = gl.program_id(1)
 
-    q_s, k_s, v_s, p_s, m, l, acc = _start(_query(q_ptr, q_ptr, kv, REP, ROWS, D, False), False)
+    dq = _real(gl.arange(0, D, layout=gl.SliceLayout(0, LQ)))
+    q_s, k_s, v_s, p_s, m, l, acc = _start(_query(q_ptr, q_ptr, kv, dq, REP, ROWS, False), False)
 
     n_both = gl.minimum(gl.load(len_ptr), gl.load(len_ptr + 1))
     start = split * PER_SPLIT
@@ -265,7 +278,7 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_p
         m, l, acc = _softmax_and_output(s, t * 32 + ns < n_both, m, l, acc_v, v_s.permute((1, 0)), p_s, qk_scale)
         kw, vw, ks, kz, vs, vz = nxt
     acc = warpgroup_mma_wait(0, deps=[acc])
-    _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, kv, split, N_COLS, REP, D)
+    _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, kv, split, N_COLS, REP, False)
 
 
 @functools.cache
