@@ -72,11 +72,12 @@ def cases() -> dict:
         for mode, has_sym in (("hybrid", True), ("asym", False)):
             out[f"innerq-gluon-d{d}-{mode}"] = (innerq_hopper._split_kernel, dict(
                 D=d, REP=rep, ROWS=rows, HAS_SYM=has_sym, DYN=True, HAS_QS=True,
-                LK=innerq_hopper._operand_layouts(d)[0], LV=innerq_hopper._operand_layouts(d)[1]), GluonASTSource,
-                POINTERS, gluon)
+                LK=innerq_hopper._operand_layouts(d)[0], LV=innerq_hopper._operand_layouts(d)[1], VALUES_AHEAD=True),
+                GluonASTSource, POINTERS, gluon)
             if d == 128:      # large batches: BUSY_PROGRAMS_PER_SM programs an SM, under register_cap
+                kernel, constexprs, *rest = out[f"innerq-gluon-d{d}-{mode}"]
                 busy = dict(gluon, maxnreg=innerq_hopper.register_cap(innerq_hopper.BUSY_PROGRAMS_PER_SM))
-                out[f"innerq-gluon-d{d}-{mode}-busy"] = out[f"innerq-gluon-d{d}-{mode}"][:4] + (busy,)
+                out[f"innerq-gluon-d{d}-{mode}-busy"] = (kernel, dict(constexprs, VALUES_AHEAD=False), *rest[:2], busy)
         out[f"kivi-gluon-d{d}"] = (outer_hopper._quantized_kernel, dict(D=d, REP=rep, ROWS=rows, CG=32, LP=lp, KSL=ksl),
                                    GluonASTSource, dict(POINTERS, kz_ptr="*fp16", vz_ptr="*fp16"), gluon)
     for bits in (2, 4):

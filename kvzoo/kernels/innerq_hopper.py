@@ -156,7 +156,7 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
                   acc_ptr, len_ptr, N_TOKENS, PER_SPLIT, N_COLS, MASK_UPTO, qk_scale,
                   s_kc, s_ks, s_kz, s_km, s_kmg, s_vc, s_vs, s_vz, s_vm,
                   D: gl.constexpr, REP: gl.constexpr, ROWS: gl.constexpr, HAS_SYM: gl.constexpr, DYN: gl.constexpr,
-                  HAS_QS: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr):
+                  HAS_QS: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr, VALUES_AHEAD: gl.constexpr):
     GS: gl.constexpr = BLOCK // 32
     MMA: gl.constexpr = mma_layout(ROWS)
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -196,9 +196,13 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
     k = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(0, LVW))
     ns = _place(gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA)), 8)              # each score row's token
     kw, ks, kz, k_signs = _keys(kc_ptr, ks_ptr, kz_ptr, km_ptr, start, last, MASK_UPTO, s_kmg, n, w, D, HAS_SYM)
+    vw, vs, vz, v_signs = _values(vc_ptr, vs_ptr, vz_ptr, vm_ptr, start, last, MASK_UPTO, c, k, D, HAS_SYM)
     for t in range(start, stop, GS):
-        vw, vs, vz, v_signs = _values(vc_ptr, vs_ptr, vz_ptr, vm_ptr, t, last, MASK_UPTO, c, k, D, HAS_SYM)
+        if not VALUES_AHEAD:
+            vw, vs, vz, v_signs = _values(vc_ptr, vs_ptr, vz_ptr, vm_ptr, t, last, MASK_UPTO, c, k, D, HAS_SYM)
         nk = _keys(kc_ptr, ks_ptr, kz_ptr, km_ptr, t + GS, last, MASK_UPTO, s_kmg, n, w, D, HAS_SYM)
+        if VALUES_AHEAD:
+            nv = _values(vc_ptr, vs_ptr, vz_ptr, vm_ptr, t + GS, last, MASK_UPTO, c, k, D, HAS_SYM)
         if HAS_SYM:
             ka = _operand(_unpack_pairs(kw, LK, k_signs, ks, kz), A)
         else:
@@ -220,6 +224,8 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
             acc = acc * alpha[None, :]
         acc = warpgroup_mma(va, p_s.permute((1, 0)), acc)
         kw, ks, kz, k_signs = nk
+        if VALUES_AHEAD:
+            vw, vs, vz, v_signs = nv
     _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, kv, split, N_COLS, REP, True)
 
 
@@ -276,5 +282,6 @@ def split_partials(q: Tensor, q_scale: Tensor | None, buffers: list[tuple[Tensor
         q, q if q_scale is None else q_scale, *(t for t, _ in buffers), m, l, acc, m if lengths is None else lengths,
         n_tokens, per_split, n_cols, mask_upto, qk_scale, buffers[0][1], buffers[1][1], buffers[2][1], buffers[3][1],
         s_kmg, *(s for _, s in buffers[4:]), D=d, REP=Hq // H, ROWS=rows_for(Hq // H), HAS_SYM=has_sym,
-        DYN=lengths is not None, HAS_QS=q_scale is not None, LK=lk, LV=lv, num_warps=N_WARPS,
+        DYN=lengths is not None, HAS_QS=q_scale is not None, LK=lk, LV=lv, VALUES_AHEAD=register_cap(programs) is None,
+        num_warps=N_WARPS,
         **({} if register_cap(programs) is None else {"maxnreg": register_cap(programs)}))
