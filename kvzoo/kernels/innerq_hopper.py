@@ -233,8 +233,9 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
 def _operand_layouts(d: int) -> tuple[gl.DistributedLinearLayout, gl.DistributedLinearLayout]:
     """(LK, LV): the key words' (BLOCK, d/16, 2) and value words' (d, BLOCK/16, 2) layouts (row, word, the pair
     axis _unpack_pairs enters each word on) that unpack into the wgmma's A operand (_operand). A thread holds one
-    group a row: its lane's word pair 2 t, 2 t + 1 (t = lane % 4; d = 64 keys: word t), registers the pair axis,
-    row + 8 and row + 64, lanes rows + 1, 2, 4, warps rows + 16, 32; a key row is a token, a value row a channel."""
+    group a row: its lane's word pair 2 t, 2 t + 1 (t = lane % 4; d = 64 keys: word t); registers the pair axis,
+    the pair's second word, row + 8 and row + 64 (128 rows); lanes t, then rows + 1, 2, 4; warps rows + 16, 32.
+    A key row is a token, a value row a channel."""
     def layout(rows, words):
         pair = [[0, 1, 0]] if words == 8 else []
         lanes = [[0, 2, 0], [0, 4, 0]] if words == 8 else [[0, 1, 0], [0, 2, 0]]
@@ -253,11 +254,11 @@ def eligible(q: Tensor, bits: int, rep: int) -> bool:
 
 
 def programs_per_sm(rows: int, sms: int) -> int:
-    """Programs of this kernel an SM runs at once for B*H = rows KV rows: 2 (ptxas's own registers, 188 at head_dim
-    128 with hybrid groups) while the rows are fewer than BUSY_ROWS_PER_SM per SM, else 3 under register_cap. A third
-    program hides more of each program's load latency and pays off once every SM has a row's worth of steps; at
-    batch 1 the extra splits' shorter runs, partials and capped registers cost more than it hides (docs/decode.md,
-    "InnerQ's operands in registers")."""
+    """Programs of this kernel an SM runs at once for B*H = rows KV rows: 2 (ptxas's own registers, up to 255 with
+    the values loaded a step ahead) while the rows are fewer than BUSY_ROWS_PER_SM per SM, else 3 under
+    register_cap. A third program hides more of each program's load latency and pays off once every SM has a row's
+    worth of steps; at batch 1 the extra splits' shorter runs, partials and capped registers cost more than it hides
+    (docs/decode.md, "InnerQ's operands in registers")."""
     return BUSY_PROGRAMS_PER_SM if rows >= BUSY_ROWS_PER_SM * sms else PROGRAMS_PER_SM
 
 
