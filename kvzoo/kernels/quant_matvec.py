@@ -233,7 +233,7 @@ def dequant_pair_asm(signed: bool) -> tuple[str, str]:
     register is code a's sign, bit 16 + a code a + 8's (a < 8), XOR-ed into the result's sign bit (two more
     instructions per half2); a symmetric group's offset is -4 * scale, so its codes give sign * round(c * scale)."""
     first = 12 if signed else 10
-    lines = ["{", ".reg .b32 t, m;"]
+    lines = ["{", ".reg .b32 t, m;" if signed else ".reg .b32 t;"]
     for a in range(8):
         shift = f"shl.b32 t, $8, {8 - 2 * a};" if a < 4 else f"shr.b32 t, $8, {2 * a - 8};" if a > 4 else \
             "mov.b32 t, $8;"
