@@ -4,7 +4,8 @@ loaded. One query token per sequence; Hq = G*H query heads, query head h reading
 
     scores = q · k̃ᵀ   aligned_qk   q (B, Hq, d) fp16/bf16/fp32              -> (B, Hq, n_blocks*BT) fp32
     out    = p · ṽ    aligned_pv   p (B, Hq, S) fp32, o_est (B, Hq, d) fp32  -> (B, Hq, d) fp32
-Scores are unscaled (no 1/sqrt(d)); p is already softmaxed. Products and sums are fp32.
+Scores are unscaled (no 1/sqrt(d)); p is already softmaxed (each p < 16). Products run on the tensor cores with
+fp32 sums: exact for fp16 q, about 22 bits for bf16 / fp32 q and for p (_split).
 
 Layouts (the cache's buffers, per layer; B rows, H KV heads, d head_dim, BT tokens per key block, NB blocks):
     k_hi  uint8 (B, H, NB, d, BT)         bits 15..8 of every key, channel-major inside a block
@@ -24,27 +25,28 @@ diff >= DIFF_FOR_8, 12 once diff >= DIFF_FOR_12, else 16, never fewer than min_b
 The minimum over the G query heads of a group gives every head at least the bits it asks for, since they all
 share the KV head's bytes.
 
-Tiling. Both kernels work on element pairs: the high-byte plane is loaded as uint16 words (two neighbouring
-high bytes), beside the one v_mid / v_lo byte holding the same two elements' nibbles, so every load is a
-contiguous row (vectorised) and no byte is unpacked twice; each pair is rebuilt in int32 (_pair) into an
-even and an odd element, and the two halves are reduced and stored separately (scores / output channels
-at stride 2).
+Tiling. Both kernels rebuild each element's bits from its planes in registers and hand the products to the tensor
+cores: the rebuilt values are fp16 values exactly, so an fp16 product against them is exact when the other operand
+is fp16 too. The high-byte plane is loaded as uint16 words (two neighbouring high bytes) beside the one mid / lo byte
+holding the same two elements' nibbles, so every load is a contiguous row (vectorised) and no byte is unpacked
+twice; each pair is rebuilt in int32 (_halves) into an even and an odd element and the two are interleaved back
+into order (tl.join, reshape).
     aligned_qk  grid (B*H, programs): a program takes blocks_per_program (default 4) consecutive blocks of
                 one KV head. Per block it decides the d channel levels from q and k_exp, loads the k_hi words
                 (d, BT/2), then k_mid only for channels at >= 12 bits and k_lo only for channels at 16 bits
                 (masked loads, one mask per channel row: a skipped channel issues no memory request), rebuilds
-                the keys in fp32 and, for each of the G query heads, sums q_g[:, None] * k over the channels
-                (no padded tl.dot; tl.dot at fp32 "ieee" precision only for G >= 16).
-    aligned_pv  grid (B*H, splits), split-K over the tokens: a program walks its tokens BLOCK_N (64) at a time,
+                the keys (d, BT) and multiplies them by the group's G query heads, padded to 16 rows (tl.dot;
+                d < 32 is padded to 32 channels: a 16-deep product summed wrong on an H200, Triton 3.6).
+                A bf16 or fp32 q enters as the sum of two fp16 parts (_split), two products.
+    aligned_pv  grid (B*H, splits), split-K over the tokens: a program walks its tokens BLOCK_N (32) at a time,
                 decides the (BLOCK_N, d) levels as even / odd (BLOCK_N, d/2) halves, loads the v_hi words and
-                the v_mid / v_lo byte rows, and accumulates p * v. By default (row_mask) a token's v_mid row is
-                fetched when any of its elements reads >= 12 bits and its v_lo row when any reads 16 (the
-                token's least diff over its channels, from min_c e(o_est): one decision a row, vector loads);
-                row_mask=False fetches a byte only when one of its two elements needs it. Either way each
-                element keeps only the nibbles its own level reads, so the result is the same. G = 1 keeps a
-                (BLOCK_N, d/2) fp32 accumulator per half and sums over tokens once at the end; 1 < G < 16
-                sums each head's products over the tile; G >= 16 uses tl.dot. The partials
-                (B*H, splits, G, d) are summed by torch.
+                the v_mid / v_lo byte rows, and accumulates p · v (tl.dot, the G heads padded to 16 rows), p
+                scaled by P_SCALE and split into two fp16 parts, so that its products keep about 22 bits. By
+                default (row_mask) a token's v_mid row is fetched when any of its elements reads >= 12 bits and
+                its v_lo row when any reads 16 (the token's least diff over its channels, from min_c e(o_est): one
+                decision a row, vector loads); row_mask=False fetches a byte only when one of its two elements
+                needs it. Either way each element keeps only the nibbles its own level reads (_read), so the
+                result is the same. The partials (B*H, splits, G, d) are summed by torch.
     aligned_token grid (B*H,): the static step's token, one program per KV head: reads the block being filled
                 (its key planes channel-major, its value rows), writes the exact tail (B, H, BT, d) with the token's
                 own k, v at its slot, then writes the token into the planes (its key nibbles merged into the bytes
@@ -76,6 +78,8 @@ from kvzoo.kernels.quant_matvec import check_runnable, check_tensor, head_rows, 
 _D8 = tl.constexpr(DIFF_FOR_8)
 _D12 = tl.constexpr(DIFF_FOR_12)
 _FAR = tl.constexpr(1 << 20)          # a diff no level threshold reaches: padded query heads never decide
+QK_STAGES, PV_STAGES, PV_BLOCK_N = 3, 3, 32   # software pipelining and aligned_pv's tokens a step (a sweep's best)
+P_SCALE = tl.constexpr(4096.0)       # p (< 16) times this before its fp16 split: p >= 2^-26 stays a normal fp16
 
 
 @triton.jit
@@ -99,66 +103,90 @@ def _level(diff, MIN_BITS: tl.constexpr):
 
 
 @triton.jit
-def _fp32(bits16):
-    """fp16 bit patterns held in int32 -> fp32."""
-    return bits16.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+def _fp16(bits16):
+    """fp16 bit patterns held in int32 -> fp16."""
+    return bits16.to(tl.uint16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
-def _pair(hw, m, l, bits_a, bits_b):
+def _halves(hw, m, lo):
     """Two neighbouring elements a (even) and b (odd) from their high bytes as one uint16 word hw (a in the low
-    byte), their shared middle byte m and low byte l (a in the low nibbles; int32, 0 where a masked load skipped
-    them), each read at its bits -> (a, b) as fp32. The nibbles an element does not read are replaced by 100..."""
-    a = ((hw & 0xFF) << 8) | tl.where(bits_a == 8, 0x80, tl.where(bits_a == 12, ((m & 0xF) << 4) | 0x8,
-                                                                   ((m & 0xF) << 4) | (l & 0xF)))
-    b = (hw & 0xFF00) | tl.where(bits_b == 8, 0x80, tl.where(bits_b == 12, (m & 0xF0) | 0x8, (m & 0xF0) | (l >> 4)))
-    return _fp32(a), _fp32(b)
+    byte), their shared middle byte m and low byte lo (a in the low nibbles; int32, 0 where a load skipped them)
+    -> (a, b), each its 16 bits as int32."""
+    a = ((hw & 0xFF) << 8) | ((m & 0xF) << 4) | (lo & 0xF)
+    b = (hw & 0xFF00) | (m & 0xF0) | (lo >> 4)
+    return a, b
+
+
+@triton.jit
+def _read(bits16, diff, MIN_BITS: tl.constexpr):
+    """An element's 16 bits (int32) as read at the level its diff gives: the low nibble or byte it does not read
+    replaced by 100... (_level's thresholds, inlined on the bits)."""
+    if MIN_BITS < 16:
+        at12 = (bits16 & 0xFFF0) | 0x8
+        if MIN_BITS < 12:
+            at12 = tl.where(diff >= _D8, (bits16 & 0xFF00) | 0x80, at12)
+        bits16 = tl.where(diff >= _D12, at12, bits16)
+    return bits16
+
+
+@triton.jit
+def _split(x, scale):
+    """fp32 x * scale as the sum of two fp16 tensors (hi, lo), so that two fp16 tensor-core products against
+    fp16-exact operands give x's product to about 22 bits (scale keeps small x out of fp16's subnormals)."""
+    x = x * scale
+    hi = x.to(tl.float16)
+    return hi, (x - hi.to(tl.float32)).to(tl.float16)
 
 
 @triton.jit
 def _qk_kernel(q_ptr, hi_ptr, mid_ptr, lo_ptr, exp_ptr, out_ptr, len_ptr, NBLK, PER_PROG, S_OUT, s_hi, s_mid, s_lo,
-               s_exp, G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, MIN_BITS: tl.constexpr,
-               USE_DOT: tl.constexpr, DYN: tl.constexpr):
+               s_exp, G: tl.constexpr, G_E: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+               BT: tl.constexpr, MIN_BITS: tl.constexpr, EXACT_Q: tl.constexpr, DYN: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)                # b*H + KV head
     HT: tl.constexpr = BT // 2                         # token pairs per block
-    g = tl.arange(0, G_P)
-    live_g = g < G
-    i = tl.arange(0, D)
+    i = tl.arange(0, DP)                               # channels, padded to the products' least depth
+    real = (i < D)[:, None]                            # (DP, 1)
     t = tl.arange(0, HT)
+    g_e = tl.arange(0, G_E)                            # the group's heads for the decisions,
+    live_e = g_e < G
+    e_q = _exponent(tl.load(q_ptr + (row * G + g_e)[:, None] * D + i[None, :], mask=live_e[:, None] & (i < D)[None, :],
+                            other=0))
+    g = tl.arange(0, G_P)                              # and padded to a tensor-core tile for the products
+    live_g = g < G
     heads = row * G + g                                # query rows b*Hq + kv*G + g
-    q = tl.load(q_ptr + heads[:, None] * D + i[None, :], mask=live_g[:, None], other=0).to(tl.float32)  # (G_P, D)
-    e_q = _exponent(q)
+    q = tl.load(q_ptr + heads[:, None] * D + i[None, :], mask=live_g[:, None] & (i < D)[None, :], other=0)  # (G_P, DP)
+    if EXACT_Q:                                        # fp16 q: exact as it is
+        q_hi = q.to(tl.float16)
+    else:                                              # bf16 / fp32 q: a high and a low fp16 part
+        q_hi, q_lo = _split(q.to(tl.float32), 1.0)
     NBLK = _live(len_ptr, NBLK, DYN)
     first = tl.program_id(1) * PER_PROG
     for b in range(0, PER_PROG):
         n = first + b                                  # block
         if n < NBLK:
             # Rule 1, from q and the block's colmax exponents only
-            a = e_q + tl.load(exp_ptr + row * s_exp + n * D + i).to(tl.int32)[None, :]                # (G_P, D)
-            diff = tl.where(live_g[:, None], tl.max(a, axis=1)[:, None] - a, _FAR)
-            bits = _level(tl.min(diff, axis=0), MIN_BITS)[:, None]                                   # (D, 1)
-            pair = n * (D * HT) + i[:, None] * HT + t[None, :]          # (D, HT): tokens 2t, 2t+1 of channel i
-            hw = tl.load(hi_ptr + row * s_hi + pair).to(tl.int32)                                    # uint16 words
-            m = tl.load(mid_ptr + row * s_mid + pair, mask=bits >= 12, other=0).to(tl.int32)
-            lo = tl.load(lo_ptr + row * s_lo + pair, mask=bits == 16, other=0).to(tl.int32)
-            k_even, k_odd = _pair(hw, m, lo, bits, bits)                                             # (D, HT)
-            base = out_ptr + n * BT + 2 * t
-            if USE_DOT:
-                s_even = tl.dot(q, k_even, input_precision="ieee")                                   # (G_P, HT)
-                s_odd = tl.dot(q, k_odd, input_precision="ieee")
-                tl.store(base[None, :] + heads[:, None] * S_OUT, s_even, mask=live_g[:, None])
-                tl.store(base[None, :] + heads[:, None] * S_OUT + 1, s_odd, mask=live_g[:, None])
-            else:
-                for h in tl.static_range(G):
-                    q_h = tl.load(q_ptr + (row * G + h) * D + i).to(tl.float32)[:, None]             # (D, 1)
-                    tl.store(base + (row * G + h) * S_OUT, tl.sum(q_h * k_even, axis=0))
-                    tl.store(base + (row * G + h) * S_OUT + 1, tl.sum(q_h * k_odd, axis=0))
+            a = e_q + tl.load(exp_ptr + row * s_exp + n * D + i, mask=i < D, other=0).to(tl.int32)[None, :]  # (G_E, DP)
+            diff = tl.where(live_e[:, None], tl.max(a, axis=1)[:, None] - a, _FAR)
+            bits = _level(tl.min(diff, axis=0), MIN_BITS)[:, None]                                   # (DP, 1)
+            pair = n * (D * HT) + i[:, None] * HT + t[None, :]          # (DP, HT): tokens 2t, 2t+1 of channel i
+            hw = tl.load(hi_ptr + row * s_hi + pair, mask=real, other=0).to(tl.int32)                 # uint16 words
+            m = tl.load(mid_ptr + row * s_mid + pair, mask=real & (bits >= 12), other=0).to(tl.int32)
+            lo = tl.load(lo_ptr + row * s_lo + pair, mask=real & (bits == 16), other=0).to(tl.int32)
+            fill = tl.where(bits == 8, 0x80, tl.where(bits == 12, 0x8, 0))   # what a skipped nibble reads as
+            k_even, k_odd = _halves(hw, m, lo)
+            k = tl.join(_fp16(k_even | fill), _fp16(k_odd | fill)).reshape(DP, BT)  # (DP, HT, 2) -> (DP, BT) tokens
+            s = tl.dot(q_hi, k)                                                                      # (G_P, BT)
+            if not EXACT_Q:
+                s = tl.dot(q_lo, k, s)
+            j = n * BT + tl.arange(0, BT)
+            tl.store(out_ptr + heads[:, None] * S_OUT + j[None, :], s, mask=live_g[:, None])
 
 
 @triton.jit
 def _pv_kernel(p_ptr, o_ptr, hi_ptr, mid_ptr, lo_ptr, exp_ptr, part_ptr, len_ptr, N, S_P, PER_SPLIT, s_hi, s_mid, s_lo,
                s_exp, G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-               MIN_BITS: tl.constexpr, USE_DOT: tl.constexpr, ROW_MASK: tl.constexpr, DYN: tl.constexpr):
+               MIN_BITS: tl.constexpr, ROW_MASK: tl.constexpr, DYN: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)                # b*H + KV head
     split = tl.program_id(1)
     HD: tl.constexpr = D // 2                          # channel pairs
@@ -166,61 +194,43 @@ def _pv_kernel(p_ptr, o_ptr, hi_ptr, mid_ptr, lo_ptr, exp_ptr, part_ptr, len_ptr
     live_g = g < G
     c = tl.arange(0, HD)
     heads = row * G + g                                # query rows b*Hq + kv*G + g
-    acc_even = tl.zeros((G_P, HD), dtype=tl.float32)   # channels 2c
-    acc_odd = tl.zeros((G_P, HD), dtype=tl.float32)    # channels 2c+1
-    tile_even = tl.zeros((BLOCK_N, HD), dtype=tl.float32)   # G == 1: products summed over tokens at the end
-    tile_odd = tl.zeros((BLOCK_N, HD), dtype=tl.float32)
+    acc = tl.zeros((G_P, D), dtype=tl.float32)         # p * 2^P_SHIFT times the values
     N = _live(len_ptr, N, DYN)
     for start in range(0, tl.minimum(PER_SPLIT, N - split * PER_SPLIT), BLOCK_N):   # a split past N stores zeros
         j = split * PER_SPLIT + start + tl.arange(0, BLOCK_N)
         live = j < N
         # Rule 2: the least diff over the group's query heads, from o_est, p and the rowmax exponents
+        e_v = tl.load(exp_ptr + row * s_exp + j, mask=live, other=0).to(tl.int32)
         e_even = tl.full((BLOCK_N, HD), _FAR, tl.int32)
         e_odd = tl.full((BLOCK_N, HD), _FAR, tl.int32)
         e_row = tl.full((BLOCK_N,), _FAR, tl.int32)    # the least over the token's channels too
         for h in tl.static_range(G):
-            e_p = _exponent(tl.load(p_ptr + (row * G + h) * S_P + j, mask=live, other=0))           # (BLOCK_N,)
+            r = _exponent(tl.load(p_ptr + (row * G + h) * S_P + j, mask=live, other=0)) + e_v       # (BLOCK_N,)
             e_oe = _exponent(tl.load(o_ptr + (row * G + h) * D + 2 * c))                            # (HD,)
             e_oo = _exponent(tl.load(o_ptr + (row * G + h) * D + 2 * c + 1))
-            e_even = tl.minimum(e_even, e_oe[None, :] - e_p[:, None])
-            e_odd = tl.minimum(e_odd, e_oo[None, :] - e_p[:, None])
+            e_even = tl.minimum(e_even, e_oe[None, :] - r[:, None])
+            e_odd = tl.minimum(e_odd, e_oo[None, :] - r[:, None])
             if ROW_MASK:
-                e_row = tl.minimum(e_row, tl.minimum(tl.min(e_oe, axis=0), tl.min(e_oo, axis=0)) - e_p)
-        e_v = tl.load(exp_ptr + row * s_exp + j, mask=live, other=0).to(tl.int32)
-        bits_even = _level(e_even - e_v[:, None], MIN_BITS)                                          # (BLOCK_N, HD)
-        bits_odd = _level(e_odd - e_v[:, None], MIN_BITS)
+                e_row = tl.minimum(e_row, tl.minimum(tl.min(e_oe, axis=0), tl.min(e_oo, axis=0)) - r)
         pair = j[:, None] * HD + c[None, :]                           # (BLOCK_N, HD): channels 2c, 2c+1 of token j
         if ROW_MASK:     # a token's whole byte row once any of its bytes is needed: level is monotone in diff
-            bits_row = _level(e_row - e_v, MIN_BITS)[:, None]                                        # (BLOCK_N, 1)
+            bits_row = _level(e_row, MIN_BITS)[:, None]                                              # (BLOCK_N, 1)
             need_mid = bits_row >= 12
             need_lo = bits_row == 16
         else:
-            need_mid = (bits_even >= 12) | (bits_odd >= 12)
-            need_lo = (bits_even == 16) | (bits_odd == 16)
+            need_mid = (_level(e_even, MIN_BITS) >= 12) | (_level(e_odd, MIN_BITS) >= 12)
+            need_lo = (_level(e_even, MIN_BITS) == 16) | (_level(e_odd, MIN_BITS) == 16)
         hw = tl.load(hi_ptr + row * s_hi + pair, mask=live[:, None], other=0).to(tl.int32)          # uint16 words
         m = tl.load(mid_ptr + row * s_mid + pair, mask=live[:, None] & need_mid, other=0).to(tl.int32)
         lo = tl.load(lo_ptr + row * s_lo + pair, mask=live[:, None] & need_lo, other=0).to(tl.int32)
-        v_even, v_odd = _pair(hw, m, lo, bits_even, bits_odd)                                        # (BLOCK_N, HD)
-        if USE_DOT:
-            p = tl.load(p_ptr + heads[:, None] * S_P + j[None, :], mask=live_g[:, None] & live[None, :], other=0)
-            acc_even += tl.dot(p, v_even, input_precision="ieee")                                   # (G_P, HD)
-            acc_odd += tl.dot(p, v_odd, input_precision="ieee")
-        elif G == 1:
-            p_1 = tl.load(p_ptr + row * S_P + j, mask=live, other=0)[:, None]                        # (BLOCK_N, 1)
-            tile_even += p_1 * v_even
-            tile_odd += p_1 * v_odd
-        else:
-            for h in tl.static_range(G):
-                p_h = tl.load(p_ptr + (row * G + h) * S_P + j, mask=live, other=0)[:, None]          # (BLOCK_N, 1)
-                this = (g == h)[:, None]
-                acc_even = tl.where(this, acc_even + tl.sum(p_h * v_even, axis=0)[None, :], acc_even)
-                acc_odd = tl.where(this, acc_odd + tl.sum(p_h * v_odd, axis=0)[None, :], acc_odd)
-    if G == 1 and not USE_DOT:
-        acc_even += tl.sum(tile_even, axis=0)[None, :]
-        acc_odd += tl.sum(tile_odd, axis=0)[None, :]
-    out = part_ptr + ((row * tl.num_programs(1) + split) * G + g[:, None]) * D + 2 * c[None, :]
-    tl.store(out, acc_even, mask=live_g[:, None])
-    tl.store(out + 1, acc_odd, mask=live_g[:, None])
+        v_even, v_odd = _halves(hw, m, lo)
+        v = tl.join(_fp16(_read(v_even, e_even, MIN_BITS)), _fp16(_read(v_odd, e_odd, MIN_BITS)))
+        p_hi, p_lo = _split(tl.load(p_ptr + heads[:, None] * S_P + j[None, :], mask=live_g[:, None] & live[None, :],
+                                    other=0), P_SCALE)                                              # (G_P, BLOCK_N)
+        v = v.reshape(BLOCK_N, D)                               # (BLOCK_N, HD, 2) -> (BLOCK_N, D) channels
+        acc = tl.dot(p_lo, v, tl.dot(p_hi, v, acc))
+    out = part_ptr + ((row * tl.num_programs(1) + split) * G + g[:, None]) * D + tl.arange(0, D)[None, :]
+    tl.store(out, acc * (1.0 / P_SCALE), mask=live_g[:, None])
 
 
 @triton.jit
@@ -341,17 +351,12 @@ def _check_dim(name: str, n: int, least: int = 16) -> None:
 
 
 def _group(Hq: int, H: int) -> tuple[int, int]:
-    """(G, G_P): query heads per KV head and the rows a program holds them in (a power of two)."""
+    """(G, G_P): query heads per KV head and the rows of the tensor-core products that hold them (a power of two,
+    at least 16)."""
     if H == 0 or Hq % H:
         raise ValueError(f"{Hq} query heads are not a multiple of {H} KV heads")
     G = Hq // H
-    return G, triton.next_power_of_2(G)
-
-
-def _use_dot(G: int, *dims: int) -> bool:
-    """tl.dot (fp32 FMA, rows padded to 16) only once the group fills its 16 rows; below, a loop over the G
-    heads of elementwise products and sums wastes no work on padding."""
-    return G >= 16 and min(dims) >= 16
+    return G, max(16, triton.next_power_of_2(G))
 
 
 def _words(t: Tensor) -> Tensor:
@@ -402,10 +407,10 @@ def aligned_qk(q: Tensor, k_hi: Tensor, k_mid: Tensor, k_lo: Tensor, k_exp: Tens
         blocks_per_program = max(1, min(4, n_blocks * B * H // target_programs(dev)))
     progs, per_prog = split_groups(n_blocks, B * H, dev, -(-n_blocks // blocks_per_program))
     (hi, s_hi), (mid, s_mid), (lo, s_lo), (ex, s_exp) = map(head_rows, (_words(k_hi), k_mid, k_lo, k_exp))
-    use_dot = _use_dot(G, BT // 2, d)
     _qk_kernel[(B * H, progs)](q.contiguous(), hi, mid, lo, ex, out, out if live is None else live, n_blocks, per_prog,
-                               out.shape[2], s_hi, s_mid, s_lo, s_exp, G=G, G_P=max(G_P, 16) if use_dot else G_P, D=d,
-                               BT=BT, MIN_BITS=min_bits, USE_DOT=use_dot, DYN=live is not None, num_warps=num_warps)
+                               out.shape[2], s_hi, s_mid, s_lo, s_exp, G=G, G_E=triton.next_power_of_2(G), G_P=G_P,
+                               D=d, DP=max(d, 32), BT=BT, MIN_BITS=min_bits, EXACT_Q=q.dtype == torch.float16,
+                               DYN=live is not None, num_warps=num_warps, num_stages=QK_STAGES)
     return out
 
 
@@ -423,8 +428,8 @@ def aligned_qk_ref(q: Tensor, k_hi: Tensor, k_mid: Tensor, k_lo: Tensor, k_exp: 
 
 
 def aligned_pv(p: Tensor, o_est: Tensor, v_hi: Tensor, v_mid: Tensor, v_lo: Tensor, v_exp: Tensor, n_tokens: int,
-               min_bits: int, block_n: int = 64, num_splits: int | None = None, row_mask: bool = True,
-               num_warps: int | None = None, live: Tensor | None = None) -> Tensor:
+               min_bits: int, block_n: int = PV_BLOCK_N, num_splits: int | None = None, row_mask: bool = True,
+               num_warps: int = 4, live: Tensor | None = None) -> Tensor:
     """p · ṽ (B, Hq, d) fp32 over the first n_tokens value rows, each element read at the bits Rule 2 gives it.
     p (B, Hq, S) fp32 probabilities, S >= n_tokens (only the first n_tokens are read); o_est (B, Hq, d) fp32;
     the planes may hold N >= n_tokens rows. num_splits (split-K over tokens) defaults to filling the device.
@@ -439,7 +444,7 @@ def aligned_pv(p: Tensor, o_est: Tensor, v_hi: Tensor, v_mid: Tensor, v_lo: Tens
     dev = p.device
     check_runnable(_pv_kernel, dev)
     _check_dim("head_dim", d)
-    _check_dim("block_n", block_n)
+    _check_dim("block_n", block_n, 32)       # 16 (a 16-deep product) summed wrong on an H200 (Triton 3.6)
     Hq, S = p.shape[1], p.shape[2]
     G, G_P = _group(Hq, H)
     check_tensor(p, "p", (B, Hq, S), (torch.float32,), dev)
@@ -459,13 +464,10 @@ def aligned_pv(p: Tensor, o_est: Tensor, v_hi: Tensor, v_mid: Tensor, v_lo: Tens
     partials = torch.empty(B * H, splits, G, d, dtype=torch.float32, device=dev)
     p = p.contiguous()
     (hi, s_hi), (mid, s_mid), (lo, s_lo), (ex, s_exp) = map(head_rows, (_words(v_hi), v_mid, v_lo, v_exp))
-    use_dot = _use_dot(G, block_n, d // 2)
-    if num_warps is None:                             # a sweep's best at 128K tokens, d = 128
-        num_warps = 8 if G == 1 else 4
     _pv_kernel[(B * H, splits)](p, o_est.contiguous(), hi, mid, lo, ex, partials, partials if live is None else live,
-                                n_tokens, S, per_split * block_n, s_hi, s_mid, s_lo, s_exp, G=G,
-                                G_P=max(G_P, 16) if use_dot else G_P, D=d, BLOCK_N=block_n, MIN_BITS=min_bits,
-                                USE_DOT=use_dot, ROW_MASK=row_mask, DYN=live is not None, num_warps=num_warps)
+                                n_tokens, S, per_split * block_n, s_hi, s_mid, s_lo, s_exp, G=G, G_P=G_P, D=d,
+                                BLOCK_N=block_n, MIN_BITS=min_bits, ROW_MASK=row_mask, DYN=live is not None,
+                                num_warps=num_warps, num_stages=PV_STAGES)
     return partials.sum(1).view(B, Hq, d)                                       # (B*H, G, d) -> (B, Hq, d)
 
 

@@ -49,7 +49,7 @@ def assert_all_levels(bits, min_bits):
 
 
 @pytest.mark.parametrize("G", [1, 3])
-@pytest.mark.parametrize("d", [32, 64])
+@pytest.mark.parametrize("d", [16, 32, 64])
 @pytest.mark.parametrize("BT", [16, 32])
 @pytest.mark.parametrize("min_bits", [8, 12, 16])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -92,7 +92,7 @@ def test_pv_matches_reference(G, d, BT, min_bits):
     p, o_est, (v_hi, v_mid, v_lo, v_exp) = pv_inputs(G, d, N, n_tokens, g)
     bits = value_levels(p[:, :, None, :n_tokens], o_est[:, :, None], v_exp[:, :, :n_tokens], min_bits)
     assert_all_levels(bits, min_bits)
-    got = aligned_pv(p, o_est, v_hi, v_mid, v_lo, v_exp, n_tokens, min_bits, block_n=16)
+    got = aligned_pv(p, o_est, v_hi, v_mid, v_lo, v_exp, n_tokens, min_bits, block_n=32)
     check(got, aligned_pv_ref(p, o_est, v_hi, v_mid, v_lo, v_exp, n_tokens, min_bits))
 
 
@@ -129,10 +129,12 @@ def test_bad_input_is_named():
         aligned_pv(p, o_est, v_hi, v_mid, v_lo.to(torch.int8), v_exp, 64, 8)
     with pytest.raises(ValueError, match="n_tokens"):
         aligned_pv(p, o_est, v_hi, v_mid, v_lo, v_exp, 65, 8)
+    with pytest.raises(ValueError, match="block_n a power of two >= 32"):
+        aligned_pv(p, o_est, v_hi, v_mid, v_lo, v_exp, 64, 8, block_n=16)
 
 
 def test_wide_groups_and_row_mask():
-    """G = 16 query heads per KV head takes the tl.dot path; row_mask=False fetches single bytes, same result."""
+    """G = 16 query heads per KV head fill the products' 16 rows; row_mask=False fetches single bytes, same result."""
     g = torch.Generator().manual_seed(16)
     keys = outliers(torch.randn(1, 1, 64, 32, generator=g), g).half().to(DEVICE)
     q = torch.randn(1, 16, 32, generator=g).half().to(DEVICE)
@@ -140,7 +142,7 @@ def test_wide_groups_and_row_mask():
     check(aligned_qk(q, *planes, 2, 8), aligned_qk_ref(q, *planes, 2, 8))
     for G, row_mask in ((16, True), (3, False), (1, False)):
         p, o_est, planes = pv_inputs(G, 32, 64, 48, g)
-        got = aligned_pv(p, o_est, *planes, 48, 8, block_n=16, row_mask=row_mask)
+        got = aligned_pv(p, o_est, *planes, 48, 8, block_n=32, row_mask=row_mask)
         check(got, aligned_pv_ref(p, o_est, *planes, 48, 8))
 
 
@@ -156,8 +158,8 @@ def test_live_counts_from_a_device_tensor():
     p, o_est, planes = pv_inputs(2, 32, 96, 96, g)
     for n in (0, 37, 96):
         live = torch.tensor([n], dtype=torch.int32, device=DEVICE)
-        check(aligned_pv(p, o_est, *planes, 96, 8, block_n=16, num_splits=3, live=live),
-              aligned_pv(p, o_est, *planes, n, 8, block_n=16) if n else torch.zeros_like(o_est))
+        check(aligned_pv(p, o_est, *planes, 96, 8, block_n=32, num_splits=3, live=live),
+              aligned_pv(p, o_est, *planes, n, 8, block_n=32) if n else torch.zeros_like(o_est))
     with pytest.raises(ValueError, match="live has dtype"):
         aligned_pv(p, o_est, *planes, 96, 8, live=live.long())
     with pytest.raises(ValueError, match="live has shape"):
