@@ -17,8 +17,9 @@ its rotated keys and its weighing of 4-bit value latents (1,024 wide, groups of 
 (groups of 128, bf16 activations) for one row, the group kernel's 16 rows and the Gluon kernel's 8 and 16 rows,
 split over K or not; the InnerQ Gluon kernel at 8B also under the register cap of three programs an SM
 (innerq_hopper.register_cap, "-busy"); InnerQ's window kernel, the combine kernel its split kernels and the outer
-ones share, and InnerQ's two key kernels of the graph step at the paper's windows. Each with its launcher's
-settings."""
+ones share, InnerQ's two key kernels of the graph step at the paper's windows, and AlignedKV's static step (its two
+products over 64-token blocks, its first top-k pass, and its estimate over the candidates of 128 chunks, 128K
+tokens). Each with its launcher's settings."""
 
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from kvzoo.kernels import (innerq_attention, innerq_hopper, outer_attention, outer_hopper, quantize_pack, scores, w4a16,
-                           w4a16_hopper, xquant_remat)
+from kvzoo.kernels import (alignedkv_attention, innerq_attention, innerq_hopper, outer_attention, outer_hopper,
+                           quantize_pack, scores, w4a16, w4a16_hopper, xquant_remat)
 from kvzoo.kernels.quant_matvec import unpack_asm
 
 H100 = GPUTarget("cuda", 90, 32)
@@ -134,6 +135,21 @@ def cases() -> dict:
             out[f"w4a16-gluon-{rows}-rows-split-{split}"] = (w4a16_hopper._w4_kernel, dict(
                 GROUP=128, NP=rows, SPLIT=split, LP=w4a16_hopper._words_layout()), GluonASTSource, w4,
                 dict(num_warps=w4a16_hopper.N_WARPS))
+    aligned = dict(q_ptr="*bf16", hi_ptr="*u16", mid_ptr="*u8", lo_ptr="*u8", exp_ptr="*i8", out_ptr="*fp32",
+                   len_ptr="*i64", tk_ptr="*bf16", mask_ptr="*i1", p_ptr="*fp32", o_ptr="*fp32", part_ptr="*fp32",
+                   tv_ptr="*bf16", cand_ptr="*i64", vhi_ptr="*u8", vmid_ptr="*u8", vlo_ptr="*u8", tail_ptr="*bf16",
+                   na_ptr="*i64")
+    al = alignedkv_attention
+    out["alignedkv-qk"] = (al._qk_kernel, dict(G=4, G_E=4, G_P=16, D=128, DP=128, BT=64, MIN_BITS=8, EXACT_Q=False,
+                                               DYN=True, STATIC=True), ASTSource, aligned,
+                           dict(num_warps=4, num_stages=al.QK_STAGES))
+    out["alignedkv-pv"] = (al._pv_kernel, dict(G=4, G_P=16, D=128, BLOCK_N=al.PV_BLOCK_N, MIN_BITS=8, ROW_MASK=True,
+                                               DYN=True, LIVE_ROWS=64, TAIL=64, TAIL_P=64), ASTSource, aligned,
+                           dict(num_warps=4, num_stages=al.PV_STAGES))
+    out["alignedkv-topk"] = (al._chunk_topk_kernel, dict(C=al.TOPK_CHUNK, K_P=32), ASTSource, aligned,
+                             dict(num_warps=4))
+    out["alignedkv-estimate"] = (al._estimate_kernel, dict(G=4, K=32, K_P=32, NC_P=4096, D=128, NA_ROWS=64,
+                                                           SELECT=True), ASTSource, aligned, dict(num_warps=4))
     return out
 
 

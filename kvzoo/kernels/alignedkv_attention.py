@@ -52,9 +52,11 @@ into order (tl.join, reshape).
                 own k, v at its slot, then writes the token into the planes (its key nibbles merged into the bytes
                 it shares with its neighbour) and, closing a block, the block's colmax exponents: one launch in
                 place of the torch reference's (kvzoo.cache.alignedkv.token_tail, store_token) hundred-odd.
-    _estimate_kernel grid (B*Hq,): O_est, one program per query head: the top-k slots' exact values gathered from
-                the planes (slots < NA, all three planes joined) or the exact tail, times their probabilities and
-                summed (the top-k itself is torch's; _estimate_ref is the torch gather).
+    _chunk_topk_kernel grid (B*Hq, chunks): the top k (a power of two) of each TOPK_CHUNK slots of a query head's
+                probabilities (tl.topk over int64 keys, the fp32 bits above the slot).
+    _estimate_kernel grid (B*Hq,): O_est, one program per query head: the top k of its chunks' candidates, their
+                exact values gathered from the planes (slots < NA, all three planes joined) or the exact tail,
+                times their probabilities and summed (_estimate_ref: torch's topk and gathers).
 aligned_decode writes the tail scores into the aligned scores' buffer (no concatenation) and scales in place.
 aligned_decode_static is the same step with fixed shapes for CUDA graphs (the cache's decode_static): given `live`,
 an int32 device tensor, both kernels read the count of complete blocks / aligned tokens from it (the grid sized by
@@ -79,6 +81,7 @@ _D8 = tl.constexpr(DIFF_FOR_8)
 _D12 = tl.constexpr(DIFF_FOR_12)
 _FAR = tl.constexpr(1 << 20)          # a diff no level threshold reaches: padded query heads never decide
 QK_STAGES, PV_STAGES, PV_BLOCK_N = 3, 3, 32   # software pipelining and aligned_pv's tokens a step (a sweep's best)
+TOPK_CHUNK = 1024                     # the slots of a program's first top-k pass (a sweep's best at batch 1)
 P_SCALE = tl.constexpr(4096.0)       # p (< 16) times this before its fp16 split: p >= 2^-26 stays a normal fp16
 
 
@@ -92,7 +95,7 @@ def _exponent(x):
 def _live(len_ptr, COUNT, DYN: tl.constexpr):
     """How many blocks (tokens) are live: COUNT, or with DYN the device tensor `live` (CUDA graphs)."""
     if DYN:
-        return tl.load(len_ptr)
+        return tl.load(len_ptr).to(tl.int32)
     return COUNT
 
 
@@ -140,9 +143,16 @@ def _split(x, scale):
 
 
 @triton.jit
-def _qk_kernel(q_ptr, hi_ptr, mid_ptr, lo_ptr, exp_ptr, out_ptr, len_ptr, NBLK, PER_PROG, S_OUT, s_hi, s_mid, s_lo,
-               s_exp, G: tl.constexpr, G_E: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-               BT: tl.constexpr, MIN_BITS: tl.constexpr, EXACT_Q: tl.constexpr, DYN: tl.constexpr):
+def _attended(s, scale, mask_ptrs):
+    """Scores (G_P, BT) scaled, and -inf at the slots the mask (BT,) leaves out."""
+    return tl.where(tl.load(mask_ptrs).to(tl.int1)[None, :], s * scale, float("-inf"))
+
+
+@triton.jit
+def _qk_kernel(q_ptr, hi_ptr, mid_ptr, lo_ptr, exp_ptr, out_ptr, len_ptr, tk_ptr, mask_ptr, scale, NBLK, NB, H,
+               PER_PROG, S_OUT, s_hi, s_mid, s_lo, s_exp, G: tl.constexpr, G_E: tl.constexpr, G_P: tl.constexpr,
+               D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, MIN_BITS: tl.constexpr, EXACT_Q: tl.constexpr,
+               DYN: tl.constexpr, STATIC: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)                # b*H + KV head
     HT: tl.constexpr = BT // 2                         # token pairs per block
     i = tl.arange(0, DP)                               # channels, padded to the products' least depth
@@ -164,6 +174,7 @@ def _qk_kernel(q_ptr, hi_ptr, mid_ptr, lo_ptr, exp_ptr, out_ptr, len_ptr, NBLK, 
     first = tl.program_id(1) * PER_PROG
     for b in range(0, PER_PROG):
         n = first + b                                  # block
+        j = n * BT + tl.arange(0, BT)                  # its slots
         if n < NBLK:
             # Rule 1, from q and the block's colmax exponents only
             a = e_q + tl.load(exp_ptr + row * s_exp + n * D + i, mask=i < D, other=0).to(tl.int32)[None, :]  # (G_E, DP)
@@ -179,14 +190,25 @@ def _qk_kernel(q_ptr, hi_ptr, mid_ptr, lo_ptr, exp_ptr, out_ptr, len_ptr, NBLK, 
             s = tl.dot(q_hi, k)                                                                      # (G_P, BT)
             if not EXACT_Q:
                 s = tl.dot(q_lo, k, s)
-            j = n * BT + tl.arange(0, BT)
+            if STATIC:
+                s = _attended(s, scale, mask_ptr + (row // H) * S_OUT + j)
+            tl.store(out_ptr + heads[:, None] * S_OUT + j[None, :], s, mask=live_g[:, None])
+        elif STATIC and n < NB:                        # the static step: its exact tail block, then nothing stored
+            if n == NBLK:
+                kt = tl.load(tk_ptr + (row * BT + tl.arange(0, BT))[:, None] * D + i[None, :], mask=(i < D)[None, :],
+                             other=0).to(tl.float32)                                                # (BT, DP)
+                s = tl.dot(q.to(tl.float32), tl.trans(kt), input_precision="ieee")                  # (G_P, BT)
+            else:
+                s = tl.full((G_P, BT), float("-inf"), tl.float32)
+            s = _attended(s, scale, mask_ptr + (row // H) * S_OUT + j)
             tl.store(out_ptr + heads[:, None] * S_OUT + j[None, :], s, mask=live_g[:, None])
 
 
 @triton.jit
-def _pv_kernel(p_ptr, o_ptr, hi_ptr, mid_ptr, lo_ptr, exp_ptr, part_ptr, len_ptr, N, S_P, PER_SPLIT, s_hi, s_mid, s_lo,
-               s_exp, G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-               MIN_BITS: tl.constexpr, ROW_MASK: tl.constexpr, DYN: tl.constexpr):
+def _pv_kernel(p_ptr, o_ptr, hi_ptr, mid_ptr, lo_ptr, exp_ptr, part_ptr, len_ptr, tv_ptr, N, S_P, PER_SPLIT, s_hi,
+               s_mid, s_lo, s_exp, G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+               MIN_BITS: tl.constexpr, ROW_MASK: tl.constexpr, DYN: tl.constexpr, LIVE_ROWS: tl.constexpr,
+               TAIL: tl.constexpr, TAIL_P: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)                # b*H + KV head
     split = tl.program_id(1)
     HD: tl.constexpr = D // 2                          # channel pairs
@@ -194,8 +216,16 @@ def _pv_kernel(p_ptr, o_ptr, hi_ptr, mid_ptr, lo_ptr, exp_ptr, part_ptr, len_ptr
     live_g = g < G
     c = tl.arange(0, HD)
     heads = row * G + g                                # query rows b*Hq + kv*G + g
-    acc = tl.zeros((G_P, D), dtype=tl.float32)         # p * 2^P_SHIFT times the values
-    N = _live(len_ptr, N, DYN)
+    acc = tl.zeros((G_P, D), dtype=tl.float32)         # p * P_SCALE times the values
+    N = _live(len_ptr, N, DYN) * LIVE_ROWS
+    if TAIL > 0 and split == tl.num_programs(1) - 1:   # the static step's exact tail: slots N + [0, TAIL)
+        t = tl.arange(0, TAIL_P)
+        pt = tl.load(p_ptr + heads[:, None] * S_P + (N + t)[None, :], mask=live_g[:, None] & (t < TAIL)[None, :],
+                     other=0)                                                                     # (G_P, TAIL_P)
+        tv = tl.load(tv_ptr + (row * TAIL + t)[:, None] * D + tl.arange(0, D)[None, :], mask=(t < TAIL)[:, None],
+                     other=0).to(tl.float32)                                                      # (TAIL_P, D)
+        acc = tl.dot(pt * P_SCALE, tv, input_precision="ieee")
+        N = 0                                          # and no stored rows
     for start in range(0, tl.minimum(PER_SPLIT, N - split * PER_SPLIT), BLOCK_N):   # a split past N stores zeros
         j = split * PER_SPLIT + start + tl.arange(0, BLOCK_N)
         live = j < N
@@ -369,13 +399,17 @@ def _words(t: Tensor) -> Tensor:
 
 def aligned_qk(q: Tensor, k_hi: Tensor, k_mid: Tensor, k_lo: Tensor, k_exp: Tensor, n_blocks: int,
                min_bits: int, blocks_per_program: int | None = None, out: Tensor | None = None,
-               num_warps: int = 4, live: Tensor | None = None) -> Tensor:
+               num_warps: int = 4, live: Tensor | None = None, tail_k: Tensor | None = None,
+               mask: Tensor | None = None, scale: float = 1.0) -> Tensor:
     """Unscaled scores q · k̃ᵀ (B, Hq, n_blocks*BT) fp32 over the first n_blocks key blocks, each key channel of
     each block read at the bits Rule 1 gives it. q (B, Hq, d) fp16/bf16/fp32; the planes may hold NB >= n_blocks
     blocks (the cache's whole buffers). blocks_per_program defaults to filling the device; `out`, a contiguous
     fp32 (B, Hq, S >= n_blocks*BT), takes the scores in its first n_blocks*BT slots (and is returned whole).
-    live, an int32 device tensor (1,) <= n_blocks, is read by the kernel as the number of blocks to score, n_blocks
-    then only sizing the grid (CUDA graphs: no host sync); the slots of the other blocks are left unwritten."""
+    live, an int32 or int64 device tensor (1,) <= n_blocks, is read by the kernel as the number of blocks to score,
+    n_blocks then only sizing the grid (CUDA graphs: no host sync); the slots of the other blocks are left unwritten.
+    The static step (aligned_decode_static) gives with live the exact tail_k (B, H, BT, d) of block `live`, which
+    the kernel scores exactly (fp32), a mask (B, S) of the slots attended and a scale: every slot of `out` is then
+    written, scaled, -inf where the mask is False."""
     _check_common("k_hi", k_hi, 5, min_bits)
     B, H, NB, d, BT = k_hi.shape
     if not isinstance(q, Tensor) or q.dim() != 3:
@@ -395,7 +429,10 @@ def aligned_qk(q: Tensor, k_hi: Tensor, k_mid: Tensor, k_lo: Tensor, k_exp: Tens
     if not 0 <= n_blocks <= NB:
         raise ValueError(f"n_blocks = {n_blocks} is outside the {NB} stored blocks")
     if live is not None:
-        check_tensor(live, "live", (1,), (torch.int32,), dev)
+        check_tensor(live, "live", (1,), (torch.int32, torch.int64), dev)
+    static = tail_k is not None
+    if static and (live is None or mask is None or out is None or out.shape[-1] != NB * BT):
+        raise ValueError("tail_k (the static step) needs live, a mask and out spanning every stored slot")
     if out is None:
         out = torch.empty(B, Hq, n_blocks * BT, dtype=torch.float32, device=dev)
     elif (not isinstance(out, Tensor) or out.dim() != 3 or out.shape[:2] != (B, Hq) or out.shape[2] < n_blocks * BT
@@ -407,10 +444,15 @@ def aligned_qk(q: Tensor, k_hi: Tensor, k_mid: Tensor, k_lo: Tensor, k_exp: Tens
         blocks_per_program = max(1, min(4, n_blocks * B * H // target_programs(dev)))
     progs, per_prog = split_groups(n_blocks, B * H, dev, -(-n_blocks // blocks_per_program))
     (hi, s_hi), (mid, s_mid), (lo, s_lo), (ex, s_exp) = map(head_rows, (_words(k_hi), k_mid, k_lo, k_exp))
-    _qk_kernel[(B * H, progs)](q.contiguous(), hi, mid, lo, ex, out, out if live is None else live, n_blocks, per_prog,
-                               out.shape[2], s_hi, s_mid, s_lo, s_exp, G=G, G_E=triton.next_power_of_2(G), G_P=G_P,
-                               D=d, DP=max(d, 32), BT=BT, MIN_BITS=min_bits, EXACT_Q=q.dtype == torch.float16,
-                               DYN=live is not None, num_warps=num_warps, num_stages=QK_STAGES)
+    if static:
+        check_tensor(tail_k, "tail_k", (B, H, BT, d), (torch.float16, torch.bfloat16, torch.float32), dev)
+        check_tensor(mask, "mask", (B, NB * BT), (torch.bool,), dev)
+    _qk_kernel[(B * H, progs)](q.contiguous(), hi, mid, lo, ex, out, out if live is None else live,
+                               tail_k.contiguous() if static else out, mask.contiguous() if static else out, scale,
+                               n_blocks, NB, H, per_prog, out.shape[2], s_hi, s_mid, s_lo, s_exp, G=G,
+                               G_E=triton.next_power_of_2(G), G_P=G_P, D=d, DP=max(d, 32), BT=BT, MIN_BITS=min_bits,
+                               EXACT_Q=q.dtype == torch.float16, DYN=live is not None, STATIC=static,
+                               num_warps=num_warps, num_stages=QK_STAGES)
     return out
 
 
@@ -429,14 +471,16 @@ def aligned_qk_ref(q: Tensor, k_hi: Tensor, k_mid: Tensor, k_lo: Tensor, k_exp: 
 
 def aligned_pv(p: Tensor, o_est: Tensor, v_hi: Tensor, v_mid: Tensor, v_lo: Tensor, v_exp: Tensor, n_tokens: int,
                min_bits: int, block_n: int = PV_BLOCK_N, num_splits: int | None = None, row_mask: bool = True,
-               num_warps: int = 4, live: Tensor | None = None) -> Tensor:
+               num_warps: int = 4, live: Tensor | None = None, live_rows: int = 1,
+               tail_v: Tensor | None = None) -> Tensor:
     """p · ṽ (B, Hq, d) fp32 over the first n_tokens value rows, each element read at the bits Rule 2 gives it.
     p (B, Hq, S) fp32 probabilities, S >= n_tokens (only the first n_tokens are read); o_est (B, Hq, d) fp32;
     the planes may hold N >= n_tokens rows. num_splits (split-K over tokens) defaults to filling the device.
     row_mask fetches a token's whole v_mid / v_lo row once any of its bytes is needed (vector loads; the same
-    result, since each element still keeps only the nibbles its own level reads). live, an int32 device tensor (1,)
-    <= n_tokens, is read by the kernel as the number of rows to sum, n_tokens then only sizing the grid (CUDA
-    graphs: no host sync)."""
+    result, since each element still keeps only the nibbles its own level reads). live, an int32 or int64 device
+    tensor (1,), is read by the kernel: it sums live * live_rows <= n_tokens rows, n_tokens then only sizing the grid
+    (CUDA graphs: no host sync). With live, tail_v (B, H, W, d), the static step's exact tail, adds p's slots
+    live * live_rows + [0, W) times its rows (fp32), in one more split."""
     _check_common("v_hi", v_hi, 4, min_bits)
     B, H, N, d = v_hi.shape
     if not isinstance(p, Tensor) or p.dim() != 3:
@@ -457,17 +501,26 @@ def aligned_pv(p: Tensor, o_est: Tensor, v_hi: Tensor, v_mid: Tensor, v_lo: Tens
     if not 0 <= n_tokens <= min(N, S):
         raise ValueError(f"n_tokens = {n_tokens} exceeds the {N} stored values or the {S} probabilities")
     if live is not None:
-        check_tensor(live, "live", (1,), (torch.int32,), dev)
+        check_tensor(live, "live", (1,), (torch.int32, torch.int64), dev)
+    W = 0
+    if tail_v is not None:
+        if live is None:
+            raise ValueError("tail_v (the static step) needs live")
+        W = tail_v.shape[2] if tail_v.dim() == 4 else 0
+        check_tensor(tail_v, "tail_v", (B, H, W, d), (torch.float16, torch.bfloat16, torch.float32), dev)
     if B == 0 or n_tokens == 0:
         return torch.zeros(B, Hq, d, dtype=torch.float32, device=dev)
     splits, per_split = split_groups(triton.cdiv(n_tokens, block_n), B * H, dev, num_splits)
-    partials = torch.empty(B * H, splits, G, d, dtype=torch.float32, device=dev)
+    partials = torch.empty(B * H, splits + (W > 0), G, d, dtype=torch.float32, device=dev)
     p = p.contiguous()
     (hi, s_hi), (mid, s_mid), (lo, s_lo), (ex, s_exp) = map(head_rows, (_words(v_hi), v_mid, v_lo, v_exp))
-    _pv_kernel[(B * H, splits)](p, o_est.contiguous(), hi, mid, lo, ex, partials, partials if live is None else live,
-                                n_tokens, S, per_split * block_n, s_hi, s_mid, s_lo, s_exp, G=G, G_P=G_P, D=d,
-                                BLOCK_N=block_n, MIN_BITS=min_bits, ROW_MASK=row_mask, DYN=live is not None,
-                                num_warps=num_warps, num_stages=PV_STAGES)
+    _pv_kernel[(B * H, partials.shape[1])](p, o_est.contiguous(), hi, mid, lo, ex, partials,
+                                           partials if live is None else live,
+                                           tail_v.contiguous() if W else partials, n_tokens, S, per_split * block_n,
+                                           s_hi, s_mid, s_lo, s_exp, G=G, G_P=G_P, D=d, BLOCK_N=block_n,
+                                           MIN_BITS=min_bits, ROW_MASK=row_mask, DYN=live is not None,
+                                           LIVE_ROWS=live_rows, TAIL=W, TAIL_P=max(32, triton.next_power_of_2(W or 1)),
+                                           num_warps=num_warps, num_stages=PV_STAGES)
     return partials.sum(1).view(B, Hq, d)                                       # (B*H, G, d) -> (B, Hq, d)
 
 
@@ -514,35 +567,51 @@ def aligned_decode_static(q: Tensor, k_hi: Tensor, k_mid: Tensor, k_lo: Tensor, 
     attended (the tail's unwritten slots and every later one masked out). Returns (B, Hq, d) fp32."""
     B, Hq, d = q.shape
     H, NB, BT = k_hi.shape[1], k_hi.shape[2], k_hi.shape[-1]
-    G, S = Hq // H, NB * BT
+    S = NB * BT
     dev = q.device
     check_tensor(n_full, "n_full", (1,), (torch.int64,), dev)
     check_tensor(mask, "mask", (B, S), (torch.bool,), dev)
     for name, t in (("tail_k", tail_k), ("tail_v", tail_v)):
         check_tensor(t, name, (B, H, BT, d), (torch.float16, torch.bfloat16, torch.float32), dev)
-    NA = n_full * BT                                                                  # (1,) the tail's first slot
-    tail = NA + torch.arange(BT, device=dev)                                          # (BT,) the tail's slots
     scores = torch.empty(B, Hq, S, dtype=torch.float32, device=dev)
-    aligned_qk(q, k_hi, k_mid, k_lo, k_exp, NB, min_bits, out=scores, live=n_full.to(torch.int32))   # slots < NA
-    tail_scores = torch.einsum("bhgd,bhwd->bhgw", q.float().view(B, H, G, d), tail_k.float())    # (B, H, G, BT)
-    scores.index_copy_(2, tail, tail_scores.reshape(B, Hq, BT))
-    p = scores.mul_(d ** -0.5).masked_fill_(~mask[:, None], float("-inf")).softmax(-1)            # (B, Hq, S)
-    o_est = _estimate(p, v_hi, v_mid, v_lo, tail_v, NA, topk)
-    out = aligned_pv(p, o_est, v_hi, v_mid, v_lo, v_exp, S, min_bits, live=NA.to(torch.int32))
-    p_tail = p.index_select(2, tail).view(B, H, G, BT)
-    return out + torch.einsum("bhgw,bhwd->bhgd", p_tail, tail_v.float()).reshape(B, Hq, d)
+    aligned_qk(q, k_hi, k_mid, k_lo, k_exp, NB, min_bits, out=scores, live=n_full, tail_k=tail_k, mask=mask,
+               scale=d ** -0.5)                                                    # every slot, scaled and masked
+    p = scores.softmax(-1)                                                         # (B, Hq, S)
+    o_est = _estimate(p, v_hi, v_mid, v_lo, tail_v, n_full, topk, na_rows=BT)
+    return aligned_pv(p, o_est, v_hi, v_mid, v_lo, v_exp, S, min_bits, live=n_full, live_rows=BT, tail_v=tail_v)
 
 
 @triton.jit
-def _estimate_kernel(p_ptr, idx_ptr, vhi_ptr, vmid_ptr, vlo_ptr, tail_ptr, na_ptr, out_ptr, N, W,
-                     G: tl.constexpr, K: tl.constexpr, K_P: tl.constexpr, D: tl.constexpr):
+def _keys(p, j):
+    """Top-k sort keys of probabilities p >= 0 at slots j: the fp32 bits above (non-negative, so ordered as
+    integers), the slot below (of equal p, the later slot ranks first)."""
+    return (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | j.to(tl.int64)
+
+
+@triton.jit
+def _chunk_topk_kernel(p_ptr, cand_ptr, S, C: tl.constexpr, K_P: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)                # b*Hq + query head
+    chunk = tl.program_id(1)
+    j = chunk * C + tl.arange(0, C)
+    p = tl.load(p_ptr + row * S + j, mask=j < S, other=0)
+    keys = tl.where(j < S, _keys(p, j), -1)                                            # (C,) past S: below all
+    tl.store(cand_ptr + (row * tl.num_programs(1) + chunk) * K_P + tl.arange(0, K_P), tl.topk(keys, K_P))
+
+
+@triton.jit
+def _estimate_kernel(cand_ptr, vhi_ptr, vmid_ptr, vlo_ptr, tail_ptr, na_ptr, out_ptr, N, W, NC,
+                     G: tl.constexpr, K: tl.constexpr, K_P: tl.constexpr, NC_P: tl.constexpr, D: tl.constexpr,
+                     NA_ROWS: tl.constexpr, SELECT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)                # b*Hq + query head
     kv = row // G                                      # b*H + its KV head
-    i = tl.arange(0, K_P)
-    live = i < K
-    p = tl.load(p_ptr + row * K + i, mask=live, other=0)                             # (K_P,) fp32
-    idx = tl.load(idx_ptr + row * K + i, mask=live, other=0)                         # (K_P,) slots
-    NA = tl.load(na_ptr).to(tl.int64)                  # the slots stored in the planes
+    n = tl.arange(0, NC_P)
+    top = tl.load(cand_ptr + row * NC + n, mask=n < NC, other=-1)                     # (NC_P,) candidate keys
+    if SELECT:
+        top = tl.topk(top, K_P)                        # (K_P,) the row's top keys
+    live = tl.arange(0, K_P) < K
+    p = tl.where(live, (top >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0)      # (K_P,) fp32
+    idx = top & 0xFFFFFFFF                                                             # (K_P,) slots
+    NA = tl.load(na_ptr).to(tl.int64) * NA_ROWS        # the slots stored in the planes
     c = tl.arange(0, D)
     in_planes = (live & (idx < NA))[:, None]           # (K_P, 1): a stored slot, else the tail's
     rows = kv * N + tl.maximum(tl.minimum(idx, NA - 1), 0)                            # stored slots: planes
@@ -560,17 +629,33 @@ def _estimate_kernel(p_ptr, idx_ptr, vhi_ptr, vmid_ptr, vlo_ptr, tail_ptr, na_pt
 
 
 def _estimate(p: Tensor, v_hi: Tensor, v_mid: Tensor, v_lo: Tensor, tail_v: Tensor, NA: int | Tensor,
-              topk: int) -> Tensor:
-    """_estimate_ref with the gather and the weighted sum in one kernel (the top-k stays torch's)."""
+              topk: int, na_rows: int = 1, chunked: bool | None = None) -> Tensor:
+    """_estimate_ref in two kernels: each chunk of TOPK_CHUNK slots its top k (_chunk_topk_kernel), then per query
+    head the top k of those, their exact values gathered and weighted (_estimate_kernel). NA, an int or a device
+    tensor (1,), counts the stored slots in units of na_rows. chunked=False takes the top k from torch.topk (the
+    default on CPU, where the interpreter runs tl.topk's sorting network a thousand times slower)."""
     B, Hq, S = p.shape
     H, W, d = tail_v.shape[1], tail_v.shape[2], tail_v.shape[-1]
-    top_p, idx = p.topk(min(topk, S), dim=-1)                                         # (B, Hq, k)
+    K = min(topk, S)
+    K_P = triton.next_power_of_2(K)
+    p = p.contiguous()
+    if chunked is None:
+        chunked = p.is_cuda
+    if chunked:
+        C = min(max(TOPK_CHUNK, K_P), triton.next_power_of_2(S))                      # slots a chunk, >= K_P
+        chunks = triton.cdiv(S, C)
+        cand = torch.empty(B * Hq, chunks * K_P, dtype=torch.int64, device=p.device)
+        _chunk_topk_kernel[(B * Hq, chunks)](p, cand, S, C=C, K_P=K_P, num_warps=4 if C <= 4096 else 8)
+    else:
+        top_p, idx = p.view(B * Hq, S).topk(K, dim=-1)                                # (B*Hq, K) sorted
+        cand = (top_p.view(torch.int32).long() << 32) | idx                           # _keys
+    NC = cand.shape[1]
     out = torch.empty(B, Hq, d, dtype=torch.float32, device=p.device)
     na = NA if isinstance(NA, Tensor) else torch.full((1,), NA, dtype=torch.int64, device=p.device)
     v_hi, v_mid, v_lo = (t.contiguous() for t in (v_hi, v_mid, v_lo))                # (B, H, N, .) rows
-    _estimate_kernel[(B * Hq,)](top_p.contiguous(), idx.contiguous(), v_hi, v_mid, v_lo, tail_v.contiguous(), na,
-                                out, v_hi.shape[2], W, G=Hq // H, K=top_p.shape[-1],
-                                K_P=triton.next_power_of_2(top_p.shape[-1]), D=d)
+    _estimate_kernel[(B * Hq,)](cand, v_hi, v_mid, v_lo, tail_v.contiguous(), na, out, v_hi.shape[2], W, NC,
+                                G=Hq // H, K=K, K_P=K_P, NC_P=triton.next_power_of_2(NC), D=d, NA_ROWS=na_rows,
+                                SELECT=chunked, num_warps=4 if NC <= 4096 else 8)
     return out
 
 

@@ -161,7 +161,7 @@ def test_live_counts_from_a_device_tensor():
         check(aligned_pv(p, o_est, *planes, 96, 8, block_n=32, num_splits=3, live=live),
               aligned_pv(p, o_est, *planes, n, 8, block_n=32) if n else torch.zeros_like(o_est))
     with pytest.raises(ValueError, match="live has dtype"):
-        aligned_pv(p, o_est, *planes, 96, 8, live=live.long())
+        aligned_pv(p, o_est, *planes, 96, 8, live=live.float())
     with pytest.raises(ValueError, match="live has shape"):
         aligned_qk(q, *key_planes(keys, 16), 4, 8, live=live.expand(2))
 
@@ -216,8 +216,8 @@ def test_token_matches_reference(t, dtype):
 
 @pytest.mark.parametrize("NA", [0, 16, 48, torch.tensor([32])])
 def test_estimate_matches_reference(NA):
-    """O_est in one kernel (gather of the top-k slots' exact values from the planes or the tail, weighted sum)
-    against the torch gathers, with the count of stored slots given as an int or a device tensor."""
+    """O_est in its kernels (the top k chunk by chunk, or torch's; the gather of their exact values from the planes or
+    the tail, weighted sum) against the torch gathers, the count of stored slots given as an int or a device tensor."""
     from kvzoo.kernels.alignedkv_attention import _estimate, _estimate_ref
 
     g = torch.Generator().manual_seed(7)
@@ -227,8 +227,26 @@ def test_estimate_matches_reference(NA):
     tail_v = torch.randn(B, H, W, d, generator=g).to(DEVICE)
     p = torch.softmax(torch.randn(B, H * G, S + W, generator=g) * 3, -1).to(DEVICE)
     NA = NA.to(DEVICE) if isinstance(NA, torch.Tensor) else NA
-    got = _estimate(p, v_hi, v_mid, v_lo, tail_v, NA, 8)
-    torch.testing.assert_close(got, _estimate_ref(p, v_hi, v_mid, v_lo, tail_v, NA, 8), rtol=1e-6, atol=1e-6)
+    for chunked in (True, False):
+        got = _estimate(p, v_hi, v_mid, v_lo, tail_v, NA, 8, chunked=chunked)
+        torch.testing.assert_close(got, _estimate_ref(p, v_hi, v_mid, v_lo, tail_v, NA, 8), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("topk", [5, 8, 32])
+def test_estimate_over_chunks(topk, monkeypatch):
+    """The top k taken chunk by chunk (chunks of 16 slots here, the last one partial; k up to twice a chunk), then
+    over the chunks' candidates, against torch's topk over the whole row."""
+    from kvzoo.kernels import alignedkv_attention as al
+
+    monkeypatch.setattr(al, "TOPK_CHUNK", 16)
+    g = torch.Generator().manual_seed(9)
+    G, d, S, W = 3, 32, 64, 16
+    values = outliers(torch.randn(B, H, S, d, generator=g), g).half().to(DEVICE)
+    v_hi, v_mid, v_lo, _ = value_planes(values)
+    tail_v = torch.randn(B, H, W, d, generator=g).to(DEVICE)
+    p = torch.softmax(torch.randn(B, H * G, S + W - 7, generator=g) * 3, -1).to(DEVICE)     # 73 slots
+    got = al._estimate(p, v_hi, v_mid, v_lo, tail_v, 48, topk, chunked=True)
+    torch.testing.assert_close(got, al._estimate_ref(p, v_hi, v_mid, v_lo, tail_v, 48, topk), rtol=1e-6, atol=1e-6)
 
 
 def test_estimate_reads_strided_planes():

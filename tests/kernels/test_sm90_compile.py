@@ -1,5 +1,6 @@
 """The H100's decode kernels (InnerQ's and KIVI's split kernels in Gluon, InnerQ's and the outer layout's in Triton,
-InnerQ's window and key kernels and the shared combine, XQuant's scores and weighing, the 4-bit weight kernels) compiled for sm_90 on any machine
+InnerQ's window and key kernels and the shared combine, XQuant's scores and weighing, the 4-bit weight kernels,
+AlignedKV's static step) compiled for sm_90 on any machine
 (scripts/compile_sm90.py), at the shapes the benchmarks run and with the launchers' settings: a kernel that does not
 fit an H100 (its shared memory, registers ptxas cannot assign, or spills) fails here, not first on the device. The
 interpreter tests check what the kernels compute; they run none of the compiled code."""
@@ -25,8 +26,10 @@ NAMES = [f"innerq-gluon-d{d}-{g}" for d in (128, 64) for g in MODES] + [f"innerq
     ["xquant-weigh", "xquant-scores", "w4a16-one-row", "w4a16-group-16-rows"] + \
     [f"w4a16-gluon-{rows}-rows-split-{split}" for rows in (8, 16) for split in (1, 4)]
 NAMES += ["innerq-window", "combine", "innerq-aligned-keys", "innerq-key-flush"]
-# no loop: a block of 32 rows a program (the window's 32 tokens, 32 aligned keys), or the flush's moves unrolled
-LOOPLESS = {"innerq-window", "innerq-aligned-keys", "innerq-key-flush"}
+NAMES += ["alignedkv-qk", "alignedkv-pv", "alignedkv-topk", "alignedkv-estimate"]
+# no loop: a block of 32 rows a program (the window's 32 tokens, 32 aligned keys), the flush's moves unrolled, or
+# AlignedKV's top-k passes (one sorting network a program)
+LOOPLESS = {"innerq-window", "innerq-aligned-keys", "innerq-key-flush", "alignedkv-topk", "alignedkv-estimate"}
 
 
 def _compile_all() -> dict:
