@@ -4,8 +4,9 @@ loaded. One query token per sequence; Hq = G*H query heads, query head h reading
 
     scores = q · k̃ᵀ   aligned_qk   q (B, Hq, d) fp16/bf16/fp32              -> (B, Hq, n_blocks*BT) fp32
     out    = p · ṽ    aligned_pv   p (B, Hq, S) fp32, o_est (B, Hq, d) fp32  -> (B, Hq, d) fp32
-Scores are unscaled (no 1/sqrt(d)); p is already softmaxed (each p < 16). Products run on the tensor cores with
-fp32 sums: exact for fp16 q, about 22 bits for bf16 / fp32 q and for p (_split).
+Scores are unscaled (no 1/sqrt(d); the static step's are scaled and masked); p is already softmaxed (p < 15.99).
+Products run on the tensor cores with fp32 sums: exact for fp16 q, about 22 bits for bf16 / fp32 q and for p
+(_split).
 
 Layouts (the cache's buffers, per layer; B rows, H KV heads, d head_dim, BT tokens per key block, NB blocks):
     k_hi  uint8 (B, H, NB, d, BT)         bits 15..8 of every key, channel-major inside a block
@@ -58,9 +59,10 @@ into order (tl.join, reshape).
                 exact values gathered from the planes (slots < NA, all three planes joined) or the exact tail,
                 times their probabilities and summed (_estimate_ref: torch's topk and gathers).
 aligned_decode writes the tail scores into the aligned scores' buffer (no concatenation) and scales in place.
-aligned_decode_static is the same step with fixed shapes for CUDA graphs (the cache's decode_static): given `live`,
-an int32 device tensor, both kernels read the count of complete blocks / aligned tokens from it (the grid sized by
-the whole buffer; a program past it does nothing), and the scores span every stored slot, masked where not attended.
+aligned_decode_static is the same step with fixed shapes for CUDA graphs (the cache's decode_static), in four launches
+and torch's softmax: the kernels read the count of complete blocks from a device tensor (the grid sized by the whole
+buffer; a program past it does nothing); aligned_qk also scores the block being filled exactly and writes every
+stored slot scaled, -inf where not attended; aligned_pv adds the exact tail's rows in one more split.
 
 Every launcher checks shapes, dtypes and devices and raises ValueError; each has a pure-torch `*_ref` built on
 kvzoo.cache.alignedkv's key_levels / value_levels / read_levels. CPU tensors need TRITON_INTERPRET=1.
@@ -82,7 +84,7 @@ _D12 = tl.constexpr(DIFF_FOR_12)
 _FAR = tl.constexpr(1 << 20)          # a diff no level threshold reaches: padded query heads never decide
 QK_STAGES, PV_STAGES, PV_BLOCK_N = 3, 3, 32   # software pipelining and aligned_pv's tokens a step (a sweep's best)
 TOPK_CHUNK = 1024                     # the slots of a program's first top-k pass (a sweep's best at batch 1)
-P_SCALE = tl.constexpr(4096.0)       # p (< 16) times this before its fp16 split: p >= 2^-26 stays a normal fp16
+P_SCALE = tl.constexpr(4096.0)       # p times this before its fp16 split: p >= 2^-26 normal, p < 15.99 finite
 
 
 @triton.jit
