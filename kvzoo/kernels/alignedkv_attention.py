@@ -59,10 +59,11 @@ into order (tl.join, reshape).
                 exact values gathered from the planes (slots < NA, all three planes joined) or the exact tail,
                 times their probabilities and summed (_estimate_ref: torch's topk and gathers).
 aligned_decode writes the tail scores into the aligned scores' buffer (no concatenation) and scales in place.
-aligned_decode_static is the same step with fixed shapes for CUDA graphs (the cache's decode_static), in four launches
-and torch's softmax: the kernels read the count of complete blocks from a device tensor (the grid sized by the whole
-buffer; a program past it does nothing); aligned_qk also scores the block being filled exactly and writes every
-stored slot scaled, -inf where not attended; aligned_pv adds the exact tail's rows in one more split.
+aligned_decode_static is the same step with fixed shapes for CUDA graphs (the cache's decode_static), in four kernels,
+torch's softmax and the sum of aligned_pv's partials: the kernels read the count of complete blocks from a device
+tensor (the grid sized by the whole buffer; a program past it does nothing); aligned_qk also scores the block being
+filled exactly and writes every stored slot scaled, -inf where not attended; aligned_pv adds the exact tail's rows
+in one more split.
 
 Every launcher checks shapes, dtypes and devices and raises ValueError; each has a pure-torch `*_ref` built on
 kvzoo.cache.alignedkv's key_levels / value_levels / read_levels. CPU tensors need TRITON_INTERPRET=1.
@@ -504,11 +505,13 @@ def aligned_pv(p: Tensor, o_est: Tensor, v_hi: Tensor, v_mid: Tensor, v_lo: Tens
         raise ValueError(f"n_tokens = {n_tokens} exceeds the {N} stored values or the {S} probabilities")
     if live is not None:
         check_tensor(live, "live", (1,), (torch.int32, torch.int64), dev)
+    if not isinstance(live_rows, int) or live_rows < 1:
+        raise ValueError(f"live_rows must be a positive int (rows per unit of live), got {live_rows!r}")
     W = 0
     if tail_v is not None:
         if live is None:
             raise ValueError("tail_v (the static step) needs live")
-        W = tail_v.shape[2] if tail_v.dim() == 4 else 0
+        W = tail_v.shape[2] if isinstance(tail_v, Tensor) and tail_v.dim() == 4 else 0
         check_tensor(tail_v, "tail_v", (B, H, W, d), (torch.float16, torch.bfloat16, torch.float32), dev)
     if B == 0 or n_tokens == 0:
         return torch.zeros(B, Hq, d, dtype=torch.float32, device=dev)

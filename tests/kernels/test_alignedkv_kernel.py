@@ -131,6 +131,21 @@ def test_bad_input_is_named():
         aligned_pv(p, o_est, v_hi, v_mid, v_lo, v_exp, 65, 8)
     with pytest.raises(ValueError, match="block_n a power of two >= 32"):
         aligned_pv(p, o_est, v_hi, v_mid, v_lo, v_exp, 64, 8, block_n=16)
+    live = torch.tensor([1], device=DEVICE)
+    with pytest.raises(ValueError, match="tail_v .the static step. needs live"):
+        aligned_pv(p, o_est, v_hi, v_mid, v_lo, v_exp, 64, 8, tail_v=torch.zeros(B, H, 16, 32, device=DEVICE))
+    with pytest.raises(ValueError, match="live_rows must be a positive int"):
+        aligned_pv(p, o_est, v_hi, v_mid, v_lo, v_exp, 64, 8, live=live, live_rows=0)
+    with pytest.raises(ValueError, match="tail_v has shape"):
+        aligned_pv(p, o_est, v_hi, v_mid, v_lo, v_exp, 64, 8, live=live,
+                   tail_v=torch.zeros(B, H, 16, 16, device=DEVICE))
+    tail_k = torch.zeros(B, H, 16, 32, device=DEVICE)
+    mask = torch.ones(B, 64, dtype=torch.bool, device=DEVICE)
+    with pytest.raises(ValueError, match="tail_k .the static step. needs live, a mask"):
+        aligned_qk(q, k_hi, k_mid, k_lo, k_exp, 4, 8, tail_k=tail_k, mask=mask)
+    with pytest.raises(ValueError, match="mask has shape"):
+        aligned_qk(q, k_hi, k_mid, k_lo, k_exp, 4, 8, out=torch.empty(B, 4, 64, device=DEVICE), live=live,
+                   tail_k=tail_k, mask=mask[:, :32])
 
 
 def test_wide_groups_and_row_mask():
