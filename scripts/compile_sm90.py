@@ -50,7 +50,7 @@ HEADS = ((128, 4), (64, 3))   # (head_dim, query rows a KV head)
 OUTER = {"kivi": (2, 2, False, 32, False), "kivi-pre": (2, 2, False, 32, True), "int8": (8, 8, True, 128, False),
          "kvpareto": (8, 8, True, 32, False)}
 OUTER_POINTERS = dict(POINTERS, kz_ptr="*fp16", vz_ptr="*fp16", kr_ptr="*fp16", vr_ptr="*fp16", kw_ptr="*fp16",
-                      vw_ptr="*fp16", kt_ptr="*fp16", vt_ptr="*fp16", cos_ptr="*fp16", sin_ptr="*fp16")
+                      vw_ptr="*fp16", cos_ptr="*fp16", sin_ptr="*fp16")
 
 
 def compile_for_h100(fn, constexprs: dict, source=ASTSource, pointers: dict = POINTERS, **options):
@@ -95,15 +95,16 @@ def cases() -> dict:
         out[f"outer-triton-{name}"] = (outer_attention._split_kernel, dict(
             D=128, KB=kb, VB=vb, REP=4, REP_P=16, GS=gs, BLOCK=outer_attention.BLOCK_W, FAST=True,
             AK=unpack_asm(kb)[0], CK=unpack_asm(kb)[1], AV=unpack_asm(vb)[0], CV=unpack_asm(vb)[1], ROPE=rope, KT=kt,
-            CG=group, TOKEN=True), ASTSource, OUTER_POINTERS, dict(num_warps=4, num_stages=stages,
-                                                                   enable_fp_fusion=True))
+            CG=group), ASTSource, OUTER_POINTERS, dict(
+                num_warps=outer_attention.split_kernel_warps("token" if kt else "channel", group, 128, 4),
+                num_stages=stages, enable_fp_fusion=True))
     win = dict(POINTERS, q_ptr="*bf16", qs_ptr="*bf16", kw_ptr="*bf16", vw_ptr="*bf16", kw2_ptr="*bf16",
                vw2_ptr="*bf16", win_ptr="*bf16", out_ptr="*bf16", nk_ptr="*i64", nq_ptr="*i64", ks_ptr="*fp16")
     out["innerq-window"] = (innerq_attention._window_kernel, dict(
         D=128, REP=4, REP_P=16, BLOCK=innerq_attention.BLOCK_W, DYN=True, HAS_QS=True), ASTSource, win,
         dict(num_warps=4, enable_fp_fusion=True))
-    out["combine"] = (innerq_attention.combine_kernel, dict(D=128, REP=4, REP_P=4, CHUNK=16), ASTSource, win,
-                      dict(num_warps=4))
+    out["combine"] = (innerq_attention.combine_kernel, dict(D=128, REP=4, REP_P=4, CHUNK=16, TOKEN=True), ASTSource,
+                      dict(win, kt_ptr="*bf16", vt_ptr="*bf16"), dict(num_warps=4))
     # InnerQ's key work at the paper's windows: a key window of R + 1 = 97 rows, a value window of R + 32 = 128
     out["innerq-aligned-keys"] = (quantize_pack._aligned_keys_kernel, dict(
         D=128, BITS=2, KW=97, VW=128, READ=quantize_pack.READS.index("mask"), CODES=True), ASTSource, win,

@@ -437,25 +437,41 @@ def _window_kernel(q_ptr, qs_ptr, kw_ptr, vw_ptr, kw2_ptr, vw2_ptr, m_ptr, l_ptr
 
 
 @triton.jit
-def combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, D: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
-                   CHUNK: tl.constexpr):
-    """grid (B*H,): a KV head's query rows' SPLITS partials merged, divided by l and written in out's dtype."""
+def combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, q_ptr, kt_ptr, vt_ptr, SPLITS, qk_scale, s_kt, s_vt,
+                   D: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, CHUNK: tl.constexpr, TOKEN: tl.constexpr):
+    """grid (B*H,): a KV head's query rows' SPLITS partials merged, with TOKEN then the token given apart (its key
+    and value, one row each, at kt_ptr and vt_ptr + head * s_kt, s_vt) attended in fp32 from the dots' dtypes,
+    divided by l and written in out's dtype."""
     kv = tl.program_id(0)
     r = tl.arange(0, REP_P)
     live_r = r < REP
     d = tl.arange(0, D)
     heads = kv * REP + r
     m, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, heads, live_r, SPLITS, D, CHUNK)
+    if TOKEN:
+        head = kv.to(tl.int64)
+        q = _dot_dtype(tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=live_r[:, None], other=0))
+        k = _dot_dtype(tl.load(kt_ptr + head * s_kt + d))
+        v = _dot_dtype(tl.load(vt_ptr + head * s_vt + d))
+        s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * qk_scale                   # (REP_P,)
+        m_new = tl.maximum(m, s)
+        alpha = tl.math.exp2(m - m_new)
+        p = tl.math.exp2(s - m_new)
+        l = l * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :]
     out = acc / tl.where(live_r, l, 1.0)[:, None]                 # padded rows: l = 0
     tl.store(out_ptr + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live_r[:, None])
 
 
-def combine(m: Tensor, l: Tensor, acc: Tensor, out: Tensor, kv_rows: int, rep: int, num_warps: int) -> None:
+def combine(m: Tensor, l: Tensor, acc: Tensor, out: Tensor, kv_rows: int, rep: int, num_warps: int,
+            token: tuple | None = None) -> None:
     """out (B, Hq, d) from the partials m, l (B*Hq, columns), acc (B*Hq, columns, d): every split's, and the tail's or
-    the window blocks'."""
+    the window blocks'; token: (q (B, Hq, d) contiguous, (k_token, head stride), (v_token, head stride), qk_scale),
+    the token being decoded attended after them (outer_decode_attention's k_token and v_token)."""
     rows = triton.next_power_of_2(rep)                             # no dots: rows pad to a power of two only
-    combine_kernel[(kv_rows,)](m, l, acc, out, m.shape[1], D=out.shape[-1], REP=rep, REP_P=rows,
-                               CHUNK=max(64 // rows, 1), num_warps=num_warps)
+    q, (kt, s_kt), (vt, s_vt), qk_scale = token if token is not None else (out, (out, 0), (out, 0), 1.0)
+    combine_kernel[(kv_rows,)](m, l, acc, out, q, kt, vt, m.shape[1], qk_scale, s_kt, s_vt, D=out.shape[-1], REP=rep,
+                               REP_P=rows, CHUNK=max(64 // rows, 1), TOKEN=token is not None, num_warps=num_warps)
 
 
 def _check_window(k: Tensor, v: Tensor, name: str, q: Tensor, B: int, H: int) -> int:

@@ -49,8 +49,11 @@ Two kernels:
      its quantized columns in the Gluon kernel of kvzoo/kernels/outer_hopper.py, and this kernel runs only the last
      program (SPLIT0: the first column this launch owns), on a second stream beside the Gluon kernel (TAIL_BESIDE),
      so that it reads its windows while the Gluon kernel computes; the combine waits for both.
-  2. combine: grid (B*H,). Merges the partials, divides by l and writes (B, Hq, d) in q's dtype
-     (innerq_attention.combine, shared with InnerQ's kernels).
+  2. combine: grid (B*H,). Merges the partials, attends the token given apart (k_token, v_token: its score and
+     weight in fp32), divides by l and writes (B, Hq, d) in q's dtype (innerq_attention.combine, shared with
+     InnerQ's kernels). The token is the combine's, not the split kernel's last program's: a second pass there
+     made the whole split kernel slower at 8 warps (docs/decode.md, "int8's kernel at 8 warps"), and int8 on
+     Llama's heads runs it at 8 (split_kernel_warps).
 Keys stored before RoPE (KIVI*, `rope=(cos, sin)`): every key, quantized or exact (the sink, the key window), is
 rotated to its position in the kernel: sink row i to position i, tail slot u to n_sink + u. The kernel unpacks
 each key's two channel halves as separate tiles, rotates them in fp32 ([lo, hi] -> [lo cos - hi sin,
@@ -90,6 +93,7 @@ except ImportError:          # a Triton without Gluon's Hopper API (older releas
 GROUPS_PER_STEP = 4          # groups of 32 tokens per step of the split kernel (128 tokens)
 PROGRAMS_PER_SM = 2          # split-K sizing: programs per SM of the device
 SPLIT_WARPS = None           # warps of the split kernel; None: num_warps
+WHOLE_TOKEN_WARPS = 8        # ... where a group is a token's d >= 128 channels (int8): faster (docs/decode.md)
 SPLIT_STAGES = 3             # software-pipelining depth of the split kernel's token loop
 ROPE_GROUPS_PER_STEP = 4     # the same two settings where the kernel rotates keys stored before RoPE (KIVI*)
 ROPE_STAGES = 2
@@ -334,13 +338,12 @@ def _tail(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
 
 
 @triton.jit
-def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_ptr, vw_ptr, kt_ptr,
-                  vt_ptr, cos_ptr, sin_ptr, m_ptr, l_ptr, acc_ptr, len_ptr, PER_SPLIT, SPLIT0, qk_scale,
-                  s_kc, s_ks, s_kz, s_vc, s_vs, s_vz, s_kr, s_vr, s_kw, s_vw, s_kt, s_vt,
+def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_ptr, vw_ptr, cos_ptr,
+                  sin_ptr, m_ptr, l_ptr, acc_ptr, len_ptr, PER_SPLIT, SPLIT0, qk_scale,
+                  s_kc, s_ks, s_kz, s_vc, s_vs, s_vz, s_kr, s_vr, s_kw, s_vw,
                   D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
                   GS: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, AK: tl.constexpr, CK: tl.constexpr,
-                  AV: tl.constexpr, CV: tl.constexpr, ROPE: tl.constexpr, KT: tl.constexpr, CG: tl.constexpr,
-                  TOKEN: tl.constexpr):
+                  AV: tl.constexpr, CV: tl.constexpr, ROPE: tl.constexpr, KT: tl.constexpr, CG: tl.constexpr):
     kv = tl.program_id(0)                        # b * H + h
     head = kv.to(tl.int64)
     kc_ptr += head * s_kc
@@ -363,9 +366,6 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
         m, l, acc = _tail(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr + head * s_kr,
                           vr_ptr + head * s_vr, kw_ptr + head * s_kw, vw_ptr + head * s_vw, cos_ptr, sin_ptr, len_ptr,
                           m, l, acc, qk_scale, D, KB, VB, BLOCK, ROPE, KT, CG)
-        if TOKEN:                                # the token, given apart from the stored slots
-            m, l, acc = _attend_window(q, kt_ptr + head * s_kt, vt_ptr + head * s_vt, 1, m, l, acc, qk_scale, D,
-                                       BLOCK)
     else:
         m, l, acc = _quantized(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos_ptr, sin_ptr,
                                len_ptr, split * PER_SPLIT, PER_SPLIT, m, l, acc, qk_scale, D, KB, VB, GS, FAST, AK,
@@ -374,6 +374,14 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
     tl.store(m_ptr + rows, m, mask=live_r)
     tl.store(l_ptr + rows, l, mask=live_r)
     tl.store(acc_ptr + rows[:, None] * D + d[None, :], acc, mask=live_r[:, None])
+
+
+def split_kernel_warps(key_groups: str, group: int, d: int, num_warps: int) -> int:
+    """Warps of the split kernel: WHOLE_TOKEN_WARPS where keys and values are grouped per token of d >= 128
+    channels (int8 on Llama's heads), else SPLIT_WARPS or num_warps."""
+    if key_groups == "token" and group == d >= 128:
+        return WHOLE_TOKEN_WARPS
+    return SPLIT_WARPS or num_warps
 
 
 def _check_rows(t: Tensor | None, name: str, B: int, H: int, d: int, q: Tensor) -> int:
@@ -481,8 +489,7 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     # an empty buffer may have no storage: pass one element of its dtype, never read, rather than a null pointer
     buffers = [head_rows(t) if t is not None and t.numel() else
                (torch.zeros(1, dtype=q.dtype if t is None else t.dtype, device=dev), 0)
-               for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_recent, v_recent, k_sink, v_sink,
-                         k_token, v_token)]
+               for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_recent, v_recent, k_sink, v_sink)]
     cos, sin = (t.contiguous() for t in rope) if rope is not None else (q, q)       # q: never read
     gluon = bool(splits) and outer_hopper is not None and outer_hopper.eligible(
         q, bits, v_bits, channel, rope, group, rep, gs, B * H * n_groups)
@@ -493,8 +500,8 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
             q, *(t for t, _ in buffers), cos, sin, m, l, acc, lengths, per_split, split0, qk_scale,
             *(s for _, s in buffers), D=d, KB=bits, VB=v_bits, REP=rep, REP_P=rep_p, GS=gs, BLOCK=BLOCK_W, FAST=fast,
             AK=unpack_asm(bits)[0], CK=unpack_asm(bits)[1], AV=unpack_asm(v_bits)[0], CV=unpack_asm(v_bits)[1],
-            ROPE=rope is not None, KT=not channel, CG=group, TOKEN=k_token is not None,
-            num_warps=SPLIT_WARPS or num_warps, num_stages=stages, enable_fp_fusion=True)
+            ROPE=rope is not None, KT=not channel, CG=group,
+            num_warps=split_kernel_warps(key_groups, group, d, num_warps), num_stages=stages, enable_fp_fusion=True)
 
     if not gluon:
         triton_columns()
@@ -508,7 +515,8 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     else:
         outer_hopper.quantized_splits(q, buffers[:6], m, l, acc, lengths, per_split, splits, qk_scale, group)
         triton_columns()
-    combine(m, l, acc, out, B * H, rep, num_warps)
+    token = (q, head_rows(k_token), head_rows(v_token), qk_scale) if k_token is not None else None
+    combine(m, l, acc, out, B * H, rep, num_warps, token)
     return out
 
 

@@ -16,7 +16,8 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from kvzoo.cache.kvquant import quantize  # noqa: E402
-from kvzoo.kernels.outer_attention import outer_decode_attention, outer_decode_attention_ref  # noqa: E402
+from kvzoo.kernels.outer_attention import (  # noqa: E402
+    WHOLE_TOKEN_WARPS, outer_decode_attention, outer_decode_attention_ref, split_kernel_warps)
 from kvzoo.kernels.quant_matvec import dequant_outer  # noqa: E402
 
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on", "yes") else "cuda"
@@ -122,6 +123,16 @@ def test_token_grouped_keys_match_reference(k_bits, v_bits, group, d, dtype, N, 
     got = outer_decode_attention(*args, num_splits=2, **layout)
     assert got.dtype == dtype and got.shape == (B, H * rep, d)
     assert_close(got, outer_decode_attention_ref(*args, **layout), dtype)
+
+
+def test_whole_token_groups_of_128_channels_take_more_warps():
+    """int8 on Llama's heads (groups of a token's d = 128 channels) runs the split kernel at WHOLE_TOKEN_WARPS;
+    per-channel keys, KV Pareto's groups of 32 and head_dim 64 keep the caller's warps."""
+    assert WHOLE_TOKEN_WARPS == 8
+    assert split_kernel_warps("token", 128, 128, 4) == WHOLE_TOKEN_WARPS
+    assert split_kernel_warps("token", 32, 128, 4) == 4
+    assert split_kernel_warps("token", 64, 64, 4) == 4
+    assert split_kernel_warps("channel", 32, 128, 4) == 4
 
 
 def test_reference_is_attention_over_the_slots_in_order():
