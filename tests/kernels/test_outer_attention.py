@@ -115,6 +115,8 @@ def token_cache(B, H, N, d, k_bits, v_bits, group, dtype, rows=3, seed=0):
     (8, 4, 32, 64, torch.bfloat16, 100, (33, 33, 34, 0)), (4, 2, 32, 128, torch.float32, 64, (64, 64, 65, 0)),
     (2, 8, 64, 64, torch.float16, 100, (0, 0, 1, 0))], ids=name)
 def test_token_grouped_keys_match_reference(k_bits, v_bits, group, d, dtype, N, lengths):
+    """The kernel against the reference, the token in its window and given apart (k_token, v_token: the window's
+    row of the tail's last slot, as the graph step gives it; int8 at d = 128 takes WHOLE_TOKEN_WARPS on a GPU)."""
     B, H, rep = 2, 2, 3
     codes, (k_rec, v_rec) = token_cache(B, H, N, d, k_bits, v_bits, group, dtype, seed=k_bits + v_bits + group)
     q = torch.randn(B, H * rep, d, generator=torch.Generator().manual_seed(group)).to(DEVICE, dtype)
@@ -122,7 +124,14 @@ def test_token_grouped_keys_match_reference(k_bits, v_bits, group, d, dtype, N, 
     args = (q, *codes, k_bits, k_rec, v_rec, torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
     got = outer_decode_attention(*args, num_splits=2, **layout)
     assert got.dtype == dtype and got.shape == (B, H * rep, d)
-    assert_close(got, outer_decode_attention_ref(*args, **layout), dtype)
+    want = outer_decode_attention_ref(*args, **layout)
+    assert_close(got, want, dtype)
+    n_k, n_v, n_tail, n_sink = lengths
+    row = n_tail - 1 - n_k                                           # the token's window row (keys and values alike)
+    apart = torch.tensor((n_k, n_v, n_tail - 1, n_sink), dtype=torch.int32, device=DEVICE)
+    got = outer_decode_attention(q, *codes, k_bits, k_rec, v_rec, apart, num_splits=2,
+                                 k_token=k_rec[:, :, row:row + 1], v_token=v_rec[:, :, row:row + 1], **layout)
+    assert_close(got, want, dtype)
 
 
 def test_whole_token_groups_of_128_channels_take_more_warps():
