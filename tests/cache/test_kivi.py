@@ -218,16 +218,20 @@ PRE_ROPE_STATIC = ["kivi-pre:bits=4,group_size=32,residual=32,sink=3", "squat-pr
 @pytest.mark.parametrize("cache", KERNEL_DECODE + [KERNEL_DECODE[0] + ",policy=grouped"] + PRE_ROPE_STATIC)
 def test_whole_step_equals_eager(gqa_model, cache):
     """decoder() picks the whole-step graph, and its steps equal the eager torch decode: 40 after a 2-token prompt
-    (tokens joining the sink window) and 40 after a 40-token one (groups leaving the residual window quantized at a
-    device-held slot inside the step, the window moving down). With the authors' windows keys leave theirs R at a
-    time and values one at a time: the fused kernel reads each slot's key and value from its own stream."""
+    of two rows (tokens joining the sink window, the first group of keys quantized inside the step) and 30 after a
+    40-token one (groups leaving the residual window quantized at a device-held slot inside the step, the window
+    moving down: every spec here quantizes its second group of keys at 64 to 68 tokens). With the authors' windows
+    keys leave theirs R at a time and values one at a time: the fused kernel reads each slot's key and value from
+    its own stream."""
     from tests.graphs.test_graphs import decode_both, whole_step_equals_eager
 
     if not kernels_on_cpu():
         pytest.skip("the static step runs the kernels, on CPU tensors only under the Triton interpreter")
     whole_step_equals_eager(gqa_model, cache)
-    prompts = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(8))
-    eager, static = decode_both(gqa_model, prompts, None, steps=40, cache=cache)
+    prompts = torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(8))
+    keys = gqa_model.new_cache(cache, 1, 70).layers[0].store.windows["k"]
+    assert keys.quantized(40) < keys.quantized(68)                  # a group of keys leaves its window in the run
+    eager, static = decode_both(gqa_model, prompts, None, steps=30, cache=cache)
     torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
 
 

@@ -16,6 +16,7 @@ from kvzoo.config import ModelConfig
 from kvzoo.eval.datasets import load_text
 from kvzoo.generate import check_sampling
 from kvzoo.models.loader import load_weights, parse_dtype, resolve_model_dir
+from tests.scripts.scripts_module import run_in_process
 from tests.tiny import tiny_llama
 
 
@@ -269,25 +270,25 @@ def test_the_layout():
         assert "sys.path" not in path.read_text(), path
 
 
-def test_every_script_builds_its_command_line():
+def test_every_script_builds_its_command_line(monkeypatch, capsys):
     """Every entry point's and reproduction's --help builds (no option clashes with the shared ones of
-    kvzoo.cli.add_model_args); those that take one cache take it as --cache."""
+    kvzoo.cli.add_model_args); those that take one cache take it as --cache. In this process: argparse prints the
+    help and exits before any work."""
     for name in entry_points() + reproductions():
-        out = subprocess.run(command(name) + ["--help"], capture_output=True, text=True, timeout=60, cwd=REPO)
-        assert out.returncode == 0, f"{name}: {out.stderr}"
+        code, out, err = run_in_process(monkeypatch, capsys, name, "--help")
+        assert code == 0, f"{name}: {err}"
         if not name.endswith(".py"):
-            assert f"usage: python -m {name}" in out.stdout, name
+            assert f"usage: python -m {name}" in out, name
         # benchmarks and OWN_QUANTIZERS build their own caches (or none); harness.py is lm-eval's command line,
         # the cache one of its --model_args
         if name == "harness.py":
-            assert "usage: lm-eval" in out.stdout
+            assert "usage: lm-eval" in out
         elif name == "harness_split.py":                 # subcommands; `generate` takes the one cache
-            out = subprocess.run(command(name) + ["generate", "--help"], capture_output=True, text=True, timeout=60,
-                                 cwd=REPO)
-            assert out.returncode == 0 and "--cache" in out.stdout, out.stderr
+            code, out, err = run_in_process(monkeypatch, capsys, name, "generate", "--help")
+            assert code == 0 and "--cache" in out, err
         elif not (name.startswith("bench_") or name.endswith(".bench") or name in OWN_QUANTIZERS
                   or name == "compile_sm90.py"):                 # compiles kernels, runs no model
-            assert "--cache" in out.stdout, name
+            assert "--cache" in out, name
 
 
 @pytest.mark.parametrize("script, args, message", [
@@ -309,11 +310,10 @@ def test_every_script_builds_its_command_line():
     ("report.py", ["--prompt", "2048"], "--prompt must be in [0, --seq-len=2048), got 2048"),
     ("repro.xquant.mha_error", ["--windows", "0"], "--seq-len must be >= 2 and --windows >= 1, got 512 and 0"),
 ])
-def test_new_script_options_refuse_bad_values(script, args, message):
+def test_new_script_options_refuse_bad_values(monkeypatch, capsys, script, args, message):
     """Refused with one line naming the problem (exit 2), before or instead of any long work."""
-    out = subprocess.run(command(script) + ["--device", "cpu", *args], capture_output=True, text=True, timeout=300,
-                         cwd=REPO)
-    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+    code, _, err = run_in_process(monkeypatch, capsys, script, "--device", "cpu", *args)
+    assert code == 2 and message in err and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize("script, args, message", [
@@ -333,33 +333,10 @@ def test_new_script_options_refuse_bad_values(script, args, message):
     ("repro.kvpareto.bench", ["--rows", "0"], "--rows and --runs must be >= 1"),
     ("bench_kernels.py", ["--floors", "--stages"], "argument --stages: not allowed with argument --floors"),
 ])
-def test_gpu_benchmarks_refuse_bad_values_before_looking_for_a_gpu(script, args, message):
+def test_gpu_benchmarks_refuse_bad_values_before_looking_for_a_gpu(monkeypatch, capsys, script, args, message):
     """The GPU benchmarks check their options first, so a bad value is named on any machine."""
-    out = subprocess.run(command(script) + args, capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
-
-
-def run_in_process(monkeypatch, capsys, script: str, *args: str) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of scripts/<script> run in this process, with the model and the datasets
-    unreachable: a check that lets a bad value through to loading fails the test."""
-    import runpy
-
-    import kvzoo.cli
-    import kvzoo.eval.datasets
-
-    def never(*args, **kwargs):
-        raise AssertionError("loading started before the arguments were checked")
-
-    monkeypatch.setattr(kvzoo.cli, "load_from_args", never)
-    monkeypatch.setattr(kvzoo.eval.datasets, "load_text", never)
-    monkeypatch.setattr(sys, "argv", [script, *args])
-    try:
-        runpy.run_path(str(REPO / "scripts" / script), run_name="__main__")
-        code = 0
-    except SystemExit as done:
-        code = done.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    code, _, err = run_in_process(monkeypatch, capsys, script, *args)
+    assert code != 0 and message in err and "Traceback" not in err, err
 
 
 def test_cache_help_lists_every_strategy_without_loading_the_model():

@@ -21,6 +21,7 @@ from kvzoo.eval.harness import KvzooLM  # noqa: E402
 from kvzoo.eval.perplexity import perplexity  # noqa: E402
 from kvzoo.eval.tasks import task_dir  # noqa: E402
 from kvzoo.eval.tasks.data import gsm8k, wikitext_articles  # noqa: E402
+from tests.scripts.scripts_module import run_in_process  # noqa: E402
 
 QUANTIZED = "kivi:bits=2,group_size=32,residual=32"       # contexts of 40+ tokens leave its windows quantized
 PAIRS = [("The capital of France is", " Paris"), ("The capital of France is", " London"),
@@ -303,31 +304,38 @@ def test_split_run_answers_as_the_harness_model_does(loaded, tmp_path):
     assert "exact_match,strict-match" in out["results"]["kvzoo_gsm8k_cot"]
 
 
-def test_split_run_errors(tmp_path):
-    """Files of the wrong kind, and a response cache holding other answers, are named in one line."""
+def test_split_run_errors(tmp_path, monkeypatch, capsys):
+    """Files of the wrong kind, and a response cache holding other answers, are named in one line (in this
+    process: each is refused before a model is loaded)."""
+
+    def split_run(*args):
+        code, _, err = run_in_process(monkeypatch, capsys, "harness_split.py", *args)
+        return code, err
+
     (tmp_path / "x.json").write_text("{}")
-    proc = split_run("generate", str(tmp_path / "x.json"), "--device", "cpu", "--out", str(tmp_path / "a.json"))
-    assert proc.returncode == 2 and "holds no requests; give a JSON file `record` wrote" in proc.stderr
-    proc = split_run("fill", str(tmp_path / "x.json"), "--use_cache", str(tmp_path / "c"))
-    assert proc.returncode == 2 and "holds no answers; give a JSON file `generate` wrote" in proc.stderr
+    code, err = split_run("generate", str(tmp_path / "x.json"), "--device", "cpu", "--out", str(tmp_path / "a.json"))
+    assert code == 2 and "holds no requests; give a JSON file `record` wrote" in err
+    code, err = split_run("fill", str(tmp_path / "x.json"), "--use_cache", str(tmp_path / "c"))
+    assert code == 2 and "holds no answers; give a JSON file `generate` wrote" in err
     for text in ("one", "two"):
         (tmp_path / f"{text}.json").write_text(json.dumps({"answers": {"k": text}}))
-        proc = split_run("fill", str(tmp_path / f"{text}.json"), "--use_cache", str(tmp_path / "c"))
-    assert proc.returncode == 2 and "already holds other answers for 1 of these requests" in proc.stderr
-    proc = split_run("generate", str(tmp_path / "missing.json"), "--device", "cpu", "--out", str(tmp_path / "a.json"))
-    assert proc.returncode == 2 and "missing.json" in proc.stderr
+        code, err = split_run("fill", str(tmp_path / f"{text}.json"), "--use_cache", str(tmp_path / "c"))
+    assert code == 2 and "already holds other answers for 1 of these requests" in err
+    code, err = split_run("generate", str(tmp_path / "missing.json"), "--device", "cpu", "--out",
+                          str(tmp_path / "a.json"))
+    assert code == 2 and "missing.json" in err
     (tmp_path / "r.json").write_text(json.dumps({"requests": []}))
-    proc = split_run("generate", str(tmp_path / "r.json"), "--device", "cpu", "--batch_size", "0",
-                     "--out", str(tmp_path / "a.json"))
-    assert proc.returncode == 2 and "--batch_size must be >= 1, got 0" in proc.stderr
-    proc = split_run("generate", str(tmp_path / "r.json"), "--device", "cpu", "--cache", "nope",
-                     "--out", str(tmp_path / "a.json"))
-    assert proc.returncode == 2 and "nope" in proc.stderr
-    proc = split_run("record", "--tasks", "kvzoo_wikitext", "--limit", "1", "--out", str(tmp_path / "w.json"))
-    assert proc.returncode == 2 and "record takes generation tasks (generate_until)" in proc.stderr
-    proc = split_run("record", "--tasks", "kvzoo_gsm8k_cot", "--limit", "1", "--gen_kwargs", "do_sample=True",
-                     "--out", str(tmp_path / "s.json"))
-    assert proc.returncode == 2 and "record takes greedy generation only" in proc.stderr
+    code, err = split_run("generate", str(tmp_path / "r.json"), "--device", "cpu", "--batch_size", "0",
+                          "--out", str(tmp_path / "a.json"))
+    assert code == 2 and "--batch_size must be >= 1, got 0" in err
+    code, err = split_run("generate", str(tmp_path / "r.json"), "--device", "cpu", "--cache", "nope",
+                          "--out", str(tmp_path / "a.json"))
+    assert code == 2 and "nope" in err
+    code, err = split_run("record", "--tasks", "kvzoo_wikitext", "--limit", "1", "--out", str(tmp_path / "w.json"))
+    assert code == 2 and "record takes generation tasks (generate_until)" in err
+    code, err = split_run("record", "--tasks", "kvzoo_gsm8k_cot", "--limit", "1", "--gen_kwargs", "do_sample=True",
+                          "--out", str(tmp_path / "s.json"))
+    assert code == 2 and "record takes greedy generation only" in err
     assert not any((tmp_path / f).exists() for f in ("a.json", "w.json", "s.json"))
 
 
