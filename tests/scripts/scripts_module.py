@@ -39,6 +39,7 @@ def run_in_process(monkeypatch, capsys, script: str, *args: str) -> tuple[int, s
         if script.endswith(".py"):
             runpy.run_path(str(SCRIPTS / script), run_name="__main__")
         else:
+            monkeypatch.delitem(sys.modules, script, raising=False)     # imported by another test: run it afresh
             runpy.run_module(script, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as done:

@@ -267,23 +267,25 @@ def split_run(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_split_run_answers_as_the_harness_model_does(loaded, tmp_path):
+def test_split_run_answers_as_the_harness_model_does(loaded, tmp_path, monkeypatch, capsys):
     """scripts/harness_split.py: GSM8K requests recorded, answered by `generate` (two rows a batch, a quantized
-    cache) and filled into a response cache give, through the harness's CachingLM, the kvzoo model's own answers,
-    and the harness scores them without generating."""
+    cache, its own process as on the GPU machine) and filled into a response cache give, through the harness's
+    CachingLM, the kvzoo model's own answers, and the harness scores them without generating. `record` and `fill`
+    load no model and run in this process."""
     from lm_eval.api.model import CachingLM
 
     requests_json, answers_json, db = tmp_path / "requests.json", tmp_path / "answers.json", tmp_path / "cache"
-    proc = split_run("record", "--tasks", "kvzoo_gsm8k_cot", "--limit", "3", "--gen_kwargs", "max_gen_toks=6",
-                     "--out", str(requests_json))
-    assert proc.returncode == 0, proc.stderr
+    code, _, err = run_in_process(monkeypatch, capsys, "harness_split.py", "record", "--tasks", "kvzoo_gsm8k_cot",
+                                  "--limit", "3", "--gen_kwargs", "max_gen_toks=6", "--out", str(requests_json))
+    assert code == 0, err
     proc = split_run("generate", str(requests_json), "--cache", QUANTIZED, "--device", "cpu", "--batch_size", "2",
                      "--out", str(answers_json))
     assert proc.returncode == 0, proc.stderr
     answers = json.loads(answers_json.read_text())
     assert answers["dtype"] == "float32" and 0 < answers["kv_ratio"] < 2
-    proc = split_run("fill", str(answers_json), "--use_cache", str(db))
-    assert proc.returncode == 0, proc.stderr
+    code, _, err = run_in_process(monkeypatch, capsys, "harness_split.py", "fill", str(answers_json), "--use_cache",
+                                  str(db))
+    assert code == 0, err
 
     recorded = json.loads(requests_json.read_text())["requests"]
     instances = requests("generate_until", [(r["context"], r["gen_kwargs"]) for r in recorded])
@@ -308,33 +310,33 @@ def test_split_run_errors(tmp_path, monkeypatch, capsys):
     """Files of the wrong kind, and a response cache holding other answers, are named in one line (in this
     process: each is refused before a model is loaded)."""
 
-    def split_run(*args):
+    def refused(*args):
         code, _, err = run_in_process(monkeypatch, capsys, "harness_split.py", *args)
         return code, err
 
     (tmp_path / "x.json").write_text("{}")
-    code, err = split_run("generate", str(tmp_path / "x.json"), "--device", "cpu", "--out", str(tmp_path / "a.json"))
+    code, err = refused("generate", str(tmp_path / "x.json"), "--device", "cpu", "--out", str(tmp_path / "a.json"))
     assert code == 2 and "holds no requests; give a JSON file `record` wrote" in err
-    code, err = split_run("fill", str(tmp_path / "x.json"), "--use_cache", str(tmp_path / "c"))
+    code, err = refused("fill", str(tmp_path / "x.json"), "--use_cache", str(tmp_path / "c"))
     assert code == 2 and "holds no answers; give a JSON file `generate` wrote" in err
     for text in ("one", "two"):
         (tmp_path / f"{text}.json").write_text(json.dumps({"answers": {"k": text}}))
-        code, err = split_run("fill", str(tmp_path / f"{text}.json"), "--use_cache", str(tmp_path / "c"))
+        code, err = refused("fill", str(tmp_path / f"{text}.json"), "--use_cache", str(tmp_path / "c"))
     assert code == 2 and "already holds other answers for 1 of these requests" in err
-    code, err = split_run("generate", str(tmp_path / "missing.json"), "--device", "cpu", "--out",
-                          str(tmp_path / "a.json"))
+    code, err = refused("generate", str(tmp_path / "missing.json"), "--device", "cpu",
+                        "--out", str(tmp_path / "a.json"))
     assert code == 2 and "missing.json" in err
     (tmp_path / "r.json").write_text(json.dumps({"requests": []}))
-    code, err = split_run("generate", str(tmp_path / "r.json"), "--device", "cpu", "--batch_size", "0",
-                          "--out", str(tmp_path / "a.json"))
+    code, err = refused("generate", str(tmp_path / "r.json"), "--device", "cpu", "--batch_size", "0",
+                        "--out", str(tmp_path / "a.json"))
     assert code == 2 and "--batch_size must be >= 1, got 0" in err
-    code, err = split_run("generate", str(tmp_path / "r.json"), "--device", "cpu", "--cache", "nope",
-                          "--out", str(tmp_path / "a.json"))
+    code, err = refused("generate", str(tmp_path / "r.json"), "--device", "cpu", "--cache", "nope",
+                        "--out", str(tmp_path / "a.json"))
     assert code == 2 and "nope" in err
-    code, err = split_run("record", "--tasks", "kvzoo_wikitext", "--limit", "1", "--out", str(tmp_path / "w.json"))
+    code, err = refused("record", "--tasks", "kvzoo_wikitext", "--limit", "1", "--out", str(tmp_path / "w.json"))
     assert code == 2 and "record takes generation tasks (generate_until)" in err
-    code, err = split_run("record", "--tasks", "kvzoo_gsm8k_cot", "--limit", "1", "--gen_kwargs", "do_sample=True",
-                          "--out", str(tmp_path / "s.json"))
+    code, err = refused("record", "--tasks", "kvzoo_gsm8k_cot", "--limit", "1", "--gen_kwargs", "do_sample=True",
+                        "--out", str(tmp_path / "s.json"))
     assert code == 2 and "record takes greedy generation only" in err
     assert not any((tmp_path / f).exists() for f in ("a.json", "w.json", "s.json"))
 
