@@ -7,14 +7,13 @@ import pytest
 import torch
 from filelock import FileLock
 
+from tests.interpreted import skip_repeated_patching
+
 # Triton kernels run on CPU tensors only under the interpreter, which must be chosen before triton is first
 # imported (importing kvzoo does: the XQuant cache imports its kernel); a CUDA machine runs them compiled
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"):
-    from tests.interpreted import skip_repeated_patching
-
-    skip_repeated_patching()
+skip_repeated_patching()
 
 # under pytest-xdist (-n N) each worker gets its share of the cores, so N workers do not oversubscribe them
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:

@@ -8,9 +8,13 @@ nested call patches only the language modules this launch has not patched yet; t
 restore are Triton's. Where Triton's interpreter lacks the functions this wraps, nothing changes."""
 
 import inspect
+import os
 
 
 def skip_repeated_patching() -> None:
+    """Install the skip where TRITON_INTERPRET is on (call it before the first kernel runs)."""
+    if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
+        return
     try:
         from triton.runtime import interpreter
     except ImportError:
@@ -47,5 +51,6 @@ def skip_repeated_patching() -> None:
             patched.clear()
 
     patch_once.skips_repeats = True
+    patch_once.plain, call.plain = patch, run          # Triton's own, for tests/kernels/test_interpreted.py
     interpreter._patch_lang = patch_once
     launch.__call__ = call

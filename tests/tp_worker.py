@@ -15,6 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests.interpreted import skip_repeated_patching  # noqa: E402
+
+skip_repeated_patching()
 from kvzoo.graphs import decoder  # noqa: E402
 from kvzoo.models import tp  # noqa: E402
 from kvzoo.models.loader import load_weights  # noqa: E402
