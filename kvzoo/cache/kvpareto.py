@@ -20,8 +20,8 @@ K-smoothing (Appendix E, from SageAttention): K' = K - mean over the sequence, p
 q·(k - m) = q·k - q·m shifts every score of a query by the same amount, so softmax and the output are
 unchanged; only the quantization error changes (tested). The mean is taken once, over the prompt's keys
 (LayerCache.prompt_slots: a streaming run's first prefill chunk, the evaluation's prompt in simulated mode),
-and kept:
-    k_mean fp32 (B, H, 1, d)
+summed in fp32, and kept in the model's dtype, the keys' own, so that the step subtracts it with no cast:
+    k_mean (B, H, 1, d)
 
 Stored per layer, in kvzoo/cache/store.py's windowed store (streams "k" and "v", B rows, H = n_kv_heads,
 d = head_dim, N quantized tokens) with no sink and no recent window beyond the block being filled:
@@ -35,8 +35,8 @@ block being filled stays in the window as for the quantized stream, so every tok
 
 Bytes per token per layer and KV head (b = k_bits or v_bits, summed over K and V): token d*b/8 + 4*d/G;
 block d*b/8 + 4/G (+ the exact tokens of the block being filled at the model's precision); tensor
-d*b/8 + 4/H; 16 bits: d*bytes(dtype); plus 4*d per sequence for k_mean. SmolLM2 (d = 64) k4v4 per token
-G = 32: 2 * (32 + 8) = 80 bytes against 256 for fp16 (0.31).
+d*b/8 + 4/H; 16 bits: d*bytes(dtype); plus d*bytes(dtype) per sequence for k_mean. SmolLM2 (d = 64) k4v4
+per token G = 32: 2 * (32 + 8) = 80 bytes against 256 for fp16 (0.31).
 
 Paper settings: per-token group-wise with G = 32 for ~3B models (64 for 7-8B), K-smoothing on, k8v8 /
 k8v4 / k4v4 ... chosen by the Pareto search.
@@ -198,8 +198,8 @@ class KVParetoCache(WholeStep, LayerCache):
 
         self.store = WindowedStore(self.window, {"k": codec(o.k_bits), "v": codec(o.v_bits)}, lead, weight.dtype,
                                    weight.device)
-        self.register_buffer("k_mean", torch.zeros(batch_size, layer.n_kv_heads, 1, d, device=weight.device),
-                             persistent=False)
+        self.register_buffer("k_mean", torch.zeros(batch_size, layer.n_kv_heads, 1, d, dtype=weight.dtype,
+                                                   device=weight.device), persistent=False)
 
     def _smooth(self, k: Tensor, real: Tensor, first: int) -> Tensor:
         """K - mean, the mean taken over the real tokens among the first `first` slots of the first call."""
@@ -265,5 +265,6 @@ class KVParetoCache(WholeStep, LayerCache):
         return self.store.nbytes(self.length) + mean
 
     def formula_nbytes(self, length: int) -> int:
-        mean = 4 * self.batch_size * self.attn.n_kv_heads * self.attn.head_dim if self.opts.k_smooth and length else 0
+        B, H, d = self.batch_size, self.attn.n_kv_heads, self.attn.head_dim
+        mean = B * H * d * self.k_mean.element_size() if self.opts.k_smooth and length else 0
         return self.store.formula_nbytes(length) + mean
