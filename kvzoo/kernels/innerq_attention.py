@@ -453,12 +453,9 @@ def combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, q_ptr, kt_ptr, vt_ptr, SPLITS
         q = _dot_dtype(tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=live_r[:, None], other=0))
         k = _dot_dtype(tl.load(kt_ptr + head * s_kt + d))
         v = _dot_dtype(tl.load(vt_ptr + head * s_vt + d))
-        s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * qk_scale                   # (REP_P,)
-        m_new = tl.maximum(m, s)
-        alpha = tl.math.exp2(m - m_new)
-        p = tl.math.exp2(s - m_new)
-        l = l * alpha + p
-        acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :]
+        s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1, keep_dims=True) * qk_scale   # (REP_P, 1)
+        m, l, alpha, p = softmax_step(s, m, l)
+        acc = acc * alpha[:, None] + p * v.to(tl.float32)[None, :]
     out = acc / tl.where(live_r, l, 1.0)[:, None]                 # padded rows: l = 0
     tl.store(out_ptr + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live_r[:, None])
 
