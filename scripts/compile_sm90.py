@@ -1,6 +1,6 @@
 """Compile the H100's decode kernels for sm_90 without a GPU and report, per kernel: the shared memory a program
-takes, its registers, its local memory (register spills) and the instructions of its main loop (the longest
-backward branch of its SASS). Triton compiles and assembles for a target it is given on any machine, with its own
+takes, its registers, its register spills (the SASS's local stores and loads, and the stack frame ptxas gives
+them) and the instructions of its main loop (the longest backward branch of its SASS). Triton compiles and assembles for a target it is given on any machine, with its own
 ptxas and cuobjdump; the interpreter (TRITON_INTERPRET=1) must be off.
 
     python scripts/compile_sm90.py                          # every kernel, a table
@@ -15,8 +15,8 @@ InnerQ split kernel's fp16 fast path, the outer-layout split kernel as KIVI-2, K
 kernel), int8 and KV Pareto's k8v8 take it (the token given apart, as the graph step gives it), XQuant's scores over
 its rotated keys and its weighing of 4-bit value latents (1,024 wide, groups of 128), and the 4-bit weight kernels
 (groups of 128, bf16 activations) for one row, the group kernel's 16 rows and the Gluon kernel's 8 and 16 rows,
-split over K or not; the InnerQ Gluon kernel at 8B also under the register cap of three programs an SM
-(innerq_hopper.register_cap, "-busy"); InnerQ's window kernel, the combine kernel its split kernels and the outer
+split over K or not; the InnerQ Gluon kernel at 8B with asymmetric groups also under the register cap of three
+programs an SM (innerq_hopper.register_cap, "-busy"); InnerQ's window kernel, the combine kernel its split kernels and the outer
 ones share, InnerQ's two key kernels of the graph step at the paper's windows, and AlignedKV's static step (its two
 products over 64-token blocks, its first top-k pass, and its estimate over the candidates of 128 chunks, 128K
 tokens). Each with its launcher's settings."""
@@ -76,7 +76,7 @@ def cases() -> dict:
                 D=d, REP=rep, ROWS=rows, HAS_SYM=has_sym, DYN=True, HAS_QS=True,
                 LK=innerq_hopper._operand_layouts(d)[0], LV=innerq_hopper._operand_layouts(d)[1], VALUES_AHEAD=True),
                 GluonASTSource, POINTERS, gluon)
-            if d == 128:      # large batches: BUSY_PROGRAMS_PER_SM programs an SM, under register_cap
+            if d == 128 and not has_sym:    # large batches: BUSY_PROGRAMS_PER_SM programs an SM, under register_cap
                 kernel, constexprs, *rest = out[f"innerq-gluon-d{d}-{mode}"]
                 busy = dict(gluon, maxnreg=innerq_hopper.register_cap(innerq_hopper.BUSY_PROGRAMS_PER_SM))
                 out[f"innerq-gluon-d{d}-{mode}-busy"] = (kernel, dict(constexprs, VALUES_AHEAD=False), *rest[:2], busy)
@@ -155,8 +155,7 @@ def cases() -> dict:
 
 
 def resources(cubin: bytes) -> dict:
-    """Registers and local memory (bytes a thread spills) of a compiled kernel, and its main loop: the longest
-    backward branch's instructions, with their opcodes counted."""
+    """read_resources of a compiled kernel, from cuobjdump's resource usage and SASS."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "kernel.cubin")
         with open(path, "wb") as f:
@@ -164,14 +163,25 @@ def resources(cubin: bytes) -> dict:
         tool = triton.knobs.nvidia.cuobjdump.path
         usage = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
         sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    return read_resources(usage, sass)
+
+
+def read_resources(usage: str, sass: str) -> dict:
+    """Registers and spills of a kernel (cuobjdump -res-usage, -sass), and its main loop: the longest backward
+    branch's instructions, with their opcodes counted. Spills are the SASS's local stores and loads (STL, LDL), in
+    the whole kernel and in its loop, and the stack frame (bytes a thread) ptxas gives them: cuobjdump's LOCAL counts
+    only local arrays, and reads 0 for a kernel that spills."""
     ins = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
     loops = [(int(m.group(1), 16), addr) for addr, text in ins
              if (m := re.search(r"BRA\s+`?\(?(?:\.L_x_\d+\)?\s*)?0x([0-9a-f]+)", text)) and int(m.group(1), 16) < addr]
     first, last = max(loops, key=lambda span: span[1] - span[0], default=(0, -1))
-    body = [text.split()[1] if text.startswith("@") else text.split()[0] for addr, text in ins if first <= addr <= last]
+    ops = [(addr, (text.split()[1] if text.startswith("@") else text.split()[0]).split(".")[0]) for addr, text in ins]
+    body = [op for addr, op in ops if first <= addr <= last]
     return {"registers": int(re.search(r"REG:(\d+)", usage).group(1)),
-            "local": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
-            "loop": len(body), "mix": collections.Counter(op.split(".")[0] for op in body).most_common(12)}
+            "stack": int(re.search(r"STACK:(\d+)", usage).group(1)),
+            "spills": sum(op in ("STL", "LDL") for _, op in ops),
+            "loop_spills": sum(op in ("STL", "LDL") for op in body),
+            "loop": len(body), "mix": collections.Counter(body).most_common(12)}
 
 
 def main() -> None:
@@ -196,15 +206,17 @@ def main() -> None:
     if args.json:
         print(json.dumps(results))
         return
-    print("| kernel (sm_90) | shared memory (bytes) | registers | local (spill) bytes | loop instructions |")
-    print("|---|---|---|---|---|")
+    print("| kernel (sm_90) | shared memory (bytes) | registers | spill stores + loads (in the loop) | stack bytes | "
+          "loop instructions |")
+    print("|---|---|---|---|---|---|")
     for name, r in results.items():
         if "error" in r:
-            print(f"| {name} | {r['error'].splitlines()[-1]} | | | |")
+            print(f"| {name} | {r['error'].splitlines()[-1]} | | | | |")
             continue
-        print(f"| {name} | {r['shared']:,} | {r['registers']} | {r['local']} | {r['loop']:,} |")
+        print(f"| {name} | {r['shared']:,} | {r['registers']} | {r['spills']} ({r['loop_spills']}) | {r['stack']} | "
+              f"{r['loop']:,} |")
         if args.mix:
-            print(f"|  | {' '.join(f'{op} {n}' for op, n in r['mix'])} | | | |")
+            print(f"|  | {' '.join(f'{op} {n}' for op, n in r['mix'])} | | | | |")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ CHOICE = kernel_choice("KVZOO_INNERQ_KERNEL")
 ENABLED = CHOICE != "triton"
 GROUPS_PER_STEP = BLOCK // 32    # value groups of 32 tokens a step
 PROGRAMS_PER_SM = 2              # split-K sizing below BUSY_ROWS_PER_SM, as the outer kernel's
-BUSY_PROGRAMS_PER_SM = 3         # from BUSY_ROWS_PER_SM: three programs an SM, under a register cap
+BUSY_PROGRAMS_PER_SM = 3         # from BUSY_ROWS_PER_SM, asymmetric groups: three programs an SM, capped
 BUSY_ROWS_PER_SM = 1             # KV rows (B*H) per SM from which an SM takes BUSY_PROGRAMS_PER_SM
 REGISTERS_PER_SM = 65536
 MAGIC = gl.constexpr(DEQUANT_MAGIC)
@@ -253,13 +253,14 @@ def eligible(q: Tensor, bits: int, rep: int) -> bool:
             and q.shape[-1] in (64, 128) and rep <= N_ROWS)
 
 
-def programs_per_sm(rows: int, sms: int) -> int:
+def programs_per_sm(rows: int, sms: int, has_sym: bool) -> int:
     """Programs of this kernel an SM runs at once for B*H = rows KV rows: 2 (ptxas's own registers, up to 255 with
-    the values loaded a step ahead) while the rows are fewer than BUSY_ROWS_PER_SM per SM, else 3 under
-    register_cap. A third program hides more of each program's load latency and pays off once every SM has a row's
-    worth of steps; at batch 1 the extra splits' shorter runs, partials and capped registers cost more than it hides
-    (docs/decode.md, "InnerQ's operands in registers")."""
-    return BUSY_PROGRAMS_PER_SM if rows >= BUSY_ROWS_PER_SM * sms else PROGRAMS_PER_SM
+    the values loaded a step ahead), or with asymmetric groups only (not has_sym) 3 under register_cap from
+    BUSY_ROWS_PER_SM rows per SM on. A third program hides more of each program's load latency and pays off once
+    every SM has a row's worth of steps; at batch 1 the extra splits' shorter runs, partials and capped registers
+    cost more than it hides. The hybrid loop spills under the cap and runs faster at two programs (docs/decode.md,
+    "InnerQ's operands in registers" and "Register spills")."""
+    return BUSY_PROGRAMS_PER_SM if not has_sym and rows >= BUSY_ROWS_PER_SM * sms else PROGRAMS_PER_SM
 
 
 def register_cap(programs: int) -> int | None:

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SHARED_MEMORY = 232_448          # bytes a program may take on an H100 (227 KB)
 SM_SHARED_MEMORY = 233_472       # bytes of an SM's shared memory, of which the driver takes 1 KB a program
 MODES = ("hybrid", "asym")
-NAMES = [f"innerq-gluon-d{d}-{g}" for d in (128, 64) for g in MODES] + [f"innerq-gluon-d128-{g}-busy" for g in MODES] + \
+NAMES = [f"innerq-gluon-d{d}-{g}" for d in (128, 64) for g in MODES] + ["innerq-gluon-d128-asym-busy"] + \
     [f"kivi-gluon-d{d}" for d in (128, 64)] + \
     [f"innerq-triton-{b}bit-{g}" for b in (2, 4) for g in MODES] + \
     [f"outer-triton-{name}" for name in ("kivi", "kivi-pre", "int8", "kvpareto")] + \
@@ -45,6 +45,13 @@ def compiled(run_once):
     return run_once("sm90-compile", _compile_all)
 
 
+# kernels that spill at their launchers' settings: every spill-free setting tried ran slower on an H200
+# (docs/decode.md, "Register spills")
+SPILLING = {"outer-triton-kivi-pre": "the keys' rotation in fp32 (2 tokens' groups a step or 8 warps: 1.5-1.8x slower)",
+            "xquant-weigh": "the window rows' tile beside the codes' (64 channels a program: 1.25x slower)",
+            "innerq-triton-2bit-asym": "256 tokens a step (128 tokens, or one stage: 1.0-1.2x slower)"}
+
+
 def test_every_case_is_checked(compiled):
     assert sorted(compiled) == sorted(NAMES)
 
@@ -54,18 +61,45 @@ def test_kernel_compiles_for_an_h100_and_fits_it(compiled, name):
     result = compiled[name]
     assert "error" not in result, result.get("error")
     assert result["shared"] <= SHARED_MEMORY
-    assert result["registers"] <= 255 and result["local"] == 0, f"{name} spills: {result}"
+    assert result["registers"] <= 255
+    if name not in SPILLING:
+        assert result["spills"] == 0 and result["stack"] == 0, f"{name} spills: {result}"
     if name not in LOOPLESS:
         assert result["shared"] > 0 and result["loop"] > 0         # its main loop was found in the SASS
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_innerq_gluon_kernel_fits_three_programs_an_sm_under_its_register_cap(compiled, mode):
-    """innerq_hopper.programs_per_sm's three programs: their registers and shared memory fit one SM, without spills."""
+def test_only_the_named_kernels_spill(compiled):
+    spilling = {name for name, result in compiled.items() if result.get("spills") or result.get("stack")}
+    assert spilling <= set(SPILLING), spilling - set(SPILLING)
+
+
+def test_spills_are_read_from_the_sass():
+    """A loop's local stores and loads count as spills, with the stack frame; cuobjdump's LOCAL (0 here) does not
+    say whether a kernel spills."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from compile_sm90 import read_resources
+
+    usage = "Function k:\n REG:255 STACK:400 SHARED:1024 LOCAL:0 CONSTANT[0]:736"
+    sass = """
+        /*0010*/                   STL [R1+0x8], R17 ;
+        /*0020*/                   IMAD R2, R3, R4, R5 ;
+        /*0030*/                   LDL R6, [R1+0x8] ;
+        /*0040*/               @P0 STL.64 [R1], R16 ;
+        /*0050*/                   HFMA2 R7, R8, R9, R10 ;
+        /*0060*/               @P1 BRA 0x20 ;
+        /*0070*/                   EXIT ;"""
+    result = read_resources(usage, sass)
+    assert (result["registers"], result["stack"], result["spills"], result["loop_spills"], result["loop"]) == \
+        (255, 400, 3, 2, 5)
+
+
+def test_innerq_gluon_kernel_fits_three_programs_an_sm_under_its_register_cap(compiled):
+    """innerq_hopper.programs_per_sm's three programs (asymmetric groups): their registers and shared memory fit one
+    SM, without spills."""
     from kvzoo.kernels.innerq_hopper import BUSY_PROGRAMS_PER_SM, N_WARPS, REGISTERS_PER_SM
 
-    result = compiled[f"innerq-gluon-d128-{mode}-busy"]
-    assert result["registers"] * 32 * N_WARPS * BUSY_PROGRAMS_PER_SM <= REGISTERS_PER_SM and result["local"] == 0
+    result = compiled["innerq-gluon-d128-asym-busy"]
+    assert result["registers"] * 32 * N_WARPS * BUSY_PROGRAMS_PER_SM <= REGISTERS_PER_SM and result["spills"] == 0
     assert (result["shared"] + 1024) * BUSY_PROGRAMS_PER_SM <= SM_SHARED_MEMORY
 
 
