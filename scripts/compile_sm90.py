@@ -54,14 +54,17 @@ OUTER_POINTERS = dict(POINTERS, kz_ptr="*fp16", vz_ptr="*fp16", kr_ptr="*fp16", 
 
 
 def compile_for_h100(fn, constexprs: dict, source=ASTSource, pointers: dict = POINTERS, **options):
-    """fn compiled for sm_90 with these constexprs; every other argument a pointer of `pointers`, the softmax scale
-    fp32, the rest int32 (lengths, counts and strides, as the launchers pass them)."""
+    """fn compiled for sm_90 with these constexprs; every other argument a pointer of `pointers`, 16-byte aligned as
+    the launch's torch tensors are (Triton's launcher specializes on it, and it decides which loads are vectors),
+    the softmax scale fp32, the rest int32 (lengths, counts and strides, as the launchers pass them)."""
     names = fn.arg_names
     scalar = {"qk_scale": "fp32", "scale": "fp32"}
     signature = {name: "constexpr" if name in constexprs else pointers.get(name, scalar.get(name, "i32"))
                  for name in names}
     values = {(names.index(name),): value for name, value in constexprs.items()}
-    return triton.compile(source(fn, signature, values), target=H100, options=options)
+    aligned = {(names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
+               if kind.startswith("*")}
+    return triton.compile(source(fn, signature, values, aligned), target=H100, options=options)
 
 
 def cases() -> dict:

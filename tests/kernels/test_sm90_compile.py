@@ -1,9 +1,9 @@
 """The H100's decode kernels (InnerQ's and KIVI's split kernels in Gluon, InnerQ's and the outer layout's in Triton,
 InnerQ's window and key kernels and the shared combine, XQuant's scores and weighing, the 4-bit weight kernels,
-AlignedKV's static step) compiled for sm_90 on any machine
-(scripts/compile_sm90.py), at the shapes the benchmarks run and with the launchers' settings: a kernel that does not
-fit an H100 (its shared memory, registers ptxas cannot assign, or spills) fails here, not first on the device. The
-interpreter tests check what the kernels compute; they run none of the compiled code."""
+AlignedKV's static step) compiled for sm_90 on any machine (scripts/compile_sm90.py), at the shapes the benchmarks
+run and with the launchers' settings: a kernel that does not fit an H100 (its shared memory, registers ptxas cannot
+assign, or spills in its main loop) fails here, not first on the device. The interpreter tests check what the
+kernels compute; they run none of the compiled code."""
 
 import json
 import os
@@ -45,10 +45,11 @@ def compiled(run_once):
     return run_once("sm90-compile", _compile_all)
 
 
-# kernels that spill at their launchers' settings: every spill-free setting tried ran slower on an H200
-# (docs/decode.md, "Register spills")
+# kernels that spill in their main loop at their launchers' settings (Triton 3.6 or 3.9): every spill-free setting
+# tried ran slower on an H200 (docs/decode.md, "Register spills"). Spills outside the loop cost a few instructions
+# a program and are allowed.
 SPILLING = {"outer-triton-kivi-pre": "128 tokens a step rotated in fp32 (64 a step, or 8 warps: 1.5-1.8x slower)",
-            "xquant-weigh": "128 tokens x 128 channels a step for 32 query rows (64 channels: 1.25-1.45x slower)",
+            "xquant-weigh": "128 tokens x 128 channels a step, 32 query rows (64 channels: 1.25-1.45x slower)",
             "innerq-triton-2bit-asym": "256 tokens a step, 2 stages (128 tokens, or one stage: 1.0-1.2x slower)"}
 
 
@@ -63,7 +64,7 @@ def test_kernel_compiles_for_an_h100_and_fits_it(compiled, name):
     assert result["shared"] <= SHARED_MEMORY
     assert result["registers"] <= 255
     if name not in SPILLING:
-        assert result["spills"] == 0 and result["stack"] == 0, f"{name} spills: {result}"
+        assert result["loop_spills"] == 0, f"{name} spills in its loop: {result}"
     if name not in LOOPLESS:
         assert result["shared"] > 0 and result["loop"] > 0         # its main loop was found in the SASS
 
@@ -93,7 +94,7 @@ def test_innerq_gluon_kernel_fits_three_programs_an_sm_under_its_register_cap(co
     from kvzoo.kernels.innerq_hopper import BUSY_PROGRAMS_PER_SM, N_WARPS, REGISTERS_PER_SM
 
     result = compiled["innerq-gluon-d128-asym-busy"]
-    assert result["registers"] * 32 * N_WARPS * BUSY_PROGRAMS_PER_SM <= REGISTERS_PER_SM and result["spills"] == 0
+    assert result["registers"] * 32 * N_WARPS * BUSY_PROGRAMS_PER_SM <= REGISTERS_PER_SM and result["loop_spills"] == 0
     assert (result["shared"] + 1024) * BUSY_PROGRAMS_PER_SM <= SM_SHARED_MEMORY
 
 
