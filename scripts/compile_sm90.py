@@ -1,25 +1,25 @@
-"""Compile the H100's decode kernels for sm_90 without a GPU and report, per kernel: the shared memory a program
-takes, its registers, its register spills (the SASS's local stores and loads, and the stack frame ptxas gives
-them) and the instructions of its main loop (the longest backward branch of its SASS). Triton compiles and assembles for a target it is given on any machine, with its own
-ptxas and cuobjdump; the interpreter (TRITON_INTERPRET=1) must be off.
+"""Compile the H100's decode kernels for sm_90 without a GPU and report, per kernel: the shared memory a program takes,
+its registers, its register spills (the SASS's local stores and loads, and the stack frame ptxas gives them) and the
+instructions of its main loop (the longest backward branch of its SASS). Triton compiles and assembles for a target
+it is given on any machine, with its own ptxas and cuobjdump; the interpreter (TRITON_INTERPRET=1) must be off.
 
     python scripts/compile_sm90.py                          # every kernel, a table
     python scripts/compile_sm90.py --cases innerq-gluon --mix   # and each loop's most frequent instructions
     python scripts/compile_sm90.py --json                   # JSON (tests/kernels/test_sm90_compile.py)
 
 A kernel's loop instructions, registers and shared memory are read before device time is spent: the loop's length
-tracks an issue-bound kernel's speed (the InnerQ hybrid loop from 1,586 to 1,363 instructions, 831 to 747 us at
-32K, batch 32), while registers and shared memory decide how many programs an SM holds (docs/decode.md). Cases: the Gluon split kernels at the head shapes the
-benchmarks run (Llama-3.1-8B's head_dim 128 and rep 4, SmolLM2's 64 and rep 3), and at the 8B shape the Triton
-InnerQ split kernel's fp16 fast path, the outer-layout split kernel as KIVI-2, KIVI*-2 (keys rotated in the
-kernel), int8 and KV Pareto's k8v8 take it (the token given apart, as the graph step gives it), XQuant's scores over
-its rotated keys and its weighing of 4-bit value latents (1,024 wide, groups of 128), and the 4-bit weight kernels
-(groups of 128, bf16 activations) for one row, the group kernel's 16 rows and the Gluon kernel's 8 and 16 rows,
-split over K or not; the InnerQ Gluon kernel at 8B with asymmetric groups also under the register cap of three
-programs an SM (innerq_hopper.register_cap, "-busy"); InnerQ's window kernel, the combine kernel its split kernels and the outer
-ones share, InnerQ's two key kernels of the graph step at the paper's windows, and AlignedKV's static step (its two
-products over 64-token blocks, its first top-k pass, and its estimate over the candidates of 128 chunks, 128K
-tokens). Each with its launcher's settings."""
+tracks an issue-bound kernel's speed (the InnerQ hybrid loop from 1,586 to 1,363 instructions, 831 to 747 us at 32K,
+batch 32), while registers and shared memory decide how many programs an SM holds (docs/decode.md). Cases: the Gluon
+split kernels at the head shapes the benchmarks run (Llama-3.1-8B's head_dim 128 and rep 4, SmolLM2's 64 and rep 3),
+and at the 8B shape the Triton InnerQ split kernel's fp16 fast path, the outer-layout split kernel as KIVI-2,
+KIVI*-2 (keys rotated in the kernel), int8 and KV Pareto's k8v8 take it (the token given apart, as the graph step
+gives it), XQuant's scores over its rotated keys and its weighing of 4-bit value latents (1,024 wide, groups of
+128), and the 4-bit weight kernels (groups of 128, bf16 activations) for one row, the group kernel's 16 rows and the
+Gluon kernel's 8 and 16 rows, split over K or not; the InnerQ Gluon kernel at 8B with asymmetric groups also under
+the register cap of three programs an SM (innerq_hopper.register_cap, "-busy"); InnerQ's window kernel, the combine
+kernel its split kernels and the outer ones share, InnerQ's two key kernels of the graph step at the paper's
+windows, and AlignedKV's static step (its two products over 64-token blocks, its first top-k pass, and its estimate
+over the candidates of 128 chunks, 128K tokens). Each with its launcher's settings."""
 
 from __future__ import annotations
 
