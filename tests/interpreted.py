@@ -11,9 +11,14 @@ import inspect
 import os
 
 
+def interpreting() -> bool:
+    """Whether TRITON_INTERPRET is on: Triton's kernels run in its interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
 def skip_repeated_patching() -> None:
     """Install the skip where TRITON_INTERPRET is on (call it before the first kernel runs)."""
-    if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
+    if not interpreting():
         return
     try:
         from triton.runtime import interpreter

@@ -1,16 +1,15 @@
 """tests/interpreted.py leaves what the interpreter computes unchanged: a fused kernel full of nested @triton.jit
 helpers gives the same bits with it as with Triton's own patching."""
 
-import os
-
 import pytest
 import torch
 
+from tests.interpreted import interpreting
 from tests.kernels.test_outer_attention import cache
 
 
 def test_skipping_repeated_patching_changes_no_bit(monkeypatch):
-    if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
+    if not interpreting():
         pytest.skip("the kernels are compiled, not interpreted")
     from triton.runtime import interpreter
 
