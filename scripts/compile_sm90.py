@@ -15,7 +15,7 @@ and at the 8B shape the Triton InnerQ split kernel's fp16 fast path, the outer-l
 KIVI*-2 (keys rotated in the kernel), int8 and KV Pareto's k8v8 take it (the token given apart, as the graph step
 gives it), XQuant's scores over its rotated keys and its weighing of 4-bit value latents (1,024 wide, groups of
 128), and the 4-bit weight kernels (groups of 128, bf16 activations) for one row, the group kernel's 16 rows and the
-Gluon kernel's 8 and 16 rows, split over K or not; the InnerQ Gluon kernel at 8B with asymmetric groups also under
+Gluon kernel's 8 and 16 rows, split over K or not; the InnerQ Gluon kernel at 8B also under
 the register cap of three programs an SM (innerq_hopper.register_cap, "-busy"); InnerQ's window kernel, the combine
 kernel its split kernels and the outer ones share, InnerQ's two key kernels of the graph step at the paper's
 windows, and AlignedKV's static step (its two products over 64-token blocks, its first top-k pass, and its estimate
@@ -45,6 +45,8 @@ H100 = GPUTarget("cuda", 90, 32)
 POINTERS = {"q_ptr": "*fp16", "qs_ptr": "*fp16", "kc_ptr": "*i32", "ks_ptr": "*fp16", "kz_ptr": "*i32",
             "km_ptr": "*i32", "vc_ptr": "*i32", "vs_ptr": "*fp16", "vz_ptr": "*i32", "vm_ptr": "*i32",
             "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "len_ptr": "*i32"}
+# the InnerQ cache's head strides of its codes, scales and slots: multiples of 16 (capacities in whole groups of 32)
+INNERQ_STRIDES = ("s_kc", "s_ks", "s_kz", "s_vc", "s_vs", "s_vz")
 HEADS = ((128, 4), (64, 3))   # (head_dim, query rows a KV head)
 # the outer kernel's layouts: (key bits, value bits, keys grouped per token (KT), group size, keys rotated (RoPE))
 OUTER = {"kivi": (2, 2, False, 32, False), "kivi-pre": (2, 2, False, 32, True), "int8": (8, 8, True, 128, False),
@@ -53,17 +55,18 @@ OUTER_POINTERS = dict(POINTERS, kz_ptr="*fp16", vz_ptr="*fp16", kr_ptr="*fp16", 
                       vw_ptr="*fp16", cos_ptr="*fp16", sin_ptr="*fp16")
 
 
-def compile_for_h100(fn, constexprs: dict, source=ASTSource, pointers: dict = POINTERS, **options):
+def compile_for_h100(fn, constexprs: dict, source=ASTSource, pointers: dict = POINTERS, divisible=(), **options):
     """fn compiled for sm_90 with these constexprs; every other argument a pointer of `pointers`, 16-byte aligned as
     the launch's torch tensors are (Triton's launcher specializes on it, and it decides which loads are vectors),
-    the softmax scale fp32, the rest int32 (lengths, counts and strides, as the launchers pass them)."""
+    the softmax scale fp32, the rest int32 (lengths, counts and strides, as the launchers pass them), those named in
+    `divisible` multiples of 16 (the launcher specializes an integer that is)."""
     names = fn.arg_names
     scalar = {"qk_scale": "fp32", "scale": "fp32"}
     signature = {name: "constexpr" if name in constexprs else pointers.get(name, scalar.get(name, "i32"))
                  for name in names}
     values = {(names.index(name),): value for name, value in constexprs.items()}
     aligned = {(names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
-               if kind.startswith("*")}
+               if kind.startswith("*") or name in divisible}
     return triton.compile(source(fn, signature, values, aligned), target=H100, options=options)
 
 
@@ -77,12 +80,12 @@ def cases() -> dict:
         for mode, has_sym in (("hybrid", True), ("asym", False)):
             out[f"innerq-gluon-d{d}-{mode}"] = (innerq_hopper._split_kernel, dict(
                 D=d, REP=rep, ROWS=rows, HAS_SYM=has_sym, DYN=True, HAS_QS=True,
-                LK=innerq_hopper._operand_layouts(d)[0], LV=innerq_hopper._operand_layouts(d)[1], VALUES_AHEAD=True),
-                GluonASTSource, POINTERS, gluon)
-            if d == 128 and not has_sym:    # large batches: BUSY_PROGRAMS_PER_SM programs an SM, under register_cap
-                kernel, constexprs, *rest = out[f"innerq-gluon-d{d}-{mode}"]
-                busy = dict(gluon, maxnreg=innerq_hopper.register_cap(innerq_hopper.BUSY_PROGRAMS_PER_SM))
-                out[f"innerq-gluon-d{d}-{mode}-busy"] = (kernel, dict(constexprs, VALUES_AHEAD=False), *rest[:2], busy)
+                **dict(zip(("LK", "LV", "LKG", "LVG"), innerq_hopper._operand_layouts(d)))),
+                GluonASTSource, POINTERS, dict(gluon, divisible=INNERQ_STRIDES))
+            if d == 128:    # large batches: BUSY_PROGRAMS_PER_SM programs an SM, under register_cap
+                busy = dict(gluon, divisible=INNERQ_STRIDES,
+                            maxnreg=innerq_hopper.register_cap(innerq_hopper.BUSY_PROGRAMS_PER_SM))
+                out[f"innerq-gluon-d{d}-{mode}-busy"] = (*out[f"innerq-gluon-d{d}-{mode}"][:4], busy)
         out[f"kivi-gluon-d{d}"] = (outer_hopper._quantized_kernel, dict(D=d, REP=rep, ROWS=rows, CG=32, LP=lp, KSL=ksl),
                                    GluonASTSource, dict(POINTERS, kz_ptr="*fp16", vz_ptr="*fp16"), gluon)
     for bits in (2, 4):

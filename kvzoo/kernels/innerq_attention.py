@@ -571,7 +571,7 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
         splits, per_split, gs = _plan_splits(N // GROUP, B * H, dev, num_splits, max_gs, programs_per_sm) \
             if N else (0, 0, 1)
         if N and innerq_hopper is not None and innerq_hopper.eligible(q, bits, rep):
-            per_sm = innerq_hopper.programs_per_sm(B * H, sm_count(dev), has_sym)
+            per_sm = innerq_hopper.programs_per_sm(B * H, sm_count(dev))
             plan = _plan_splits(N // GROUP, B * H, dev, num_splits, innerq_hopper.GROUPS_PER_STEP, per_sm)
             gluon = plan[2] == innerq_hopper.GROUPS_PER_STEP         # splits of whole steps, else the Triton plan
             if gluon:

@@ -6,31 +6,34 @@ combine kernel, which merges this kernel's (m, l, acc) partials as it merges the
     grid (B*H, splits): program (kv head, split) attends its rep query rows (ROWS = 8 or 16, padding past rep)
     over the value groups [split * PER_SPLIT, ...) of the live quantized tokens, 128 tokens a step.
 
-Both products run on the tensor cores with the dequantized tile as the wgmma's A operand in registers, so no
-code, key or value passes through shared memory (only the query, stored once, and each step's weights p):
+Both products run on the tensor cores with the dequantized tile as the wgmma's A operand in registers:
     s    (128 tokens, ROWS) = K (128, d) · qᵀ         A: the keys, a row per token
     accᵀ (d, ROWS)       += Vᵀ (d, 128) · pᵀ         A: the values, a row per channel
-The words are loaded in the layout the unpack PTX turns into A's registers (_operand_layouts, _operand): a thread
-holds one group per row (its lane's two adjacent code words, one 8-byte load; four lanes read a token's 32 bytes),
-so each word takes one scale, one offset and one register of signs. A's columns are logical: column i of the key
-operand is channel _place(i, d/16) (the query is loaded in that order), column i of the value operand token
-_place(i, 8) of the step, so the key rows are loaded in that token order and the weights p need no reordering;
-the output rows are the real channels. InnerQ's groups make every code word one group's:
+A step's codes, scales, slots and mask words reach shared memory by cp.async a step ahead (_copy_step, a ring of
+STAGES steps), and are read from there in the layout the unpack PTX turns into A's registers (_operand_layouts,
+_operand): a thread holds one group per row (its lane's two adjacent code words; four lanes read a token's 32
+bytes), so each word takes one scale, one offset and one register of signs. A's columns are logical: column i of
+the key operand is channel _place(i, d/16) (the query is loaded in that order), column i of the value operand
+token _place(i, 8) of the step, so the key rows are copied in that token order and the weights p need no
+reordering; the output rows are the real channels. InnerQ's groups make every code word one group's:
   - a key word holds 16 channels of one token's group, a value word 16 tokens of one channel's group (the values
     are packed along the tokens, kvquant.pack_tokens);
   - a slot is the fp32 zero point of an asymmetric group or the 32 sign bits of a symmetric one, whose zero is 0
     (keys' bit i: channel i of the group; values' bit i: token i);
   - the unpack PTX (quant_matvec.dequant_pair_asm) reads a code c as 4 + c and applies the scale and an offset,
-    zero - 4 * scale rounded to fp16 once a word (_offset), in one fp16 FMA; a code's sign is XOR-ed into the
+    zero - 4 * scale rounded to fp16 once a group (_offset), in one fp16 FMA; a code's sign is XOR-ed into the
     result; a word's signs are one byte permute of its group's slot;
   - which groups are symmetric is read from the cache's packed mask bits: keys' bit n % 32 of word [g, n // 32],
     values' bit c % 32 of word [n // 32, c // 32]; tokens from MASK_UPTO on carry no bit and are symmetric.
+The scores' product runs while the values unpack. The row sums stay spread over the threads (each its tokens'
+share) until the end, so a step reduces across warps only for the rows' max.
 Numerics are the Triton kernel's fast path but for that offset: one fp16 FMA a code (where the Triton kernel
 rounds the zero to fp16, this kernel rounds zero - 4 * scale, within an fp16 ulp of it on asymmetric groups and
 the same on symmetric ones), fp16 operands, fp32 products and softmax, the query times the key normalization in
 the model dtype, then fp16.
 
-Speed: docs/decode.md, "InnerQ's split kernel in Gluon" and "InnerQ's operands in registers".
+Speed: docs/decode.md, "InnerQ's split kernel in Gluon", "InnerQ's operands in registers" and "InnerQ's codes
+through shared memory".
 KVZOO_INNERQ_KERNEL=triton|gluon|auto (default) overrides the choice: triton never takes this kernel.
 """
 
@@ -41,20 +44,25 @@ import functools
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from kvzoo.kernels.outer_hopper import (BLOCK, LQ, N_ROWS, N_WARPS, TILE, TOKENS, _is_hopper, _query, _store_partials,
-                                        _unpack_pairs, mma_layout, rows_for)
+from kvzoo.kernels.outer_hopper import (BLOCK, LQ, N_ROWS, N_WARPS, TILE, TOKENS, WARPS, _is_hopper, _query,
+                                        _store_partials, _unpack_pairs, barrier, mma_layout, rows_for)
 from kvzoo.kernels.quant_matvec import DEQUANT_MAGIC, kernel_choice, unpacks_in_ptx
 
 CHOICE = kernel_choice("KVZOO_INNERQ_KERNEL")
 ENABLED = CHOICE != "triton"
 GROUPS_PER_STEP = BLOCK // 32    # value groups of 32 tokens a step
 PROGRAMS_PER_SM = 2              # split-K sizing below BUSY_ROWS_PER_SM, as the outer kernel's
-BUSY_PROGRAMS_PER_SM = 3         # from BUSY_ROWS_PER_SM, asymmetric groups: three programs an SM, capped
+BUSY_PROGRAMS_PER_SM = 3         # from BUSY_ROWS_PER_SM: three programs an SM, capped
 BUSY_ROWS_PER_SM = 1             # KV rows (B*H) per SM from which an SM takes BUSY_PROGRAMS_PER_SM
 REGISTERS_PER_SM = 65536
 MAGIC = gl.constexpr(DEQUANT_MAGIC)
+STAGES = gl.constexpr(2)         # the ring's steps: one in flight while one is read (4 measured slower)
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared   # 3.9 / 3.6
+_reinterpret = (getattr(gl.shared_memory_descriptor, "reinterpret", None)              # 3.9 / 3.6
+                or gl.shared_memory_descriptor._reinterpret)
 
 
 @gluon.jit
@@ -101,54 +109,76 @@ def _operand(o, A: gl.constexpr):
 
 
 @gluon.jit
-def _keys(kc_ptr, ks_ptr, kz_ptr, km_ptr, t, last, MASK_UPTO, s_kmg, n, w, D: gl.constexpr,
-          HAS_SYM: gl.constexpr):
-    """Step t's key code words (BLOCK, W), row n token _place(n, 8) of the step (the order the value operand's
-    tokens take), and each word's scale, fp16 offset (_offset) and signs (0 in an asymmetric group). Tokens past
-    `last` (the last live one) read `last`."""
+def _copy_step(rings, stage, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_ptr, vm_ptr, t, last, MASK_UPTO,
+               s_kmg, D: gl.constexpr, HAS_SYM: gl.constexpr):
+    """Issue step t's cp.async copies into ring stage `stage`: key words (BLOCK, W), key slots and mask words
+    (BLOCK, NG) and scales (BLOCK, NG/2 int32: two fp16 a word), row n token _place(n, 8) of the step; value words
+    (D, BLOCK/16), value slots and mask words (D, GS) and scales (D/2 int32, GS), row c channel c. A mask word is
+    gathered once a row (the word holding the row's bit). Copies move 4-16 bytes: the scales go as int32."""
     W: gl.constexpr = D // 16
     NG: gl.constexpr = D // 32
+    GS: gl.constexpr = BLOCK // 32
+    CKW: gl.constexpr = gl.BlockedLayout([1, W], [32, 1], [WARPS, 1], [1, 0])
+    CKG: gl.constexpr = gl.BlockedLayout([1, NG], [32, 1], [WARPS, 1], [1, 0])
+    CKS: gl.constexpr = gl.BlockedLayout([1, NG // 2], [32, 1], [WARPS, 1], [1, 0])
+    CVW: gl.constexpr = gl.BlockedLayout([4, 1], [D // 4, 128 // D], [1, WARPS], [0, 1])
+    CVG: gl.constexpr = gl.BlockedLayout([D // 32, 1], [32, 1], [1, WARPS], [0, 1])
+    CVS: gl.constexpr = gl.BlockedLayout([D // 64, 1], [32, 1], [1, WARPS], [0, 1])
+    kw_s, ks_s, kz_s, km_s, vw_s, vs_s, vz_s, vm_s = rings
+    n = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, CKW))
     tw = gl.minimum(t * 32 + _place(n, 8), last)[:, None]                          # (BLOCK, 1)
-    at = tw * NG + (w // 2)[None, :]                                                 # word w's group
-    slot = gl.load(kz_ptr + at)
-    kw = gl.load(kc_ptr + tw * W + w[None, :])
-    scale = gl.load(ks_ptr + at)
+    _async_load(kw_s.index(stage), kc_ptr + tw * W + gl.arange(0, W, layout=gl.SliceLayout(0, CKW))[None, :])
+    n = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, CKS))
+    tg = gl.minimum(t * 32 + _place(n, 8), last)[:, None]
+    _async_load(ks_s.index(stage), ks_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + tg * (NG // 2)
+                + gl.arange(0, NG // 2, layout=gl.SliceLayout(0, CKS))[None, :])
+    n = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, CKG))
+    tg = gl.minimum(t * 32 + _place(n, 8), last)[:, None]
+    g = gl.arange(0, NG, layout=gl.SliceLayout(0, CKG))[None, :]
+    _async_load(kz_s.index(stage), kz_ptr + tg * NG + g)
     if HAS_SYM:
-        upto = gl.maximum(MASK_UPTO - 1, 0)
-        sym = (((gl.load(km_ptr + (w // 2)[None, :] * s_kmg + gl.minimum(tw, upto) // 32) >> (tw % 32)) & 1) != 0) \
-            | (tw >= MASK_UPTO)
-        signs = _signs(slot, sym, (w % 2)[None, :])
+        _async_load(km_s.index(stage), km_ptr + g * s_kmg + gl.minimum(tg, gl.maximum(MASK_UPTO - 1, 0)) // 32)
+    c = gl.arange(0, D, layout=gl.SliceLayout(1, CVW))[:, None]
+    chunk = gl.minimum(t * 2 + gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(0, CVW)), last // 16)[None, :]
+    _async_load(vw_s.index(stage), vc_ptr + chunk * D + c)
+    c = gl.arange(0, D // 2, layout=gl.SliceLayout(1, CVS))[:, None]
+    gv = gl.minimum(t + gl.arange(0, GS, layout=gl.SliceLayout(0, CVS)), last // 32)[None, :]
+    _async_load(vs_s.index(stage), vs_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + gv * (D // 2) + c)
+    c = gl.arange(0, D, layout=gl.SliceLayout(1, CVG))[:, None]
+    gv = gl.minimum(t + gl.arange(0, GS, layout=gl.SliceLayout(0, CVG)), last // 32)[None, :]
+    _async_load(vz_s.index(stage), vz_ptr + gv * D + c)
+    if HAS_SYM:
+        _async_load(vm_s.index(stage),
+                    vm_ptr + gl.minimum(gv, gl.maximum(MASK_UPTO - 1, 0) // 32) * (D // 32) + c // 32)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _per_word(x, L: gl.constexpr):
+    """A group's (R, NG) quantity as its two words' (R, 2 NG), in the words' layout L."""
+    R: gl.constexpr = x.shape[0]
+    NG: gl.constexpr = x.shape[1]
+    return gl.convert_layout(gl.reshape(gl.join(x, x), (R, 2 * NG)), L)
+
+
+@gluon.jit
+def _read_step(w_s, s_s, z_s, m_s, sym_extra, bit, LW: gl.constexpr, LG: gl.constexpr, SL: gl.constexpr,
+               HAS_SYM: gl.constexpr):
+    """A ring stage's words (R, W) in layout LW and their scale, fp16 offset and signs, from the (R, NG) group
+    scales (int32 pairs, read as fp16 in shared layout SL), slots and mask words (LG): a group is symmetric where
+    its mask word's bit `bit` is set or sym_extra."""
+    kw = w_s.load(LW)
+    scale = _reinterpret(s_s, gl.float16, [kw.shape[0], kw.shape[1] // 2], SL).load(LG)
+    slot = z_s.load(LG)
+    if HAS_SYM:
+        sym = (((m_s.load(LG) >> bit) & 1) != 0) | sym_extra
+        zero = gl.zeros_like(slot)
+        signs = gl.join(_signs(slot, sym, zero), _signs(slot, sym, zero + 1))
+        signs = gl.convert_layout(gl.reshape(signs, (kw.shape[0], kw.shape[1])), LW)
     else:
         sym = False
         signs = kw                                     # not read without symmetric groups
-    return kw, scale, _offset(slot, sym, scale), signs
-
-
-@gluon.jit
-def _chunks(t, last, k):
-    """Step t's 16-token chunks k (1, BLOCK/16), two a value group; chunks past the one of `last` (the last live
-    token) read that one."""
-    return gl.minimum(t * 2 + k, last // 16)[None, :]
-
-
-@gluon.jit
-def _values(vc_ptr, vs_ptr, vz_ptr, vm_ptr, t, last, MASK_UPTO, c, k, D: gl.constexpr, HAS_SYM: gl.constexpr):
-    """Step t's value code words (D, BLOCK/16), row c channel c, column k the step's chunk k (kvquant.pack_tokens:
-    chunk j's word of channel ch at j * D + ch), and each word's scale, fp16 offset and signs, as _keys."""
-    ch = c[:, None]                                                                  # (D, 1)
-    chunk = _chunks(t, last, k)
-    g = chunk // 2
-    vw = gl.load(vc_ptr + chunk * D + ch)
-    slot = gl.load(vz_ptr + g * D + ch)
-    scale = gl.load(vs_ptr + g * D + ch)
-    if HAS_SYM:
-        word = gl.load(vm_ptr + gl.minimum(g, gl.maximum(MASK_UPTO - 1, 0) // 32) * (D // 32) + ch // 32)
-        sym = (((word >> (ch % 32)) & 1) != 0) | (g * 32 >= MASK_UPTO)
-        signs = _signs(slot, sym, chunk % 2)
-    else:
-        sym = False
-        signs = slot                                   # not read without symmetric groups
-    return vw, scale, _offset(slot, sym, scale), signs
+    return kw, _per_word(scale, LW), _per_word(_offset(slot, sym, scale), LW), signs
 
 
 @gluon.jit
@@ -156,13 +186,21 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
                   acc_ptr, len_ptr, N_TOKENS, PER_SPLIT, N_COLS, MASK_UPTO, qk_scale,
                   s_kc, s_ks, s_kz, s_km, s_kmg, s_vc, s_vs, s_vz, s_vm,
                   D: gl.constexpr, REP: gl.constexpr, ROWS: gl.constexpr, HAS_SYM: gl.constexpr, DYN: gl.constexpr,
-                  HAS_QS: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr, VALUES_AHEAD: gl.constexpr):
+                  HAS_QS: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr, LKG: gl.constexpr, LVG: gl.constexpr):
     GS: gl.constexpr = BLOCK // 32
     MMA: gl.constexpr = mma_layout(ROWS)
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     W: gl.constexpr = D // 16
+    NG: gl.constexpr = D // 32
     LKW: gl.constexpr = gl.SliceLayout(2, LK)                       # key words (BLOCK, W)
     LVW: gl.constexpr = gl.SliceLayout(2, LV)                       # value words (D, BLOCK/16)
+    RING: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 1, [1, 0])   # keys': rows of tokens
+    # values': (channel, column) tiles stored by column, their 16-byte units XOR-swizzled by the column, so that
+    # the four lanes of a row read four banks
+    VRING: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [0, 1])
+    GRING: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 4, [0, 1])
+    GRING16: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 4, [0, 1])   # GRING's bytes read as fp16
+    MASKS: gl.constexpr = STAGES if HAS_SYM else 1                       # the mask words' ring (unread: 1)
 
     kv = gl.program_id(0)                        # b * H + h
     head = kv.to(gl.int64)
@@ -179,8 +217,16 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
     dq = _place(gl.arange(0, D, layout=gl.SliceLayout(0, LQ)), W)
     q_s = gl.allocate_shared_memory(gl.float16, [ROWS, D], TILE, _query(q_ptr, qs_ptr, kv, dq, REP, ROWS, HAS_QS))
     p_s = gl.allocate_shared_memory(gl.float16, [ROWS, BLOCK], TILE)
+    rings = (gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK, W], RING),           # key words
+             gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK, NG // 2], RING),      # key scales, fp16 pairs
+             gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK, NG], RING),           # key slots
+             gl.allocate_shared_memory(gl.int32, [MASKS, BLOCK, NG], RING),            # key mask words
+             gl.allocate_shared_memory(gl.int32, [STAGES, D, BLOCK // 16], VRING),     # value words
+             gl.allocate_shared_memory(gl.int32, [STAGES, D // 2, GS], GRING),         # value scales, fp16 pairs
+             gl.allocate_shared_memory(gl.int32, [STAGES, D, GS], GRING),              # value slots
+             gl.allocate_shared_memory(gl.int32, [MASKS, D, GS], GRING))               # value mask words
     m = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
-    l = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(0, MMA))
+    l = gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA)              # each thread's tokens' share of the row sums
     acc = gl.zeros([D, ROWS], gl.float32, layout=MMA)                # accᵀ, rows the real channels
 
     if DYN:
@@ -190,59 +236,67 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
     start = split * PER_SPLIT
     stop = gl.minimum(start + PER_SPLIT, live // 32)
     last = gl.maximum(stop * 32 - 1, 0)
-    n = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, LKW))
-    w = gl.arange(0, W, layout=gl.SliceLayout(0, LKW))
-    c = gl.arange(0, D, layout=gl.SliceLayout(1, LVW))
-    k = gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(0, LVW))
     ns = _place(gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA)), 8)              # each score row's token
-    kw, ks, kz, k_signs = _keys(kc_ptr, ks_ptr, kz_ptr, km_ptr, start, last, MASK_UPTO, s_kmg, n, w, D, HAS_SYM)
-    vw, vs, vz, v_signs = _values(vc_ptr, vs_ptr, vz_ptr, vm_ptr, start, last, MASK_UPTO, c, k, D, HAS_SYM)
+    nk = _place(gl.arange(0, BLOCK, layout=gl.SliceLayout(1, LKG)), 8)              # each key row's token
+    cv = gl.arange(0, D, layout=gl.SliceLayout(1, LVG))[:, None]                    # (D, 1): each value row's channel
+    gv = gl.arange(0, GS, layout=gl.SliceLayout(0, LVG))[None, :]                   # (1, GS): the step's value groups
+    for i in gl.static_range(STAGES - 1):
+        _copy_step(rings, i, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_ptr, vm_ptr, start + i * GS, last,
+                   MASK_UPTO, s_kmg, D, HAS_SYM)
+    stage = 0
     for t in range(start, stop, GS):
-        if not VALUES_AHEAD:
-            vw, vs, vz, v_signs = _values(vc_ptr, vs_ptr, vz_ptr, vm_ptr, t, last, MASK_UPTO, c, k, D, HAS_SYM)
-        nk = _keys(kc_ptr, ks_ptr, kz_ptr, km_ptr, t + GS, last, MASK_UPTO, s_kmg, n, w, D, HAS_SYM)
-        if VALUES_AHEAD:
-            nv = _values(vc_ptr, vs_ptr, vz_ptr, vm_ptr, t + GS, last, MASK_UPTO, c, k, D, HAS_SYM)
-        if HAS_SYM:
-            ka = _operand(_unpack_pairs(kw, LK, k_signs, ks, kz), A)
-        else:
-            ka = _operand(_unpack_pairs(kw, LK, None, ks, kz), A)
-        s = warpgroup_mma(ka, q_s.permute((1, 0)), gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA))
-        if HAS_SYM:
-            va = _operand(_unpack_pairs(vw, LV, v_signs, vs, vz), A)
-        else:
-            va = _operand(_unpack_pairs(vw, LV, None, vs, vz), A)
+        async_copy.wait_group(STAGES - 2)        # this step's copies
+        barrier()                                # every thread's copies landed; the stage refilled below is read
+        _copy_step(rings, (stage + STAGES - 1) % STAGES, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_ptr,
+                   vm_ptr, t + (STAGES - 1) * GS, last, MASK_UPTO, s_kmg, D, HAS_SYM)
+        tk = gl.minimum(t * 32 + nk, last)[:, None]                                  # (BLOCK, 1)
+        kw, ks, kz, k_signs = _read_step(rings[0].index(stage), rings[1].index(stage), rings[2].index(stage),
+                                         rings[3].index(stage % MASKS), tk >= MASK_UPTO, tk % 32, LKW, LKG, RING,
+                                         HAS_SYM)
+        ka = _operand(_unpack_pairs(kw, LK, k_signs if HAS_SYM else None, ks, kz), A)
+        s = warpgroup_mma(ka, q_s.permute((1, 0)), gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA), is_async=True)
+        g = gl.minimum(t + gv, last // 32)
+        vw, vs, vz, v_signs = _read_step(rings[4].index(stage), rings[5].index(stage), rings[6].index(stage),
+                                         rings[7].index(stage % MASKS), g * 32 >= MASK_UPTO, cv % 32, LVW, LVG,
+                                         GRING16, HAS_SYM)
+        va = _operand(_unpack_pairs(vw, LV, v_signs if HAS_SYM else None, vs, vz), A)
+        s = warpgroup_mma_wait(0, deps=[s, ka])[0]                  # the scores, computed as the values unpacked
         s = s * qk_scale + gl.where(t * 32 + ns <= last, 0.0, float("-inf"))[:, None]  # one FMA; masked: -inf
         m_new = gl.maximum(m, gl.max(s, axis=0))
         alpha = gl.exp2(m - m_new)
         p = gl.exp2(s - m_new[None, :])
-        l = l * alpha + gl.sum(p, axis=0)
+        l = l * alpha[None, :] + p
         m = m_new
         p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
         fence_async_shared()
         if gl.min(alpha, axis=0) < 1.0:                           # a row's max grew: rescale (rare after the start)
             acc = acc * alpha[None, :]
         acc = warpgroup_mma(va, p_s.permute((1, 0)), acc)
-        kw, ks, kz, k_signs = nk
-        if VALUES_AHEAD:
-            vw, vs, vz, v_signs = nv
-    _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, kv, split, N_COLS, REP, True)
+        stage = (stage + 1) % STAGES
+    async_copy.wait_group(0)
+    _store_partials(m_ptr, l_ptr, acc_ptr, m, gl.sum(l, axis=0), acc, kv, split, N_COLS, REP, True)
 
 
 @functools.cache
-def _operand_layouts(d: int) -> tuple[gl.DistributedLinearLayout, gl.DistributedLinearLayout]:
-    """(LK, LV): the key words' (BLOCK, d/16, 2) and value words' (d, BLOCK/16, 2) layouts (row, word, the pair
-    axis _unpack_pairs enters each word on) that unpack into the wgmma's A operand (_operand). A thread holds one
-    group a row: its lane's word pair 2 t, 2 t + 1 (t = lane % 4; d = 64 keys: word t); registers the pair axis,
-    the pair's second word, row + 8 and row + 64 (128 rows); lanes t, then rows + 1, 2, 4; warps rows + 16, 32.
-    A key row is a token, a value row a channel."""
+def _operand_layouts(d: int) -> tuple[gl.DistributedLinearLayout, ...]:
+    """(LK, LV, LKG, LVG): the key words' (BLOCK, d/16, 2) and value words' (d, BLOCK/16, 2) layouts (row, word, the
+    pair axis _unpack_pairs enters each word on) that unpack into the wgmma's A operand (_operand), and their groups'
+    (rows, words/2) layouts (the same threads, one value a group). A thread holds one group a row: its lane's word
+    pair 2 t, 2 t + 1 (t = lane % 4; d = 64 keys: word t); registers the pair axis, the pair's second word, row + 8
+    and row + 64 (128 rows); lanes t, then rows + 1, 2, 4; warps rows + 16, 32. A key row is a token, a value row a
+    channel."""
     def layout(rows, words):
         pair = [[0, 1, 0]] if words == 8 else []
         lanes = [[0, 2, 0], [0, 4, 0]] if words == 8 else [[0, 1, 0], [0, 2, 0]]
         return gl.DistributedLinearLayout([[0, 0, 1], [8, 0, 0]] + pair + ([[64, 0, 0]] if rows == 128 else []),
                                           lanes + [[1, 0, 0], [2, 0, 0], [4, 0, 0]], [[16, 0, 0], [32, 0, 0]], [],
                                           [rows, words, 2])
-    return layout(TOKENS, d // 16), layout(d, TOKENS // 16)
+
+    def groups(rows, words):
+        lanes = [[0, 1], [0, 2]] if words == 8 else [[0, 0], [0, 1]]
+        return gl.DistributedLinearLayout([[8, 0]] + ([[64, 0]] if rows == 128 else []),
+                                          lanes + [[1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [], [rows, words // 2])
+    return (layout(TOKENS, d // 16), layout(d, TOKENS // 16), groups(TOKENS, d // 16), groups(d, TOKENS // 16))
 
 
 def eligible(q: Tensor, bits: int, rep: int) -> bool:
@@ -253,14 +307,12 @@ def eligible(q: Tensor, bits: int, rep: int) -> bool:
             and q.shape[-1] in (64, 128) and rep <= N_ROWS)
 
 
-def programs_per_sm(rows: int, sms: int, has_sym: bool) -> int:
-    """Programs of this kernel an SM runs at once for B*H = rows KV rows: 2 (ptxas's own registers, up to 255 with
-    the values loaded a step ahead), or with asymmetric groups only (not has_sym) 3 under register_cap from
-    BUSY_ROWS_PER_SM rows per SM on. A third program hides more of each program's load latency and pays off once
-    every SM has a row's worth of steps; at batch 1 the extra splits' shorter runs, partials and capped registers
-    cost more than it hides. The hybrid loop spills under the cap and runs faster at two programs (docs/decode.md,
-    "InnerQ's operands in registers" and "Register spills")."""
-    return BUSY_PROGRAMS_PER_SM if not has_sym and rows >= BUSY_ROWS_PER_SM * sms else PROGRAMS_PER_SM
+def programs_per_sm(rows: int, sms: int) -> int:
+    """Programs of this kernel an SM runs at once for B*H = rows KV rows: 2 (ptxas's own registers), or 3 under
+    register_cap from BUSY_ROWS_PER_SM rows per SM on. A third program hides more of each program's latency and pays
+    off once every SM has a row's worth of steps; at batch 1 the extra splits' shorter runs and partials cost more
+    than it hides (docs/decode.md, "InnerQ's codes through shared memory")."""
+    return BUSY_PROGRAMS_PER_SM if rows >= BUSY_ROWS_PER_SM * sms else PROGRAMS_PER_SM
 
 
 def register_cap(programs: int) -> int | None:
@@ -279,11 +331,10 @@ def split_partials(q: Tensor, q_scale: Tensor | None, buffers: list[tuple[Tensor
     buffers: its (tensor, head stride) pairs of the key codes, scales, slots and mask, then the values'."""
     B, Hq, d = q.shape
     H = buffers[0][0].shape[1]
-    lk, lv = _operand_layouts(d)
+    lk, lv, lkg, lvg = _operand_layouts(d)
     _split_kernel[(B * H, splits)](
         q, q if q_scale is None else q_scale, *(t for t, _ in buffers), m, l, acc, m if lengths is None else lengths,
         n_tokens, per_split, n_cols, mask_upto, qk_scale, buffers[0][1], buffers[1][1], buffers[2][1], buffers[3][1],
         s_kmg, *(s for _, s in buffers[4:]), D=d, REP=Hq // H, ROWS=rows_for(Hq // H), HAS_SYM=has_sym,
-        DYN=lengths is not None, HAS_QS=q_scale is not None, LK=lk, LV=lv, VALUES_AHEAD=register_cap(programs) is None,
-        num_warps=N_WARPS,
+        DYN=lengths is not None, HAS_QS=q_scale is not None, LK=lk, LV=lv, LKG=lkg, LVG=lvg, num_warps=N_WARPS,
         **({} if register_cap(programs) is None else {"maxnreg": register_cap(programs)}))

@@ -64,6 +64,7 @@ BLOCK = gl.constexpr(TOKENS)         # tokens a step: four warps, one key group 
 WARPS = gl.constexpr(N_WARPS)
 LQ = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [N_WARPS, 1], [1, 0]))          # the query rows' load
 TILE = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+barrier = getattr(gl, "barrier", None) or gl.thread_barrier      # Triton 3.9 names it barrier, 3.6 thread_barrier
 
 
 def rows_for(rep: int) -> int:

@@ -37,6 +37,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
+from kvzoo.kernels.outer_hopper import barrier
 from kvzoo.kernels.quant_matvec import kernel_choice, pair_asm, unpacks_in_ptx
 
 CHOICE = kernel_choice("KVZOO_W4A16_KERNEL")
@@ -50,7 +51,6 @@ STEP = 128                           # input channels a step (16 words of codes 
 TILE_N, N_WARPS = 64, 4
 PROGRAMS_PER_SM = 4                  # split-K sizing: programs a multiprocessor keeps busy, of at least 2 steps
 _TILE = gl.constexpr(TILE_N)
-_barrier = getattr(gl, "barrier", None) or gl.thread_barrier      # Triton 3.9 names it barrier, 3.6 thread_barrier
 
 
 PAIR_ASM, PAIR_CON = (gl.constexpr(part) for part in pair_asm(4))
@@ -149,7 +149,7 @@ def _w4_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr, count_p
         gl.store(out_ptr + at, acc.to(DT), mask=live)
     else:
         gl.store(part_ptr + split * M * N + at, acc, mask=live)
-        _barrier()                                           # every thread's partial is written before the count
+        barrier()                                            # every thread's partial is written before the count
         if gl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
             total = gl.zeros([_TILE, NP], gl.float32, MMA)
             for other in range(SPLIT):

@@ -530,9 +530,8 @@ def test_hopper_kernel_matches_reference_and_triton_kernel(d, dtype, rep, B, N, 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
 @pytest.mark.parametrize("mode", ["hybrid", "asym"])
 def test_hopper_kernel_under_the_register_cap_gives_the_same_output(mode, monkeypatch):
-    """Three programs an SM (programs_per_sm at large batches with asymmetric groups, forced here for 4 KV rows):
-    the kernel compiled under register_cap computes what the uncapped one does, bit for bit; hybrid groups keep two
-    programs."""
+    """Three programs an SM (programs_per_sm at large batches, forced here for 4 KV rows): the kernel compiled under
+    register_cap computes what the uncapped one does, bit for bit."""
     innerq_hopper = pytest.importorskip("kvzoo.kernels.innerq_hopper")
     torch.manual_seed(3)
     B, H, N, d, rep = 2, 2, 2048, 128, 4
@@ -545,17 +544,14 @@ def test_hopper_kernel_under_the_register_cap_gives_the_same_output(mode, monkey
     uncapped = innerq_decode_attention(*args, num_splits=4)
     monkeypatch.setattr(innerq_hopper, "BUSY_ROWS_PER_SM", 0)
     capped = innerq_decode_attention(*args, num_splits=4)
-    busy = innerq_hopper.BUSY_PROGRAMS_PER_SM if mode == "asym" else innerq_hopper.PROGRAMS_PER_SM
-    assert programs == [innerq_hopper.PROGRAMS_PER_SM, busy]
+    assert programs == [innerq_hopper.PROGRAMS_PER_SM, innerq_hopper.BUSY_PROGRAMS_PER_SM]
     assert torch.equal(capped, uncapped)
 
 
 def test_hopper_programs_per_sm_and_register_cap():
-    """Two programs an SM (no register cap) below a KV row per SM, three (168 registers, 4 warps) from there with
-    asymmetric groups; hybrid groups always two."""
+    """Two programs an SM (no register cap) below a KV row per SM, three (168 registers, 4 warps) from there."""
     innerq_hopper = pytest.importorskip("kvzoo.kernels.innerq_hopper")
-    assert [innerq_hopper.programs_per_sm(rows, 132, False) for rows in (8, 131, 132, 488)] == [2, 2, 3, 3]
-    assert [innerq_hopper.programs_per_sm(rows, 132, True) for rows in (8, 131, 132, 488)] == [2, 2, 2, 2]
+    assert [innerq_hopper.programs_per_sm(rows, 132) for rows in (8, 131, 132, 488)] == [2, 2, 3, 3]
     assert innerq_hopper.register_cap(2) is None and innerq_hopper.register_cap(3) == 168
 
 

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SHARED_MEMORY = 232_448          # bytes a program may take on an H100 (227 KB)
 SM_SHARED_MEMORY = 233_472       # bytes of an SM's shared memory, of which the driver takes 1 KB a program
 MODES = ("hybrid", "asym")
-NAMES = [f"innerq-gluon-d{d}-{g}" for d in (128, 64) for g in MODES] + ["innerq-gluon-d128-asym-busy"] + \
+NAMES = [f"innerq-gluon-d{d}-{g}" for d in (128, 64) for g in MODES] + \
+    [f"innerq-gluon-d128-{g}-busy" for g in MODES] + \
     [f"kivi-gluon-d{d}" for d in (128, 64)] + \
     [f"innerq-triton-{b}bit-{g}" for b in (2, 4) for g in MODES] + \
     [f"outer-triton-{name}" for name in ("kivi", "kivi-pre", "int8", "kvpareto")] + \
@@ -88,12 +89,13 @@ def test_spills_are_read_from_the_sass():
         (255, 400, 3, 2, 5)
 
 
-def test_innerq_gluon_kernel_fits_three_programs_an_sm_under_its_register_cap(compiled):
-    """innerq_hopper.programs_per_sm's three programs (asymmetric groups): their registers and shared memory fit one
-    SM, without spills."""
+@pytest.mark.parametrize("mode", ["hybrid", "asym"])
+def test_innerq_gluon_kernel_fits_three_programs_an_sm_under_its_register_cap(compiled, mode):
+    """innerq_hopper.programs_per_sm's three programs: their registers and shared memory fit one SM, without
+    spills."""
     from kvzoo.kernels.innerq_hopper import BUSY_PROGRAMS_PER_SM, N_WARPS, REGISTERS_PER_SM
 
-    result = compiled["innerq-gluon-d128-asym-busy"]
+    result = compiled[f"innerq-gluon-d128-{mode}-busy"]
     assert result["registers"] * 32 * N_WARPS * BUSY_PROGRAMS_PER_SM <= REGISTERS_PER_SM and result["loop_spills"] == 0
     assert (result["shared"] + 1024) * BUSY_PROGRAMS_PER_SM <= SM_SHARED_MEMORY
 
