@@ -31,7 +31,8 @@ leave their window a token at a time, values 32 at a time), in place of some hun
 gives the keys of the value window's rows, aligned slot for slot (the first `n_k - n_q` dequantized from the
 codes, the rest the key window's exact rows), a program per (row, KV head, 32 rows), before the attention; the
 second quantizes the key window's oldest token at slot n_k and moves the window down by one, a program per (row,
-KV head), after it (the static step runs it beside the layers that follow).
+KV head, key group of 32 channels: each moves its own channels), after it (the static step runs it beside the
+layers that follow).
 
 group_token_write is kvzoo.cache.kvquant.quantize's asymmetric per-token groups (G channels of one token share
 an fp16 scale and zero: KIVI's and SQuat's values, XQuant's X U_v) for the one token a static step quantizes,
@@ -269,39 +270,37 @@ def _aligned_keys_kernel(win_ptr, out_ptr, nk_ptr, nq_ptr, kc_ptr, ks_ptr, kz_pt
 def _key_flush_kernel(win_ptr, nk_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, s_win, s_codes, s_groups, s_km, s_kmg,
                       D: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr, TOP: tl.constexpr, KW: tl.constexpr,
                       MASK: tl.constexpr):
-    """One (batch row, KV head) per program: row 0 of the key window win (KW, D) quantized into slot n_k (its mask
-    bit written with MASK), and rows 1.. moved down."""
+    """Program (batch row x KV head, key group g): row 0's group g of the key window win (KW, D), channels
+    [32 g, 32 g + 32), quantized into slot n_k (its mask bit written with MASK), then rows 1.. of those channels
+    moved down. Programs own disjoint channels, so only this program's threads read what it overwrites."""
     CPW: tl.constexpr = 32 // BITS
     NG: tl.constexpr = D // 32
     W: tl.constexpr = D * BITS // 32
+    ROWS: tl.constexpr = triton.next_power_of_2(KW - 1)
     head = tl.program_id(0).to(tl.int64)
-    win_ptr += head * s_win
+    g = tl.program_id(1)
+    win_ptr += head * s_win + g * 32
     kc_ptr, ks_ptr, kz_ptr, km_ptr = _key_buffers(kc_ptr, ks_ptr, kz_ptr, km_ptr, head, s_codes, s_groups, s_km)
     n_k = tl.load(nk_ptr).to(tl.int32)
-    d = tl.arange(0, D)
-    j = tl.arange(0, 32)
-    g = tl.arange(0, NG)
     wi = tl.arange(0, BITS)
     cw = tl.arange(0, CPW)
-    bit = wi[:, None] * CPW + cw[None, :]                                        # index in a group of 32
-    oldest = tl.load(win_ptr + g[None, :, None, None] * 32 + bit[None, None, :, :])  # (1, NG, BITS, CPW): row 0
+    bit = wi[:, None] * CPW + cw[None, :]                                        # index in the group of 32
+    oldest = tl.load(win_ptr + bit)[None, None, :, :]                            # (1, 1, BITS, CPW): row 0
     codes, scale, slot, sym = _quantize_groups(oldest.to(tl.float32), bit, MODE, TOP)
-    words = tl.sum(codes.to(tl.int32) << (cw * BITS)[None, None, None, :], 3)  # (1, NG, BITS)
-    tl.store(kc_ptr + n_k * W + g[None, :, None] * BITS + wi[None, None, :], words)
-    tl.store(ks_ptr + n_k * NG + g[None, :], scale.to(tl.float16))
-    tl.store(kz_ptr + n_k * NG + g[None, :], slot)
+    words = tl.sum(codes.to(tl.int32) << (cw * BITS)[None, None, None, :], 3)  # (1, 1, BITS)
+    tl.store(kc_ptr + n_k * W + g * BITS + wi[None, None, :], words)
+    tl.store(ks_ptr + n_k * NG + g + tl.zeros([1, 1], tl.int32), scale.to(tl.float16))
+    tl.store(kz_ptr + n_k * NG + g + tl.zeros([1, 1], tl.int32), slot)
     if MASK:   # bit n_k % 32 of word [g, n_k // 32]
         at = km_ptr + g * s_kmg + n_k // 32
-        flag = tl.reshape(sym, (NG,)).to(tl.int32) << (n_k % 32)
+        flag = tl.sum(tl.sum(sym.to(tl.int32), 1), 0) << (n_k % 32)
         tl.store(at, (tl.load(at) & ~(1 << (n_k % 32))) | flag)
+    row = tl.arange(0, ROWS)[:, None]
+    ch = tl.arange(0, 32)[None, :]
+    moved = row < KW - 1
+    below = tl.load(win_ptr + (row + 1) * D + ch, mask=moved, other=0)                # rows 1 .. KW-1, in registers
     tl.debug_barrier()                                                           # every row read before any moves
-    for c in range(0, KW - 1, 32):
-        row = c + j
-        moved = row < KW - 1
-        below = tl.load(win_ptr + (row + 1)[:, None] * D + d[None, :], mask=moved[:, None], other=0)
-        tl.debug_barrier()
-        tl.store(win_ptr + row[:, None] * D + d[None, :], below, mask=moved[:, None])
-        tl.debug_barrier()
+    tl.store(win_ptr + row * D + ch, below, mask=moved)
 
 
 def _key_step_checks(win: Tensor, codes: Tensor, scale: Tensor, slot: Tensor, mask: Tensor | None, bits: int,
@@ -352,9 +351,10 @@ def innerq_key_flush(win: Tensor, n_k: Tensor, codes: Tensor, scale: Tensor, slo
         raise ValueError(f"unknown quantization mode {mode!r}; accepted: {', '.join(MODES)}")
     km, s_km, s_kmg = _key_step_checks(win, codes, scale, slot, mask, bits, mode == "hybrid")
     B, H, kw, d = win.shape
-    _key_flush_kernel[(B * H,)](win, n_k, codes, scale, slot, km, win.stride(1), codes.stride(1), scale.stride(1),
-                                s_km, s_kmg, D=d, BITS=bits, MODE=MODES.index(mode), TOP=float(2 ** bits - 1), KW=kw,
-                                MASK=mode == "hybrid", num_warps=4, enable_fp_fusion=False)
+    _key_flush_kernel[(B * H, d // 32)](
+        win, n_k, codes, scale, slot, km, win.stride(1), codes.stride(1), scale.stride(1), s_km, s_kmg, D=d, BITS=bits,
+        MODE=MODES.index(mode), TOP=float(2 ** bits - 1), KW=kw, MASK=mode == "hybrid", num_warps=4,
+        enable_fp_fusion=False)
 
 
 @triton.jit
