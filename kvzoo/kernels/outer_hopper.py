@@ -159,19 +159,16 @@ def _query(q_ptr, qs_ptr, kv, dq, REP: gl.constexpr, ROWS: gl.constexpr, HAS_QS:
 
 
 @gluon.jit
-def _start(q, TRANSPOSED: gl.constexpr):
-    """A program's shared tiles (the query q (ROWS, D) stored, a step's keys (BLOCK, D) and values, (BLOCK, D) or
-    TRANSPOSED (D, BLOCK), its weights transposed (ROWS, BLOCK), tokens contiguous as the query's channels) and its
-    empty online-softmax state: running max m, sum l (ROWS,) and output accᵀ (D, ROWS)."""
+def _start(q):
+    """A program's shared tiles (the query q (ROWS, D) stored, a step's keys and values (BLOCK, D), its weights
+    transposed (ROWS, BLOCK), tokens contiguous as the query's channels) and its empty online-softmax state: running
+    max m, sum l (ROWS,) and output accᵀ (D, ROWS)."""
     ROWS: gl.constexpr = q.shape[0]
     D: gl.constexpr = q.shape[1]
     MMA: gl.constexpr = mma_layout(ROWS)
     q_s = gl.allocate_shared_memory(gl.float16, [ROWS, D], TILE, q)
     k_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
-    if TRANSPOSED:
-        v_s = gl.allocate_shared_memory(gl.float16, [D, BLOCK], TILE)
-    else:
-        v_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
+    v_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
     p_s = gl.allocate_shared_memory(gl.float16, [ROWS, BLOCK], TILE)
     m = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
     l = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(0, MMA))
@@ -252,7 +249,7 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_p
     split = gl.program_id(1)
 
     dq = _real(gl.arange(0, D, layout=gl.SliceLayout(0, LQ)))
-    q_s, k_s, v_s, p_s, m, l, acc = _start(_query(q_ptr, q_ptr, kv, dq, REP, ROWS, False), False)
+    q_s, k_s, v_s, p_s, m, l, acc = _start(_query(q_ptr, q_ptr, kv, dq, REP, ROWS, False))
 
     n_both = gl.minimum(gl.load(len_ptr), gl.load(len_ptr + 1))
     start = split * PER_SPLIT
