@@ -276,7 +276,7 @@ def _key_flush_kernel(win_ptr, nk_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, s_win, s_
     CPW: tl.constexpr = 32 // BITS
     NG: tl.constexpr = D // 32
     W: tl.constexpr = D * BITS // 32
-    ROWS: tl.constexpr = triton.next_power_of_2(KW - 1)
+    ROWS: tl.constexpr = triton.next_power_of_2(KW)                             # >= the KW - 1 rows moved
     head = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     win_ptr += head * s_win + g * 32
