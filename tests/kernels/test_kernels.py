@@ -382,6 +382,30 @@ def test_key_step_kernel_equals_the_torch_path(monkeypatch, bits, mode, dtype):
             assert torch.equal(got, want), f"key {buf}, step {t}"
 
 
+@pytest.mark.parametrize("kw,mode", [(1, "hybrid"), (33, "asym")])
+def test_key_flush_at_any_window_length(kw, mode):
+    """innerq_key_flush with a key window of one row (recent=0: nothing moves) or of a partial block of rows: slot n
+    holds the oldest row as quantize_unified quantizes it, and the rest of the window moves down by one."""
+    from kvzoo.kernels.quantize_pack import innerq_key_flush
+
+    torch.manual_seed(kw)
+    B, H, d, capacity, n = 1, 2, 64, 40, 37
+    win = torch.randn(B, H, kw, d, device=DEVICE) * 2 + 0.5
+    before = win.clone()
+    want = quantize_unified(win[:, :, :1], 2, -1, mode)
+    codes = torch.zeros(B, H, capacity, d // 16, dtype=torch.int32, device=DEVICE)
+    scale = torch.zeros(B, H, capacity, d // 32, dtype=torch.float16, device=DEVICE)
+    slot = torch.zeros(B, H, capacity, d // 32, dtype=torch.int32, device=DEVICE)
+    mask = None if mode == "asym" else torch.zeros(B, H, d // 32, capacity // 32 + 1, dtype=torch.int32,
+                                                   device=DEVICE)
+    innerq_key_flush(win, torch.tensor([n], device=DEVICE), codes, scale, slot, mask, 2, mode)
+    assert torch.equal(codes[:, :, n], want.codes[:, :, 0]) and torch.equal(scale[:, :, n], want.scale[:, :, 0])
+    assert torch.equal(slot[:, :, n], want.slot[:, :, 0])
+    if mask is not None:
+        assert torch.equal((mask[..., n // 32] >> (n % 32)) & 1, want.sym[:, :, 0].int())
+    assert torch.equal(win[:, :, :kw - 1], before[:, :, 1:])
+
+
 @pytest.mark.parametrize("bits,group,dtype", [(2, 32, torch.float32), (4, 16, torch.bfloat16), (8, 128, torch.float16),
                                               (2, 64, torch.bfloat16)], ids=name)
 def test_token_write_kernel_equals_the_torch_path(monkeypatch, bits, group, dtype):
