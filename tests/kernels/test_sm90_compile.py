@@ -89,7 +89,7 @@ def test_spills_are_read_from_the_sass():
         (255, 400, 3, 2, 5)
 
 
-@pytest.mark.parametrize("mode", ["hybrid", "asym"])
+@pytest.mark.parametrize("mode", MODES)
 def test_innerq_gluon_kernel_fits_three_programs_an_sm_under_its_register_cap(compiled, mode):
     """innerq_hopper.programs_per_sm's three programs: their registers and shared memory fit one SM, without
     spills."""
