@@ -270,20 +270,11 @@ class KIVICache(WholeStep, LayerCache):
         from kvzoo.kernels.outer_attention import outer_decode_attention
 
         st, kc, vc = self.store, self.store.codecs["k"], self.store.codecs["v"]
-        rope = self._rope_tables(step, q.dtype) if self.pre_rope else None
+        rope = self.attn.rope.position_tables(self.max_len, q.dtype) if self.pre_rope else None
         out = outer_decode_attention(q[:, :, 0], kc.codes, kc.scale, kc.zero, vc.codes, vc.scale, vc.zero,
                                      self.opts.bits, st.recent("k"), st.recent("v"), self._static_lengths(step),
                                      k_sink=st.sink("k"), v_sink=st.sink("v"), rope=rope, k_token=k_rot, v_token=v)
         return out[:, :, None]                                                  # (B, Hq, 1, d)
-
-    def _rope_tables(self, step: StaticStep, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """RoPE's cos and sin (max_len, d) of every position, in the model's dtype; once per step, for every layer."""
-        key = ("rope tables", self.max_len, dtype)
-        if key not in step.derived:
-            ids = torch.arange(self.max_len, device=step.slot.device)[None]
-            cos, sin = self.attn.rope.cos_sin(ids, dtype)                      # (1, 1, max_len, d) each
-            step.derived[key] = (cos[0, 0], sin[0, 0])
-        return step.derived[key]
 
     def _static_lengths(self, step: StaticStep) -> Tensor:
         """From the device-held length L: int32 (4,) [keys quantized, values quantized, slots stored after the

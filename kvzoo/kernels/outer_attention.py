@@ -56,9 +56,10 @@ Two kernels:
      Llama's heads runs it at 8 (split_kernel_warps).
 Keys stored before RoPE (KIVI*, `rope=(cos, sin)`): every key, quantized or exact (the sink, the key window), is
 rotated to its position in the kernel: sink row i to position i, tail slot u to n_sink + u. The kernel unpacks
-each key's two channel halves as separate tiles, rotates them in fp32 ([lo, hi] -> [lo cos - hi sin,
-hi cos + lo sin], rotate-half style) and takes the scores as two dots of d/2 channels, so no key is unpacked twice
-or moved between halves; it reads the first half of each cos/sin row (a rotate-half table repeats its frequencies).
+each key's two channel halves as separate tiles and never forms the rotated key [lo cos - hi sin, hi cos + lo sin]
+(rotate-half style): its four products, each rounded once in the keys' dtype, go to four dots of d/2 channels
+summed in fp32, so no key is unpacked twice or moved between halves; it reads the first half of each cos/sin row (a
+rotate-half table repeats its frequencies).
 
 Scales. On an H100 the split kernel's busiest unit is the L1/shared-memory pipe, not DRAM: the unpacked tiles reach
 the tensor cores through shared memory. With per-channel keys and no RoPE (KIVI, SQuat) each step's scales and zeros
@@ -136,19 +137,19 @@ def _codes(c_ptr, n, live, D: tl.constexpr, BITS: tl.constexpr, FAST: tl.constex
 
 @triton.jit
 def _rotated_scores(q_lo, q_hi, k_lo, k_hi, cos_ptr, sin_ptr, pos, live, D: tl.constexpr):
-    """Scores (REP_P, BLOCK) of the query rows against keys rotated by RoPE (rotate-half) to positions pos (BLOCK,):
-    the queries' and the keys' channel halves (., D/2) each, rotated in fp32 as
-    [lo, hi] -> [lo * cos - hi * sin, hi * cos + lo * sin]. A rotate-half table repeats its frequencies in both
-    halves, so only the first half of each cos, sin row (positions, D) is read."""
+    """Scores (REP_P, BLOCK) of the query rows against keys rotated by RoPE (rotate-half) to positions pos (BLOCK,),
+    from the queries' and the keys' channel halves (., D/2) each. The rotated key [lo cos - hi sin, hi cos + lo sin]
+    is never formed: its four products, each rounded once in the keys' dtype (fp16 on the fast path), are four dots
+    summed in fp32, q_lo · (lo cos) + q_hi · (hi cos) + q_hi · (lo sin) - q_lo · (hi sin). A rotate-half table
+    repeats its frequencies in both halves, so only the first half of each cos, sin row (positions, D) is read."""
     E: tl.constexpr = D // 2
     at = pos[:, None] * D + tl.arange(0, E)[None, :]
-    cos = tl.load(cos_ptr + at, mask=live[:, None], other=0).to(tl.float32)
-    sin = tl.load(sin_ptr + at, mask=live[:, None], other=0).to(tl.float32)
-    lo, hi = k_lo.to(tl.float32), k_hi.to(tl.float32)
-    r_lo = (lo * cos - hi * sin).to(q_lo.dtype)
-    r_hi = (hi * cos + lo * sin).to(q_hi.dtype)
-    s = tl.dot(q_lo, tl.trans(r_lo), input_precision="ieee")
-    return tl.dot(q_hi, tl.trans(r_hi), s, input_precision="ieee")
+    cos = tl.load(cos_ptr + at, mask=live[:, None], other=0).to(k_lo.dtype)
+    sin = tl.load(sin_ptr + at, mask=live[:, None], other=0).to(k_lo.dtype)
+    s = tl.dot(q_lo, tl.trans((k_lo * cos).to(q_lo.dtype)), input_precision="ieee")
+    s = tl.dot(q_hi, tl.trans((k_hi * cos).to(q_lo.dtype)), s, input_precision="ieee")
+    s = tl.dot(q_hi, tl.trans((k_lo * sin).to(q_lo.dtype)), s, input_precision="ieee")
+    return tl.dot(-q_lo, tl.trans((k_hi * sin).to(q_lo.dtype)), s, input_precision="ieee")
 
 
 @triton.jit
@@ -282,8 +283,8 @@ def _rotated_sink(q_lo, q_hi, kw_ptr, vw_ptr, n_sink, cos_ptr, sin_ptr, m, l, ac
     for w0 in range(0, n_sink, BLOCK):
         w = w0 + tl.arange(0, BLOCK)
         live = w < n_sink
-        k_lo = tl.load(kw_ptr + w[:, None] * D + e[None, :], mask=live[:, None], other=0)
-        k_hi = tl.load(kw_ptr + w[:, None] * D + E + e[None, :], mask=live[:, None], other=0)
+        k_lo = tl.load(kw_ptr + w[:, None] * D + e[None, :], mask=live[:, None], other=0).to(tl.float32)
+        k_hi = tl.load(kw_ptr + w[:, None] * D + E + e[None, :], mask=live[:, None], other=0).to(tl.float32)
         s = _rotated_scores(q_lo, q_hi, k_lo, k_hi, cos_ptr, sin_ptr, w, live, D)
         v = _dot_dtype(tl.load(vw_ptr + w[:, None] * D + tl.arange(0, D)[None, :], mask=live[:, None], other=0))
         m, l, acc = _online_scores(s * qk_scale, v, live, m, l, acc)

@@ -128,6 +128,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self._recent: dict = {}              # (ids shape, dtype) -> (ids, inv_freq, cos, sin) of the last CPU call
+        self._positions: dict = {}           # (n, dtype, device) -> (inv_freq, cos, sin) of positions [0, n)
 
     def cos_sin(self, ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         # On a CPU, strategies that rotate every stored key after reading it (KIVI*, XQuant) ask each layer for the
@@ -146,6 +147,20 @@ class RotaryEmbedding(nn.Module):
             if len(self._recent) > 4:
                 self._recent.clear()
             self._recent[key] = (ids.clone(), self.inv_freq, cos, sin)
+        return cos, sin
+
+    def position_tables(self, n: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin (n, d) of positions 0 .. n-1, made once and kept: a kernel that rotates every stored key
+        (KIVI*'s) reads them in every decode step. The last pair made is kept, except while a CUDA graph is being
+        captured, where making them is part of the graph (a graph's warm-up run makes and keeps them first)."""
+        key = (n, dtype, self.inv_freq.device)
+        kept = self._positions.get(key)
+        if kept is not None and kept[0] is self.inv_freq:
+            return kept[1], kept[2]
+        cos, sin = self.cos_sin(torch.arange(n, device=self.inv_freq.device)[None], dtype)    # (1, 1, n, d) each
+        cos, sin = cos[0, 0], sin[0, 0]
+        if not (self.inv_freq.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self._positions = {key: (self.inv_freq, cos, sin)}
         return cos, sin
 
     @staticmethod

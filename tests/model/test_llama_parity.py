@@ -116,3 +116,21 @@ def test_rope_apply_equals_rotate():
     ids = torch.arange(40).expand(2, 40) + torch.tensor([[0], [7]])
     cos, sin = rope.cos_sin(ids, x.dtype)
     assert torch.allclose(rope.apply(x, ids), rope.rotate(x, cos, sin), atol=1e-6)
+
+
+def test_rope_position_tables_are_made_once():
+    """position_tables: cos_sin of positions 0 .. n-1 as (n, d) tables, kept and handed back while n, dtype and the
+    frequencies stay the same, made again when one changes."""
+    from types import SimpleNamespace
+
+    from kvzoo.models.llama import RotaryEmbedding
+
+    rope = RotaryEmbedding(SimpleNamespace(head_dim=32, rope_theta=10000.0, rope_scaling=None))
+    cos, sin = rope.position_tables(50, torch.float16)
+    want = rope.cos_sin(torch.arange(50)[None], torch.float16)
+    assert cos.shape == (50, 32) and torch.equal(cos, want[0][0, 0]) and torch.equal(sin, want[1][0, 0])
+    assert rope.position_tables(50, torch.float16)[0] is cos
+    assert rope.position_tables(60, torch.float16)[0].shape == (60, 32)
+    assert rope.position_tables(50, torch.float32)[0].dtype == torch.float32
+    rope.inv_freq = rope.inv_freq * 2                    # new frequencies (a model loaded again): new tables
+    assert not torch.equal(rope.position_tables(50, torch.float16)[0], cos)
