@@ -125,8 +125,8 @@ def cases() -> dict:
         GROUP=128, BITS=4, PER_TOKEN=True, HAS_ZERO=True, FOLD=True, FAST=True, ASM=asm, CON=con, EXACT_DOT=False,
         BLOCK_H=32, BLOCK_T=128, BLOCK_K=128), ASTSource, xq, dict(num_warps=4, num_stages=2))
     out["xquant-scores"] = (scores._scores_kernel, dict(
-        H=8, REP=4, REP_P=16, D=128, BLOCK=scores.BLOCK, PRECISION="tf32", UPCAST=False, ROPE=True), ASTSource, xq,
-        dict(num_warps=4, num_stages=3))
+        H=8, REP=4, REP_P=16, D=128, BLOCK=scores.BLOCK, PRECISION="tf32", UPCAST=False, ROPE=True, Q_ROPE=True),
+        ASTSource, dict(xq, qcos_ptr="*bf16", qsin_ptr="*bf16"), dict(num_warps=4, num_stages=3))
     w4 = dict(x_ptr="*bf16", codes_ptr="*i32", scale_ptr="*fp16", zero_ptr="*fp16", out_ptr="*bf16", part_ptr="*fp32",
               count_ptr="*i32")
     asm, con = unpack_asm(4, bf16=True)

@@ -34,8 +34,8 @@ Stored per layer (B rows, Nmax = quantized slots for max_len, W = R + G window s
     GQA  k:  codes int32 (B, Nmax, c*b/32),      scale/zero fp16 (B, Nmax/G, c),      window (B, W, r)
              [first (B, Nmax, 1) at the model's dtype with outlier_channel; then c = r - 1, else c = r]
          v:  codes int32 (B, Nmax, r*b/32),      scale/zero fp16 (B, Nmax, r/Gt),     window (B, W, r)
-    plus the SVD factors (GQA: U_k|U_v (hidden, 2r) fp32, Σ_k B_kᵀ and Σ_v B_vᵀ (r, n_kv*hd) at the model's
-    dtype, `up_dtype=float32` keeps them fp32), which are weights, not per-token storage, and are not counted in
+    plus the SVD factors (GQA: U_k|U_v (hidden, 2r), Σ_k B_kᵀ and Σ_v B_vᵀ (r, n_kv*hd), at the model's dtype;
+    `up_dtype=float32` keeps them fp32), which are weights, not per-token storage, and are not counted in
     nbytes(). The up-projections rematerialize K and V from every cached row at every step, as W_k and W_v do for
     an MHA model's X: at the model's dtype that product runs on the GPU's tensor cores (docs/xquant.md); fp32
     models hold them in fp32 either way.
@@ -52,11 +52,11 @@ Paper settings (the defaults): b = 4 (the abstract's "<0.1 perplexity degradatio
 also reports 3 and 2), G = 128 for every quantizer (§4), R = 0 (a window of < G tokens), asymmetric
 uniform quantization, fp16 scales and zeros, no outlier channel (Table B.1 turns it on). Table 4 keeps
 the first 3 layers at 4 bits for every method: `high_layers=3` (`high_bits=4`). The paper decomposes W_k and
-W_v offline and does not say at what precision it keeps the factors; here the up-projections are held as the
-model holds its weights (`up_dtype=model`).
+W_v offline and does not say at what precision it keeps the factors; here both factors are held as the model
+holds its weights (`up_dtype=model`), as XQuant-CL holds its basis.
 bits = 16 turns quantization off: every row is kept at the model's precision (16-bit in an fp16/bf16
 run, fp32 in an fp32 one), which rematerializes the fp16 cache's attention up to the rounding of the
-up-projections (fp32 in an fp32 model or with up_dtype=float32).
+factors (fp32 in an fp32 model or with up_dtype=float32).
 
 Static step (`decode_static`, for kvzoo/graphs.py's whole-step CUDA graph): the same decode with fixed
 shapes and the length L in a device tensor. The token's rows go into each stream's window row L - Nq by an
@@ -191,37 +191,45 @@ def weigh_latent(latent: QTensor | Tensor, first: Tensor | None, window: Tensor,
     return weigh_rows(latent_rows(latent, first, window, src, dtype, fused))
 
 
-def weighed_attention(q: Tensor, keys: Tensor, key_tables: tuple[Tensor, Tensor], bias: Tensor,
-                      weigh: Callable[[Tensor], Tensor], up_v: Tensor, v: Tensor) -> Tensor:
+def weighed_attention(q: Tensor, q_tables: tuple[Tensor, Tensor], keys: Tensor, key_tables: tuple[Tensor, Tensor],
+                      bias: Tensor, weigh: Callable[[Tensor], Tensor], up_v: Tensor, v: Tensor,
+                      fused: bool | None = None) -> Tensor:
     """A static step's attention with values weighed from their latent rows instead of rematerialized:
     a query head's output Σ_t p_t (row_t · up_v) = (Σ_t p_t row_t) · up_v, two small products in place of V's
     (K × c) · (c × n_kv·hd) rematerialization and its round trip through memory.
 
-    q (B, Hq, 1, hd) after RoPE; keys (B, n_kv, K + 1, hd) before RoPE, a view of a (B, K + 1, n_kv·hd) buffer (as
-    `heads` makes it), the token's own key last; key_tables the keys' RoPE (cos, sin) (B, 1, K + 1, hd) from
-    RotaryEmbedding.cos_sin; bias (B, 1, 1, K + 1) additive (0 or -inf); weigh(p) the softmax p (B, Hq, K + 1)
-    times the value latents in the key rows' order, the last (the token's) zero (weigh_rows, weigh_latent):
-    (B, Hq, c); up_v (c, n_kv·hd); v (B, n_kv, 1, hd) the token's exact value.
-    Scores and softmax in fp32: on a GPU the scores by kvzoo.kernels.scores, which reads the keys' buffer as it is
-    and rotates each key as it loads it; elsewhere torch rotates the keys first. The weighed rows in rows' dtype.
-    Returns (B, Hq, 1, hd) in v's dtype."""
+    q (B, Hq, 1, hd) before RoPE and q_tables its (cos, sin) (B, 1, 1, hd); keys (B, n_kv, K + 1, hd) before RoPE,
+    a view of a (B, K + 1, n_kv·hd) buffer (as `heads` makes it), the token's own key last; key_tables the keys'
+    RoPE (cos, sin) (B, 1, K + 1, hd) from RotaryEmbedding.cos_sin; bias (B, 1, 1, K + 1) additive (0 or -inf);
+    weigh(p) the softmax p (B, Hq, K + 1) times the value latents in the key rows' order, the last (the token's)
+    zero (weigh_rows, weigh_latent): (B, Hq, c); up_v (c, n_kv·hd); v (B, n_kv, 1, hd) the token's exact value.
+    Scores and softmax in fp32: `fused` (default on a GPU; the interpreter in tests) takes kvzoo.kernels.scores,
+    which reads the keys' buffer as it is and rotates q and each key as it loads them, then softmax_rows (the bias
+    added) and add_weighted for the token's value; otherwise torch rotates q and the keys first. The weighed rows
+    in rows' dtype. Returns (B, Hq, 1, hd) in v's dtype."""
     (B, Hq, _, d), H = q.shape, keys.shape[1]
     rep, K = Hq // H, keys.shape[2]
-    if q.is_cuda:
-        from kvzoo.kernels.scores import gqa_scores
+    if fused is None:
+        fused = q.is_cuda
+    if fused:
+        from kvzoo.kernels.scores import add_weighted, gqa_scores, softmax_rows
 
-        scores = gqa_scores(q.reshape(B, Hq, d), keys.transpose(1, 2).reshape(B, K, H * d), d ** -0.5, key_tables)
+        p = softmax_rows(gqa_scores(q.reshape(B, Hq, d), keys.transpose(1, 2).reshape(B, K, H * d), d ** -0.5,
+                                    key_tables, q_tables=q_tables), bias.view(B, K))  # (B, Hq, K + 1)
     else:
         from kvzoo.models.llama import RotaryEmbedding
 
+        q = RotaryEmbedding.apply_tables(q, *q_tables)
         keys = RotaryEmbedding.apply_tables(keys, *key_tables)
         scores = (q.float().view(B, H, rep, d) @ keys.float().transpose(-1, -2)).view(B, Hq, K) * d ** -0.5
-    p = (scores + bias.view(B, 1, K)).softmax(dim=-1)                                # (B, Hq, K + 1)
+        p = (scores + bias.view(B, 1, K)).softmax(dim=-1)
     mixed = weigh(p)                                                                 # (B, Hq, c): Σ_t p_t row_t
     by_head = mixed.view(B, H, rep, -1).transpose(0, 1).reshape(H, B * rep, -1)     # (H, B·rep, c)
     up = up_v.unflatten(1, (H, d)).transpose(0, 1)                                   # (H, c, hd), a view
     out = torch.bmm(by_head.to(up.dtype), up).view(H, B, rep, d).transpose(0, 1)    # (B, H, rep, hd)
-    own = p[..., -1].view(B, H, rep, 1) * v.float()                                  # the token's exact value
+    if fused:                                                                        # the token's exact value, added
+        return add_weighted(out, p[..., -1], v[:, :, 0]).view(B, Hq, 1, d)
+    own = p[..., -1].view(B, H, rep, 1) * v.float()
     return (out.float() + own).reshape(B, Hq, 1, d).to(v.dtype)
 
 
@@ -296,7 +304,7 @@ class XQuantOptions:
     high_layers: int = 0             # the first high_layers layers use high_bits (Table 4: 3 layers at 4 bits)
     high_bits: int = 4
     policy: str = "reference"        # window policy (kvzoo/cache/store.py): reference | grouped | none
-    up_dtype: str = "model"          # GQA: the up-projections Σ Bᵀ held at the model's dtype | float32
+    up_dtype: str = "model"          # GQA: the SVD factors U and Σ Bᵀ held at the model's dtype | float32
 
     def __post_init__(self):
         check_policy(self.policy)
@@ -337,7 +345,7 @@ class XQuantCache(WholeStep, LayerCache):
             down_k, up_k = svd_factors(layer.k_proj.weight)       # U_k (hidden, r), Σ_k B_kᵀ (r, n_kv*hd)
             down_v, up_v = svd_factors(layer.v_proj.weight)
             if o.up_dtype == "model":                             # weights, as the model holds its W_k, W_v
-                up_k, up_v = up_k.to(weight.dtype), up_v.to(weight.dtype)
+                down_k, down_v, up_k, up_v = (t.to(weight.dtype) for t in (down_k, down_v, up_k, up_v))
             self.register_buffer("down", torch.cat([down_k, down_v], dim=1), persistent=False)   # (hidden, 2r)
             self.register_buffer("up_k", up_k, persistent=False)
             self.register_buffer("up_v", up_v, persistent=False)
@@ -351,7 +359,7 @@ class XQuantCache(WholeStep, LayerCache):
         """Rows to cache for a chunk x (B, T, hidden), at the model's dtype: X, or X U_k and X U_v."""
         if not self.gqa:
             return {"x": x}
-        z = (x.float() @ self.down).to(x.dtype)                    # (B, T, 2r)
+        z = (x.to(self.down.dtype) @ self.down).to(x.dtype)        # (B, T, 2r)
         r = self.up_k.shape[0]
         return {"k": z[..., :r], "v": z[..., r:]}
 
@@ -479,7 +487,6 @@ class XQuantCache(WholeStep, LayerCache):
             codec = st.codecs[v_name]
             weigh = weigh_latent(codec.held(codec.capacity), codec.held_first(codec.capacity), st.recent(v_name),
                                  self._value_rows(step, k_name, v_name), up_v.dtype)
-        q = self.attn.rope.apply_tables(q, *shared[("xquant q tables", q.dtype)])
-        out = weighed_attention(q, keys, step.derived[key], bias, weigh, up_v, v)
+        out = weighed_attention(q, shared[("xquant q tables", q.dtype)], keys, step.derived[key], bias, weigh, up_v, v)
         st.flush_at(self.length, step)
         return out

@@ -280,8 +280,7 @@ class XQuantCLCache(WholeStep, LayerCache):
         rows[:, N:] = 0                                                                     # dead rows, the token's
         keys = heads(self.attn.k_proj(rows), self.attn.n_kv_heads, k.dtype)                # (B, H, K + 1, hd)
         keys[:, :, -1:] = k
-        return weighed_attention(self.attn.rope.apply_tables(q, *q_tables), keys, k_tables, bias, weigh_rows(rows),
-                                 self.attn.v_proj.weight.t(), v)
+        return weighed_attention(q, q_tables, keys, k_tables, bias, weigh_rows(rows), self.attn.v_proj.weight.t(), v)
 
     # ---- bytes -------------------------------------------------------------------------------------
     def nbytes(self) -> int:

@@ -221,6 +221,21 @@ def _weigh_kernel(codes_ptr, scale_ptr, zero_ptr, win_ptr, src_ptr, p_ptr, out_p
     tl.store(out, acc, mask=(h < HQ)[:, None] & (k < R)[None, :])
 
 
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, SPLITS, SPLIT_STRIDE, HQ, BLOCK_H, R, BLOCK: tl.constexpr):
+    """out[b, h, k] = Σ_s partials[s, b, h, k] (fp32, in split order), rounded to out's dtype: row b * HQ + h,
+    channels [program_id(1) * BLOCK, ...)."""
+    row = tl.program_id(0)
+    k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    at = ((row // HQ) * BLOCK_H + row % HQ).to(tl.int64) * R + k
+    acc = tl.zeros((BLOCK,), tl.float32)
+    part = part_ptr + at
+    for _ in range(SPLITS):
+        acc += tl.load(part, mask=k < R, other=0)
+        part += SPLIT_STRIDE
+    tl.store(out_ptr + row.to(tl.int64) * R + k, acc.to(out_ptr.dtype.element_ty), mask=k < R)
+
+
 def _check(q: QTensor, weight: Tensor | None) -> None:
     if not isinstance(q, QTensor):
         raise ValueError(f"expected a kvzoo.cache.kvquant.QTensor, got {type(q).__name__}")
@@ -310,7 +325,8 @@ def weigh_gather(q: QTensor, window: Tensor, src: Tensor, p: Tensor, block_t: in
     Per-token groups of a multiple of 16 channels fold each row's scale into its weight (_weigh_kernel): the codes
     enter the product exact, p_t s_t rounded to fp16, the zeros' term in fp32, where bmm rounds p_t and
     c_t s_t + z_t to the dtype; other layouts round as bmm does. Split over S (flash-decoding) into `programs`
-    programs (default 2 per SM), their fp32 partials summed by torch."""
+    programs (default 2 per SM), their fp32 partials summed in split order by a second launch and rounded to
+    window's dtype once (torch's sum and cast took two)."""
     B, N, r = _check_rows(q, window, src, _weigh_kernel, (torch.float16, torch.bfloat16))
     device = q.codes.device
     S = src.numel()
@@ -339,9 +355,11 @@ def weigh_gather(q: QTensor, window: Tensor, src: Tensor, p: Tensor, block_t: in
             PER_TOKEN=q.axis == -1, HAS_ZERO=q.zero is not None, FOLD=fold, FAST=fast, ASM=asm, CON=con,
             EXACT_DOT=isinstance(_weigh_kernel, InterpretedFunction), BLOCK_H=block_h, BLOCK_T=block_t,
             BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
-    else:
-        partials.zero_()
-    return partials[:, :, :Hq].sum(0).to(window.dtype)
+        out = torch.empty(B, Hq, r, dtype=window.dtype, device=device)
+        _sum_splits_kernel[(B * Hq, triton.cdiv(r, 1024))](partials, out, splits, B * block_h * r, Hq, block_h, r,
+                                                           BLOCK=1024)
+        return out
+    return torch.zeros(B, Hq, r, dtype=window.dtype, device=device)
 
 
 def tile_configs(block_m: int, block_n: int, num_stages: int) -> list[tuple[int, int, int]]:

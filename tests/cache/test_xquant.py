@@ -305,14 +305,15 @@ def test_bf16_model_keeps_rows_in_bf16(tmp_path):
 
 @torch.no_grad()
 def test_up_projections_at_the_models_dtype_or_fp32(tmp_path):
-    """up_dtype=model (the default) holds Σ Bᵀ as the model holds W_k, W_v; float32 keeps the SVD's fp32. In a bf16
-    model the two give the same logits within bf16 rounding; an fp32 model holds fp32 either way."""
+    """up_dtype=model (the default) holds U and Σ Bᵀ as the model holds W_k, W_v; float32 keeps the SVD's fp32. In a
+    bf16 model the two give the same logits within bf16 rounding; an fp32 model holds fp32 either way."""
     model = load_weights(tiny_llama(tmp_path, num_hidden_layers=3), dtype="bfloat16")
     x = tokens()
     logits = {}
     for up in ("model", "float32"):
         out, cache = stream(model, f"xquant:bits=4,group_size=16,up_dtype={up}", x, prefill=20)
-        assert {layer.up_k.dtype for layer in cache.layers} == {torch.bfloat16 if up == "model" else torch.float32}
+        assert {t.dtype for layer in cache.layers for t in (layer.down, layer.up_k, layer.up_v)} == \
+            {torch.bfloat16 if up == "model" else torch.float32}
         logits[up] = out.float()
     assert (logits["model"] - logits["float32"]).abs().max() < 0.05 * logits["float32"].abs().max()
     fp32 = load_weights(tiny_llama(tmp_path / "fp32", num_hidden_layers=1))
@@ -386,6 +387,8 @@ def test_weighed_attention_equals_attention_over_rematerialized_values(n_kv, rep
     values = heads(rows @ up_v, n_kv, torch.float32).clone()                         # (B, n_kv, K, d)
     values[:, :, -1:] = v
     rotated = rope.apply_tables(keys, *tables)
-    want = torch.nn.functional.scaled_dot_product_attention(q, rotated, values, attn_mask=live, enable_gqa=rep > 1)
-    got = weighed_attention(q, keys, tables, bias, weigh_rows(rows), up_v, v)
+    q_tables = rope.cos_sin(torch.randint(0, 5000, (B, 1), generator=g), torch.float32)
+    want = torch.nn.functional.scaled_dot_product_attention(rope.apply_tables(q, *q_tables), rotated, values,
+                                                            attn_mask=live, enable_gqa=rep > 1)
+    got = weighed_attention(q, q_tables, keys, tables, bias, weigh_rows(rows), up_v, v)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -85,3 +85,94 @@ def test_bad_input_is_named():
         gqa_scores(q, torch.randn(1, 10, 64).to(DEVICE).half(), 1.0)        # dtype differs
     with pytest.raises(ValueError, match="q must be"):
         gqa_scores(q[0], torch.randn(1, 10, 64).to(DEVICE), 1.0)
+
+
+@pytest.mark.parametrize("K,block", [(200, 64), (300, 512), (5, 16)])
+def test_softmax_rows_in_blocks(K, block):
+    """softmax_rows against torch's, a row's bias added to each of its rows: keys masked (-inf) inside and across
+    blocks, a block wholly masked, one block or many."""
+    from kvzoo.kernels.scores import softmax_rows
+
+    g = torch.Generator().manual_seed(K)
+    s = (torch.randn(3, 4, K, generator=g) * 8).masked_fill(torch.rand(3, 4, K, generator=g) < 0.2, float("-inf"))
+    bias = torch.zeros(3, K).masked_fill(torch.rand(3, K, generator=g) < 0.2, float("-inf"))
+    bias[:, : min(K - 1, block)] = float("-inf")
+    bias[:, -1] = 0
+    s[..., -1] = 1.0
+    s, bias = s.to(DEVICE), bias.to(DEVICE, torch.bfloat16)
+    want = (s + bias.float()[:, None]).softmax(-1)
+    torch.testing.assert_close(softmax_rows(s, bias, block=block), want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(softmax_rows(s, block=block), s.softmax(-1), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        softmax_rows(s.half())
+    with pytest.raises(ValueError, match="bias must be"):
+        softmax_rows(s, bias[:, :3])
+
+
+def test_add_weighted_rounds_as_torch():
+    """a + w · v over a strided a (the per-head product's transposed output), each query head its KV head's v:
+    torch's fp32 product and sum, bit for bit (bf16 on a GPU: the interpreter truncates fp32 to bf16)."""
+    from kvzoo.kernels.scores import add_weighted
+
+    g = torch.Generator().manual_seed(3)
+    B, H, rep, d = 3, 2, 4, 24
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    a = torch.randn(H, B, rep, d, generator=g).to(DEVICE, dtype).transpose(0, 1)              # (B, H, rep, d)
+    w = torch.rand(B, H * rep, 5, generator=g).to(DEVICE)[..., -1]
+    v = torch.randn(B, H, 1, d, generator=g).to(DEVICE, dtype)[:, :, 0]
+    want = (a.float() + w.view(B, H, rep, 1) * v[:, :, None].float()).reshape(B, H * rep, d).to(v.dtype)
+    assert torch.equal(add_weighted(a, w, v), want)
+    with pytest.raises(ValueError, match="unit last strides"):
+        add_weighted(a, w[:, :3], v)
+
+
+@pytest.mark.parametrize("n_kv,rep", [(1, 1), (2, 3)])
+def test_weighed_attention_through_the_kernels(n_kv, rep):
+    """XQuant's static-step attention with its scores, softmax and the token's value in the kernels (fused) equals
+    the torch path."""
+    from types import SimpleNamespace
+
+    from kvzoo.cache.xquant import heads, weigh_rows, weighed_attention
+    from kvzoo.models.llama import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(n_kv * 10 + rep)
+    B, K, c, d = 2, 40, 24, 32
+    q = torch.randn(B, n_kv * rep, 1, d, generator=g).to(DEVICE)
+    keys = heads(torch.randn(B, K, n_kv * d, generator=g).to(DEVICE), n_kv, torch.float32)
+    rope = RotaryEmbedding(SimpleNamespace(head_dim=d, rope_theta=10000.0, rope_scaling=None)).to(DEVICE)
+    tables = rope.cos_sin(torch.randint(0, 5000, (B, K), generator=g).to(DEVICE), torch.float32)
+    rows = torch.randn(B, K, c, generator=g).to(DEVICE)
+    rows[:, -1] = 0
+    up_v = torch.randn(c, n_kv * d, generator=g).to(DEVICE)
+    v = torch.randn(B, n_kv, 1, d, generator=g).to(DEVICE)
+    bias = torch.zeros(B, 1, 1, K).masked_fill(torch.rand(B, 1, 1, K, generator=g) < 0.3, float("-inf")).to(DEVICE)
+    bias[..., -1] = 0
+    q_tables = rope.cos_sin(torch.randint(0, 5000, (B, 1), generator=g).to(DEVICE), torch.float32)
+    args = (q, q_tables, keys, tables, bias, weigh_rows(rows), up_v, v)
+    torch.testing.assert_close(weighed_attention(*args, fused=True), weighed_attention(*args, fused=False),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("d", [64, 16])
+def test_query_rotated_in_the_kernel(dtype, tol, d):
+    """q given before RoPE with its row's tables: the scores of the query RotaryEmbedding.apply_tables rotates (d = 16:
+    both rotated before the kernel)."""
+    from types import SimpleNamespace
+
+    from kvzoo.models.llama import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(d)
+    B, K, H, rep = 2, 100, 2, 4
+    rope = RotaryEmbedding(SimpleNamespace(head_dim=d, rope_theta=500000.0, rope_scaling=None)).to(DEVICE)
+    q = torch.randn(B, H * rep, d, generator=g).to(DEVICE, dtype)
+    keys = torch.randn(B, K, H * d, generator=g).to(DEVICE, dtype)
+    tables = rope.cos_sin(torch.randint(0, 131072, (B, K), generator=g).to(DEVICE), dtype)
+    q_tables = rope.cos_sin(torch.randint(0, 131072, (B, 1), generator=g).to(DEVICE), dtype)   # (B, 1, 1, d) each
+    want = gqa_scores(rope.apply_tables(q[:, :, None], *q_tables)[:, :, 0], keys, 0.125, tables)
+    got = gqa_scores(q, keys, 0.125, tables, q_tables=q_tables)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+    with pytest.raises(ValueError, match="give the keys' tables too"):
+        gqa_scores(q, keys, 0.125, q_tables=q_tables)
+    with pytest.raises(ValueError, match="q sin has shape"):
+        gqa_scores(q, keys, 0.125, tables, q_tables=(q_tables[0], q_tables[1][:1]))
