@@ -62,7 +62,7 @@ Static step (`decode_static`, for kvzoo/graphs.py's whole-step CUDA graph): the 
 shapes and the length L in a device tensor. The token's rows go into each stream's window row L - Nq by an
 index write; attention runs over every allocated slot (all Nmax quantized slots and all R + G window rows,
 the keys rematerialized from their rows (latent_rows: on a GPU each stream's rows dequantized in one pass,
-then cuBLAS; on a GPU each key rotated by the scores kernel as it reads it) plus the token's exact k, v, a key
+then cuBLAS; on a GPU q and each key rotated by the scores kernel as it reads them) plus the token's exact k, v, a key
 masked where it is not live yet (slot >= Nq, window row >= L - Nq) or the step's mask forbids its slot (padding,
 sliding window).
 Values are not rematerialized: the softmax weighs the value latents (gathered into the key rows' order by slot

@@ -217,7 +217,8 @@ def softmax_rows(s: Tensor, bias: Tensor | None = None, block: int = SOFTMAX_BLO
 @triton.jit
 def _add_weighted_kernel(a_ptr, w_ptr, v_ptr, out_ptr, s_ab, s_ah, s_ar, s_wb, s_wh, s_vb, s_vh,
                          H: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr):
-    row = tl.program_id(0)                       # (b * H + h) * REP + r
+    """Query head row = (b * H + h) * REP + r: a[b, h, r] + w[b, h * REP + r] * v[b, h], in fp32, rounded."""
+    row = tl.program_id(0)
     b = (row // (H * REP)).to(tl.int64)
     h = (row // REP) % H
     r = row % REP

@@ -345,8 +345,8 @@ def weigh_gather(q: QTensor, window: Tensor, src: Tensor, p: Tensor, block_t: in
         programs = 2 * sm_count(device)
     per_split = triton.cdiv(triton.cdiv(S, max(1, programs // max(1, columns * B))), block_t) * block_t
     splits = max(1, triton.cdiv(S, per_split))
-    partials = torch.empty(splits, B, block_h, r, dtype=torch.float32, device=device)
     if B and S and r and Hq:
+        partials = torch.empty(splits, B, block_h, r, dtype=torch.float32, device=device)
         zero = q.zero.contiguous() if q.zero is not None else q.scale    # never read when symmetric
         _weigh_kernel[(columns, splits, B)](
             q.codes.contiguous(), q.scale.contiguous(), zero, window if window.shape[1] else window.new_empty(1, 1, r),
