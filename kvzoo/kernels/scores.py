@@ -195,7 +195,7 @@ def softmax_rows(s: Tensor, bias: Tensor | None = None, block: int = SOFTMAX_BLO
     e.g. 0 or -inf) added to each of its R rows first, in two launches of (B*R x K/block) programs: each block's max
     and sum of exponentials, then every element normalized by its row's. Torch's softmax runs one block per row,
     which leaves an H200 idle for a decode step's few rows: 32 rows of 32K (XQuant's scores at batch 1) took 10 us
-    against about 3 here, and the bias another launch."""
+    and the bias another launch of 6, against 7 for both launches here (the step's profile, docs/decode.md)."""
     if not isinstance(s, Tensor) or s.dtype != torch.float32 or not s.is_contiguous() or s.dim() != 3:
         raise ValueError("s must be a contiguous fp32 tensor (B, R, K)")
     B, R, K = s.shape
