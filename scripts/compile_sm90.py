@@ -121,9 +121,9 @@ def cases() -> dict:
     xq = dict(POINTERS, codes_ptr="*i32", scale_ptr="*fp16", zero_ptr="*fp16", win_ptr="*bf16", src_ptr="*i64",
               p_ptr="*fp32", out_ptr="*fp32", k_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", q_ptr="*bf16")
     asm, con = unpack_asm(4, centered=True)
-    out["xquant-weigh"] = (xquant_remat._weigh_kernel, dict(
-        GROUP=128, BITS=4, PER_TOKEN=True, HAS_ZERO=True, FOLD=True, FAST=True, ASM=asm, CON=con, EXACT_DOT=False,
-        BLOCK_H=32, BLOCK_T=128, BLOCK_K=128), ASTSource, xq, dict(num_warps=4, num_stages=2))
+    out["xquant-weigh"] = (xquant_remat._weigh_fold_kernel, dict(
+        GROUP=128, BITS=4, HAS_ZERO=True, FAST=True, ASM=asm, CON=con, EXACT_DOT=False,
+        BLOCK_H=32, BLOCK_T=64, BLOCK_K=128), ASTSource, xq, dict(num_warps=4, num_stages=2))
     out["xquant-scores"] = (scores._scores_kernel, dict(
         H=8, REP=4, REP_P=16, D=128, BLOCK=scores.BLOCK, PRECISION="tf32", UPCAST=False, ROPE=True, Q_ROPE=True),
         ASTSource, dict(xq, qcos_ptr="*bf16", qsin_ptr="*bf16"), dict(num_warps=4, num_stages=3))

@@ -30,10 +30,10 @@ Cost per call (§3.4): 2*N*r*n_out FLOPs against N*r*b/8 bytes of codes plus sca
 
 XQuant's static step does not rematerialize V: it weighs the value latents by the softmax and projects the sum
 (kvzoo.cache.xquant.weighed_attention). weigh_gather computes that weighed sum Σ_t p_t dequant(row_t) from the codes
-in one pass, split over the rows (flash-decoding), so the 16-bit rows are never written. H100, XQuant's 8B value
-latents (32K x 1,024, 4-bit, per-token groups of 128), 32 query heads, batch 1: 34 us a layer in a profile of the
-decode step, against 48 + 30 for dequant_gather and torch.bmm; 47 us alone with L2 flushed, 33% of its read floor
-(docs/decode.md, "XQuant's value latents weighed from their codes").
+in one pass, split over the rows (flash-decoding), so the 16-bit rows are never written. H200, XQuant's 8B value
+latents (32K x 1,024, 4-bit, per-token groups of 128), 32 query heads, batch 1: 23 us a layer in a profile of the
+decode step, 33 us alone with L2 flushed, 38% of its read floor (docs/decode.md, "XQuant's weighing pipelined by
+hand").
 """
 
 from __future__ import annotations
@@ -146,30 +146,19 @@ def _gather_kernel(codes_ptr, scale_ptr, zero_ptr, win_ptr, src_ptr, out_ptr, N,
 @triton.jit
 def _weigh_kernel(codes_ptr, scale_ptr, zero_ptr, win_ptr, src_ptr, p_ptr, out_ptr, N, W, S, R, WORDS, HQ, PER_SPLIT,
                   s_wb, s_wn, s_pb, s_ph, GROUP: tl.constexpr, BITS: tl.constexpr, PER_TOKEN: tl.constexpr,
-                  HAS_ZERO: tl.constexpr, FOLD: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
-                  CON: tl.constexpr, EXACT_DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+                  HAS_ZERO: tl.constexpr, EXACT_DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_K: tl.constexpr):
-    """One (channel block, split, batch row): the split's rows src[i] of [dequant(codes) ; window] weighed by
-    p[b, :, i], summed into an fp32 (BLOCK_H, BLOCK_K) partial.
-    FOLD (per-token groups, the block inside one group), with the codes centered, c' = c - 2^(b-1):
-    Σ_t p_t (c_t s_t + z_t) = Σ_t (p_t s_t) c'_t + Σ_t p_t (z_t + 2^(b-1) s_t), so the exact codes c' (unpacked in
-    PTX where FAST) are the tensor-core product's A operand, p_t s_t its B operand, both fp16 also in a bf16 model,
-    and the zeros' term (0 for symmetric groups) a sum in fp32. The two terms cancel where the zero is large;
-    centering and fp16 keep their rounding near bmm's (p_t s_t rounded to bf16 with uncentered codes erred up to 8
-    times more). A window row (exact in fp16 below 65,504) takes s = 1, z = 0, c' its value. Otherwise
-    every element is dequantized (_dequant_tile) and rounded before the product. EXACT_DOT (the interpreter, whose
-    bf16 dot is wrong) multiplies the rounded operands as exact fp32, which their products are."""
+    """One (channel block, split, batch row) of any layout: the split's rows src[i] of [dequant(codes) ; window],
+    each element dequantized (_dequant_tile) and rounded to the window's dtype as bmm's operand is, weighed by
+    p[b, :, i] rounded the same way, summed into an fp32 (BLOCK_H, BLOCK_K) partial. EXACT_DOT (the interpreter,
+    whose bf16 dot is wrong) multiplies the rounded operands as exact fp32, which their products are."""
     k0 = tl.program_id(0) * BLOCK_K
     split = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     k = k0 + tl.arange(0, BLOCK_K)
     dtype = win_ptr.dtype.element_ty
-    if FOLD:
-        acc = tl.zeros((BLOCK_K, BLOCK_H), dtype=tl.float32)                       # transposed
-        zeros = tl.zeros((BLOCK_H,), dtype=tl.float32)                           # Σ_t p_t z'_t
-    else:
-        acc = tl.zeros((BLOCK_H, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_K), dtype=tl.float32)
     start = split * PER_SPLIT
     stop = tl.minimum(start + PER_SPLIT, S)
     for t in range(start, stop, BLOCK_T):
@@ -179,46 +168,123 @@ def _weigh_kernel(codes_ptr, scale_ptr, zero_ptr, win_ptr, src_ptr, p_ptr, out_p
         coded = live_i & (src < N)
         windowed = live_i & (src >= N) & (src < N + W)
         rows = b * N + tl.where(coded, src, 0)
+        p = tl.load(p_ptr + b * s_pb + h[:, None] * s_ph + i[None, :], mask=(h < HQ)[:, None] & live_i[None, :],
+                    other=0)                                                     # (BLOCK_H, BLOCK_T) fp32
+        x, _ = _dequant_tile(codes_ptr, scale_ptr, zero_ptr, rows, coded, k0, R, WORDS, GROUP, BITS, PER_TOKEN,
+                             HAS_ZERO, BLOCK_K)
         if tl.max(windowed.to(tl.int32), 0) > 0:                                # a tile with window rows
             exact = tl.load(win_ptr + b * s_wb + tl.where(windowed, src - N, 0)[:, None] * s_wn + k[None, :],
                             mask=windowed[:, None] & (k < R)[None, :], other=0)  # (BLOCK_T, BLOCK_K)
+            x = tl.where(windowed[:, None], exact.to(tl.float32), x)
+        x = x.to(dtype)
+        if EXACT_DOT:
+            acc += tl.dot(p.to(dtype).to(tl.float32), x.to(tl.float32), input_precision="ieee")
         else:
-            exact = tl.zeros((BLOCK_T, BLOCK_K), dtype=dtype)
-        p = tl.load(p_ptr + b * s_pb + h[:, None] * s_ph + i[None, :], mask=(h < HQ)[:, None] & live_i[None, :],
-                    other=0)                                                     # (BLOCK_H, BLOCK_T) fp32
-        if FOLD:
-            CPW: tl.constexpr = 32 // BITS
-            wi = k0 // CPW + tl.arange(0, BLOCK_K // CPW)
-            words = tl.load(codes_ptr + rows[:, None] * WORDS + wi[None, :], mask=coded[:, None], other=0)
-            if FAST:
-                c = join_codes(tl.inline_asm_elementwise(ASM, CON, [words], dtype=(tl.float16,) * CPW,
-                                                         is_pure=True, pack=2), BITS)
-            else:
-                c = tl.reshape(unpack_codes(words[:, :, None], (tl.arange(0, CPW) * BITS)[None, None, :], BITS)
-                               - (1 << (BITS - 1)), (BLOCK_T, BLOCK_K), can_reorder=False).to(tl.float16)
-            x = tl.where(windowed[:, None], exact.to(tl.float16), c)            # (BLOCK_T, BLOCK_K)
-            meta = rows * (R // GROUP) + k0 // GROUP
-            scale = tl.load(scale_ptr + meta, mask=coded, other=0).to(tl.float32)
-            if HAS_ZERO:                                                         # z + 2^(b-1) s
-                zero = tl.load(zero_ptr + meta, mask=coded, other=0).to(tl.float32) + (1 << (BITS - 1)) * scale
-                zeros += tl.sum(p * zero[None, :], 1)
-            w = (p * tl.where(windowed, 1.0, scale)[None, :]).to(tl.float16)
-            if EXACT_DOT:
-                acc += tl.dot(tl.trans(x).to(tl.float32), tl.trans(w).to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(tl.trans(x), tl.trans(w))
-        else:
-            x, _ = _dequant_tile(codes_ptr, scale_ptr, zero_ptr, rows, coded, k0, R, WORDS, GROUP, BITS, PER_TOKEN,
-                                 HAS_ZERO, BLOCK_K)
-            x = tl.where(windowed[:, None], exact.to(tl.float32), x).to(dtype)
-            if EXACT_DOT:
-                acc += tl.dot(p.to(dtype).to(tl.float32), x.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(p.to(dtype), x)
-    if FOLD:
-        acc = tl.trans(acc) + zeros[:, None]
+            acc += tl.dot(p.to(dtype), x)
     out = out_ptr + ((split * tl.num_programs(2) + b) * BLOCK_H + h)[:, None] * R + k[None, :]
     tl.store(out, acc, mask=(h < HQ)[:, None] & (k < R)[None, :])
+
+
+@triton.jit
+def _fold_loads(codes_ptr, scale_ptr, zero_ptr, p_ptr, b, i, src, stop, h, HQ, k0, N, R, WORDS, s_pb, s_ph,
+                GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A tile's operands for _weigh_fold_kernel, rows i (BLOCK_T,) at src: its code words (BLOCK_T, BLOCK_K*b/32),
+    each row's scale s and zero's term z + 2^(b-1) s (fp32; 0 where the row is not coded), and p (BLOCK_H, BLOCK_T)
+    fp32."""
+    CPW: tl.constexpr = 32 // BITS
+    live = i < stop
+    coded = live & (src < N)
+    rows = b * N + tl.where(coded, src, 0)                                         # row 0 stands in: never weighed
+    words = tl.load(codes_ptr + rows[:, None] * WORDS + (k0 // CPW + tl.arange(0, BLOCK_K // CPW))[None, :])
+    meta = rows * (R // GROUP) + k0 // GROUP
+    scale = tl.load(scale_ptr + meta, mask=coded, other=0).to(tl.float32)
+    if HAS_ZERO:
+        zero = tl.load(zero_ptr + meta, mask=coded, other=0).to(tl.float32) + (1 << (BITS - 1)) * scale
+    else:
+        zero = tl.zeros_like(scale)
+    p = tl.load(p_ptr + b * s_pb + h[:, None] * s_ph + i[None, :], mask=(h < HQ)[:, None] & live[None, :], other=0)
+    return words, scale, zero, p
+
+
+@triton.jit
+def _weigh_fold_kernel(codes_ptr, scale_ptr, zero_ptr, win_ptr, src_ptr, p_ptr, out_ptr, N, W, S, R, WORDS, HQ,
+                       PER_SPLIT, s_wb, s_wn, s_pb, s_ph, GROUP: tl.constexpr, BITS: tl.constexpr,
+                       HAS_ZERO: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr, CON: tl.constexpr,
+                       EXACT_DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """_weigh_kernel for per-token groups with the channel block inside one group (b in 2, 4, 8): each row's scale
+    folds into its weight. With the codes centered, c' = c - 2^(b-1):
+        Σ_t p_t (c_t s_t + z_t) = Σ_t (p_t s_t) c'_t + Σ_t p_t (z_t + 2^(b-1) s_t),
+    so the exact codes c' (unpacked in PTX where FAST) are the tensor-core product's A operand and p_t s_t its B
+    operand, both fp16 also in a bf16 model, and the zeros' term (0 for symmetric groups) a sum in fp32. The two
+    terms cancel where the zero is large; centering and fp16 keep their rounding near bmm's (p_t s_t rounded to
+    bf16 with uncentered codes erred up to 8 times more).
+    The loop is software-pipelined by hand: a tile's words, scales and p are loaded one tile ahead and its src two
+    ahead, so no load waits on the one before it (Triton's pipelining left the gather's loads waiting each tile,
+    at 2-4x the time). Window rows (src in [N, N + W)) weigh nothing there (scale and zero 0); the tiles that hold
+    them, found on the way, are weighed again from the window's exact rows (s = 1, z = 0, c' the value, exact in
+    fp16 below 65,504)."""
+    k0 = tl.program_id(0) * BLOCK_K
+    split = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    k = k0 + tl.arange(0, BLOCK_K)
+    CPW: tl.constexpr = 32 // BITS
+    acc = tl.zeros((BLOCK_K, BLOCK_H), dtype=tl.float32)                           # transposed
+    zacc = tl.zeros((BLOCK_H, BLOCK_T), dtype=tl.float32)                          # Σ_t p_t z'_t, summed at the end
+    start = split * PER_SPLIT
+    stop = tl.minimum(start + PER_SPLIT, S)
+    ar = tl.arange(0, BLOCK_T)
+    src = tl.load(src_ptr + start + ar, mask=start + ar < stop, other=0).to(tl.int64)
+    ahead = _fold_loads(codes_ptr, scale_ptr, zero_ptr, p_ptr, b, start + ar, src, stop, h, HQ, k0, N, R, WORDS,
+                        s_pb, s_ph, GROUP, BITS, HAS_ZERO, BLOCK_K)
+    src_next = tl.load(src_ptr + start + BLOCK_T + ar, mask=start + BLOCK_T + ar < stop, other=0).to(tl.int64)
+    win_lo = stop                                                                  # the tiles with window rows
+    win_hi = start
+    for t in range(start, stop, BLOCK_T):
+        i = t + ar
+        words, scale, zero, p = ahead
+        windowed = (i < stop) & (src >= N) & (src < N + W)
+        ahead = _fold_loads(codes_ptr, scale_ptr, zero_ptr, p_ptr, b, i + BLOCK_T, src_next, stop, h, HQ, k0, N, R,
+                            WORDS, s_pb, s_ph, GROUP, BITS, HAS_ZERO, BLOCK_K)
+        src = src_next
+        src_next = tl.load(src_ptr + i + 2 * BLOCK_T, mask=i + 2 * BLOCK_T < stop, other=0).to(tl.int64)
+        found = tl.max(windowed.to(tl.int32), 0) > 0
+        win_lo = tl.where(found, tl.minimum(win_lo, t), win_lo)
+        win_hi = tl.where(found, t + BLOCK_T, win_hi)
+        if FAST:
+            c = join_codes(tl.inline_asm_elementwise(ASM, CON, [words], dtype=(tl.float16,) * CPW, is_pure=True,
+                                                     pack=2), BITS)
+        else:
+            c = tl.reshape(unpack_codes(words[:, :, None], (tl.arange(0, CPW) * BITS)[None, None, :], BITS)
+                           - (1 << (BITS - 1)), (BLOCK_T, BLOCK_K), can_reorder=False).to(tl.float16)
+        zacc += p * zero[None, :]
+        w = (p * scale[None, :]).to(tl.float16)                                    # (BLOCK_H, BLOCK_T)
+        if EXACT_DOT:
+            acc += tl.dot(tl.trans(c).to(tl.float32), tl.trans(w).to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(tl.trans(c), tl.trans(w))
+    WIN_T: tl.constexpr = 16                                                       # rows a window step: few registers
+    for t in range(win_lo, win_hi, WIN_T):
+        i = t + tl.arange(0, WIN_T)
+        live = i < stop
+        at = tl.load(src_ptr + i, mask=live, other=0).to(tl.int64)
+        windowed = live & (at >= N) & (at < N + W)
+        if tl.max(windowed.to(tl.int32), 0) > 0:
+            exact = tl.load(win_ptr + b * s_wb + tl.where(windowed, at - N, 0)[:, None] * s_wn + k[None, :],
+                            mask=windowed[:, None] & (k < R)[None, :], other=0).to(tl.float16)  # (WIN_T, BLOCK_K)
+            w = tl.load(p_ptr + b * s_pb + h[:, None] * s_ph + i[None, :], mask=(h < HQ)[:, None] & windowed[None, :],
+                        other=0).to(tl.float16)                                    # (BLOCK_H, WIN_T)
+            if EXACT_DOT:
+                acc += tl.dot(tl.trans(exact).to(tl.float32), tl.trans(w).to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(tl.trans(exact), tl.trans(w))
+    acc = tl.trans(acc) + tl.sum(zacc, 1)[:, None]
+    out = out_ptr + ((split * tl.num_programs(2) + b) * BLOCK_H + h)[:, None] * R + k[None, :]
+    tl.store(out, acc, mask=(h < HQ)[:, None] & (k < R)[None, :])
+
+
+SUM_BLOCK = 128      # channels a program of _sum_splits_kernel sums: 8 programs a query row at r = 1,024
 
 
 @triton.jit
@@ -316,17 +382,17 @@ def dequant_gather(q: QTensor, window: Tensor, src: Tensor, dtype: torch.dtype, 
     return out
 
 
-def weigh_gather(q: QTensor, window: Tensor, src: Tensor, p: Tensor, block_t: int = 128, block_k: int = 128,
+def weigh_gather(q: QTensor, window: Tensor, src: Tensor, p: Tensor, block_t: int = 64, block_k: int = 128,
                  num_warps: int = 4, num_stages: int = 2, programs: int | None = None) -> Tensor:
     """Σ_i p[..., i] · row src[i] of [dequant(q) ; window], the gathered rows never written: q (B, N, r) coded rows,
     window (B, W, r) exact rows after them (fp16/bf16), src (S,) long (an index past both: a zero row), p (B, Hq, S)
     -> (B, Hq, r) in window's dtype. XQuant's static step weighs its value latents this way instead of
     bmm(p, dequant_gather(q, window, src)), each code read once instead of written and read again at 16 bits.
-    Per-token groups of a multiple of 16 channels fold each row's scale into its weight (_weigh_kernel): the codes
-    enter the product exact, p_t s_t rounded to fp16, the zeros' term in fp32, where bmm rounds p_t and
-    c_t s_t + z_t to the dtype; other layouts round as bmm does. Split over S (flash-decoding) into `programs`
-    programs (default 2 per SM), their fp32 partials summed in split order by a second launch and rounded to
-    window's dtype once (torch's sum and cast took two)."""
+    Per-token groups of a multiple of 16 channels fold each row's scale into its weight (_weigh_fold_kernel): the
+    codes enter the product exact, p_t s_t rounded to fp16, the zeros' term in fp32, where bmm rounds p_t and
+    c_t s_t + z_t to the dtype; other layouts round as bmm does (_weigh_kernel). Split over S (flash-decoding) into
+    `programs` programs (default 2 per SM), their fp32 partials summed in split order by a second launch and
+    rounded to window's dtype once."""
     B, N, r = _check_rows(q, window, src, _weigh_kernel, (torch.float16, torch.bfloat16))
     device = q.codes.device
     S = src.numel()
@@ -337,29 +403,35 @@ def weigh_gather(q: QTensor, window: Tensor, src: Tensor, p: Tensor, block_t: in
     block_h = max(16, triton.next_power_of_2(Hq))                  # tl.dot's smallest M
     fold_k = min(block_k, q.group_size & -q.group_size)            # the largest power of two dividing a group
     fold = q.axis == -1 and 32 % q.bits == 0 and fold_k >= 16      # a channel block inside one per-token group
-    fast = fold and unpacks_in_ptx(window)
-    asm, con = unpack_asm(q.bits, centered=True) if fast else ("", "")
     block_k = fold_k if fold else block_k
     columns = triton.cdiv(r, block_k)
     if programs is None:
         programs = 2 * sm_count(device)
     per_split = triton.cdiv(triton.cdiv(S, max(1, programs // max(1, columns * B))), block_t) * block_t
     splits = max(1, triton.cdiv(S, per_split))
-    if B and S and r and Hq:
-        partials = torch.empty(splits, B, block_h, r, dtype=torch.float32, device=device)
-        zero = q.zero.contiguous() if q.zero is not None else q.scale    # never read when symmetric
-        _weigh_kernel[(columns, splits, B)](
-            q.codes.contiguous(), q.scale.contiguous(), zero, window if window.shape[1] else window.new_empty(1, 1, r),
+    if not (B and S and r and Hq):
+        return torch.zeros(B, Hq, r, dtype=window.dtype, device=device)
+    partials = torch.empty(splits, B, block_h, r, dtype=torch.float32, device=device)
+    zero = q.zero.contiguous() if q.zero is not None else q.scale    # never read when symmetric
+    codes = q.codes.contiguous() if N else q.codes.new_zeros(1, 1, q.codes.shape[-1])    # row 0 is read unmasked
+    args = (codes, q.scale.contiguous(), zero, window if window.shape[1] else window.new_empty(1, 1, r),
             src.contiguous(), p, partials, N, window.shape[1], S, r, q.codes.shape[-1], Hq, per_split,
-            window.stride(0), window.stride(1), p.stride(0), p.stride(1), GROUP=q.group_size, BITS=q.bits,
-            PER_TOKEN=q.axis == -1, HAS_ZERO=q.zero is not None, FOLD=fold, FAST=fast, ASM=asm, CON=con,
-            EXACT_DOT=isinstance(_weigh_kernel, InterpretedFunction), BLOCK_H=block_h, BLOCK_T=block_t,
-            BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
-        out = torch.empty(B, Hq, r, dtype=window.dtype, device=device)
-        _sum_splits_kernel[(B * Hq, triton.cdiv(r, 1024))](partials, out, splits, B * block_h * r, Hq, block_h, r,
-                                                           BLOCK=1024)
-        return out
-    return torch.zeros(B, Hq, r, dtype=window.dtype, device=device)
+            window.stride(0), window.stride(1), p.stride(0), p.stride(1))
+    common = dict(GROUP=q.group_size, BITS=q.bits, HAS_ZERO=q.zero is not None, BLOCK_H=block_h, BLOCK_T=block_t,
+                  BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    if fold:
+        fast = unpacks_in_ptx(window)
+        asm, con = unpack_asm(q.bits, centered=True) if fast else ("", "")
+        _weigh_fold_kernel[(columns, splits, B)](
+            *args, FAST=fast, ASM=asm, CON=con, EXACT_DOT=isinstance(_weigh_fold_kernel, InterpretedFunction),
+            **common)
+    else:
+        _weigh_kernel[(columns, splits, B)](
+            *args, PER_TOKEN=q.axis == -1, EXACT_DOT=isinstance(_weigh_kernel, InterpretedFunction), **common)
+    out = torch.empty(B, Hq, r, dtype=window.dtype, device=device)
+    _sum_splits_kernel[(B * Hq, triton.cdiv(r, SUM_BLOCK))](partials, out, splits, B * block_h * r, Hq, block_h, r,
+                                                            BLOCK=SUM_BLOCK)
+    return out
 
 
 def tile_configs(block_m: int, block_n: int, num_stages: int) -> list[tuple[int, int, int]]:
