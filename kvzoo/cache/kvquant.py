@@ -171,12 +171,10 @@ def _ungrouped(x: Tensor, axis: int) -> Tensor:
     return x.flatten(axis - 1, axis) if axis != -1 else x.flatten(-2)
 
 
-def quantize(x: Tensor, bits: int, group_size: int, axis: int = -1, symmetric: bool = False,
-             scale_dtype: torch.dtype = torch.float16, limits: tuple[Tensor, Tensor] | None = None) -> QTensor:
-    """Quantize x in groups of `group_size` along `axis` (negative). Scales (and zeros) are rounded to
-    scale_dtype before the codes are computed, so dequantization uses exactly what is stored.
-    limits (asymmetric): each group's (min, max) given instead of measured, broadcastable to the grouped
-    shape (..., n_groups, ..., 1); values outside are clamped (a range shared beyond one group)."""
+def _codes(x: Tensor, bits: int, group_size: int, axis: int, symmetric: bool, scale_dtype: torch.dtype,
+           limits: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """quantize's arithmetic: the codes (x's shape, fp32 integers, symmetric ones offset by 2^(bits-1)) and each
+    group's scale and zero (x's shape with `axis` reduced to its groups, rounded to scale_dtype, held in fp32)."""
     check_bits(bits)
     assert axis < 0, "axis counts from the end so that leading batch dims do not matter"
     g = _grouped(x.float(), axis, group_size)                                   # (..., group_size)
@@ -194,10 +192,30 @@ def quantize(x: Tensor, bits: int, group_size: int, axis: int = -1, symmetric: b
         # and x' = zero, exact up to the zero's own rounding.
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         codes = ((g - zero) / safe).round().clamp(0, 2 ** bits - 1)
-    codes = _ungrouped(codes, axis)                                             # x's shape again
-    return QTensor(codes=pack(codes, bits), scale=scale.squeeze(-1).to(scale_dtype),
-                   zero=None if zero is None else zero.squeeze(-1).to(scale_dtype),
+    return _ungrouped(codes, axis), scale.squeeze(-1), None if zero is None else zero.squeeze(-1)
+
+
+def quantize(x: Tensor, bits: int, group_size: int, axis: int = -1, symmetric: bool = False,
+             scale_dtype: torch.dtype = torch.float16, limits: tuple[Tensor, Tensor] | None = None) -> QTensor:
+    """Quantize x in groups of `group_size` along `axis` (negative). Scales (and zeros) are rounded to
+    scale_dtype before the codes are computed, so dequantization uses exactly what is stored.
+    limits (asymmetric): each group's (min, max) given instead of measured, broadcastable to the grouped
+    shape (..., n_groups, ..., 1); values outside are clamped (a range shared beyond one group)."""
+    codes, scale, zero = _codes(x, bits, group_size, axis, symmetric, scale_dtype, limits)
+    return QTensor(codes=pack(codes, bits), scale=scale.to(scale_dtype),
+                   zero=None if zero is None else zero.to(scale_dtype),
                    bits=bits, group_size=group_size, axis=axis, shape=tuple(x.shape))
+
+
+def fake_quantize(x: Tensor, bits: int, group_size: int, axis: int = -1, symmetric: bool = False,
+                  scale_dtype: torch.dtype = torch.float16, limits: tuple[Tensor, Tensor] | None = None,
+                  dtype: torch.dtype = torch.float32) -> Tensor:
+    """dequantize(quantize(x, ...), dtype), bit for bit, without packing and unpacking the codes: for searches that
+    need only the values a quantizer gives (AWQ's scales, SQuat's key updates)."""
+    codes, scale, zero = _codes(x, bits, group_size, axis, symmetric, scale_dtype, limits)
+    if symmetric:
+        codes.sub_(2 ** (bits - 1))
+    return scale_codes_(codes, scale, zero, group_size, axis).to(dtype)
 
 
 def scale_codes_(codes: Tensor, scale: Tensor, zero: Tensor | None, group_size: int, axis: int) -> Tensor:

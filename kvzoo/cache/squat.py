@@ -55,7 +55,7 @@ from torch import Tensor
 
 from kvzoo.cache.base import Chunk, Positions, register
 from kvzoo.cache.kivi import KIVICache, KIVIOptions
-from kvzoo.cache.kvquant import QTensor, dequantize, quantize
+from kvzoo.cache.kvquant import QTensor, fake_quantize
 from kvzoo.cache.store import SCALE_DTYPE, GroupCodec
 
 
@@ -108,7 +108,7 @@ def squat_adjust(keys: Tensor, mats: list[Tensor], bits: int, group_size: int) -
     block = d // (len(mats) + 1)
     for t, u in enumerate(mats, start=1):
         cols = k[..., (t - 1) * block:t * block]                                # (..., N, g)
-        rounded = dequantize(quantize(cols, bits, group_size, axis=-2, scale_dtype=SCALE_DTYPE))
+        rounded = fake_quantize(cols, bits, group_size, axis=-2, scale_dtype=SCALE_DTYPE)
         k[..., t * block:] += (rounded - cols) @ u.transpose(-1, -2)            # (..., N, d - tg)
     return k
 
@@ -117,7 +117,7 @@ def squat_quantize_keys(keys: Tensor, subspace: Tensor, bits: int, group_size: i
                         block: int) -> Tensor:
     """Dequantized SQuat keys (..., N, d), fp32: the whole algorithm on one tensor (for analyses)."""
     adjusted = squat_adjust(keys, update_matrices(subspace, lam, block), bits, group_size)
-    return dequantize(quantize(adjusted, bits, group_size, axis=-2, scale_dtype=SCALE_DTYPE))
+    return fake_quantize(adjusted, bits, group_size, axis=-2, scale_dtype=SCALE_DTYPE)
 
 
 def grouped_queries(q: Tensor, n_kv_heads: int) -> Tensor:

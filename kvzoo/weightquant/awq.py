@@ -28,7 +28,8 @@ import os
 import torch
 from torch import Tensor, nn
 
-from kvzoo.kernels.w4a16 import W4Weight, quantize_weight, w4a16_matmul, w4a16_matmul_ref
+from kvzoo.cache.kvquant import fake_quantize
+from kvzoo.kernels.w4a16 import BITS, W4Weight, quantize_weight, w4a16_matmul, w4a16_matmul_ref
 
 ALPHAS = [i / 20 for i in range(21)]
 METHODS = ("w16", "w4-rtn", "w4-awq")
@@ -108,7 +109,7 @@ def _best_scale(x: Tensor, weights: list[Tensor], group_size: int) -> tuple[Tens
     for alpha in ALPHAS:
         s = mean ** alpha
         s = s / (s.max() * s.min()).sqrt()
-        wq = quantize_weight(w * s, group_size).dequantize(torch.float32) / s
+        wq = fake_quantize(w * s, BITS, group_size) / s                              # quantize_weight's values
         err = (x @ wq.T - reference).pow(2).mean().item()
         if err < best[0]:
             best = (err, s, alpha)

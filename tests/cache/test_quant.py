@@ -109,3 +109,24 @@ def test_dequantize_in_place_equals_the_grouped_formula(axis, symmetric):
     s = q.scale.float().unsqueeze(-1)
     want = (g - 8) * s if symmetric else g * s + q.zero.float().unsqueeze(-1)
     assert torch.equal(dequantize(q), _ungrouped(want, axis))
+
+
+@pytest.mark.parametrize("axis,group", [(-1, 32), (-2, 8), (-1, 24), (-3, 16)])
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
+def test_fake_quantize_is_the_round_trip_bit_for_bit(axis, group, symmetric, scale_dtype):
+    """fake_quantize (no packing) gives exactly dequantize(quantize(...)): every bit width, constant groups, given
+    limits (values clamped into them), the result's dtype."""
+    from kvzoo.cache.kvquant import _grouped, dequantize, fake_quantize
+
+    g = torch.Generator().manual_seed(group)
+    x = torch.randn(2, 48, 16, 96, generator=g) * 3
+    x[0, :16, :8, :32] = 1.5                                                      # constant groups
+    for bits in SUPPORTED_BITS:
+        want = dequantize(quantize(x, bits, group, axis, symmetric, scale_dtype))
+        assert torch.equal(fake_quantize(x, bits, group, axis, symmetric, scale_dtype), want)
+    grouped = _grouped(x, axis, group)                                          # (..., group)
+    limits = (grouped.amin(-1, keepdim=True) / 2, grouped.amax(-1, keepdim=True) / 2)   # half the range: clamped
+    want = dequantize(quantize(x, 4, group, axis, scale_dtype=scale_dtype, limits=limits), torch.bfloat16)
+    assert torch.equal(fake_quantize(x, 4, group, axis, scale_dtype=scale_dtype, limits=limits, dtype=torch.bfloat16),
+                       want)
