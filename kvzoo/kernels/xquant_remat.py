@@ -220,8 +220,8 @@ def _weigh_fold_kernel(codes_ptr, scale_ptr, zero_ptr, win_ptr, src_ptr, p_ptr, 
     terms cancel where the zero is large; centering and fp16 keep their rounding near bmm's (p_t s_t rounded to
     bf16 with uncentered codes erred up to 8 times more).
     The loop is software-pipelined by hand: a tile's words, scales and p are loaded one tile ahead and its src two
-    ahead, so no load waits on another issued in the same step (left to Triton's pipelining, the gather's loads
-    waited each tile: 1.4x the time). Window rows (src in [N, N + W)) weigh nothing there (scale and zero 0); the tiles that hold
+    ahead, so no load waits on another issued in the same step (left to Triton's pipelining, each tile's loads
+    waited on its own src and p: 1.4x the time at 128 rows a tile, 5x at 64). Window rows (src in [N, N + W)) weigh nothing there (scale and zero 0); the tiles that hold
     them, found on the way, are weighed again from the window's exact rows (s = 1, z = 0, c' the value, exact in
     fp16 below 65,504)."""
     k0 = tl.program_id(0) * BLOCK_K
