@@ -122,7 +122,7 @@ def cases() -> dict:
               p_ptr="*fp32", out_ptr="*fp32", k_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", q_ptr="*bf16")
     asm, con = unpack_asm(4, centered=True)
     out["xquant-weigh"] = (xquant_remat._weigh_fold_kernel, dict(
-        GROUP=128, BITS=4, HAS_ZERO=True, FAST=True, ASM=asm, CON=con, EXACT_DOT=False,
+        GROUP=128, BITS=4, HAS_ZERO=True, FAST=True, ASM=asm, CON=con, EXACT_DOT=False, ALL_H=True,
         BLOCK_H=32, BLOCK_T=64, BLOCK_K=128), ASTSource, xq, dict(num_warps=4, num_stages=2))
     out["xquant-scores"] = (scores._scores_kernel, dict(
         H=8, REP=4, REP_P=16, D=128, BLOCK=scores.BLOCK, PRECISION="tf32", UPCAST=False, ROPE=True, Q_ROPE=True),
