@@ -213,9 +213,7 @@ def fake_quantize(x: Tensor, bits: int, group_size: int, axis: int = -1, symmetr
     """dequantize(quantize(x, ...), dtype), bit for bit, without packing and unpacking the codes: for searches that
     need only the values a quantizer gives (AWQ's scales, SQuat's key updates)."""
     codes, scale, zero = _codes(x, bits, group_size, axis, symmetric, scale_dtype, limits)
-    if symmetric:
-        codes.sub_(2 ** (bits - 1))
-    return scale_codes_(codes, scale, zero, group_size, axis).to(dtype)
+    return _values(codes, bits, scale, zero, group_size, axis).to(dtype)
 
 
 def scale_codes_(codes: Tensor, scale: Tensor, zero: Tensor | None, group_size: int, axis: int) -> Tensor:
@@ -230,11 +228,17 @@ def scale_codes_(codes: Tensor, scale: Tensor, zero: Tensor | None, group_size: 
     return codes
 
 
+def _values(codes: Tensor, bits: int, scale: Tensor, zero: Tensor | None, group_size: int, axis: int) -> Tensor:
+    """fp32 codes (a tensor of their own, x's shape) made in place into the values they encode: symmetric ones
+    (zero None) centred first."""
+    if zero is None:
+        codes.sub_(2 ** (bits - 1))
+    return scale_codes_(codes, scale, zero, group_size, axis)
+
+
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> Tensor:
     codes = unpack_int(q.codes, q.bits, q.shape[-1]).float()                    # q.shape, a new fp32 tensor
-    if q.symmetric:
-        codes.sub_(2 ** (q.bits - 1))
-    return scale_codes_(codes, q.scale, q.zero, q.group_size, q.axis).to(dtype)
+    return _values(codes, q.bits, q.scale, q.zero, q.group_size, q.axis).to(dtype)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -235,6 +235,8 @@ def add_weighted(a: Tensor, w: Tensor, v: Tensor) -> Tensor:
     unit last stride (any other strides) -> (B, H·rep, d) contiguous. The product and the sum are rounded apart, as
     torch's `a.float() + w * v.float()` rounds them, in one launch (torch takes five: casts, the product, the sum and
     a copy of the strided a)."""
+    if a.dim() != 4:
+        raise ValueError(f"a must be (B, H, rep, d), got {tuple(a.shape)}")
     B, H, rep, d = a.shape
     if w.shape != (B, H * rep) or w.dtype != torch.float32 or v.shape != (B, H, d) or a.stride(-1) != 1 \
             or v.stride(-1) != 1:

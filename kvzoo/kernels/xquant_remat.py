@@ -261,7 +261,8 @@ def _weigh_fold_kernel(codes_ptr, scale_ptr, zero_ptr, win_ptr, src_ptr, p_ptr, 
         else:
             c = tl.reshape(unpack_codes(words[:, :, None], (tl.arange(0, CPW) * BITS)[None, None, :], BITS)
                            - (1 << (BITS - 1)), (BLOCK_T, BLOCK_K), can_reorder=False).to(tl.float16)
-        zacc += p * zero[None, :]
+        if HAS_ZERO:                                                               # symmetric groups: 0
+            zacc += p * zero[None, :]
         w = (p * scale[None, :]).to(tl.float16)                                    # (BLOCK_H, BLOCK_T)
         if EXACT_DOT:
             acc += tl.dot(tl.trans(c).to(tl.float32), tl.trans(w).to(tl.float32), input_precision="ieee")
