@@ -75,7 +75,6 @@ def cases() -> dict:
     gluon = dict(num_warps=outer_hopper.N_WARPS)
     out = {}
     for d, rep in HEADS:
-        lp, ksl = outer_hopper._layouts(d)
         rows = outer_hopper.rows_for(rep)
         for mode, has_sym in (("hybrid", True), ("asym", False)):
             out[f"innerq-gluon-d{d}-{mode}"] = (innerq_hopper._split_kernel, dict(
@@ -86,8 +85,13 @@ def cases() -> dict:
                 busy = dict(gluon, divisible=INNERQ_STRIDES,
                             maxnreg=innerq_hopper.register_cap(innerq_hopper.BUSY_PROGRAMS_PER_SM))
                 out[f"innerq-gluon-d{d}-{mode}-busy"] = (*out[f"innerq-gluon-d{d}-{mode}"][:4], busy)
-        out[f"kivi-gluon-d{d}"] = (outer_hopper._quantized_kernel, dict(D=d, REP=rep, ROWS=rows, CG=32, LP=lp, KSL=ksl),
-                                   GluonASTSource, dict(POINTERS, kz_ptr="*fp16", vz_ptr="*fp16"), gluon)
+        for name, rope in (("kivi", False), ("kivi-pre", True)):
+            lp, ksl, lpk, lh = outer_hopper._layouts(d, rope)
+            out[f"{name}-gluon-d{d}"] = (outer_hopper._quantized_kernel, dict(
+                D=d, REP=rep, ROWS=rows, CG=32, LP=lp, KSL=ksl, LPK=lpk, LH=lh, ROPE=rope,
+                QROWS=outer_hopper.query_rows(rep)), GluonASTSource,
+                dict(POINTERS, kz_ptr="*fp16", vz_ptr="*fp16", cos_ptr="*bf16", sin_ptr="*bf16", off_ptr="*fp16"),
+                gluon)
     for bits in (2, 4):
         asm, con = unpack_asm(bits)
         for mode, has_sym in (("hybrid", True), ("asym", False)):

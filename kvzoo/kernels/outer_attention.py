@@ -45,10 +45,10 @@ Two kernels:
      interpreter) use fp32 codes and exact fp32 dots. The last program of each KV head takes the sink, then the
      tail's slots past the quantized ones 32 at a time, each slot's key and value read from its codes or its window
      by the rule above. Every program writes its (m, l, acc).
-     On an H100, KIVI's and SQuat's 2-bit layout (per-channel keys, no RoPE in the kernel) with enough work runs
-     its quantized columns in the Gluon kernel of kvzoo/kernels/outer_hopper.py, and this kernel runs only the last
-     program (SPLIT0: the first column this launch owns), on a second stream beside the Gluon kernel (TAIL_BESIDE),
-     so that it reads its windows while the Gluon kernel computes; the combine waits for both.
+     On an H100, KIVI's and SQuat's 2-bit layout (per-channel keys, stored after RoPE or before it) with enough
+     work runs its quantized columns in the Gluon kernel of kvzoo/kernels/outer_hopper.py, and this kernel runs only
+     the last program (SPLIT0: the first column this launch owns), on a second stream beside the Gluon kernel
+     (TAIL_BESIDE), so that it reads its windows while the Gluon kernel computes; the combine waits for both.
   2. combine: grid (B*H,). Merges the partials, attends the token given apart (k_token, v_token: its score and
      weight in fp32), divides by l and writes (B, Hq, d) in q's dtype (innerq_attention.combine, shared with
      InnerQ's kernels). The token is the combine's, not the split kernel's last program's: a second pass there
@@ -59,7 +59,8 @@ rotated to its position in the kernel: sink row i to position i, tail slot u to 
 each key's two channel halves as separate tiles and never forms the rotated key [lo cos - hi sin, hi cos + lo sin]
 (rotate-half style): its four products, each rounded once in the keys' dtype, go to four dots of d/2 channels
 summed in fp32, so no key is unpacked twice or moved between halves; it reads the first half of each cos/sin row (a
-rotate-half table repeats its frequencies).
+rotate-half table repeats its frequencies). The Gluon kernel rotates the query back to each step's first position
+instead and the keys by their offsets in the step (outer_hopper's docstring).
 
 Scales. On an H100 the split kernel's busiest unit is the L1/shared-memory pipe, not DRAM: the unpacked tiles reach
 the tensor cores through shared memory. With per-channel keys and no RoPE (KIVI, SQuat) each step's scales and zeros
@@ -511,10 +512,12 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
         side.wait_stream(main)
         with torch.cuda.stream(side):
             triton_columns()
-        outer_hopper.quantized_splits(q, buffers[:6], m, l, acc, lengths, per_split, splits, qk_scale, group)
+        outer_hopper.quantized_splits(q, buffers[:6], m, l, acc, lengths, per_split, splits, qk_scale, group,
+                                     rope)
         main.wait_stream(side)
     else:
-        outer_hopper.quantized_splits(q, buffers[:6], m, l, acc, lengths, per_split, splits, qk_scale, group)
+        outer_hopper.quantized_splits(q, buffers[:6], m, l, acc, lengths, per_split, splits, qk_scale, group,
+                                     rope)
         triton_columns()
     token = (q, head_rows(k_token), head_rows(v_token), qk_scale) if k_token is not None else None
     combine(m, l, acc, out, B * H, rep, num_warps, token)

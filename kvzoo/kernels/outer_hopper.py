@@ -1,7 +1,8 @@
 """The quantized runs of outer_attention's split kernel for KIVI's and SQuat's layout on Hopper (sm_90), in Gluon:
-2-bit keys in per-channel groups of 32 tokens, 2-bit values in per-token groups of G channels (G a multiple of 16),
-head_dim 64 or 128, no RoPE in the kernel, an fp16/bf16 model. The sink and the windows stay with the Triton
-split kernel, which runs the last program; both write the same (m, l, acc) partials, merged by its combine kernel.
+2-bit keys in per-channel groups of 32 tokens, stored after RoPE or before it (KIVI*, SQuat-pre: rotated here),
+2-bit values in per-token groups of G channels (G a multiple of 16), head_dim 64 or 128, an fp16/bf16 model. The
+sink and the windows stay with the Triton split kernel, which runs the last program; both write the same
+(m, l, acc) partials, merged by its combine kernel.
 
     grid (B*H, splits): program (kv head, split) attends its rep query rows (ROWS = 8 or 16, padding past rep)
     over the groups [split * PER_SPLIT, ...) of the slots quantized in both streams, 128 tokens a step.
@@ -32,6 +33,16 @@ dequantized tiles reach the tensor cores. Gluon lets the kernel choose every lay
 Numerics are the Triton kernel's: codes exact in fp16, scale and zero applied by one fp16 FMA, fp16 tiles, fp32
 products and softmax.
 
+Keys stored before RoPE (ROPE). Slot u sits at position n_sink + u = p0 + j, p0 the first position of its step
+and j < 128 its offset in the step; rotations compose, so q · R(p0 + j) k = (R(-p0) q) · R(j) k. Each step the
+query rows are rotated back to p0 (fp32, from the model's cos and sin rows at p0, then fp16), and each key by its
+offset j, whose cos and sin every step shares: 128 rows of half tables (fp16, 16 KB each, rope_tables) held in
+shared memory for the whole run, where the Triton kernel reads each key's own row from global memory. The scores
+are two products, (R(-p0) q) · (k cos_j)ᵀ + (its rotate-half partner) · (k sin_j)ᵀ, each key product rounded once
+in fp16 as the Triton kernel's four dots take them; the query's angle is rounded apart from the key's (fp16 each,
+where the Triton kernel rounds the model's table at p0 + j once). A thread holds channels c and c + d/2 of its
+key words (LPK), which share a table value.
+
 Speed (Llama-3.1-8B heads, rep 4, one H100, L2 flushed; docs/decode.md, "KIVI's and SQuat's quantized runs in
 Gluon" and "Eight query rows a program"): with the tail beside it, the whole operation at 32K, batch 32 takes 611 us
 against the Triton kernel's 814, at 128K, batch 1 96 against 118, at 32K, batch 1 32.5 against 40.4
@@ -46,6 +57,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -65,6 +77,12 @@ WARPS = gl.constexpr(N_WARPS)
 LQ = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [N_WARPS, 1], [1, 0]))          # the query rows' load
 TILE = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 barrier = getattr(gl, "barrier", None) or gl.thread_barrier      # Triton 3.9 names it barrier, 3.6 thread_barrier
+
+
+def query_rows(rep: int) -> int:
+    """The query rows that keys stored before RoPE rotate back each step: rep padded to a power of two of at least
+    4 (each element once over the four warps), at most rows_for(rep); the rows past them are padding."""
+    return min(rows_for(rep), max(4, triton.next_power_of_2(rep)))
 
 
 def rows_for(rep: int) -> int:
@@ -211,12 +229,12 @@ def _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, kv, split, N_COLS, REP: gl
 
 
 @gluon.jit
-def _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t, last, n, w, gr, cr, nv, gv,
+def _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t, last, nk, wk, n, w, gr, cr, nv, gv,
               D: gl.constexpr, CG: gl.constexpr, L3: gl.constexpr):
     """Step t's code words (BLOCK, W) and scales: keys' (GS, 1, D) in logical order, values' (BLOCK, D/CG, 1).
     Slots past `last` (the last live one) read `last`."""
     W: gl.constexpr = D // 16
-    kw = gl.load(kc_ptr + gl.minimum(t * 32 + n, last)[:, None] * W + w[None, :])
+    kw = gl.load(kc_ptr + gl.minimum(t * 32 + nk, last)[:, None] * W + wk[None, :])
     vw = gl.load(vc_ptr + gl.minimum(t * 32 + n, last)[:, None] * W + w[None, :])
     at = gl.minimum(t + gr, last // 32)[:, None] * D + cr[None, :]                  # (GS, D), real order
     ks = _logical(gl.load(ks_ptr + at), L3)
@@ -226,16 +244,59 @@ def _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t, last, n, w, gr,
 
 
 @gluon.jit
-def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, l_ptr, acc_ptr, len_ptr,
-                      PER_SPLIT, N_COLS, qk_scale, s_kc, s_ks, s_kz, s_vc, s_vs, s_vz,
+def _rotate_offsets(k, tab_s, LH: gl.constexpr):
+    """Keys k (BLOCK, D) times the cos or sin of RoPE's angles at a step's offsets j < BLOCK, rounded once in
+    fp16: the table is rope_tables' half rows (BLOCK, D/2) in shared memory, read with LH's 16-byte vectors and
+    renamed into k's registers; a rotate-half table repeats its frequencies, so channels c and c + D/2, which
+    one thread holds (_layouts' LPK), multiply by the same value."""
+    BLOCK: gl.constexpr = k.shape[0]
+    D: gl.constexpr = k.shape[1]
+    k3 = gl.reshape(k, (BLOCK, 2, D // 2))                                       # (BLOCK, half, D/2)
+    h = gl.convert_layout(tab_s.load(LH), gl.SliceLayout(1, k3.type.layout))
+    return gl.reshape(k3 * gl.expand_dims(h, 1), (BLOCK, D))
+
+
+@gluon.jit
+def _query_back(q, qr, cos_ptr, sin_ptr, p0):
+    """The query rows rotated back to position p0 for q_s's operand, fp16 in logical channel order: R(-p0) q =
+    q cos + qr sin and its rotate-half partner [.hi, -.lo] = qr cos - q sin, from q and qr = [q_hi, -q_lo]
+    (R, D) fp32 in real channel order and the model's cos and sin rows at p0 (read in the same layout), in fp32,
+    clamped to fp16's range as _query's."""
+    R: gl.constexpr = q.shape[0]
+    D: gl.constexpr = q.shape[1]
+    at = p0 * D + gl.arange(0, D, layout=gl.SliceLayout(0, q.type.layout))
+    c = gl.load(cos_ptr + at).to(gl.float32)[None, :]
+    s = gl.load(sin_ptr + at).to(gl.float32)[None, :]
+    back = gl.minimum(gl.maximum(q * c + qr * s, -65504.0), 65504.0).to(gl.float16)
+    partner = gl.minimum(gl.maximum(qr * c - q * s, -65504.0), 65504.0).to(gl.float16)
+    # real channel 16 w + 8 b + a -> logical 16 w + 2 a + b: the registers renamed, no data moved
+    back = gl.reshape(gl.permute(gl.reshape(back, (R, D // 16, 2, 8)), (0, 1, 3, 2)), (R, D))
+    partner = gl.reshape(gl.permute(gl.reshape(partner, (R, D // 16, 2, 8)), (0, 1, 3, 2)), (R, D))
+    return back, partner
+
+
+@gluon.jit
+def _padded(x, ROWS: gl.constexpr):
+    """x (R, D) as (ROWS, D) with rows R .. ROWS - 1 zero (ROWS = R or 2 R)."""
+    R: gl.constexpr = x.shape[0]
+    if ROWS != R:
+        x = gl.reshape(gl.permute(gl.join(x, gl.zeros_like(x)), (2, 0, 1)), (ROWS, x.shape[1]))
+    return x
+
+
+@gluon.jit
+def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos_ptr, sin_ptr, off_ptr, m_ptr, l_ptr,
+                      acc_ptr, len_ptr, PER_SPLIT, N_COLS, qk_scale, s_kc, s_ks, s_kz, s_vc, s_vs, s_vz,
                       D: gl.constexpr, REP: gl.constexpr, ROWS: gl.constexpr, CG: gl.constexpr, LP: gl.constexpr,
-                      KSL: gl.constexpr):
+                      KSL: gl.constexpr, LPK: gl.constexpr, LH: gl.constexpr, ROPE: gl.constexpr,
+                      QROWS: gl.constexpr):
     GS: gl.constexpr = BLOCK // 32
     MMA: gl.constexpr = mma_layout(ROWS)
     W: gl.constexpr = D // 16
-    LW: gl.constexpr = gl.SliceLayout(2, LP)                        # words (BLOCK, W)
+    LW: gl.constexpr = gl.SliceLayout(2, LP)                        # value words (BLOCK, W)
+    LWK: gl.constexpr = gl.SliceLayout(2, LPK)                      # key words (BLOCK, W)
     # the layouts the unpacked key (GS, 32, D) and value (BLOCK, D/CG, CG) tiles come in (traced; no code)
-    L3: gl.constexpr = gl.reshape(_unpack(gl.zeros([BLOCK, W], gl.int32, LW), LP), (GS, 32, D)).type.layout
+    L3: gl.constexpr = gl.reshape(_unpack(gl.zeros([BLOCK, W], gl.int32, LWK), LPK), (GS, 32, D)).type.layout
     LV3: gl.constexpr = gl.reshape(_unpack(gl.zeros([BLOCK, W], gl.int32, LW), LP), (BLOCK, D // CG, CG)).type.layout
 
     kv = gl.program_id(0)                        # b * H + h
@@ -250,6 +311,23 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_p
 
     dq = _real(gl.arange(0, D, layout=gl.SliceLayout(0, LQ)))
     q_s, k_s, v_s, p_s, m, l, acc = _start(_query(q_ptr, q_ptr, kv, dq, REP, ROWS, False))
+    if ROPE:        # keys stored before RoPE (module docstring): q and qr = [q_hi, -q_lo], fp32, real order
+        # (QROWS, D) over the four warps, each element once: rows past QROWS are padding
+        SPT: gl.constexpr = QROWS * D // (32 * WARPS)
+        LQR: gl.constexpr = gl.BlockedLayout([1, SPT], [32 * SPT // D, D // SPT], [WARPS, 1], [1, 0])
+        d = gl.arange(0, D, layout=gl.SliceLayout(0, LQR))                  # real order
+        rr = gl.arange(0, QROWS, layout=gl.SliceLayout(1, LQR))
+        live_q = (rr < REP)[:, None]
+        qf = gl.load(q_ptr + (kv * REP + rr[:, None]) * D + d[None, :], mask=live_q, other=0).to(gl.float32)
+        qr = gl.load(q_ptr + (kv * REP + rr[:, None]) * D + ((d + D // 2) % D)[None, :], mask=live_q, other=0)
+        qr = gl.where((d < D // 2)[None, :], qr.to(gl.float32), -qr.to(gl.float32))
+        n_sink = gl.load(len_ptr + 3)
+        jt = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, LH))
+        et = gl.arange(0, D // 2, layout=gl.SliceLayout(0, LH))
+        at = jt[:, None] * (D // 2) + et[None, :]
+        HT: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=D if D < 128 else 128, element_bitwidth=16, rank=2)
+        cos_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D // 2], HT, gl.load(off_ptr + at))
+        sin_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D // 2], HT, gl.load(off_ptr + BLOCK * D // 2 + at))
 
     n_both = gl.minimum(gl.load(len_ptr), gl.load(len_ptr + 1))
     start = split * PER_SPLIT
@@ -257,19 +335,40 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_p
     last = gl.maximum(gl.minimum(n_both, stop * 32) - 1, 0)
     n = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, LW))
     w = gl.arange(0, W, layout=gl.SliceLayout(0, LW))
+    nk = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, LWK))
+    wk = gl.arange(0, W, layout=gl.SliceLayout(0, LWK))
     gr = gl.arange(0, GS, layout=gl.SliceLayout(1, KSL))
     cr = gl.arange(0, D, layout=gl.SliceLayout(0, KSL))
     nv = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, gl.SliceLayout(2, LV3)))
     gv = gl.arange(0, D // CG, layout=gl.SliceLayout(0, gl.SliceLayout(2, LV3)))
     ns = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA))
-    kw, vw, ks, kz, vs, vz = _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, start, last, n, w, gr, cr,
-                                       nv, gv, D, CG, L3)
+    kw, vw, ks, kz, vs, vz = _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, start, last, nk, wk, n, w,
+                                       gr, cr, nv, gv, D, CG, L3)
     for t in range(start, stop, GS):
-        nxt = _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t + GS, last, n, w, gr, cr, nv, gv, D, CG, L3)
-        xk = gl.reshape(_unpack(kw, LP), (GS, 32, D))
-        k_s.store(gl.reshape(xk * ks + kz, (BLOCK, D)))
-        fence_async_shared()
-        s = warpgroup_mma(k_s, q_s.permute((1, 0)), gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA))
+        nxt = _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t + GS, last, nk, wk, n, w, gr, cr, nv, gv,
+                        D, CG, L3)
+        if ROPE:    # the keys' scales of this step, not a step ahead: held a step, they spill at D = 128
+            at_k = gl.minimum(t + gr, last // 32)[:, None] * D + cr[None, :]
+            ks = _logical(gl.load(ks_ptr + at_k), L3)
+            kz = _logical(gl.load(kz_ptr + at_k), L3)
+        xk = gl.reshape(_unpack(kw, LPK), (GS, 32, D))
+        k = gl.reshape(xk * ks + kz, (BLOCK, D))
+        if ROPE:
+            # (R(-p0) q) · (k cos_j)ᵀ + (its rotate-half partner) · (k sin_j)ᵀ, p0 the step's first position: both
+            # through the same two tiles, one after the other (a second pair of wgmma operands spills at D = 128)
+            qb, qb2 = _query_back(qf, qr, cos_ptr, sin_ptr, n_sink + t * 32)
+            q_s.store(_padded(qb, ROWS))
+            k_s.store(_rotate_offsets(k, cos_s, LH))
+            fence_async_shared()
+            s = warpgroup_mma(k_s, q_s.permute((1, 0)), gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA))
+            q_s.store(_padded(qb2, ROWS))                               # the product above done
+            k_s.store(_rotate_offsets(k, sin_s, LH))
+            fence_async_shared()
+            s = warpgroup_mma(k_s, q_s.permute((1, 0)), s)
+        else:
+            k_s.store(k)
+            fence_async_shared()
+            s = warpgroup_mma(k_s, q_s.permute((1, 0)), gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA))
         xv = gl.reshape(_unpack(vw, LP), (BLOCK, D // CG, CG))
         acc_v = warpgroup_mma_wait(0, deps=[acc])                 # the previous output product: v_s, p_s free
         v_s.store(gl.reshape(xv * vs + vz, (BLOCK, D)))            # stored while the softmax runs
@@ -280,20 +379,39 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_p
 
 
 @functools.cache
-def _layouts(d: int) -> tuple[gl.DistributedLinearLayout, gl.DistributedLinearLayout]:
-    """(LP, KSL) for head_dim d, W = d/16 words a token, four warps:
+def _layouts(d: int, rope: bool = False) -> tuple:
+    """(LP, KSL, LPK, LH) for head_dim d, W = d/16 words a token, four warps:
     LP, the words' (BLOCK, W, 2) layout: lanes 8 consecutive tokens x 4 words (every other word at W = 8),
     registers the pair axis, word + 1 (W = 8: a thread's two words are adjacent, one 8-byte load and one value group
     of 32 channels or more), token + 8 and + 16; warps the four 32-token groups.
-    KSL, the key scales' (4, d) load: a thread's 16 channels of each of its words, eight consecutive a vector."""
-    words, lanes = ([[0, 1, 0]], [[0, 2, 0], [0, 4, 0]]) if d == 128 else ([], [[0, 1, 0], [0, 2, 0]])
-    lp = gl.DistributedLinearLayout([[0, 0, 1]] + words + [[8, 0, 0], [16, 0, 0]],
-                                    [[1, 0, 0], [2, 0, 0], [4, 0, 0]] + lanes,
-                                    [[32, 0, 0], [64, 0, 0]], [], [TOKENS, d // 16, 2])
-    ksl = gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8]] + [[0, 16 * b[1]] for b in words],
-                                     [[0, 0], [0, 0], [0, 0]] + [[0, 16 * b[1]] for b in lanes], [[1, 0], [2, 0]], [],
-                                     [TOKENS // 32, d])
-    return lp, ksl
+    LPK, the key words' layout: LP, or for keys rotated in the kernel (rope) word + W/2 in the registers, so that a
+    thread holds channels c and c + d/2, which share RoPE's angles (W = 4: the lanes take token + 8 for it).
+    KSL, the key scales' (4, d) load: a thread's 16 channels of each of its key words, eight consecutive a vector.
+    LH, with rope: the (BLOCK, d/2) half rows of RoPE's tables, LPK's threads, 16 channels in consecutive registers;
+    else None."""
+    if d == 128:
+        regs, lanes = ([[0, 4, 0], [8, 0, 0], [16, 0, 0]], [[0, 1, 0], [0, 2, 0]]) if rope else \
+            ([[0, 1, 0], [8, 0, 0], [16, 0, 0]], [[0, 2, 0], [0, 4, 0]])
+    else:
+        regs, lanes = ([[0, 2, 0], [16, 0, 0]], [[0, 1, 0], [8, 0, 0]]) if rope else \
+            ([[8, 0, 0], [16, 0, 0]], [[0, 1, 0], [0, 2, 0]])
+    t3 = [[1, 0, 0], [2, 0, 0], [4, 0, 0]]
+    warps = [[32, 0, 0], [64, 0, 0]]
+    lpk = gl.DistributedLinearLayout([[0, 0, 1]] + regs, t3 + lanes, warps, [], [TOKENS, d // 16, 2])
+    lp = lpk if not rope else _layouts(d)[0]
+
+    def channels(bases):                   # a word base's channels; a token base's none
+        return [[0, 16 * b[1]] for b in bases]
+
+    ksl = gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8]] + [b for b in channels(regs) if b[1]],
+                                     [[0, 0]] * 3 + channels(lanes), [[1, 0], [2, 0]], [], [TOKENS // 32, d])
+    lh = None
+    if rope:                                # LPK's bases with channel c + d/2 dropped (the half row's)
+        def half(bases):
+            return [[b[0], 16 * b[1]] for b in bases if 16 * b[1] != d // 2]
+        lh = gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8]] + half(regs), half(t3 + lanes),
+                                        [b[:2] for b in warps], [], [TOKENS, d // 2])
+    return lp, ksl, lpk, lh
 
 
 @functools.cache
@@ -304,23 +422,48 @@ def _is_hopper(index: int) -> bool:
 def eligible(q: Tensor, bits: int, v_bits: int, channel: bool, rope, group: int, rep: int, gs: int,
              group_rows: int) -> bool:
     """Whether outer_decode_attention's quantized runs take this kernel: enabled, an sm_90 GPU with the inline-PTX
-    path (fp16/bf16, compiled), 2-bit keys in per-channel groups and 2-bit values in groups of whole words, no
-    RoPE in the kernel, head_dim 64 or 128, at most 16 query rows a KV head, steps of four groups, and at least
-    MIN_GROUP_ROWS (KV rows x groups) of work, the least measured to gain."""
+    path (fp16/bf16, compiled), 2-bit keys in per-channel groups (stored after RoPE, or before it: KIVI*) and 2-bit
+    values in groups of whole words, head_dim 64 or 128, at most 16 query rows a KV head, steps of four groups, and
+    at least MIN_GROUP_ROWS (KV rows x groups) of work, the least measured to gain; RoPE's tables, where given,
+    hold at least a step's TOKENS positions (rope_tables)."""
     d = q.shape[-1]
     return (ENABLED and unpacks_in_ptx(q) and _is_hopper(q.device.index or 0) and bits == 2 and v_bits == 2
-            and channel and rope is None and d in (64, 128) and group % 16 == 0 and rep <= N_ROWS
-            and gs == TOKENS // 32 and group_rows >= MIN_GROUP_ROWS)
+            and channel and d in (64, 128) and group % 16 == 0 and rep <= N_ROWS and gs == TOKENS // 32
+            and group_rows >= MIN_GROUP_ROWS and (rope is None or rope[0].shape[0] >= TOKENS))
+
+
+_KEPT: dict = {}      # the last rope_tables made: {"from": (cos, sin) given, "table": the table made}
+
+
+def rope_tables(cos: Tensor, sin: Tensor) -> Tensor:
+    """The kernel's table of RoPE's rotations by offsets 0 .. TOKENS - 1 within a step: (2, TOKENS, d/2) fp16, cos
+    then sin, the first TOKENS rows of the model's rotate-half tables (positions, d) converted as the Triton kernel
+    converts them, their first halves (a rotate-half table repeats its frequencies), each row's channels in the
+    keys' logical order (_real). The table made last is kept (a model's decode passes the same tables every
+    step), except while a CUDA graph is being captured, where making it is part of the graph."""
+    kept = _KEPT.get("from")
+    if kept is not None and kept[0] is cos and kept[1] is sin:
+        return _KEPT["table"]
+    c = torch.arange(cos.shape[1] // 2, device=cos.device)
+    real = (c // 16) * 16 + (c % 16) // 2 + 8 * (c % 2)                                  # _real(c)
+    table = torch.stack([cos[:TOKENS, real], sin[:TOKENS, real]]).to(torch.float16).contiguous()
+    if not (cos.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _KEPT.update({"from": (cos, sin), "table": table})
+    return table
 
 
 def quantized_splits(q: Tensor, buffers: list[tuple[Tensor, int]], m: Tensor, l: Tensor, acc: Tensor,
-                     lengths: Tensor, per_split: int, splits: int, qk_scale: float, group: int) -> None:
+                     lengths: Tensor, per_split: int, splits: int, qk_scale: float, group: int,
+                     rope: tuple[Tensor, Tensor] | None = None) -> None:
     """Write the (m, l, acc) partials of columns [0, splits) (outer_decode_attention's buffers, splits + 1 columns)
     for q (B, Hq, d) contiguous; buffers: outer_decode_attention's (tensor, head stride) pairs of the key and value
-    codes, scales and zeros, in that order."""
+    codes, scales and zeros, in that order; rope: the (cos, sin) tables (positions, d) of keys stored before
+    RoPE (outer_decode_attention's)."""
     B, Hq, d = q.shape
     H = buffers[0][0].shape[1]
-    lp, ksl = _layouts(d)
-    _quantized_kernel[(B * H, splits)](q, *(t for t, _ in buffers), m, l, acc, lengths, per_split, splits + 1,
-                                       qk_scale, *(s for _, s in buffers), D=d, REP=Hq // H, ROWS=rows_for(Hq // H),
-                                       CG=group, LP=lp, KSL=ksl, num_warps=N_WARPS)
+    lp, ksl, lpk, lh = _layouts(d, rope is not None)
+    cos, sin, offsets = (*rope, rope_tables(*rope)) if rope is not None else (q, q, q)     # q: never read
+    _quantized_kernel[(B * H, splits)](q, *(t for t, _ in buffers), cos, sin, offsets, m, l, acc, lengths, per_split,
+                                       splits + 1, qk_scale, *(s for _, s in buffers), D=d, REP=Hq // H,
+                                       ROWS=rows_for(Hq // H), CG=group, LP=lp, KSL=ksl, LPK=lpk, LH=lh,
+                                       ROPE=rope is not None, QROWS=query_rows(Hq // H), num_warps=N_WARPS)

@@ -277,23 +277,30 @@ def test_bad_rope_tables_name_the_problem():
 HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 
 
-# (d, dtype, rep, B, N, lengths, group): KIVI's windows (keys quantized past values), partial steps and groups, a
-# short run (5 groups), 16 query rows, with and without a sink; value groups of one word, two and a whole token
+# (d, dtype, rep, B, N, lengths, group, rope): KIVI's windows (keys quantized past values), partial steps and groups,
+# a short run (5 groups), 16 query rows, with and without a sink; value groups of one word, two and a whole token;
+# keys stored before RoPE (KIVI*), rotated in the kernel: with and without a sink, bf16 tables and fp16, query rows
+# in half the padded rows (4 of 8) and in all of them (8, 16)
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
-@pytest.mark.parametrize("d,dtype,rep,B,N,lengths,group", [
-    (128, torch.float16, 4, 2, 1024, (1024, 1000, 1030, 4), 32),
-    (64, torch.bfloat16, 3, 3, 800, (800, 777, 810, 0), 32),
-    (128, torch.bfloat16, 1, 1, 160, (160, 129, 160, 2), 32),
-    (64, torch.float16, 16, 1, 4096, (4096, 4095, 4100, 4), 32),
-    (128, torch.float16, 4, 1, 640, (640, 616, 650, 4), 16), (128, torch.bfloat16, 2, 1, 640, (608, 630, 640, 0), 128),
-    (64, torch.float16, 4, 1, 640, (640, 616, 650, 4), 16)], ids=name)
-def test_hopper_kernel_matches_reference_and_triton_kernel(d, dtype, rep, B, N, lengths, group, monkeypatch):
+@pytest.mark.parametrize("d,dtype,rep,B,N,lengths,group,rope", [
+    (128, torch.float16, 4, 2, 1024, (1024, 1000, 1030, 4), 32, False),
+    (64, torch.bfloat16, 3, 3, 800, (800, 777, 810, 0), 32, False),
+    (128, torch.bfloat16, 1, 1, 160, (160, 129, 160, 2), 32, False),
+    (64, torch.float16, 16, 1, 4096, (4096, 4095, 4100, 4), 32, False),
+    (128, torch.float16, 4, 1, 640, (640, 616, 650, 4), 16, False),
+    (128, torch.bfloat16, 2, 1, 640, (608, 630, 640, 0), 128, False),
+    (64, torch.float16, 4, 1, 640, (640, 616, 650, 4), 16, False),
+    (128, torch.bfloat16, 4, 2, 1024, (1024, 1000, 1030, 4), 32, True),
+    (64, torch.float16, 3, 3, 800, (800, 777, 810, 0), 32, True),
+    (128, torch.float16, 16, 1, 4096, (4096, 4095, 4100, 4), 32, True),
+    (128, torch.bfloat16, 8, 1, 640, (608, 630, 640, 0), 32, True)], ids=name)
+def test_hopper_kernel_matches_reference_and_triton_kernel(d, dtype, rep, B, N, lengths, group, rope, monkeypatch):
     outer_hopper = pytest.importorskip("kvzoo.kernels.outer_hopper")
     H = 2
     codes, (k_rec, v_rec), (k_sink, v_sink) = cache(B, H, N, N, d, 2, dtype, seed=d + rep, group=group)
     q = torch.randn(B, H * rep, d, generator=torch.Generator().manual_seed(rep)).to(DEVICE, dtype)
     args = (q, *codes, 2, k_rec, v_rec, torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
-    kw = dict(k_sink=k_sink, v_sink=v_sink, group=group)
+    kw = dict(k_sink=k_sink, v_sink=v_sink, group=group, rope=rope_tables(N + 16, d, dtype) if rope else None)
     calls = []
     monkeypatch.setattr(outer_hopper, "MIN_GROUP_ROWS", 0)
     run = outer_hopper.quantized_splits
@@ -312,17 +319,35 @@ def test_hopper_kernel_matches_reference_and_triton_kernel(d, dtype, rep, B, N, 
 
 
 def test_hopper_kernel_is_not_taken_off_its_layout():
-    """4-bit codes, keys rotated in the kernel, per-token keys, short runs, small work, and anything off an H100:
-    the Triton kernel serves them."""
+    """4-bit codes, per-token keys, short runs, small work, RoPE's tables shorter than a step, and anything off an
+    H100: the Triton kernel serves them."""
     outer_hopper = pytest.importorskip("kvzoo.kernels.outer_hopper")
     q = torch.zeros(1, 4, 128, dtype=torch.float16, device=DEVICE)
     big = 1 << 20
     assert not outer_hopper.eligible(q, 4, 4, True, None, 32, 4, 4, big)
-    assert not outer_hopper.eligible(q, 2, 2, True, (q, q), 32, 4, 4, big)
     assert not outer_hopper.eligible(q, 2, 2, False, None, 32, 4, 4, big)
     assert not outer_hopper.eligible(q, 2, 2, True, None, 32, 4, 2, big)
     assert not outer_hopper.eligible(q, 2, 2, True, None, 32, 4, 4, outer_hopper.MIN_GROUP_ROWS - 1)
     assert outer_hopper.eligible(q, 2, 2, True, None, 32, 4, 4, big) == HOPPER
+    tables = rope_tables(outer_hopper.TOKENS, 128, torch.float16)
+    assert outer_hopper.eligible(q, 2, 2, True, tables, 32, 4, 4, big) == HOPPER      # keys rotated in the kernel
+    assert not outer_hopper.eligible(q, 2, 2, True, (tables[0][:-1], tables[1][:-1]), 32, 4, 4, big)
+
+
+def test_hopper_kernel_reads_rope_tables_in_its_channel_order():
+    """KIVI*'s rotations by the offsets within a step, as the Gluon kernel reads them: the first halves of the
+    first TOKENS rows of the model's cos and sin, fp16 as the Triton kernel converts them, logical channel
+    16 w + 2 a + b holding real channel 16 w + a + 8 b; made once for the same tables."""
+    outer_hopper = pytest.importorskip("kvzoo.kernels.outer_hopper")
+    n = outer_hopper.TOKENS
+    cos, sin = rope_tables(n + 40, 64, torch.bfloat16)
+    got = outer_hopper.rope_tables(cos, sin)
+    assert outer_hopper.rope_tables(cos, sin) is got
+    assert got.dtype == torch.float16 and got.shape == (2, n, 32)
+    for made, table in zip(got, (cos, sin)):
+        assert torch.equal(made[:, 16 + 2 * 3 + 1], table[:n, 16 + 3 + 8].half())
+        assert torch.equal(made.view(n, 2, 8, 2).transpose(2, 3).reshape(n, 32), table[:n, :32].half())
+    assert outer_hopper.rope_tables(cos.clone(), sin) is not got
 
 
 def test_hopper_kernels_pad_their_query_rows_to_8_or_16():
