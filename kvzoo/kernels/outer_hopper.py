@@ -46,8 +46,10 @@ key words (LPK), which share a table value.
 Speed (Llama-3.1-8B heads, rep 4, one H100, L2 flushed; docs/decode.md, "KIVI's and SQuat's quantized runs in
 Gluon" and "Eight query rows a program"): with the tail beside it, the whole operation at 32K, batch 32 takes 611 us
 against the Triton kernel's 814, at 128K, batch 1 96 against 118, at 32K, batch 1 32.5 against 40.4
-(`python scripts/bench_kernels.py --floors --cases "KIVI-2" --shapes 1x131072 1x32768 32x32768`). Below
-MIN_GROUP_ROWS of work (KV rows x groups) the Triton kernel runs alone.
+(`python scripts/bench_kernels.py --floors --cases "KIVI-2" --shapes 1x131072 1x32768 32x32768`). Keys stored
+before RoPE (one H200, "KIVI*'s keys rotated in the Gluon kernel"): 47.9 us against the Triton kernel's 54.8 at 32K,
+batch 1, 1,017 against 1,237 at 32K, batch 32 (`--cases "KIVI*"`). Below MIN_GROUP_ROWS of work (KV rows x groups)
+the Triton kernel runs alone.
 KVZOO_OUTER_KERNEL=triton|gluon|auto (default) overrides the choice: triton never takes this kernel, gluon takes it
 wherever the layout allows.
 """
