@@ -349,7 +349,7 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos
     for t in range(start, stop, GS):
         nxt = _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t + GS, last, nk, wk, n, w, gr, cr, nv, gv,
                         D, CG, L3)
-        if ROPE:    # the keys' scales of this step (nxt's go unused): held a step ahead, they spill at D = 128
+        if ROPE:    # this step's key scales (held a step ahead, they spill at D = 128; nxt's loads are dropped unused)
             at_k = gl.minimum(t + gr, last // 32)[:, None] * D + cr[None, :]
             ks = _logical(gl.load(ks_ptr + at_k), L3)
             kz = _logical(gl.load(kz_ptr + at_k), L3)

@@ -352,9 +352,12 @@ def test_hopper_kernel_reads_rope_tables_in_its_channel_order():
 
 def test_hopper_kernels_pad_their_query_rows_to_8_or_16():
     """The Gluon kernels' wgmma N: 8 rows up to rep 8 (Llama-3.1-8B's 4, SmolLM2's 3), 16 above; the compiled tests
-    run both (1 to 16 query rows)."""
+    run both (1 to 16 query rows). Keys rotated in the kernel rotate back only rep rows padded to a power of two
+    of at least 4."""
     outer_hopper = pytest.importorskip("kvzoo.kernels.outer_hopper")
     assert [outer_hopper.rows_for(rep) for rep in (1, 3, 4, 8, 9, 16)] == [8, 8, 8, 8, 16, 16]
+    # keys rotated in the kernel: the query rows rotated back each step, a power of two from 4 to rows_for(rep)
+    assert [outer_hopper.query_rows(rep) for rep in (1, 3, 4, 5, 8, 9, 16)] == [4, 4, 4, 8, 8, 16, 16]
 
 
 @pytest.mark.parametrize("choice,enabled,floor", [("triton", False, 2016), ("gluon", True, 0), ("auto", True, 2016)])

@@ -124,6 +124,8 @@ def test_add_weighted_rounds_as_torch():
     assert torch.equal(add_weighted(a, w, v), want)
     with pytest.raises(ValueError, match="unit last strides"):
         add_weighted(a, w[:, :3], v)
+    with pytest.raises(ValueError, match=r"a must be \(B, H, rep, d\), got \(3, 8, 24\)"):
+        add_weighted(a.reshape(B, H * rep, d), w, v)
 
 
 @pytest.mark.parametrize("n_kv,rep", [(1, 1), (2, 3)])
