@@ -47,8 +47,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from kvzoo.kernels.outer_hopper import (BLOCK, LQ, N_ROWS, N_WARPS, TILE, TOKENS, WARPS, _is_hopper, _query,
-                                        _store_partials, _unpack_pairs, barrier, mma_layout, rows_for)
+from kvzoo.kernels.outer_hopper import (BLOCK, LQ, N_ROWS, N_WARPS, TILE, TOKENS, WARPS, _is_hopper, _operand,
+                                        _place, _query, _store_partials, _unpack_pairs, barrier, mma_layout,
+                                        operand_layout, rows_for)
 from kvzoo.kernels.quant_matvec import DEQUANT_MAGIC, kernel_choice, unpacks_in_ptx
 
 CHOICE = kernel_choice("KVZOO_INNERQ_KERNEL")
@@ -80,32 +81,6 @@ def _signs(slot, sym, half):
     return gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r",
                                      [signs, signs, gl.where(half == 0, 0x0100, 0x0302) + 0 * signs], dtype=gl.int32,
                                      is_pure=True, pack=1)
-
-
-@gluon.jit
-def _place(i, W: gl.constexpr):
-    """Where logical index i (of a step's tokens, or of the key channels with W = d/16 words a token) lies: i's bits
-    are (b, t1 t0, a2 a1 a0, w0) from the lowest, as a thread's operand registers hold them (_operand), and its
-    place is slot a + 8 b of word 2 t + w0 (W = 8) or t (W = 4), 16 places a word."""
-    word = (i >> 1) & 3
-    if W == 8:
-        word = word * 2 + (i >> 6)
-    return word * 16 + ((i >> 3) & 7) + 8 * (i & 1)
-
-
-@gluon.jit
-def _operand(o, A: gl.constexpr):
-    """The unpack PTX's 8 outputs, each (R, W, 2) (outer_hopper._unpack_pairs), as the wgmma's A operand (R, 16 W)
-    in registers, layout A: column i is place _place(i, W) of its row. The words' layout (_operand_layouts) puts
-    every code where A wants it, so the conversion moves no data (assert_trivial)."""
-    R: gl.constexpr = o[0].shape[0]
-    W: gl.constexpr = o[0].shape[1]
-    x = gl.join(gl.join(gl.join(o[0], o[4]), gl.join(o[2], o[6])), gl.join(gl.join(o[1], o[5]), gl.join(o[3], o[7])))
-    if W == 8:                                                                 # (R, W, b, a2, a1, a0)
-        x = gl.permute(gl.reshape(x, (R, 4, 2, 2, 2, 2, 2)), (0, 2, 4, 5, 6, 1, 3))   # (R, w0, a2, a1, a0, t, b)
-    else:
-        x = gl.permute(x, (0, 3, 4, 5, 1, 2))                                  # (R, a2, a1, a0, t, b)
-    return gl.convert_layout(gl.reshape(x, (R, W * 16)), A, assert_trivial=True)
 
 
 @gluon.jit
@@ -279,24 +254,15 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
 
 @functools.cache
 def _operand_layouts(d: int) -> tuple[gl.DistributedLinearLayout, ...]:
-    """(LK, LV, LKG, LVG): the key words' (BLOCK, d/16, 2) and value words' (d, BLOCK/16, 2) layouts (row, word, the
-    pair axis _unpack_pairs enters each word on) that unpack into the wgmma's A operand (_operand), and their groups'
-    (rows, words/2) layouts (the same threads, one value a group). A thread holds one group a row: its lane's word
-    pair 2 t, 2 t + 1 (t = lane % 4; d = 64 keys: word t); registers the pair axis, the pair's second word, row + 8
-    and row + 64 (128 rows); lanes t, then rows + 1, 2, 4; warps rows + 16, 32. A key row is a token, a value row a
-    channel."""
-    def layout(rows, words):
-        pair = [[0, 1, 0]] if words == 8 else []
-        lanes = [[0, 2, 0], [0, 4, 0]] if words == 8 else [[0, 1, 0], [0, 2, 0]]
-        return gl.DistributedLinearLayout([[0, 0, 1], [8, 0, 0]] + pair + ([[64, 0, 0]] if rows == 128 else []),
-                                          lanes + [[1, 0, 0], [2, 0, 0], [4, 0, 0]], [[16, 0, 0], [32, 0, 0]], [],
-                                          [rows, words, 2])
-
+    """(LK, LV, LKG, LVG): the key words' (BLOCK, d/16, 2) and value words' (d, BLOCK/16, 2) layouts that unpack into
+    the wgmma's A operand (outer_hopper.operand_layout; a key row is a token, a value row a channel), and their
+    groups' (rows, words/2) layouts (the same threads, one value a group)."""
     def groups(rows, words):
         lanes = [[0, 1], [0, 2]] if words == 8 else [[0, 0], [0, 1]]
         return gl.DistributedLinearLayout([[8, 0]] + ([[64, 0]] if rows == 128 else []),
                                           lanes + [[1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [], [rows, words // 2])
-    return (layout(TOKENS, d // 16), layout(d, TOKENS // 16), groups(TOKENS, d // 16), groups(d, TOKENS // 16))
+    return (operand_layout(TOKENS, d // 16), operand_layout(d, TOKENS // 16), groups(TOKENS, d // 16),
+            groups(d, TOKENS // 16))
 
 
 def eligible(q: Tensor, bits: int, rep: int) -> bool:

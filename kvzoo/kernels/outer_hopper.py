@@ -9,29 +9,33 @@ sink and the windows stay with the Triton split kernel, which runs the last prog
 
 Bytes read are those of the Triton kernel (outer_attention's module docstring). What differs is how the
 dequantized tiles reach the tensor cores. Gluon lets the kernel choose every layout (Triton chooses them itself):
-  - A step's code words are loaded so that a warp owns one key group (32 tokens) and each quarter warp, eight
-    consecutive tokens of one word: its 16-byte stores of eight channels land in eight distinct bank groups of
-    the swizzled tile (no bank conflicts), and a thread's key scales and zeros are those of one group.
-  - The tiles are stored once into NVMMA-swizzled shared memory, keys (128 tokens, d) and values (128 tokens, d),
-    and wgmma reads them from there, the values through a transposed descriptor (accᵀ (d, ROWS) += Vᵀ · pᵀ,
-    scores transposed, (128, ROWS) = K · qᵀ). The query (ROWS, d) and the weights p, stored transposed (ROWS, 128),
-    are the B operands, both K-major. The Triton kernel stores the same tiles and loads them back into registers;
-    its transposed values take one 16-bit store per element.
+  - The keys go to the wgmma as its A operand in registers, s (128 tokens, ROWS) = K · qᵀ: their code words are
+    loaded in the layout the unpack PTX turns into A's registers (operand_layout, _operand; the conversion is
+    checked trivial at compile time). A thread holds 32 channels (two adjacent words) of four tokens; A's columns
+    are a fixed permutation of the channels (_place; the query is loaded in that order), and its rows a permutation
+    of the step's tokens (_row_token) that gives each warp one key group, so a thread's four rows share their 32
+    per-channel scales and zeros. The values are stored once into NVMMA-swizzled shared memory (128 tokens, d),
+    which wgmma reads through a transposed descriptor, accᵀ (d, ROWS) += Vᵀ · pᵀ, their rows in the keys' token
+    order, so the weights p need no reordering. The query (ROWS, d) and p, stored transposed (ROWS, 128), are the
+    B operands, both K-major. The Triton kernel stores both tiles and loads them back into registers.
+  - Codes are read as 4 + c (quant_matvec.dequant_pair_asm) and dequantized by one fp16 FMA with an offset
+    zero - 4 * scale, rounded to fp16 once a group: a key's scale and offset are its channel's, a value word's its
+    group's, applied in the unpack PTX.
   - ROWS is the wgmma's N: 8 where rep <= 8, else 16. A padded row costs the softmax's work (exp2, the max and sum
     over the tokens, across lanes and warps) as a real one does: at rep 4, 8 rows rather than 16 take the loop from
-    1,098 to 993 instructions (sm_90 SASS).
-  - Logical channel order. One lop3 on a word gives code slots a and a + 8 as a half2 (quant_matvec.unpack_asm);
-    the kernel keeps that pair as logical channels (2a, 2a + 1) of its word, c' = 16 w + 2 a + b for real channel
-    16 w + a + 8 b (_real), so no unpacked register is re-paired. The scores are a sum over channels, unchanged
-    when the keys and the query take the same order (the query is loaded in it); the output channels are written
-    back to their real places; a value group of G channels (whole words) keeps its members.
+    1,098 to 993 instructions (sm_90 SASS, with the keys through shared memory).
+  - Logical channel order of the values. One lop3 on a word gives code slots a and a + 8 as a half2; the kernel
+    keeps that pair as logical channels (2a, 2a + 1) of its word, c' = 16 w + 2 a + b for real channel
+    16 w + a + 8 b (_real), so no unpacked register is re-paired; the output channels are written back to their
+    real places; a value group of G channels (whole words) keeps its members.
   - Next step's words and scales are loaded before this step's work; the output product runs asynchronously
-    while the next keys are unpacked. Past the live slots a load reads the last live slot (its score is masked
-    to -inf, so it adds nothing), and no load is masked.
+    while the next keys are unpacked (the scores' product is synchronous: asynchronous, with the key operand's 64
+    registers held across the values' unpacking, ptxas serializes every wgmma). Past the live slots a load reads
+    the last live slot (its score is masked to -inf, so it adds nothing), and no load is masked.
   - The output is rescaled only in a step where some row's running max grew (the max is the same in every warp,
     so the branch is uniform), rare after the first steps.
-Numerics are the Triton kernel's: codes exact in fp16, scale and zero applied by one fp16 FMA, fp16 tiles, fp32
-products and softmax.
+Numerics are the Triton kernel's but for that offset (within an fp16 ulp of the zero where the Triton kernel rounds
+the zero itself): codes exact, one fp16 FMA a code, fp16 tiles, fp32 products and softmax.
 
 Keys stored before RoPE (ROPE). Slot u sits at position n_sink + u = p0 + j, p0 the first position of its step
 and j < 128 its offset in the step; rotations compose, so q · R(p0 + j) k = (R(-p0) q) · R(j) k. Each step the
@@ -40,15 +44,18 @@ offset j, whose cos and sin every step shares: 128 rows of half tables (fp16, 16
 shared memory for the whole run, where the Triton kernel reads each key's own row from global memory. The scores
 are two products, (R(-p0) q) · (k cos_j)ᵀ + (its rotate-half partner) · (k sin_j)ᵀ, each key product rounded once
 in fp16 as the Triton kernel's four dots take them; the query's angle is rounded apart from the key's (fp16 each,
-where the Triton kernel rounds the model's table at p0 + j once). A thread holds channels c and c + d/2 of its
-key words (LPK), which share a table value.
+where the Triton kernel rounds the model's table at p0 + j once). Its keys go through a shared tile in token order
+(the rotations' tables are read per token), in the logical channel order of the values (_real), dequantized after
+the unpack PTX; a thread holds channels c and c + d/2 of its key words (LPK), which share a table value.
 
 Speed (Llama-3.1-8B heads, rep 4, one H100, L2 flushed; docs/decode.md, "KIVI's and SQuat's quantized runs in
 Gluon" and "Eight query rows a program"): with the tail beside it, the whole operation at 32K, batch 32 takes 611 us
 against the Triton kernel's 814, at 128K, batch 1 96 against 118, at 32K, batch 1 32.5 against 40.4
 (`python scripts/bench_kernels.py --floors --cases "KIVI-2" --shapes 1x131072 1x32768 32x32768`). Keys stored
 before RoPE (one H200, "KIVI*'s keys rotated in the Gluon kernel"): 47.9 us against the Triton kernel's 54.8 at 32K,
-batch 1, 1,017 against 1,237 at 32K, batch 32 (`--cases "KIVI*"`). Below MIN_GROUP_ROWS of work (KV rows x groups)
+batch 1, 1,017 against 1,237 at 32K, batch 32 (`--cases "KIVI*"`). The keys in A's registers (one H200, "KIVI's
+keys in the wgmma's registers"): 30.6 us against 32.6 through shared memory at 32K, batch 1, 562 against 626 at 32K,
+batch 32. Below MIN_GROUP_ROWS of work (KV rows x groups)
 the Triton kernel runs alone.
 KVZOO_OUTER_KERNEL=triton|gluon|auto (default) overrides the choice: triton never takes this kernel, gluon takes it
 wherever the layout allows.
@@ -66,7 +73,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
-from kvzoo.kernels.quant_matvec import dequant_pair_asm, kernel_choice, pair_asm, unpacks_in_ptx
+from kvzoo.kernels.quant_matvec import DEQUANT_MAGIC, dequant_pair_asm, kernel_choice, pair_asm, unpacks_in_ptx
 
 CHOICE = kernel_choice("KVZOO_OUTER_KERNEL")
 ENABLED = CHOICE != "triton"  # False: every call takes the Triton kernel (comparisons, bisecting)
@@ -101,6 +108,8 @@ def mma_layout(rows):
 
 PAIR_ASM, PAIR_CON = (gl.constexpr(part) for part in pair_asm(2))
 DEQUANT_ASM, DEQUANT_CON = (gl.constexpr(part) for part in dequant_pair_asm(False))
+MAGIC_ASM, MAGIC_CON = (gl.constexpr(part) for part in dequant_pair_asm(False, scaled=False))
+MAGIC = gl.constexpr(DEQUANT_MAGIC)
 SIGNED_DEQUANT_ASM, SIGNED_DEQUANT_CON = (gl.constexpr(part) for part in dequant_pair_asm(True))
 
 
@@ -112,16 +121,19 @@ def _unpack(words, LP: gl.constexpr, signs=None, scale=None, zero=None):
 
 
 @gluon.jit
-def _unpack_pairs(words, LP: gl.constexpr, signs=None, scale=None, zero=None):
+def _unpack_pairs(words, LP: gl.constexpr, signs=None, scale=None, zero=None, MAGIC_ONLY: gl.constexpr = False):
     """(R, W) 2-bit code words -> the unpack PTX's 8 outputs, each (R, W, 2) in layout LP: output a holds codes a
-    (b = 0) and a + 8 (b = 1) of each word, exact fp16. Each word enters the PTX twice (pack=2 over the pair axis).
+    (b = 0) and a + 8 (b = 1) of each word, exact fp16 (MAGIC_ONLY: read as MAGIC + c, for a caller that applies a
+    scale and an offset zero - MAGIC * scale of its own). Each word enters the PTX twice (pack=2 over the pair axis).
     scale and zero (R, W) fp16, one each a word: the codes times the scale plus the zero, in the same PTX
     (quant_matvec.dequant_pair_asm, whose zero is an offset); signs (R, W), in the words' layout, with them: each
     word's signs as dequant_pair_asm takes them."""
     R: gl.constexpr = words.shape[0]
     W: gl.constexpr = words.shape[1]
     pairs = gl.expand_dims(words, 2) + gl.zeros([R, W, 2], gl.int32, LP)           # (R, W, 2): the word twice
-    if scale is None:
+    if MAGIC_ONLY:
+        o = gl.inline_asm_elementwise(MAGIC_ASM, MAGIC_CON, [pairs], dtype=(gl.float16,) * 8, is_pure=True, pack=2)
+    elif scale is None:
         o = gl.inline_asm_elementwise(PAIR_ASM, PAIR_CON, [pairs], dtype=(gl.float16,) * 8, is_pure=True, pack=2)
     else:
         halves = gl.zeros([R, W, 2], gl.float16, LP)
@@ -146,6 +158,66 @@ def _logical_tile(o):
     x = gl.join(gl.join(gl.join(o[0], o[4]), gl.join(o[2], o[6])), gl.join(gl.join(o[1], o[5]), gl.join(o[3], o[7])))
     x = gl.permute(x, (0, 1, 3, 4, 5, 2))                                           # (R, W, a2, a1, a0, b)
     return gl.reshape(x, (R, W * 16))
+
+
+@gluon.jit
+def _place(i, W: gl.constexpr):
+    """Where logical index i (of a step's tokens, or of the key channels with W = d/16 words a token) lies: i's bits
+    are (b, t1 t0, a2 a1 a0, w0) from the lowest, as a thread's operand registers hold them (_operand), and its
+    place is slot a + 8 b of word 2 t + w0 (W = 8) or t (W = 4), 16 places a word."""
+    word = (i >> 1) & 3
+    if W == 8:
+        word = word * 2 + (i >> 6)
+    return word * 16 + ((i >> 3) & 7) + 8 * (i & 1)
+
+
+@gluon.jit
+def _operand(o, A: gl.constexpr):
+    """The unpack PTX's 8 outputs, each (R, W, 2) (_unpack_pairs, words in operand_layout), as the wgmma's A operand
+    (R, 16 W) in registers, layout A: column i is place _place(i, W) of its row. operand_layout puts every code
+    where A wants it, so the conversion moves no data (assert_trivial)."""
+    R: gl.constexpr = o[0].shape[0]
+    W: gl.constexpr = o[0].shape[1]
+    x = gl.join(gl.join(gl.join(o[0], o[4]), gl.join(o[2], o[6])), gl.join(gl.join(o[1], o[5]), gl.join(o[3], o[7])))
+    if W == 8:                                                                 # (R, W, b, a2, a1, a0)
+        x = gl.permute(gl.reshape(x, (R, 4, 2, 2, 2, 2, 2)), (0, 2, 4, 5, 6, 1, 3))   # (R, w0, a2, a1, a0, t, b)
+    else:
+        x = gl.permute(x, (0, 3, 4, 5, 1, 2))                                  # (R, a2, a1, a0, t, b)
+    return gl.convert_layout(gl.reshape(x, (R, W * 16)), A, assert_trivial=True)
+
+
+def operand_layout(rows: int, words: int) -> gl.DistributedLinearLayout:
+    """The (rows, words, 2) layout of code words (row, word, the pair axis _unpack_pairs enters each word on) that
+    unpack into the wgmma's A operand (_operand), for 128 or 64 rows of 8 or 4 words. A thread holds one 32-code
+    run a row: its lane's word pair 2 t, 2 t + 1 (t = lane % 4; 4 words: word t); registers the pair axis, the
+    pair's second word, row + 8 and row + 64 (128 rows); lanes t, then rows + 1, 2, 4; warps rows + 16, 32."""
+    pair = [[0, 1, 0]] if words == 8 else []
+    lanes = [[0, 2, 0], [0, 4, 0]] if words == 8 else [[0, 1, 0], [0, 2, 0]]
+    return gl.DistributedLinearLayout([[0, 0, 1], [8, 0, 0]] + pair + ([[64, 0, 0]] if rows == 128 else []),
+                                      lanes + [[1, 0, 0], [2, 0, 0], [4, 0, 0]], [[16, 0, 0], [32, 0, 0]], [],
+                                      [rows, words, 2])
+
+
+@gluon.jit
+def _row_token(r):
+    """The step's token in key row r of the operand (operand_layout): warp w's rows (r bits 4-5), at r and
+    r + 64, are key group w's 32 tokens, so a thread's four rows share one group's scales."""
+    return (r & 15) + ((r >> 6) << 4) + (((r >> 4) & 3) << 5)
+
+
+@gluon.jit
+def _placed(x, L4: gl.constexpr):
+    """(GS, D) per-channel key scales in real order -> columns in _place's order, (1, GS, 1, D) in layout L4 of
+    the key operand seen as (row + 64, group, row % 16, D) (the same threads hold them in both layouts: the
+    conversion moves registers only)."""
+    GS: gl.constexpr = x.shape[0]
+    D: gl.constexpr = x.shape[1]
+    if D == 128:   # real channel 32 t + 16 w0 + 8 b + a -> place column 64 w0 + 8 a + 2 t + b
+        x = gl.permute(gl.reshape(x, (GS, 4, 2, 2, 8)), (0, 2, 4, 1, 3))          # (g, w0, a, t, b)
+    else:          # real channel 16 t + 8 b + a -> place column 8 a + 2 t + b
+        x = gl.permute(gl.reshape(x, (GS, 4, 2, 8)), (0, 3, 1, 2))                # (g, a, t, b)
+    x = gl.convert_layout(gl.reshape(x, (GS, D)), gl.SliceLayout(0, gl.SliceLayout(2, L4)))
+    return gl.expand_dims(gl.expand_dims(x, 0), 2)
 
 
 @gluon.jit
@@ -180,19 +252,18 @@ def _query(q_ptr, qs_ptr, kv, dq, REP: gl.constexpr, ROWS: gl.constexpr, HAS_QS:
 
 @gluon.jit
 def _start(q):
-    """A program's shared tiles (the query q (ROWS, D) stored, a step's keys and values (BLOCK, D), its weights
-    transposed (ROWS, BLOCK), tokens contiguous as the query's channels) and its empty online-softmax state: running
-    max m, sum l (ROWS,) and output accᵀ (D, ROWS)."""
+    """A program's shared tiles (the query q (ROWS, D) stored, a step's values (BLOCK, D), its weights transposed
+    (ROWS, BLOCK), tokens contiguous as the query's channels) and its empty online-softmax state: running max m,
+    sum l (ROWS,) and output accᵀ (D, ROWS)."""
     ROWS: gl.constexpr = q.shape[0]
     D: gl.constexpr = q.shape[1]
     MMA: gl.constexpr = mma_layout(ROWS)
     q_s = gl.allocate_shared_memory(gl.float16, [ROWS, D], TILE, q)
-    k_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
     v_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
     p_s = gl.allocate_shared_memory(gl.float16, [ROWS, BLOCK], TILE)
     m = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
     l = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(0, MMA))
-    return q_s, k_s, v_s, p_s, m, l, warpgroup_mma_init(gl.zeros([D, ROWS], gl.float32, layout=MMA))
+    return q_s, v_s, p_s, m, l, warpgroup_mma_init(gl.zeros([D, ROWS], gl.float32, layout=MMA))
 
 
 @gluon.jit
@@ -231,18 +302,31 @@ def _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, kv, split, N_COLS, REP: gl
 
 
 @gluon.jit
-def _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t, last, nk, wk, n, w, gr, cr, nv, gv,
-              D: gl.constexpr, CG: gl.constexpr, L3: gl.constexpr):
-    """Step t's code words (BLOCK, W) and scales: keys' (GS, 1, D) in logical order, values' (BLOCK, D/CG, 1).
-    Slots past `last` (the last live one) read `last`."""
+def _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t, last, nk, wk, n, w, gr, cr, D: gl.constexpr,
+              CG: gl.constexpr):
+    """Step t's code words (BLOCK, W) (key row i token nk[i], value row i token n[i]), the keys' scales and zeros as
+    stored (GS, D) (real channel order, _key_scales lays them out), and the values' scale and offset
+    zero - MAGIC * scale a word (BLOCK, W), as the unpack PTX takes them. Slots past `last` (the last live one)
+    read `last`."""
     W: gl.constexpr = D // 16
     kw = gl.load(kc_ptr + gl.minimum(t * 32 + nk, last)[:, None] * W + wk[None, :])
-    vw = gl.load(vc_ptr + gl.minimum(t * 32 + n, last)[:, None] * W + w[None, :])
     at = gl.minimum(t + gr, last // 32)[:, None] * D + cr[None, :]                  # (GS, D), real order
-    ks = _logical(gl.load(ks_ptr + at), L3)
-    kz = _logical(gl.load(kz_ptr + at), L3)
-    atv = gl.minimum(t * 32 + nv, last)[:, None, None] * (D // CG) + gv[None, :, None]
-    return kw, vw, ks, kz, gl.load(vs_ptr + atv), gl.load(vz_ptr + atv)
+    tv = gl.minimum(t * 32 + n, last)[:, None]
+    vw = gl.load(vc_ptr + tv * W + w[None, :])
+    atv = tv * (D // CG) + (w * 16 // CG)[None, :]                                  # (BLOCK, W): each word's group
+    vs = gl.load(vs_ptr + atv)
+    return kw, gl.load(ks_ptr + at), gl.load(kz_ptr + at), vw, vs, gl.load(vz_ptr + atv) - vs * MAGIC
+
+
+@gluon.jit
+def _key_scales(ks, kz, L3: gl.constexpr, ROPE: gl.constexpr):
+    """Key scales and zeros (GS, D) as stored -> the key tile's layout L3: (GS, 1, D) in logical order with ROPE,
+    else (1, GS, 1, D) in _place's order (_placed) with the zeros as offsets zero - MAGIC * scale."""
+    if ROPE:
+        ks, kz = _logical(ks, L3), _logical(kz, L3)
+    else:
+        ks, kz = _placed(ks, L3), _placed(kz - ks * MAGIC, L3)
+    return ks, kz
 
 
 @gluon.jit
@@ -294,12 +378,17 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos
                       QROWS: gl.constexpr):
     GS: gl.constexpr = BLOCK // 32
     MMA: gl.constexpr = mma_layout(ROWS)
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     W: gl.constexpr = D // 16
     LW: gl.constexpr = gl.SliceLayout(2, LP)                        # value words (BLOCK, W)
     LWK: gl.constexpr = gl.SliceLayout(2, LPK)                      # key words (BLOCK, W)
-    # the layouts the unpacked key (GS, 32, D) and value (BLOCK, D/CG, CG) tiles come in (traced; no code)
-    L3: gl.constexpr = gl.reshape(_unpack(gl.zeros([BLOCK, W], gl.int32, LWK), LPK), (GS, 32, D)).type.layout
-    LV3: gl.constexpr = gl.reshape(_unpack(gl.zeros([BLOCK, W], gl.int32, LW), LP), (BLOCK, D // CG, CG)).type.layout
+    # the layout the unpacked key tile comes in (ROPE: (GS, 32, D); else the operand as (2, GS, 16, D); traced, no
+    # code)
+    if ROPE:
+        L3: gl.constexpr = gl.reshape(_unpack(gl.zeros([BLOCK, W], gl.int32, LWK), LPK), (GS, 32, D)).type.layout
+    else:
+        L3: gl.constexpr = gl.reshape(_operand(_unpack_pairs(gl.zeros([BLOCK, W], gl.int32, LWK), LPK), A),
+                                      (2, GS, 16, D)).type.layout
 
     kv = gl.program_id(0)                        # b * H + h
     head = kv.to(gl.int64)
@@ -311,9 +400,13 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos
     vz_ptr += head * s_vz
     split = gl.program_id(1)
 
-    dq = _real(gl.arange(0, D, layout=gl.SliceLayout(0, LQ)))
-    q_s, k_s, v_s, p_s, m, l, acc = _start(_query(q_ptr, q_ptr, kv, dq, REP, ROWS, False))
+    if ROPE:
+        dq = _real(gl.arange(0, D, layout=gl.SliceLayout(0, LQ)))
+    else:
+        dq = _place(gl.arange(0, D, layout=gl.SliceLayout(0, LQ)), W)
+    q_s, v_s, p_s, m, l, acc = _start(_query(q_ptr, q_ptr, kv, dq, REP, ROWS, False))
     if ROPE:        # keys stored before RoPE (module docstring): q and qr = [q_hi, -q_lo], fp32, real order
+        k_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
         # (QROWS, D) over the four warps, each element once: rows past QROWS are padding
         SPT: gl.constexpr = QROWS * D // (32 * WARPS)
         LQR: gl.constexpr = gl.BlockedLayout([1, SPT], [32 * SPT // D, D // SPT], [WARPS, 1], [1, 0])
@@ -335,27 +428,25 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos
     start = split * PER_SPLIT
     stop = gl.minimum(start + PER_SPLIT, (n_both + 31) // 32)
     last = gl.maximum(gl.minimum(n_both, stop * 32) - 1, 0)
-    n = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, LW))
+    # each row's token in the step: in order with ROPE, else the key operand's (_row_token), values and scores alike
+    n = _tokens(gl.arange(0, BLOCK, layout=gl.SliceLayout(1, LW)), ROPE)
     w = gl.arange(0, W, layout=gl.SliceLayout(0, LW))
-    nk = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, LWK))
+    nk = _tokens(gl.arange(0, BLOCK, layout=gl.SliceLayout(1, LWK)), ROPE)
     wk = gl.arange(0, W, layout=gl.SliceLayout(0, LWK))
     gr = gl.arange(0, GS, layout=gl.SliceLayout(1, KSL))
     cr = gl.arange(0, D, layout=gl.SliceLayout(0, KSL))
-    nv = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, gl.SliceLayout(2, LV3)))
-    gv = gl.arange(0, D // CG, layout=gl.SliceLayout(0, gl.SliceLayout(2, LV3)))
-    ns = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA))
-    kw, vw, ks, kz, vs, vz = _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, start, last, nk, wk, n, w,
-                                       gr, cr, nv, gv, D, CG, L3)
+    ns = _tokens(gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA)), ROPE)
+    kw, ks, kz, vw, vs, vz = _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, start, last, nk, wk, n, w,
+                                       gr, cr, D, CG)
     for t in range(start, stop, GS):
-        nxt = _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t + GS, last, nk, wk, n, w, gr, cr, nv, gv,
-                        D, CG, L3)
         if ROPE:    # this step's key scales (held a step ahead, they spill at D = 128; nxt's loads are dropped unused)
             at_k = gl.minimum(t + gr, last // 32)[:, None] * D + cr[None, :]
-            ks = _logical(gl.load(ks_ptr + at_k), L3)
-            kz = _logical(gl.load(kz_ptr + at_k), L3)
-        xk = gl.reshape(_unpack(kw, LPK), (GS, 32, D))
-        k = gl.reshape(xk * ks + kz, (BLOCK, D))
+            ks, kz = gl.load(ks_ptr + at_k), gl.load(kz_ptr + at_k)
+        ks, kz = _key_scales(ks, kz, L3, ROPE)
+        nxt = _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t + GS, last, nk, wk, n, w, gr, cr, D, CG)
         if ROPE:
+            xk = gl.reshape(_unpack(kw, LPK), (GS, 32, D))
+            k = gl.reshape(xk * ks + kz, (BLOCK, D))
             # (R(-p0) q) · (k cos_j)ᵀ + (its rotate-half partner) · (k sin_j)ᵀ, p0 the step's first position: both
             # through the same two tiles, one after the other (a second pair of wgmma operands spills at D = 128)
             qb, qb2 = _query_back(qf, qr, cos_ptr, sin_ptr, n_sink + t * 32)
@@ -367,52 +458,73 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos
             k_s.store(_rotate_offsets(k, sin_s, LH))
             fence_async_shared()
             s = warpgroup_mma(k_s, q_s.permute((1, 0)), s)
-        else:
-            k_s.store(k)
-            fence_async_shared()
-            s = warpgroup_mma(k_s, q_s.permute((1, 0)), gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA))
-        xv = gl.reshape(_unpack(vw, LP), (BLOCK, D // CG, CG))
-        acc_v = warpgroup_mma_wait(0, deps=[acc])                 # the previous output product: v_s, p_s free
-        v_s.store(gl.reshape(xv * vs + vz, (BLOCK, D)))            # stored while the softmax runs
+            xv = _logical_tile(_unpack_pairs(vw, LP, None, vs, vz))
+            acc_v = warpgroup_mma_wait(0, deps=[acc])             # the previous output product: v_s, p_s free
+            v_s.store(xv)                                          # stored while the softmax runs
+        else:       # the keys dequantized in the wgmma's A registers; the scores' product runs as the values unpack
+            # (row + 64, group, row % 16, D): the codes read as MAGIC + c, times the scale plus the offset
+            xk = gl.reshape(_operand(_unpack_pairs(kw, LPK, MAGIC_ONLY=True), A), (2, GS, 16, D))
+            ka = gl.convert_layout(gl.reshape(xk * ks + kz, (BLOCK, D)), A, assert_trivial=True)
+            s = warpgroup_mma(ka, q_s.permute((1, 0)), gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA))
+            acc_v = warpgroup_mma_wait(0, deps=[acc])             # the previous output product: v_s, p_s free
+            v_s.store(_logical_tile(_unpack_pairs(vw, LP, None, vs, vz)))
         m, l, acc = _softmax_and_output(s, t * 32 + ns < n_both, m, l, acc_v, v_s.permute((1, 0)), p_s, qk_scale)
-        kw, vw, ks, kz, vs, vz = nxt
+        kw, ks, kz, vw, vs, vz = nxt
     acc = warpgroup_mma_wait(0, deps=[acc])
     _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, kv, split, N_COLS, REP, False)
+
+
+@gluon.jit
+def _tokens(r, ROPE: gl.constexpr):
+    """Row r's token in a step: r with keys rotated in the kernel (a shared key tile in token order), else the key
+    operand's _row_token(r)."""
+    if not ROPE:
+        r = _row_token(r)
+    return r
 
 
 @functools.cache
 def _layouts(d: int, rope: bool = False) -> tuple:
     """(LP, KSL, LPK, LH) for head_dim d, W = d/16 words a token, four warps:
-    LP, the words' (BLOCK, W, 2) layout: lanes 8 consecutive tokens x 4 words (every other word at W = 8),
+    LP, the value words' (BLOCK, W, 2) layout: lanes 8 consecutive rows x 4 words (every other word at W = 8),
     registers the pair axis, word + 1 (W = 8: a thread's two words are adjacent, one 8-byte load and one value group
-    of 32 channels or more), token + 8 and + 16; warps the four 32-token groups.
-    LPK, the key words' layout: LP, or for keys rotated in the kernel (rope) word + W/2 in the registers, so that a
-    thread holds channels c and c + d/2, which share RoPE's angles (W = 4: the lanes take token + 8 for it).
-    KSL, the key scales' (4, d) load: a thread's 16 channels of each of its key words, eight consecutive a vector.
+    of 32 channels or more), row + 8 and + 16; warps the four 32-row groups.
+    LPK, the key words' layout: operand_layout (the keys go to the wgmma in registers), or for keys rotated in the
+    kernel (rope) LP with word + W/2 in the registers, so that a thread holds channels c and c + d/2, which share
+    RoPE's angles (W = 4: the lanes take row + 8 for it).
+    KSL, the key scales' (4, d) load, in real channel order, the threads of the keys' groups: without rope a warp's
+    group, a thread its lane's (lane % 4) 32 consecutive channels (16 at d = 64), the rest of the lanes the same;
+    with rope a thread's 16 channels of each of its key words, eight consecutive a vector.
     LH, with rope: the (BLOCK, d/2) half rows of RoPE's tables, LPK's threads, 16 channels in consecutive registers;
     else None."""
-    if d == 128:
-        regs, lanes = ([[0, 4, 0], [8, 0, 0], [16, 0, 0]], [[0, 1, 0], [0, 2, 0]]) if rope else \
-            ([[0, 1, 0], [8, 0, 0], [16, 0, 0]], [[0, 2, 0], [0, 4, 0]])
-    else:
-        regs, lanes = ([[0, 2, 0], [16, 0, 0]], [[0, 1, 0], [8, 0, 0]]) if rope else \
-            ([[8, 0, 0], [16, 0, 0]], [[0, 1, 0], [0, 2, 0]])
     t3 = [[1, 0, 0], [2, 0, 0], [4, 0, 0]]
     warps = [[32, 0, 0], [64, 0, 0]]
+    if not rope:
+        lp = _layouts(d, True)[0]
+        run = d // 4                        # a thread's channels
+        ksl = gl.DistributedLinearLayout([[0, 1 << i] for i in range(run.bit_length() - 1)],
+                                         [[0, run], [0, 2 * run], [0, 0], [0, 0], [0, 0]], [[1, 0], [2, 0]], [],
+                                         [TOKENS // 32, d])
+        return lp, ksl, operand_layout(TOKENS, d // 16), None
+    if d == 128:
+        regs, lanes = [[0, 4, 0], [8, 0, 0], [16, 0, 0]], [[0, 1, 0], [0, 2, 0]]
+        value_regs, value_lanes = [[0, 1, 0], [8, 0, 0], [16, 0, 0]], [[0, 2, 0], [0, 4, 0]]
+    else:
+        regs, lanes = [[0, 2, 0], [16, 0, 0]], [[0, 1, 0], [8, 0, 0]]
+        value_regs, value_lanes = [[8, 0, 0], [16, 0, 0]], [[0, 1, 0], [0, 2, 0]]
     lpk = gl.DistributedLinearLayout([[0, 0, 1]] + regs, t3 + lanes, warps, [], [TOKENS, d // 16, 2])
-    lp = lpk if not rope else _layouts(d)[0]
+    lp = gl.DistributedLinearLayout([[0, 0, 1]] + value_regs, t3 + value_lanes, warps, [], [TOKENS, d // 16, 2])
 
     def channels(bases):                   # a word base's channels; a token base's none
         return [[0, 16 * b[1]] for b in bases]
 
     ksl = gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8]] + [b for b in channels(regs) if b[1]],
                                      [[0, 0]] * 3 + channels(lanes), [[1, 0], [2, 0]], [], [TOKENS // 32, d])
-    lh = None
-    if rope:                                # LPK's bases with channel c + d/2 dropped (the half row's)
-        def half(bases):
-            return [[b[0], 16 * b[1]] for b in bases if 16 * b[1] != d // 2]
-        lh = gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8]] + half(regs), half(t3 + lanes),
-                                        [b[:2] for b in warps], [], [TOKENS, d // 2])
+
+    def half(bases):                        # LPK's bases with channel c + d/2 dropped (the half row's)
+        return [[b[0], 16 * b[1]] for b in bases if 16 * b[1] != d // 2]
+    lh = gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8]] + half(regs), half(t3 + lanes),
+                                    [b[:2] for b in warps], [], [TOKENS, d // 2])
     return lp, ksl, lpk, lh
 
 

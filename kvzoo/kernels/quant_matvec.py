@@ -223,7 +223,7 @@ DEQUANT_MAGIC = 4.0              # the value dequant_pair_asm reads a code c as:
 
 
 @functools.lru_cache
-def dequant_pair_asm(signed: bool) -> tuple[str, str]:
+def dequant_pair_asm(signed: bool, scaled: bool = True) -> tuple[str, str]:
     """(PTX, constraints): pair_asm(2) with the scale and an offset applied in the same PTX, one fp16x2 FMA per
     output. pack=2: the word, then with `signed` its signs, each entered twice, then the word's scale and offset as
     half2 registers. Each code c is shifted to mantissa bits 8-9 under the magic number 4.0, which reads 4 + c
@@ -231,20 +231,24 @@ def dequant_pair_asm(signed: bool) -> tuple[str, str]:
     (DEQUANT_MAGIC), so the magic costs no subtraction and the result is c * scale + zero up to that offset's own
     rounding (a magic this small keeps it within half an fp16 ulp of |zero - 4 scale|). signed: bit a of the signs
     register is code a's sign, bit 16 + a code a + 8's (a < 8), XOR-ed into the result's sign bit (two more
-    instructions per half2); a symmetric group's offset is -4 * scale, so its codes give sign * round(c * scale)."""
+    instructions per half2); a symmetric group's offset is -4 * scale, so its codes give sign * round(c * scale).
+    Not `scaled` (unsigned only): the outputs are the codes read as 4 + c, exact, for a caller whose scale and
+    offset differ within a word (its FMA then applies them: two instructions a half2 here, none subtracted)."""
+    assert scaled or not signed
     first = 12 if signed else 10
     lines = ["{", ".reg .b32 t, m;" if signed else ".reg .b32 t;"]
     for a in range(8):
         shift = f"shl.b32 t, $8, {8 - 2 * a};" if a < 4 else f"shr.b32 t, $8, {2 * a - 8};" if a > 4 else \
             "mov.b32 t, $8;"
-        lines += [shift, "lop3.b32 t, t, 0x03000300, 0x44004400, 0xEA;"]
+        out = "t" if scaled else f"${a}"
+        lines += [shift, f"lop3.b32 {out}, t, 0x03000300, 0x44004400, 0xEA;"]
         if signed:
             lines += [f"fma.rn.f16x2 t, t, ${first}, ${first + 1};", f"shl.b32 m, $10, {15 - a};",
                       f"lop3.b32 ${a}, t, m, 0x80008000, 0x78;"]
-        else:
+        elif scaled:
             lines.append(f"fma.rn.f16x2 ${a}, t, ${first}, ${first + 1};")
     lines.append("}")
-    return "\n".join(lines), ",".join(["=r"] * 8 + ["r"] * ((4 if signed else 2) + 2))
+    return "\n".join(lines), ",".join(["=r"] * 8 + ["r"] * ((4 if signed else 2) + (2 if scaled else 0)))
 
 
 @triton.jit
