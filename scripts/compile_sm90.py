@@ -45,8 +45,9 @@ H100 = GPUTarget("cuda", 90, 32)
 POINTERS = {"q_ptr": "*fp16", "qs_ptr": "*fp16", "kc_ptr": "*i32", "ks_ptr": "*fp16", "kz_ptr": "*i32",
             "km_ptr": "*i32", "vc_ptr": "*i32", "vs_ptr": "*fp16", "vz_ptr": "*i32", "vm_ptr": "*i32",
             "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "len_ptr": "*i32"}
-# the InnerQ cache's head strides of its codes, scales and slots: multiples of 16 (capacities in whole groups of 32)
-INNERQ_STRIDES = ("s_kc", "s_ks", "s_kz", "s_vc", "s_vs", "s_vz")
+# the caches' head strides of their codes, scales and zeros or slots: multiples of 16 (capacities in whole groups of
+# 32), which the launcher specializes and the Gluon kernels' loads are vectorized on
+STRIDES = ("s_kc", "s_ks", "s_kz", "s_vc", "s_vs", "s_vz")
 HEADS = ((128, 4), (64, 3))   # (head_dim, query rows a KV head)
 # the outer kernel's layouts: (key bits, value bits, keys grouped per token (KT), group size, keys rotated (RoPE))
 OUTER = {"kivi": (2, 2, False, 32, False), "kivi-pre": (2, 2, False, 32, True), "int8": (8, 8, True, 128, False),
@@ -80,9 +81,9 @@ def cases() -> dict:
             out[f"innerq-gluon-d{d}-{mode}"] = (innerq_hopper._split_kernel, dict(
                 D=d, REP=rep, ROWS=rows, HAS_SYM=has_sym, DYN=True, HAS_QS=True,
                 **dict(zip(("LK", "LV", "LKG", "LVG"), innerq_hopper._operand_layouts(d)))),
-                GluonASTSource, POINTERS, dict(gluon, divisible=INNERQ_STRIDES))
+                GluonASTSource, POINTERS, dict(gluon, divisible=STRIDES))
             if d == 128:    # large batches: BUSY_PROGRAMS_PER_SM programs an SM, under register_cap
-                busy = dict(gluon, divisible=INNERQ_STRIDES,
+                busy = dict(gluon, divisible=STRIDES,
                             maxnreg=innerq_hopper.register_cap(innerq_hopper.BUSY_PROGRAMS_PER_SM))
                 out[f"innerq-gluon-d{d}-{mode}-busy"] = (*out[f"innerq-gluon-d{d}-{mode}"][:4], busy)
         for name, rope in (("kivi", False), ("kivi-pre", True)):
@@ -91,7 +92,7 @@ def cases() -> dict:
                 D=d, REP=rep, ROWS=rows, CG=32, LP=lp, KSL=ksl, LPK=lpk, LH=lh, ROPE=rope,
                 QROWS=outer_hopper.query_rows(rep)), GluonASTSource,
                 dict(POINTERS, kz_ptr="*fp16", vz_ptr="*fp16", cos_ptr="*bf16", sin_ptr="*bf16", off_ptr="*fp16"),
-                gluon)
+                dict(gluon, divisible=STRIDES))
     for bits in (2, 4):
         asm, con = unpack_asm(bits)
         for mode, has_sym in (("hybrid", True), ("asym", False)):
