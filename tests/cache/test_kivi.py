@@ -44,6 +44,21 @@ def test_kivi_2bit_ratio_at_2048_tokens_matches_formula(name):
     assert codes.dtype == torch.int32 and codes.shape[-1] == 64 * 2 // 32
 
 
+@pytest.mark.parametrize("spec", ["kivi:bits=2", "kivi-pre:bits=2", "squat", "kivi:bits=2,group_size=64"])
+def test_head_strides_are_multiples_of_16_as_the_kernels_are_compiled_for(spec):
+    """The outer kernels' head strides (codes, scales and zeros of both streams) are multiples of 16: the launcher
+    specializes them and the Gluon kernel's loads vectorize on it, as scripts/compile_sm90.py compiles it (STRIDES).
+    Capacities come in whole groups of 32 slots."""
+    from kvzoo.kernels.quant_matvec import head_rows
+
+    for max_len in (300, 777, 4096):
+        codecs = smollm_shaped_layer_cache(spec, max_len).store.codecs
+        assert sorted(codecs) == ["k", "v"]
+        for codec in codecs.values():
+            assert codec.capacity > 0 and codec.capacity % 32 == 0
+            assert all(head_rows(t)[1] % 16 == 0 for t in (codec.codes, codec.scale, codec.zero))
+
+
 @pytest.mark.parametrize("policy, n_k, n_v", [("reference", 400 // 64 * 64, 400 - 64),
                                               ("grouped", (400 - 64) // 32 * 32, (400 - 64) // 32 * 32)])
 def test_storage_is_quantized_once_whatever_the_chunking(policy, n_k, n_v):
