@@ -461,7 +461,7 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos
             xv = _logical_tile(_unpack_pairs(vw, LP, None, vs, vz))
             acc_v = warpgroup_mma_wait(0, deps=[acc])             # the previous output product: v_s, p_s free
             v_s.store(xv)                                          # stored while the softmax runs
-        else:       # the keys dequantized in the wgmma's A registers; the scores' product runs as the values unpack
+        else:       # the keys dequantized in the wgmma's A registers; the scores' product synchronous (docstring)
             # (row + 64, group, row % 16, D): the codes read as MAGIC + c, times the scale plus the offset
             xk = gl.reshape(_operand(_unpack_pairs(kw, LPK, MAGIC_ONLY=True), A), (2, GS, 16, D))
             ka = gl.convert_layout(gl.reshape(xk * ks + kz, (BLOCK, D)), A, assert_trivial=True)
