@@ -18,9 +18,11 @@ dequantized tiles reach the tensor cores. Gluon lets the kernel choose every lay
     which wgmma reads through a transposed descriptor, accᵀ (d, ROWS) += Vᵀ · pᵀ, their rows in the keys' token
     order, so the weights p need no reordering. The query (ROWS, d) and p, stored transposed (ROWS, 128), are the
     B operands, both K-major. The Triton kernel stores both tiles and loads them back into registers.
-  - Codes are read as 4 + c (quant_matvec.dequant_pair_asm) and dequantized by one fp16 FMA with an offset
-    zero - 4 * scale, rounded to fp16 once a group: a key's scale and offset are its channel's, a value word's its
-    group's, applied in the unpack PTX.
+  - Codes are read as M + c and dequantized by one fp16 FMA with an offset zero - M * scale, rounded to fp16 once
+    a group: a key's scale and offset are its channel's, a value word's its group's, applied in the unpack PTX.
+    M is 4 or 16 by the code's slot in its word (quant_matvec.two_magic_pair_asm): each slot is masked where the
+    word, shifted by 4 either way or with its bytes swapped, puts it under one of the two, three shifts a word
+    where one magic takes seven.
   - ROWS is the wgmma's N: 8 where rep <= 8, else 16. A padded row costs the softmax's work (exp2, the max and sum
     over the tokens, across lanes and warps) as a real one does: at rep 4, 8 rows rather than 16 take the loop from
     1,098 to 993 instructions (sm_90 SASS, with the keys through shared memory).
@@ -33,9 +35,11 @@ dequantized tiles reach the tensor cores. Gluon lets the kernel choose every lay
     registers held across the values' unpacking, ptxas serializes every wgmma). Past the live slots a load reads
     the last live slot (its score is masked to -inf, so it adds nothing), and no load is masked.
   - The output is rescaled only in a step where some row's running max grew (the max is the same in every warp,
-    so the branch is uniform), rare after the first steps.
-Numerics are the Triton kernel's but for that offset (within an fp16 ulp of the zero where the Triton kernel rounds
-the zero itself): codes exact, one fp16 FMA a code, fp16 tiles, fp32 products and softmax.
+    so the branch is uniform), rare after the first steps. Each thread keeps the row sums of its own tokens
+    (_own_sum), summed across threads once, after the loop; the row max is reduced across warps each step.
+Numerics are the Triton kernel's but for that offset (rounded within half an fp16 ulp of zero - M * scale where the
+Triton kernel rounds the zero itself) and the order the row sums add in: codes exact, one fp16 FMA a code, fp16
+tiles, fp32 products and softmax.
 
 Keys stored before RoPE (ROPE). Slot u sits at position n_sink + u = p0 + j, p0 the first position of its step
 and j < 128 its offset in the step; rotations compose, so q · R(p0 + j) k = (R(-p0) q) · R(j) k. Each step the
@@ -55,7 +59,8 @@ against the Triton kernel's 814, at 128K, batch 1 96 against 118, at 32K, batch 
 before RoPE (one H200, "KIVI*'s keys rotated in the Gluon kernel"): 47.9 us against the Triton kernel's 54.8 at 32K,
 batch 1, 1,017 against 1,237 at 32K, batch 32 (`--cases "KIVI*"`). The keys in A's registers (one H200, "KIVI's
 keys in the wgmma's registers"): 30.6 us against 32.6 through shared memory at 32K, batch 1, 562 against 626 at 32K,
-batch 32. Below MIN_GROUP_ROWS of work (KV rows x groups)
+batch 32. Codes under two magic numbers and row sums per thread (one H200, "KIVI's codes under two magic numbers"):
+81.5 us against 88.2 under one magic at 128K, batch 1, 483 against 562 at 32K, batch 32. Below MIN_GROUP_ROWS of work (KV rows x groups)
 the Triton kernel runs alone.
 KVZOO_OUTER_KERNEL=triton|gluon|auto (default) overrides the choice: triton never takes this kernel, gluon takes it
 wherever the layout allows.
@@ -73,7 +78,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
-from kvzoo.kernels.quant_matvec import DEQUANT_MAGIC, dequant_pair_asm, kernel_choice, pair_asm, unpacks_in_ptx
+from kvzoo.kernels.quant_matvec import MAGICS, dequant_pair_asm, kernel_choice, pair_asm, two_magic_pair_asm, unpacks_in_ptx
 
 CHOICE = kernel_choice("KVZOO_OUTER_KERNEL")
 ENABLED = CHOICE != "triton"  # False: every call takes the Triton kernel (comparisons, bisecting)
@@ -108,8 +113,9 @@ def mma_layout(rows):
 
 PAIR_ASM, PAIR_CON = (gl.constexpr(part) for part in pair_asm(2))
 DEQUANT_ASM, DEQUANT_CON = (gl.constexpr(part) for part in dequant_pair_asm(False))
-MAGIC_ASM, MAGIC_CON = (gl.constexpr(part) for part in dequant_pair_asm(False, scaled=False))
-MAGIC = gl.constexpr(DEQUANT_MAGIC)
+MAGIC_ASM, MAGIC_CON = (gl.constexpr(part) for part in two_magic_pair_asm(scaled=False))
+ZERO_ASM, ZERO_CON = (gl.constexpr(part) for part in two_magic_pair_asm())
+MAGIC_EVEN, MAGIC_ODD = (gl.constexpr(m) for m in MAGICS)
 SIGNED_DEQUANT_ASM, SIGNED_DEQUANT_CON = (gl.constexpr(part) for part in dequant_pair_asm(True))
 
 
@@ -121,13 +127,15 @@ def _unpack(words, LP: gl.constexpr, signs=None, scale=None, zero=None):
 
 
 @gluon.jit
-def _unpack_pairs(words, LP: gl.constexpr, signs=None, scale=None, zero=None, MAGIC_ONLY: gl.constexpr = False):
+def _unpack_pairs(words, LP: gl.constexpr, signs=None, scale=None, zero=None, MAGIC_ONLY: gl.constexpr = False,
+                  TWO_MAGICS: gl.constexpr = False):
     """(R, W) 2-bit code words -> the unpack PTX's 8 outputs, each (R, W, 2) in layout LP: output a holds codes a
-    (b = 0) and a + 8 (b = 1) of each word, exact fp16 (MAGIC_ONLY: read as MAGIC + c, for a caller that applies a
-    scale and an offset zero - MAGIC * scale of its own). Each word enters the PTX twice (pack=2 over the pair axis).
-    scale and zero (R, W) fp16, one each a word: the codes times the scale plus the zero, in the same PTX
-    (quant_matvec.dequant_pair_asm, whose zero is an offset); signs (R, W), in the words' layout, with them: each
-    word's signs as dequant_pair_asm takes them."""
+    (b = 0) and a + 8 (b = 1) of each word, exact fp16 (MAGIC_ONLY: read as M + c, M = MAGIC_EVEN for even a,
+    MAGIC_ODD for odd, for a caller that applies a scale and an offset zero - M * scale of its own;
+    quant_matvec.two_magic_pair_asm). Each word enters the PTX twice (pack=2 over the pair axis). scale and zero
+    (R, W) fp16, one each a word: the codes times the scale plus the zero, in the same PTX (TWO_MAGICS:
+    two_magic_pair_asm, zero the zero itself; else dequant_pair_asm, zero an offset); signs (R, W), in the words'
+    layout, with them: each word's signs as dequant_pair_asm takes them."""
     R: gl.constexpr = words.shape[0]
     W: gl.constexpr = words.shape[1]
     pairs = gl.expand_dims(words, 2) + gl.zeros([R, W, 2], gl.int32, LP)           # (R, W, 2): the word twice
@@ -139,7 +147,10 @@ def _unpack_pairs(words, LP: gl.constexpr, signs=None, scale=None, zero=None, MA
         halves = gl.zeros([R, W, 2], gl.float16, LP)
         scale = gl.expand_dims(scale, 2) + halves
         zero = gl.expand_dims(zero, 2) + halves
-        if signs is None:
+        if TWO_MAGICS:
+            o = gl.inline_asm_elementwise(ZERO_ASM, ZERO_CON, [pairs, scale, zero], dtype=(gl.float16,) * 8,
+                                          is_pure=True, pack=2)
+        elif signs is None:
             o = gl.inline_asm_elementwise(DEQUANT_ASM, DEQUANT_CON, [pairs, scale, zero], dtype=(gl.float16,) * 8,
                                           is_pure=True, pack=2)
         else:
@@ -251,10 +262,38 @@ def _query(q_ptr, qs_ptr, kv, dq, REP: gl.constexpr, ROWS: gl.constexpr, HAS_QS:
 
 
 @gluon.jit
+def _own_sum(p):
+    """Scores-shaped p (BLOCK, ROWS) in the MMA layout summed over each thread's own tokens, with no exchange
+    between threads: (4, 8, ROWS), indexed by the warp (token bits 4-5) and lane group (bits 0-2) that hold them;
+    a token's bits 3 and 6 lie in a thread's registers."""
+    ROWS: gl.constexpr = p.shape[1]
+    return gl.sum(gl.sum(gl.reshape(p, (2, 4, 2, 8, ROWS)), axis=2), axis=0)      # (bit 6, bits 4-5, bit 3, bits 0-2)
+
+
+@gluon.jit
+def _row_max(s, red_s):
+    """gl.max(s, axis=0) for scores s (BLOCK, ROWS) in the MMA layout, with one barrier where the generic cross-warp
+    reduction takes two: each warp's max over its tokens (registers, then lanes) stored to red_s (4, ROWS) fp32,
+    then every thread reads the four warps' of its rows. Used by the rotating kernel (ROPE), whose loop it makes
+    3-8% faster; the other kernel's it made 2-7% slower, so that one keeps gl.max (one H200, the kernel alone at
+    32K and 128K, batch 1 and 32)."""
+    ROWS: gl.constexpr = s.shape[1]
+    x = gl.reshape(s, (2, 4, 2, 8, ROWS))                   # _own_sum's axes
+    red_s.store(gl.max(gl.max(gl.max(x, axis=2), axis=0), axis=1))                # (4 warps, ROWS)
+    # (4, ROWS), each thread the four warps' maxima of its rows as the MMA layout places them (columns 2 (lane % 4)
+    # and + 1, + 8 at ROWS = 16)
+    LR: gl.constexpr = gl.DistributedLinearLayout([[1, 0], [2, 0], [0, 1]] + ([[0, 8]] if ROWS == 16 else []),
+                                                  [[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]], [[0, 0], [0, 0]], [],
+                                                  [4, ROWS])
+    return gl.convert_layout(gl.max(red_s.load(LR), axis=0), gl.SliceLayout(0, s.type.layout), assert_trivial=True)
+
+
+@gluon.jit
 def _start(q):
     """A program's shared tiles (the query q (ROWS, D) stored, a step's values (BLOCK, D), its weights transposed
-    (ROWS, BLOCK), tokens contiguous as the query's channels) and its empty online-softmax state: running max m,
-    sum l (ROWS,) and output accᵀ (D, ROWS)."""
+    (ROWS, BLOCK), tokens contiguous as the query's channels) and its empty online-softmax state: running max m
+    (ROWS,), each thread's share of the row sums l (_own_sum's (4, 8, ROWS); summed once, at the end) and output
+    accᵀ (D, ROWS)."""
     ROWS: gl.constexpr = q.shape[0]
     D: gl.constexpr = q.shape[1]
     MMA: gl.constexpr = mma_layout(ROWS)
@@ -262,20 +301,25 @@ def _start(q):
     v_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
     p_s = gl.allocate_shared_memory(gl.float16, [ROWS, BLOCK], TILE)
     m = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
-    l = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(0, MMA))
+    l = _own_sum(gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA))
     return q_s, v_s, p_s, m, l, warpgroup_mma_init(gl.zeros([D, ROWS], gl.float32, layout=MMA))
 
 
 @gluon.jit
-def _softmax_and_output(s, live, m, l, acc_v, vt, p_s, qk_scale):
+def _softmax_and_output(s, live, m, l, acc_v, vt, p_s, red_s, qk_scale):
     """One step's online softmax in base 2 over scores s (BLOCK, ROWS) (transposed; tokens not `live` masked), with
-    the running max m and sum l, and the output product accᵀ += Vᵀ · pᵀ (vt: Vᵀ (D, BLOCK) in shared memory)
-    issued asynchronously on acc_v (the previous one, waited for): (m, l, acc)."""
+    the running max m (through _row_max with a scratch red_s, else gl.max) and each thread's share of the sums l
+    (_start), and the output product accᵀ += Vᵀ · pᵀ (vt: Vᵀ (D, BLOCK) in shared memory) issued asynchronously on
+    acc_v (the previous one, waited for): (m, l, acc)."""
     s = s * qk_scale + gl.where(live, 0.0, float("-inf"))[:, None]            # one FMA; masked: -inf
-    m_new = gl.maximum(m, gl.max(s, axis=0))
+    if red_s is None:
+        m_new = gl.maximum(m, gl.max(s, axis=0))
+    else:
+        m_new = gl.maximum(m, _row_max(s, red_s))
     alpha = gl.exp2(m - m_new)
     p = gl.exp2(s - m_new[None, :])
-    l = l * alpha + gl.sum(p, axis=0)
+    a = gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(1, l.type.layout)), assert_trivial=True)
+    l = l * a[None, None, :] + _own_sum(p)
     p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
     fence_async_shared()
     if gl.min(alpha, axis=0) < 1.0:                           # a row's max grew: rescale (rare after the start)
@@ -305,27 +349,45 @@ def _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, kv, split, N_COLS, REP: gl
 def _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t, last, nk, wk, n, w, gr, cr, D: gl.constexpr,
               CG: gl.constexpr):
     """Step t's code words (BLOCK, W) (key row i token nk[i], value row i token n[i]), the keys' scales and zeros as
-    stored (GS, D) (real channel order, _key_scales lays them out), and the values' scale and offset
-    zero - MAGIC * scale a word (BLOCK, W), as the unpack PTX takes them. Slots past `last` (the last live one)
-    read `last`."""
+    stored (GS, D) (real channel order, _key_scales lays them out), and the values' scale and zero a word
+    (BLOCK, W), as the unpack PTX takes them. Slots past `last` (the last live one) read `last`."""
     W: gl.constexpr = D // 16
     kw = gl.load(kc_ptr + gl.minimum(t * 32 + nk, last)[:, None] * W + wk[None, :])
     at = gl.minimum(t + gr, last // 32)[:, None] * D + cr[None, :]                  # (GS, D), real order
     tv = gl.minimum(t * 32 + n, last)[:, None]
     vw = gl.load(vc_ptr + tv * W + w[None, :])
     atv = tv * (D // CG) + (w * 16 // CG)[None, :]                                  # (BLOCK, W): each word's group
-    vs = gl.load(vs_ptr + atv)
-    return kw, gl.load(ks_ptr + at), gl.load(kz_ptr + at), vw, vs, gl.load(vz_ptr + atv) - vs * MAGIC
+    return kw, gl.load(ks_ptr + at), gl.load(kz_ptr + at), vw, gl.load(vs_ptr + atv), gl.load(vz_ptr + atv)
+
+
+@gluon.jit
+def _magic_offsets(ks, kz, BIT: gl.constexpr):
+    """Offsets zero - M * scale from (GS, D) key scales and zeros laid out in some shape, D their last axis, in an
+    order where bit BIT of a column's index is the parity of its channel's slot a in its word (3 in _place's
+    order): M = MAGIC_EVEN where it is 0, else MAGIC_ODD, the magic the unpack reads the codes under
+    (MAGIC_ONLY). That bit lies in registers and a half2 register's two columns share it: one fp16x2 FMA a
+    register, with the magic an immediate."""
+    D: gl.constexpr = ks.shape[len(ks.shape) - 1]
+    GS: gl.constexpr = ks.numel // D
+    LOW: gl.constexpr = 1 << BIT
+    # (group, column bits above BIT, bits below it, bit BIT)
+    s_even, s_odd = gl.split(gl.permute(gl.reshape(ks, (GS, D // (2 * LOW), 2, LOW)), (0, 1, 3, 2)))
+    z_even, z_odd = gl.split(gl.permute(gl.reshape(kz, (GS, D // (2 * LOW), 2, LOW)), (0, 1, 3, 2)))
+    off = gl.permute(gl.join(z_even - s_even * MAGIC_EVEN, z_odd - s_odd * MAGIC_ODD), (0, 1, 3, 2))
+    return gl.convert_layout(gl.reshape(off, ks.shape), ks.type.layout, assert_trivial=True)
 
 
 @gluon.jit
 def _key_scales(ks, kz, L3: gl.constexpr, ROPE: gl.constexpr):
-    """Key scales and zeros (GS, D) as stored -> the key tile's layout L3: (GS, 1, D) in logical order with ROPE,
-    else (1, GS, 1, D) in _place's order (_placed) with the zeros as offsets zero - MAGIC * scale."""
+    """Key scales and zeros (GS, D) as stored -> the key tile's layout L3: (GS, 1, D) in logical order with ROPE
+    (its codes unpacked exact), else (1, GS, 1, D) in _place's order (_placed), the zeros as offsets
+    (_magic_offsets; unpacking them as MAGICS[a % 2] + c in a word's registers took the rotating kernel's loop from
+    1,262 to 1,396 instructions, with spills)."""
     if ROPE:
         ks, kz = _logical(ks, L3), _logical(kz, L3)
     else:
-        ks, kz = _placed(ks, L3), _placed(kz - ks * MAGIC, L3)
+        ks, kz = _placed(ks, L3), _placed(kz, L3)
+        kz = _magic_offsets(ks, kz, 3)
     return ks, kz
 
 
@@ -407,6 +469,7 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos
     q_s, v_s, p_s, m, l, acc = _start(_query(q_ptr, q_ptr, kv, dq, REP, ROWS, False))
     if ROPE:        # keys stored before RoPE (module docstring): q and qr = [q_hi, -q_lo], fp32, real order
         k_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D], TILE)
+        red_s = gl.allocate_shared_memory(gl.float32, [WARPS, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         # (QROWS, D) over the four warps, each element once: rows past QROWS are padding
         SPT: gl.constexpr = QROWS * D // (32 * WARPS)
         LQR: gl.constexpr = gl.BlockedLayout([1, SPT], [32 * SPT // D, D // SPT], [WARPS, 1], [1, 0])
@@ -423,6 +486,8 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos
         HT: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=D if D < 128 else 128, element_bitwidth=16, rank=2)
         cos_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D // 2], HT, gl.load(off_ptr + at))
         sin_s = gl.allocate_shared_memory(gl.float16, [BLOCK, D // 2], HT, gl.load(off_ptr + BLOCK * D // 2 + at))
+    else:
+        red_s = None
 
     n_both = gl.minimum(gl.load(len_ptr), gl.load(len_ptr + 1))
     start = split * PER_SPLIT
@@ -458,19 +523,21 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos
             k_s.store(_rotate_offsets(k, sin_s, LH))
             fence_async_shared()
             s = warpgroup_mma(k_s, q_s.permute((1, 0)), s)
-            xv = _logical_tile(_unpack_pairs(vw, LP, None, vs, vz))
+            xv = _logical_tile(_unpack_pairs(vw, LP, None, vs, vz, TWO_MAGICS=True))
             acc_v = warpgroup_mma_wait(0, deps=[acc])             # the previous output product: v_s, p_s free
             v_s.store(xv)                                          # stored while the softmax runs
         else:       # the keys dequantized in the wgmma's A registers; the scores' product synchronous (docstring)
-            # (row + 64, group, row % 16, D): the codes read as MAGIC + c, times the scale plus the offset
+            # (row + 64, group, row % 16, D): the codes read as M + c, times the scale plus the offset
             xk = gl.reshape(_operand(_unpack_pairs(kw, LPK, MAGIC_ONLY=True), A), (2, GS, 16, D))
             ka = gl.convert_layout(gl.reshape(xk * ks + kz, (BLOCK, D)), A, assert_trivial=True)
             s = warpgroup_mma(ka, q_s.permute((1, 0)), gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA))
             acc_v = warpgroup_mma_wait(0, deps=[acc])             # the previous output product: v_s, p_s free
-            v_s.store(_logical_tile(_unpack_pairs(vw, LP, None, vs, vz)))
-        m, l, acc = _softmax_and_output(s, t * 32 + ns < n_both, m, l, acc_v, v_s.permute((1, 0)), p_s, qk_scale)
+            v_s.store(_logical_tile(_unpack_pairs(vw, LP, None, vs, vz, TWO_MAGICS=True)))
+        m, l, acc = _softmax_and_output(s, t * 32 + ns < n_both, m, l, acc_v, v_s.permute((1, 0)), p_s, red_s,
+                                        qk_scale)
         kw, ks, kz, vw, vs, vz = nxt
     acc = warpgroup_mma_wait(0, deps=[acc])
+    l = gl.convert_layout(gl.sum(gl.sum(l, axis=0), axis=0), m.type.layout)
     _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, kv, split, N_COLS, REP, False)
 
 

@@ -251,6 +251,35 @@ def dequant_pair_asm(signed: bool, scaled: bool = True) -> tuple[str, str]:
     return "\n".join(lines), ",".join(["=r"] * 8 + ["r"] * ((4 if signed else 2) + (2 if scaled else 0)))
 
 
+MAGICS = (4.0, 16.0)             # two_magic_pair_asm reads output a's codes c as MAGICS[a % 2] + c
+
+
+@functools.lru_cache
+def two_magic_pair_asm(scaled: bool = True) -> tuple[str, str]:
+    """(PTX, constraints): dequant_pair_asm's unsigned outputs (codes a and a + 8 of a 2-bit word) from three
+    shifts of the word rather than seven. Output a's codes, at bits 2a and 16 + 2a, are masked where they already
+    lie at mantissa bits 8-9 under the magic 4.0 (a even) or bits 6-7 under 16.0 (a odd): in the word itself
+    (a = 3, 4), the word shifted left 4 (a = 1, 2) or right 4 (a = 5, 6), or with each half's bytes swapped
+    (a = 0, 7; one prmt). So output a reads M_a + c exactly, M_a = MAGICS[a % 2]. pack=2: the word, entered
+    twice, then with `scaled` the word's scale and zero as half2 registers: the PTX forms both offsets
+    zero - M * scale (each rounded once to fp16) and each output leaves as round((M_a + c) * scale + offset_a),
+    within an fp16 ulp of c * scale + zero as dequant_pair_asm's. Not scaled: the outputs M_a + c, for a caller
+    whose scales and offsets zero - M_a * scale differ within a word."""
+    lines = ["{", ".reg .b32 sw, l4, r4, t, o4, o16;", "prmt.b32 sw, $8, 0, 0x2301;", "shl.b32 l4, $8, 4;",
+             "shr.b32 r4, $8, 4;"]
+    if scaled:
+        lines += ["mov.b32 o4, 0xC400C400;", "fma.rn.f16x2 o4, $10, o4, $11;",         # -4 and -16, twice
+                  "mov.b32 o16, 0xCC00CC00;", "fma.rn.f16x2 o16, $10, o16, $11;"]
+    for a, src in enumerate(("sw", "l4", "l4", "$8", "$8", "r4", "r4", "sw")):
+        mask, magic, offset = ("0x03000300", "0x44004400", "o4") if a % 2 == 0 else ("0x00C000C0", "0x4C004C00", "o16")
+        out = "t" if scaled else f"${a}"
+        lines.append(f"lop3.b32 {out}, {src}, {mask}, {magic}, 0xEA;")
+        if scaled:
+            lines.append(f"fma.rn.f16x2 ${a}, t, $10, {offset};")
+    lines.append("}")
+    return "\n".join(lines), ",".join(["=r"] * 8 + ["r"] * (4 if scaled else 2))
+
+
 @triton.jit
 def join_codes(o, BITS: tl.constexpr):
     """The 32/BITS outputs of the unpack asm, each (R, W), as (R, W * 32/BITS) codes in channel order."""

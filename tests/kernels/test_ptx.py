@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvzoo.kernels.quant_matvec import DEQUANT_MAGIC, dequant_pair_asm, pair_asm, unpack_asm
+from kvzoo.kernels.quant_matvec import DEQUANT_MAGIC, MAGICS, dequant_pair_asm, pair_asm, two_magic_pair_asm, unpack_asm
 
 RNG = np.random.default_rng(0)
 LANES = 4096
@@ -179,6 +179,31 @@ def test_dequant_pair_asm_is_one_rounding_of_magic_code_times_scale_plus_offset(
         exact = codes[:, pair] * scale.astype(float) + zero.astype(float)
         ulp = np.spacing(np.maximum(np.abs(exact), np.abs(offset.astype(float))).astype(np.float16)).astype(float)
         assert np.all(np.abs(unpair(out[a]) * sign[:, pair] - exact) <= ulp)
+
+
+def test_two_magic_pair_asm_reads_output_a_as_its_magic_plus_the_code():
+    """Three shifts a word: output a holds codes a and a + 8 read as 4 + c (a even) or 16 + c (a odd), exact."""
+    out = run_ptx(two_magic_pair_asm(scaled=False)[0], 8, [WORDS, WORDS])
+    codes = codes_of(WORDS, 2)
+    for a in range(8):
+        assert np.array_equal(unpair(out[a]), codes[:, [a, a + 8]] + MAGICS[a % 2])
+
+
+def test_two_magic_pair_asm_is_one_rounding_of_magic_code_times_scale_plus_its_offset():
+    """Each output (M + code) * scale + round(zero - M * scale), rounded once: within an fp16 ulp of code * scale +
+    zero, as dequant_pair_asm's."""
+    scale = RNG.uniform(0.01, 3.0, (LANES, 2)).astype(np.float16)
+    zero = RNG.uniform(-20.0, 20.0, (LANES, 2)).astype(np.float16)
+    out = run_ptx(two_magic_pair_asm()[0], 8, [WORDS, WORDS, half_pair(scale), half_pair(zero)])
+    codes = codes_of(WORDS, 2)
+    for a in range(8):
+        pair, magic = [a, a + 8], MAGICS[a % 2]
+        offset = (zero.astype(float) - magic * scale.astype(float)).astype(np.float16).astype(float)
+        want = (codes[:, pair] + magic) * scale.astype(float) + offset
+        assert np.array_equal(unpair(out[a]), want.astype(np.float16).astype(float))
+        exact = codes[:, pair] * scale.astype(float) + zero.astype(float)
+        ulp = np.spacing(np.maximum(np.abs(exact), np.abs(offset)).astype(np.float16)).astype(float)
+        assert np.all(np.abs(unpair(out[a]) - exact) <= ulp)
 
 
 def test_prmt_selectors_of_a_words_signs():
