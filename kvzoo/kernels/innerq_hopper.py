@@ -20,20 +20,20 @@ reordering; the output rows are the real channels. InnerQ's groups make every co
     are packed along the tokens, kvquant.pack_tokens);
   - a slot is the fp32 zero point of an asymmetric group or the 32 sign bits of a symmetric one, whose zero is 0
     (keys' bit i: channel i of the group; values' bit i: token i);
-  - the unpack PTX (quant_matvec.dequant_pair_asm) reads a code c as 4 + c and applies the scale and an offset,
-    zero - 4 * scale rounded to fp16 once a group (_offset), in one fp16 FMA; a code's sign is XOR-ed into the
-    result; a word's signs are one byte permute of its group's slot;
+  - the unpack PTX (quant_matvec.two_magic_pair_asm) reads a code c as M + c (M = 4 or 16 by its slot in the
+    word, three shifts a word) and applies the scale and an offset zero - M * scale, formed from the group's fp16
+    zero (_zero) and rounded once, in one fp16 FMA; a code's sign is XOR-ed into the result; a word's signs are
+    one byte permute of its group's slot;
   - which groups are symmetric is read from the cache's packed mask bits: keys' bit n % 32 of word [g, n // 32],
     values' bit c % 32 of word [n // 32, c // 32]; tokens from MASK_UPTO on carry no bit and are symmetric.
 The scores' product runs while the values unpack. The row sums stay spread over the threads (each its tokens'
 share) until the end, so a step reduces across warps only for the rows' max.
-Numerics are the Triton kernel's fast path but for that offset: one fp16 FMA a code (where the Triton kernel
-rounds the zero to fp16, this kernel rounds zero - 4 * scale, within an fp16 ulp of it on asymmetric groups and
-the same on symmetric ones), fp16 operands, fp32 products and softmax, the query times the key normalization in
-the model dtype, then fp16.
+Numerics are the Triton kernel's fast path but for that offset: one fp16 FMA a code (the zero rounded to fp16 as
+the Triton kernel rounds it, then zero - M * scale rounded once more on asymmetric groups; exact on symmetric ones),
+fp16 operands, fp32 products and softmax, the query times the key normalization in the model dtype, then fp16.
 
-Speed: docs/decode.md, "InnerQ's split kernel in Gluon", "InnerQ's operands in registers" and "InnerQ's codes
-through shared memory".
+Speed: docs/decode.md, "InnerQ's split kernel in Gluon", "InnerQ's operands in registers", "InnerQ's codes
+through shared memory" and "KIVI's codes under two magic numbers" (which this kernel's unpack shares).
 KVZOO_INNERQ_KERNEL=triton|gluon|auto (default) overrides the choice: triton never takes this kernel.
 """
 
@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from kvzoo.kernels.outer_hopper import (BLOCK, LQ, N_ROWS, N_WARPS, TILE, TOKENS, WARPS, _is_hopper, _operand,
                                         _place, _query, _store_partials, _unpack_pairs, barrier, mma_layout,
                                         operand_layout, rows_for)
-from kvzoo.kernels.quant_matvec import DEQUANT_MAGIC, kernel_choice, unpacks_in_ptx
+from kvzoo.kernels.quant_matvec import kernel_choice, unpacks_in_ptx
 
 CHOICE = kernel_choice("KVZOO_INNERQ_KERNEL")
 ENABLED = CHOICE != "triton"
@@ -59,7 +59,6 @@ PROGRAMS_PER_SM = 2              # split-K sizing below BUSY_ROWS_PER_SM, as the
 BUSY_PROGRAMS_PER_SM = 3         # from BUSY_ROWS_PER_SM: three programs an SM, capped
 BUSY_ROWS_PER_SM = 1             # KV rows (B*H) per SM from which an SM takes BUSY_PROGRAMS_PER_SM
 REGISTERS_PER_SM = 65536
-MAGIC = gl.constexpr(DEQUANT_MAGIC)
 STAGES = gl.constexpr(2)         # the ring's steps: one in flight while one is read (4 measured slower)
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared   # 3.9 / 3.6
 _reinterpret = (getattr(gl.shared_memory_descriptor, "reinterpret", None)              # 3.9 / 3.6
@@ -67,10 +66,9 @@ _reinterpret = (getattr(gl.shared_memory_descriptor, "reinterpret", None)       
 
 
 @gluon.jit
-def _offset(slot, sym, scale):
-    """A group's fp16 offset for the unpack PTX: its zero (the slot's fp32 bits, 0 in a symmetric group) less
-    DEQUANT_MAGIC times its fp16 scale, rounded once."""
-    return (gl.where(sym, 0.0, slot.to(gl.float32, bitcast=True)) - MAGIC * scale.to(gl.float32)).to(gl.float16)
+def _zero(slot, sym):
+    """A group's zero for the unpack PTX: the slot's fp32 bits rounded to fp16, 0 in a symmetric group."""
+    return gl.where(sym, 0.0, slot.to(gl.float32, bitcast=True)).to(gl.float16)
 
 
 @gluon.jit
@@ -139,7 +137,7 @@ def _per_word(x, L: gl.constexpr):
 @gluon.jit
 def _read_step(w_s, s_s, z_s, m_s, sym_extra, bit, LW: gl.constexpr, LG: gl.constexpr, SL: gl.constexpr,
                HAS_SYM: gl.constexpr):
-    """A ring stage's words (R, W) in layout LW and their scale, fp16 offset and signs, from the (R, NG) group
+    """A ring stage's words (R, W) in layout LW and their scale, fp16 zero and signs, from the (R, NG) group
     scales (int32 pairs, read as fp16 in shared layout SL), slots and mask words (LG): a group is symmetric where
     its mask word's bit `bit` is set or sym_extra."""
     kw = w_s.load(LW)
@@ -153,7 +151,7 @@ def _read_step(w_s, s_s, z_s, m_s, sym_extra, bit, LW: gl.constexpr, LG: gl.cons
     else:
         sym = False
         signs = kw                                     # not read without symmetric groups
-    return kw, _per_word(scale, LW), _per_word(_offset(slot, sym, scale), LW), signs
+    return kw, _per_word(scale, LW), _per_word(_zero(slot, sym), LW), signs
 
 
 @gluon.jit

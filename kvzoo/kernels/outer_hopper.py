@@ -60,8 +60,8 @@ before RoPE (one H200, "KIVI*'s keys rotated in the Gluon kernel"): 47.9 us agai
 batch 1, 1,017 against 1,237 at 32K, batch 32 (`--cases "KIVI*"`). The keys in A's registers (one H200, "KIVI's
 keys in the wgmma's registers"): 30.6 us against 32.6 through shared memory at 32K, batch 1, 562 against 626 at 32K,
 batch 32. Codes under two magic numbers and row sums per thread (one H200, "KIVI's codes under two magic numbers"):
-81.5 us against 88.2 under one magic at 128K, batch 1, 483 against 562 at 32K, batch 32. Below MIN_GROUP_ROWS of work (KV rows x groups)
-the Triton kernel runs alone.
+81.5 us against 88.2 under one magic at 128K, batch 1, 483 against 562 at 32K, batch 32. Below MIN_GROUP_ROWS of
+work (KV rows x groups) the Triton kernel runs alone.
 KVZOO_OUTER_KERNEL=triton|gluon|auto (default) overrides the choice: triton never takes this kernel, gluon takes it
 wherever the layout allows.
 """
@@ -78,7 +78,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
-from kvzoo.kernels.quant_matvec import MAGICS, dequant_pair_asm, kernel_choice, pair_asm, two_magic_pair_asm, unpacks_in_ptx
+from kvzoo.kernels.quant_matvec import MAGICS, kernel_choice, pair_asm, two_magic_pair_asm, unpacks_in_ptx
 
 CHOICE = kernel_choice("KVZOO_OUTER_KERNEL")
 ENABLED = CHOICE != "triton"  # False: every call takes the Triton kernel (comparisons, bisecting)
@@ -112,11 +112,10 @@ def mma_layout(rows):
 
 
 PAIR_ASM, PAIR_CON = (gl.constexpr(part) for part in pair_asm(2))
-DEQUANT_ASM, DEQUANT_CON = (gl.constexpr(part) for part in dequant_pair_asm(False))
 MAGIC_ASM, MAGIC_CON = (gl.constexpr(part) for part in two_magic_pair_asm(scaled=False))
 ZERO_ASM, ZERO_CON = (gl.constexpr(part) for part in two_magic_pair_asm())
+SIGNED_ZERO_ASM, SIGNED_ZERO_CON = (gl.constexpr(part) for part in two_magic_pair_asm(signed=True))
 MAGIC_EVEN, MAGIC_ODD = (gl.constexpr(m) for m in MAGICS)
-SIGNED_DEQUANT_ASM, SIGNED_DEQUANT_CON = (gl.constexpr(part) for part in dequant_pair_asm(True))
 
 
 @gluon.jit
@@ -127,15 +126,15 @@ def _unpack(words, LP: gl.constexpr, signs=None, scale=None, zero=None):
 
 
 @gluon.jit
-def _unpack_pairs(words, LP: gl.constexpr, signs=None, scale=None, zero=None, MAGIC_ONLY: gl.constexpr = False,
-                  TWO_MAGICS: gl.constexpr = False):
+def _unpack_pairs(words, LP: gl.constexpr, signs=None, scale=None, zero=None, MAGIC_ONLY: gl.constexpr = False):
     """(R, W) 2-bit code words -> the unpack PTX's 8 outputs, each (R, W, 2) in layout LP: output a holds codes a
-    (b = 0) and a + 8 (b = 1) of each word, exact fp16 (MAGIC_ONLY: read as M + c, M = MAGIC_EVEN for even a,
-    MAGIC_ODD for odd, for a caller that applies a scale and an offset zero - M * scale of its own;
-    quant_matvec.two_magic_pair_asm). Each word enters the PTX twice (pack=2 over the pair axis). scale and zero
-    (R, W) fp16, one each a word: the codes times the scale plus the zero, in the same PTX (TWO_MAGICS:
-    two_magic_pair_asm, zero the zero itself; else dequant_pair_asm, zero an offset); signs (R, W), in the words'
-    layout, with them: each word's signs as dequant_pair_asm takes them."""
+    (b = 0) and a + 8 (b = 1) of each word. Each word enters the PTX twice (pack=2 over the pair axis).
+    - Neither scale nor MAGIC_ONLY: the codes, exact fp16 (quant_matvec.pair_asm).
+    - MAGIC_ONLY: read as M + c, M = MAGIC_EVEN for even a and MAGIC_ODD for odd, for a caller that applies a
+      scale and an offset zero - M * scale of its own (quant_matvec.two_magic_pair_asm).
+    - scale and zero (R, W) fp16, one each a word: the codes times the scale plus the zero, in the same PTX
+      (two_magic_pair_asm); signs (R, W), in the words' layout, with them: each word's signs as that PTX takes
+      them."""
     R: gl.constexpr = words.shape[0]
     W: gl.constexpr = words.shape[1]
     pairs = gl.expand_dims(words, 2) + gl.zeros([R, W, 2], gl.int32, LP)           # (R, W, 2): the word twice
@@ -147,14 +146,11 @@ def _unpack_pairs(words, LP: gl.constexpr, signs=None, scale=None, zero=None, MA
         halves = gl.zeros([R, W, 2], gl.float16, LP)
         scale = gl.expand_dims(scale, 2) + halves
         zero = gl.expand_dims(zero, 2) + halves
-        if TWO_MAGICS:
+        if signs is None:
             o = gl.inline_asm_elementwise(ZERO_ASM, ZERO_CON, [pairs, scale, zero], dtype=(gl.float16,) * 8,
                                           is_pure=True, pack=2)
-        elif signs is None:
-            o = gl.inline_asm_elementwise(DEQUANT_ASM, DEQUANT_CON, [pairs, scale, zero], dtype=(gl.float16,) * 8,
-                                          is_pure=True, pack=2)
         else:
-            o = gl.inline_asm_elementwise(SIGNED_DEQUANT_ASM, SIGNED_DEQUANT_CON,
+            o = gl.inline_asm_elementwise(SIGNED_ZERO_ASM, SIGNED_ZERO_CON,
                                           [pairs, gl.expand_dims(signs, 2) + pairs * 0, scale, zero],
                                           dtype=(gl.float16,) * 8, is_pure=True, pack=2)
     return o
@@ -361,33 +357,30 @@ def _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t, last, nk, wk, n
 
 
 @gluon.jit
-def _magic_offsets(ks, kz, BIT: gl.constexpr):
-    """Offsets zero - M * scale from (GS, D) key scales and zeros laid out in some shape, D their last axis, in an
-    order where bit BIT of a column's index is the parity of its channel's slot a in its word (3 in _place's
-    order): M = MAGIC_EVEN where it is 0, else MAGIC_ODD, the magic the unpack reads the codes under
-    (MAGIC_ONLY). That bit lies in registers and a half2 register's two columns share it: one fp16x2 FMA a
-    register, with the magic an immediate."""
-    D: gl.constexpr = ks.shape[len(ks.shape) - 1]
-    GS: gl.constexpr = ks.numel // D
-    LOW: gl.constexpr = 1 << BIT
-    # (group, column bits above BIT, bits below it, bit BIT)
-    s_even, s_odd = gl.split(gl.permute(gl.reshape(ks, (GS, D // (2 * LOW), 2, LOW)), (0, 1, 3, 2)))
-    z_even, z_odd = gl.split(gl.permute(gl.reshape(kz, (GS, D // (2 * LOW), 2, LOW)), (0, 1, 3, 2)))
+def _magic_offsets(ks, kz):
+    """Offsets zero - M * scale from key scales and zeros (1, GS, 1, D) in _place's order (_placed): M = MAGIC_EVEN
+    where the column's slot a (bits 3-5 of its place column) is even, else MAGIC_ODD, the magic the unpack reads
+    its codes under (MAGIC_ONLY). Bit 3 is a register's (_operand), and a half2 register's two columns (b = 0, 1)
+    share a slot: one fp16x2 FMA a register, with the magic an immediate."""
+    GS: gl.constexpr = ks.shape[1]
+    D: gl.constexpr = ks.shape[3]
+    # (group, place column bits 4+, bits 0-2, bit 3)
+    s_even, s_odd = gl.split(gl.permute(gl.reshape(ks, (GS, D // 16, 2, 8)), (0, 1, 3, 2)))
+    z_even, z_odd = gl.split(gl.permute(gl.reshape(kz, (GS, D // 16, 2, 8)), (0, 1, 3, 2)))
     off = gl.permute(gl.join(z_even - s_even * MAGIC_EVEN, z_odd - s_odd * MAGIC_ODD), (0, 1, 3, 2))
     return gl.convert_layout(gl.reshape(off, ks.shape), ks.type.layout, assert_trivial=True)
 
 
 @gluon.jit
 def _key_scales(ks, kz, L3: gl.constexpr, ROPE: gl.constexpr):
-    """Key scales and zeros (GS, D) as stored -> the key tile's layout L3: (GS, 1, D) in logical order with ROPE
-    (its codes unpacked exact), else (1, GS, 1, D) in _place's order (_placed), the zeros as offsets
-    (_magic_offsets; unpacking them as MAGICS[a % 2] + c in a word's registers took the rotating kernel's loop from
-    1,262 to 1,396 instructions, with spills)."""
+    """Key scales and zeros (GS, D) as stored -> the key tile's layout L3: (GS, 1, D) in logical order with ROPE,
+    whose codes are unpacked exact (under the two magics its loop spilled: 1,396 instructions against 1,262), else
+    (1, GS, 1, D) in _place's order (_placed), the zeros as offsets (_magic_offsets)."""
     if ROPE:
         ks, kz = _logical(ks, L3), _logical(kz, L3)
     else:
         ks, kz = _placed(ks, L3), _placed(kz, L3)
-        kz = _magic_offsets(ks, kz, 3)
+        kz = _magic_offsets(ks, kz)
     return ks, kz
 
 
@@ -523,7 +516,7 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos
             k_s.store(_rotate_offsets(k, sin_s, LH))
             fence_async_shared()
             s = warpgroup_mma(k_s, q_s.permute((1, 0)), s)
-            xv = _logical_tile(_unpack_pairs(vw, LP, None, vs, vz, TWO_MAGICS=True))
+            xv = _logical_tile(_unpack_pairs(vw, LP, None, vs, vz))
             acc_v = warpgroup_mma_wait(0, deps=[acc])             # the previous output product: v_s, p_s free
             v_s.store(xv)                                          # stored while the softmax runs
         else:       # the keys dequantized in the wgmma's A registers; the scores' product synchronous (docstring)
@@ -532,7 +525,7 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos
             ka = gl.convert_layout(gl.reshape(xk * ks + kz, (BLOCK, D)), A, assert_trivial=True)
             s = warpgroup_mma(ka, q_s.permute((1, 0)), gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA))
             acc_v = warpgroup_mma_wait(0, deps=[acc])             # the previous output product: v_s, p_s free
-            v_s.store(_logical_tile(_unpack_pairs(vw, LP, None, vs, vz, TWO_MAGICS=True)))
+            v_s.store(_logical_tile(_unpack_pairs(vw, LP, None, vs, vz)))
         m, l, acc = _softmax_and_output(s, t * 32 + ns < n_both, m, l, acc_v, v_s.permute((1, 0)), p_s, red_s,
                                         qk_scale)
         kw, ks, kz, vw, vs, vz = nxt

@@ -219,65 +219,43 @@ def pair_asm(bits: int) -> tuple[str, str]:
     return "\n".join(lines), ",".join(["=r"] * half + ["r"] * 2)
 
 
-DEQUANT_MAGIC = 4.0              # the value dequant_pair_asm reads a code c as: 4 + c
-
-
-@functools.lru_cache
-def dequant_pair_asm(signed: bool, scaled: bool = True) -> tuple[str, str]:
-    """(PTX, constraints): pair_asm(2) with the scale and an offset applied in the same PTX, one fp16x2 FMA per
-    output. pack=2: the word, then with `signed` its signs, each entered twice, then the word's scale and offset as
-    half2 registers. Each code c is shifted to mantissa bits 8-9 under the magic number 4.0, which reads 4 + c
-    exactly, and leaves as round((4 + c) * scale + offset): the caller passes offset = zero - 4 * scale
-    (DEQUANT_MAGIC), so the magic costs no subtraction and the result is c * scale + zero up to that offset's own
-    rounding (a magic this small keeps it within half an fp16 ulp of |zero - 4 scale|). signed: bit a of the signs
-    register is code a's sign, bit 16 + a code a + 8's (a < 8), XOR-ed into the result's sign bit (two more
-    instructions per half2); a symmetric group's offset is -4 * scale, so its codes give sign * round(c * scale).
-    Not `scaled` (unsigned only): the outputs are the codes read as 4 + c, exact, for a caller whose scale and
-    offset differ within a word (its FMA then applies them: two instructions a half2 here, none subtracted)."""
-    assert scaled or not signed
-    first = 12 if signed else 10
-    lines = ["{", ".reg .b32 t, m;" if signed else ".reg .b32 t;"]
-    for a in range(8):
-        shift = f"shl.b32 t, $8, {8 - 2 * a};" if a < 4 else f"shr.b32 t, $8, {2 * a - 8};" if a > 4 else \
-            "mov.b32 t, $8;"
-        out = "t" if scaled else f"${a}"
-        lines += [shift, f"lop3.b32 {out}, t, 0x03000300, 0x44004400, 0xEA;"]
-        if signed:
-            lines += [f"fma.rn.f16x2 t, t, ${first}, ${first + 1};", f"shl.b32 m, $10, {15 - a};",
-                      f"lop3.b32 ${a}, t, m, 0x80008000, 0x78;"]
-        elif scaled:
-            lines.append(f"fma.rn.f16x2 ${a}, t, ${first}, ${first + 1};")
-    lines.append("}")
-    return "\n".join(lines), ",".join(["=r"] * 8 + ["r"] * ((4 if signed else 2) + (2 if scaled else 0)))
-
-
 MAGICS = (4.0, 16.0)             # two_magic_pair_asm reads output a's codes c as MAGICS[a % 2] + c
 
 
 @functools.lru_cache
-def two_magic_pair_asm(scaled: bool = True) -> tuple[str, str]:
-    """(PTX, constraints): dequant_pair_asm's unsigned outputs (codes a and a + 8 of a 2-bit word) from three
-    shifts of the word rather than seven. Output a's codes, at bits 2a and 16 + 2a, are masked where they already
-    lie at mantissa bits 8-9 under the magic 4.0 (a even) or bits 6-7 under 16.0 (a odd): in the word itself
-    (a = 3, 4), the word shifted left 4 (a = 1, 2) or right 4 (a = 5, 6), or with each half's bytes swapped
-    (a = 0, 7; one prmt). So output a reads M_a + c exactly, M_a = MAGICS[a % 2]. pack=2: the word, entered
-    twice, then with `scaled` the word's scale and zero as half2 registers: the PTX forms both offsets
-    zero - M * scale (each rounded once to fp16) and each output leaves as round((M_a + c) * scale + offset_a),
-    within an fp16 ulp of c * scale + zero as dequant_pair_asm's. Not scaled: the outputs M_a + c, for a caller
-    whose scales and offsets zero - M_a * scale differ within a word."""
-    lines = ["{", ".reg .b32 sw, l4, r4, t, o4, o16;", "prmt.b32 sw, $8, 0, 0x2301;", "shl.b32 l4, $8, 4;",
+def two_magic_pair_asm(scaled: bool = True, signed: bool = False) -> tuple[str, str]:
+    """(PTX, constraints): pair_asm(2)'s outputs (output a: codes a and a + 8 of a 2-bit word, an fp16 pair) read
+    under magic numbers and dequantized in the same PTX, one fp16x2 FMA an output, for the Gluon kernels.
+    - Three shifts a word. Output a's codes, at bits 2a and 16 + 2a, are masked where they already lie at mantissa
+      bits 8-9 under the magic 4.0 (a even) or bits 6-7 under 16.0 (a odd): in the word itself (a = 3, 4), the word
+      shifted left 4 (a = 1, 2) or right 4 (a = 5, 6), or with each half's bytes swapped (a = 0, 7; one prmt). A
+      code then reads M_a + c exactly, M_a = MAGICS[a % 2]; one magic would take seven shifts.
+    - pack=2: the word, entered twice; with `signed` its signs register, twice (bit a code a's sign, bit 16 + a code
+      a + 8's, XOR-ed into the result's sign bit: two more instructions an output); with `scaled` the word's scale
+      and zero as half2 registers.
+    - scaled: the PTX forms both offsets zero - M * scale, each rounded once to fp16 (exact where the zero is 0, a
+      symmetric group's), and output a leaves as round((M_a + c) * scale + offset_a): no subtraction of the magic,
+      and within an fp16 ulp of c * scale + zero (a magic this small keeps the offset within half an ulp of
+      |zero - M scale|).
+    - Not scaled (unsigned): the outputs M_a + c, for a caller whose scales and offsets zero - M_a * scale differ
+      within a word."""
+    assert scaled or not signed
+    scale, zero = ("$12", "$13") if signed else ("$10", "$11")
+    lines = ["{", ".reg .b32 sw, l4, r4, t, m, o4, o16;", "prmt.b32 sw, $8, 0, 0x2301;", "shl.b32 l4, $8, 4;",
              "shr.b32 r4, $8, 4;"]
     if scaled:
-        lines += ["mov.b32 o4, 0xC400C400;", "fma.rn.f16x2 o4, $10, o4, $11;",         # -4 and -16, twice
-                  "mov.b32 o16, 0xCC00CC00;", "fma.rn.f16x2 o16, $10, o16, $11;"]
+        lines += ["mov.b32 o4, 0xC400C400;", f"fma.rn.f16x2 o4, {scale}, o4, {zero};",       # -4 and -16, twice
+                  "mov.b32 o16, 0xCC00CC00;", f"fma.rn.f16x2 o16, {scale}, o16, {zero};"]
     for a, src in enumerate(("sw", "l4", "l4", "$8", "$8", "r4", "r4", "sw")):
         mask, magic, offset = ("0x03000300", "0x44004400", "o4") if a % 2 == 0 else ("0x00C000C0", "0x4C004C00", "o16")
-        out = "t" if scaled else f"${a}"
-        lines.append(f"lop3.b32 {out}, {src}, {mask}, {magic}, 0xEA;")
-        if scaled:
-            lines.append(f"fma.rn.f16x2 ${a}, t, $10, {offset};")
+        lines.append(f"lop3.b32 {'t' if scaled else f'${a}'}, {src}, {mask}, {magic}, 0xEA;")
+        if signed:
+            lines += [f"fma.rn.f16x2 t, t, {scale}, {offset};", f"shl.b32 m, $10, {15 - a};",
+                      f"lop3.b32 ${a}, t, m, 0x80008000, 0x78;"]
+        elif scaled:
+            lines.append(f"fma.rn.f16x2 ${a}, t, {scale}, {offset};")
     lines.append("}")
-    return "\n".join(lines), ",".join(["=r"] * 8 + ["r"] * (4 if scaled else 2))
+    return "\n".join(lines), ",".join(["=r"] * 8 + ["r"] * ((4 if signed else 2) + (2 if scaled else 0)))
 
 
 @triton.jit

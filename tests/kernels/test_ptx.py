@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvzoo.kernels.quant_matvec import DEQUANT_MAGIC, MAGICS, dequant_pair_asm, pair_asm, two_magic_pair_asm, unpack_asm
+from kvzoo.kernels.quant_matvec import MAGICS, pair_asm, two_magic_pair_asm, unpack_asm
 
 RNG = np.random.default_rng(0)
 LANES = 4096
@@ -140,45 +140,14 @@ def test_centered_unpack_asm_gives_the_codes_less_half_their_range(bits):
 
 
 def signs_register(signs: np.ndarray) -> np.ndarray:
-    """(n, 16) sign bits of a word's codes -> the signs register dequant_pair_asm(signed=True) takes: code a's at bit a, a + 8's at
-    bit 16 + a (a < 8); the other bits random, which the PTX must ignore."""
+    """(n, 16) sign bits of a word's codes -> the signs register two_magic_pair_asm(signed=True) takes: code a's at
+    bit a, a + 8's at bit 16 + a (a < 8); the other bits random, which the PTX must ignore."""
     bits = signs.astype(np.uint32)
     register = sum(bits[:, a] << a | bits[:, a + 8] << (16 + a) for a in range(8))
     return register | (RNG.integers(0, 2**32, len(signs), dtype=np.uint64).astype(np.uint32) & 0xFF00FF00)
 
 
 SIGNS = RNG.integers(0, 2, (LANES, 16))
-
-
-def test_signed_dequant_asm_negates_the_codes_whose_sign_is_set():
-    """A symmetric group's offset, -4 * scale, leaves sign * code * scale."""
-    register, one = signs_register(SIGNS), half_pair(np.ones((LANES, 2)))
-    offset = half_pair(np.full((LANES, 2), -DEQUANT_MAGIC))
-    out = run_ptx(dequant_pair_asm(True)[0], 8, [WORDS, WORDS, register, register, one, offset])
-    values = codes_of(WORDS, 2) * np.where(SIGNS == 1, -1.0, 1.0)
-    for a in range(8):
-        assert np.array_equal(unpair(out[a]), values[:, [a, a + 8]])
-
-
-@pytest.mark.parametrize("signed", [False, True])
-def test_dequant_pair_asm_is_one_rounding_of_magic_code_times_scale_plus_offset(signed):
-    """Each output (4 + code) * scale + offset, rounded once to fp16, then its sign flipped where the code's is set;
-    with offset = zero - 4 * scale rounded to fp16, within an fp16 ulp of code * scale + zero."""
-    scale = RNG.uniform(0.01, 3.0, (LANES, 2)).astype(np.float16)
-    zero = RNG.uniform(-20.0, 20.0, (LANES, 2)).astype(np.float16)
-    offset = (zero.astype(float) - DEQUANT_MAGIC * scale.astype(float)).astype(np.float16)
-    register = signs_register(SIGNS)
-    inputs = [WORDS, WORDS] + ([register, register] if signed else []) + [half_pair(scale), half_pair(offset)]
-    out = run_ptx(dequant_pair_asm(signed)[0], 8, inputs)
-    sign = np.where(SIGNS == 1, -1.0, 1.0) if signed else np.ones(SIGNS.shape)
-    codes = codes_of(WORDS, 2)
-    for a in range(8):
-        pair = [a, a + 8]
-        magic = (codes[:, pair] + DEQUANT_MAGIC) * scale.astype(float) + offset.astype(float)
-        assert np.array_equal(unpair(out[a]), magic.astype(np.float16).astype(float) * sign[:, pair])
-        exact = codes[:, pair] * scale.astype(float) + zero.astype(float)
-        ulp = np.spacing(np.maximum(np.abs(exact), np.abs(offset.astype(float))).astype(np.float16)).astype(float)
-        assert np.all(np.abs(unpair(out[a]) * sign[:, pair] - exact) <= ulp)
 
 
 def test_two_magic_pair_asm_reads_output_a_as_its_magic_plus_the_code():
@@ -189,26 +158,43 @@ def test_two_magic_pair_asm_reads_output_a_as_its_magic_plus_the_code():
         assert np.array_equal(unpair(out[a]), codes[:, [a, a + 8]] + MAGICS[a % 2])
 
 
-def test_two_magic_pair_asm_is_one_rounding_of_magic_code_times_scale_plus_its_offset():
-    """Each output (M + code) * scale + round(zero - M * scale), rounded once: within an fp16 ulp of code * scale +
-    zero, as dequant_pair_asm's."""
+@pytest.mark.parametrize("signed", [False, True])
+def test_two_magic_pair_asm_is_one_rounding_of_magic_code_times_scale_plus_its_offset(signed):
+    """Each output (M + code) * scale + round(zero - M * scale), rounded once, then its sign flipped where the code's
+    is set: within an fp16 ulp of code * scale + zero."""
     scale = RNG.uniform(0.01, 3.0, (LANES, 2)).astype(np.float16)
     zero = RNG.uniform(-20.0, 20.0, (LANES, 2)).astype(np.float16)
-    out = run_ptx(two_magic_pair_asm()[0], 8, [WORDS, WORDS, half_pair(scale), half_pair(zero)])
+    register = signs_register(SIGNS)
+    inputs = [WORDS, WORDS] + ([register, register] if signed else []) + [half_pair(scale), half_pair(zero)]
+    out = run_ptx(two_magic_pair_asm(signed=signed)[0], 8, inputs)
+    sign = np.where(SIGNS == 1, -1.0, 1.0) if signed else np.ones(SIGNS.shape)
     codes = codes_of(WORDS, 2)
     for a in range(8):
         pair, magic = [a, a + 8], MAGICS[a % 2]
         offset = (zero.astype(float) - magic * scale.astype(float)).astype(np.float16).astype(float)
         want = (codes[:, pair] + magic) * scale.astype(float) + offset
-        assert np.array_equal(unpair(out[a]), want.astype(np.float16).astype(float))
+        assert np.array_equal(unpair(out[a]), want.astype(np.float16).astype(float) * sign[:, pair])
         exact = codes[:, pair] * scale.astype(float) + zero.astype(float)
         ulp = np.spacing(np.maximum(np.abs(exact), np.abs(offset)).astype(np.float16)).astype(float)
-        assert np.all(np.abs(unpair(out[a]) - exact) <= ulp)
+        assert np.all(np.abs(unpair(out[a]) * sign[:, pair] - exact) <= ulp)
+
+
+def test_signed_two_magic_pair_asm_with_zero_0_is_sign_times_code_times_scale():
+    """A symmetric group (zero 0): both offsets exact, each output sign * round(code * scale)."""
+    scale = RNG.uniform(0.01, 3.0, (LANES, 2)).astype(np.float16)
+    register = signs_register(SIGNS)
+    out = run_ptx(two_magic_pair_asm(signed=True)[0], 8,
+                  [WORDS, WORDS, register, register, half_pair(scale), half_pair(np.zeros((LANES, 2)))])
+    values = codes_of(WORDS, 2) * np.where(SIGNS == 1, -1.0, 1.0)
+    for a in range(8):
+        pair = [a, a + 8]
+        want = (np.abs(values[:, pair]) * scale.astype(float)).astype(np.float16).astype(float)
+        assert np.array_equal(unpair(out[a]), want * np.sign(values[:, pair] + 0.5))
 
 
 def test_prmt_selectors_of_a_words_signs():
     """innerq_hopper's byte permute (_signs): a word's 16 signs from its group's slot, 0x0100 for the group's first 16
-    elements and 0x0302 for the other 16, at bits 0-7 and 16-23 as dequant_pair_asm takes them."""
+    elements and 0x0302 for the other 16, at bits 0-7 and 16-23 as two_magic_pair_asm takes them."""
     slot = WORDS
     for select, shift in ((0x0100, 0), (0x0302, 16)):
         out = run_ptx(f"prmt.b32 $0, $1, $2, {select};", 1, [slot, slot, slot])[0]
