@@ -60,9 +60,84 @@ BUSY_PROGRAMS_PER_SM = 3         # from BUSY_ROWS_PER_SM: three programs an SM, 
 BUSY_ROWS_PER_SM = 1             # KV rows (B*H) per SM from which an SM takes BUSY_PROGRAMS_PER_SM
 REGISTERS_PER_SM = 65536
 STAGES = gl.constexpr(2)         # the ring's steps: one in flight while one is read (4 measured slower)
+ROW_OF_TOKEN_BIT = (8, 16, 32, 1, 64, 2, 4)   # the key row n whose token _place(n, 8) is 2^k, k = 0..6
+# a token row's bytes -> {token bit k: token bit XOR-ed into it}, so that the rows of one shared load of the operand
+# layouts land on distinct banks: lanes 2-4 read token bits 3, 5 and 6, and a 64-bit load (32-byte rows) serves
+# lanes 0-15 (token bits 3 and 5) apart from lanes 16-31
+SWIZZLES = {32: {0: 5, 1: 3}, 16: {0: 3, 1: 5, 2: 6}, 8: {1: 5, 2: 6}, 4: {0: 5, 1: 6}}
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared   # 3.9 / 3.6
 _reinterpret = (getattr(gl.shared_memory_descriptor, "reinterpret", None)              # 3.9 / 3.6
                 or gl.shared_memory_descriptor._reinterpret)
+
+
+@gluon.constexpr_function
+def _token_ring(row_bytes, elem_bytes):
+    """The shared layout of a (BLOCK, row_bytes / elem_bytes) tile whose row n is token _place(n, 8) of a step:
+    token-major, as the cache holds them, so that a step's copy writes what it reads contiguously, with the token
+    bits SWIZZLES names XOR-ed into a row's place in its 128 bytes."""
+    bases = [[0, 1 << i] for i in range((row_bytes // elem_bytes).bit_length() - 1)]
+    swizzle = SWIZZLES[row_bytes]
+    for j in range(7):      # offset bit of token bit j: row of token 2^j, and of each token bit that takes j
+        bases.append([ROW_OF_TOKEN_BIT[j] + sum(ROW_OF_TOKEN_BIT[k] for k in swizzle if swizzle[k] == j), 0])
+    return gl.SharedLinearLayout(bases)
+
+
+@gluon.jit
+def _token_stage(ring, stage, dtype: gl.constexpr, cols: gl.constexpr):
+    """Stage `stage` of a (STAGES, BLOCK, words) int32 ring as a (BLOCK, cols) tile of dtype in _token_ring."""
+    row_bytes: gl.constexpr = ring.shape[2] * 4
+    return _reinterpret(ring.index(stage), dtype, [BLOCK, cols], _token_ring(row_bytes, row_bytes // cols))
+
+
+@gluon.constexpr_function
+def _token_copy(cols):
+    """The register layout that copies a (BLOCK, cols) int32 tile of _token_ring: up to 16 bytes a copy, a warp's
+    lanes on consecutive tokens, so one copy instruction reads 512 contiguous bytes."""
+    per = min(cols, 4)
+    regs = [[0, 1 << i] for i in range(per.bit_length() - 1)]
+    rest = [[0, 1 << i] for i in range(per.bit_length() - 1, cols.bit_length() - 1)]
+    rest += [[ROW_OF_TOKEN_BIT[k], 0] for k in range(7)]
+    return gl.DistributedLinearLayout(regs + rest[7:], rest[:5], rest[5:7], [], [TOKENS, cols])
+
+
+@gluon.constexpr_function
+def _key_groups4(ng):
+    """_operand_layouts' key groups layout LKG (BLOCK, ng) seen as (n bits 3-6, n bits 1-2, n bit 0, group): n bits
+    1-2 are the 32-token block of token _place(n, 8), whose mask word a row's group reads."""
+    lanes = [[0, 0, 0, 1], [0, 0, 0, 2]] if ng == 4 else [[0, 0, 0, 0], [0, 0, 0, 1]]
+    return gl.DistributedLinearLayout([[1, 0, 0, 0], [8, 0, 0, 0]], lanes + [[0, 0, 1, 0], [0, 1, 0, 0], [0, 2, 0, 0]],
+                                      [[2, 0, 0, 0], [4, 0, 0, 0]], [], [16, TOKENS // 32, 2, ng])
+
+
+@gluon.constexpr_function
+def _value_groups3(d):
+    """_operand_layouts' value groups layout LVG (d, groups) seen as (channel // 32, channel % 32, group)."""
+    return gl.DistributedLinearLayout([[0, 8, 0]] + ([[2, 0, 0]] if d == 128 else []),
+                                      [[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]], [[0, 16, 0], [1, 0, 0]],
+                                      [], [d // 32, 32, TOKENS // 32])
+
+
+@gluon.jit
+def _key_masks(m_s, LG: gl.constexpr):
+    """The step's (GS, NG) key mask words [32-token block, group] (shared) as each key row's group's word, (BLOCK,
+    NG) in layout LG: one word a thread, broadcast over its rows."""
+    GS: gl.constexpr = m_s.shape[0]
+    NG: gl.constexpr = m_s.shape[1]
+    L4: gl.constexpr = _key_groups4(NG)
+    m = gl.expand_dims(gl.expand_dims(m_s.load(gl.SliceLayout(0, gl.SliceLayout(2, L4))), 0), 2)  # (1, GS, 1, NG)
+    m = gl.broadcast(m, gl.zeros([16, GS, 2, NG], gl.int32, L4))[0]
+    return gl.convert_layout(gl.reshape(m, (BLOCK, NG)), LG)
+
+
+@gluon.jit
+def _value_masks(m_s, LG: gl.constexpr):
+    """The step's (D/32, GS) value mask words [channel // 32, group] (shared) as each value row's, (D, GS) in LG."""
+    H: gl.constexpr = m_s.shape[0]
+    GS: gl.constexpr = m_s.shape[1]
+    L3: gl.constexpr = _value_groups3(H * 32)
+    m = gl.expand_dims(m_s.load(gl.SliceLayout(1, L3)), 1)                                    # (D/32, 1, GS)
+    m = gl.broadcast(m, gl.zeros([H, 32, GS], gl.int32, L3))[0]
+    return gl.convert_layout(gl.reshape(m, (H * 32, GS)), LG)
 
 
 @gluon.jit
@@ -84,33 +159,37 @@ def _signs(slot, sym, half):
 @gluon.jit
 def _copy_step(rings, stage, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_ptr, vm_ptr, t, last, MASK_UPTO,
                s_kmg, D: gl.constexpr, HAS_SYM: gl.constexpr):
-    """Issue step t's cp.async copies into ring stage `stage`: key words (BLOCK, W), key slots and mask words
-    (BLOCK, NG) and scales (BLOCK, NG/2 int32: two fp16 a word), row n token _place(n, 8) of the step; value words
-    (D, BLOCK/16), value slots and mask words (D, GS) and scales (D/2 int32, GS), row c channel c. A mask word is
-    gathered once a row (the word holding the row's bit). Copies move 4-16 bytes: the scales go as int32."""
+    """Issue step t's cp.async copies into ring stage `stage`: key words (BLOCK, W), key slots (BLOCK, NG) and
+    scales (BLOCK, NG/2 int32: two fp16 a word), row n token _place(n, 8) of the step (_token_ring, copied token by
+    token, _token_copy); value words (D, BLOCK/16), value slots (D, GS) and scales (D/2 int32, GS), row c channel c;
+    the mask words the step reads, keys' (GS, NG) and values' (D/32, GS). Copies move 4-16 bytes: the scales go as
+    int32."""
     W: gl.constexpr = D // 16
     NG: gl.constexpr = D // 32
     GS: gl.constexpr = BLOCK // 32
-    CKW: gl.constexpr = gl.BlockedLayout([1, W], [32, 1], [WARPS, 1], [1, 0])
-    CKG: gl.constexpr = gl.BlockedLayout([1, NG], [32, 1], [WARPS, 1], [1, 0])
-    CKS: gl.constexpr = gl.BlockedLayout([1, NG // 2], [32, 1], [WARPS, 1], [1, 0])
+    CKW: gl.constexpr = _token_copy(W)
+    CKG: gl.constexpr = _token_copy(NG)
+    CKS: gl.constexpr = _token_copy(NG // 2)
+    CM: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [WARPS, 1], [1, 0])
     CVW: gl.constexpr = gl.BlockedLayout([4, 1], [D // 4, 128 // D], [1, WARPS], [0, 1])
     CVG: gl.constexpr = gl.BlockedLayout([D // 32, 1], [32, 1], [1, WARPS], [0, 1])
     CVS: gl.constexpr = gl.BlockedLayout([D // 64, 1], [32, 1], [1, WARPS], [0, 1])
+    mask_last = gl.minimum(last // 32, gl.maximum(MASK_UPTO - 1, 0) // 32)   # the last mask word read
     kw_s, ks_s, kz_s, km_s, vw_s, vs_s, vz_s, vm_s = rings
     n = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, CKW))
     tw = gl.minimum(t * 32 + _place(n, 8), last)[:, None]                          # (BLOCK, 1)
-    _async_load(kw_s.index(stage), kc_ptr + tw * W + gl.arange(0, W, layout=gl.SliceLayout(0, CKW))[None, :])
+    _async_load(_token_stage(kw_s, stage, gl.int32, W), kc_ptr + tw * W + gl.arange(0, W, layout=gl.SliceLayout(0, CKW))[None, :])
     n = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, CKS))
     tg = gl.minimum(t * 32 + _place(n, 8), last)[:, None]
-    _async_load(ks_s.index(stage), ks_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + tg * (NG // 2)
+    _async_load(_token_stage(ks_s, stage, gl.int32, NG // 2), ks_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + tg * (NG // 2)
                 + gl.arange(0, NG // 2, layout=gl.SliceLayout(0, CKS))[None, :])
     n = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, CKG))
     tg = gl.minimum(t * 32 + _place(n, 8), last)[:, None]
     g = gl.arange(0, NG, layout=gl.SliceLayout(0, CKG))[None, :]
-    _async_load(kz_s.index(stage), kz_ptr + tg * NG + g)
+    _async_load(_token_stage(kz_s, stage, gl.int32, NG), kz_ptr + tg * NG + g)
     if HAS_SYM:
-        _async_load(km_s.index(stage), km_ptr + g * s_kmg + gl.minimum(tg, gl.maximum(MASK_UPTO - 1, 0)) // 32)
+        block = gl.minimum(t + gl.arange(0, GS, layout=gl.SliceLayout(1, CM)), mask_last)[:, None]
+        _async_load(km_s.index(stage), km_ptr + block + gl.arange(0, NG, layout=gl.SliceLayout(0, CM))[None, :] * s_kmg)
     c = gl.arange(0, D, layout=gl.SliceLayout(1, CVW))[:, None]
     chunk = gl.minimum(t * 2 + gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(0, CVW)), last // 16)[None, :]
     _async_load(vw_s.index(stage), vc_ptr + chunk * D + c)
@@ -121,8 +200,8 @@ def _copy_step(rings, stage, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_
     gv = gl.minimum(t + gl.arange(0, GS, layout=gl.SliceLayout(0, CVG)), last // 32)[None, :]
     _async_load(vz_s.index(stage), vz_ptr + gv * D + c)
     if HAS_SYM:
-        _async_load(vm_s.index(stage),
-                    vm_ptr + gl.minimum(gv, gl.maximum(MASK_UPTO - 1, 0) // 32) * (D // 32) + c // 32)
+        block = gl.minimum(t + gl.arange(0, GS, layout=gl.SliceLayout(0, CM)), mask_last)[None, :]
+        _async_load(vm_s.index(stage), vm_ptr + block * (D // 32) + gl.arange(0, D // 32, layout=gl.SliceLayout(1, CM))[:, None])
     async_copy.commit_group()
 
 
@@ -135,16 +214,15 @@ def _per_word(x, L: gl.constexpr):
 
 
 @gluon.jit
-def _read_step(w_s, s_s, z_s, m_s, sym_extra, bit, LW: gl.constexpr, LG: gl.constexpr, SL: gl.constexpr,
-               HAS_SYM: gl.constexpr):
+def _read_step(w_s, s_s, z_s, masks, sym_extra, bit, LW: gl.constexpr, LG: gl.constexpr, HAS_SYM: gl.constexpr):
     """A ring stage's words (R, W) in layout LW and their scale, fp16 zero and signs, from the (R, NG) group
-    scales (int32 pairs, read as fp16 in shared layout SL), slots and mask words (LG): a group is symmetric where
-    its mask word's bit `bit` is set or sym_extra."""
+    scales (fp16) and slots, and the groups' mask words (LG): a group is symmetric where its mask word's bit `bit`
+    is set or sym_extra."""
     kw = w_s.load(LW)
-    scale = _reinterpret(s_s, gl.float16, [kw.shape[0], kw.shape[1] // 2], SL).load(LG)
+    scale = s_s.load(LG)
     slot = z_s.load(LG)
     if HAS_SYM:
-        sym = (((m_s.load(LG) >> bit) & 1) != 0) | sym_extra
+        sym = (((masks >> bit) & 1) != 0) | sym_extra
         zero = gl.zeros_like(slot)
         signs = gl.join(_signs(slot, sym, zero), _signs(slot, sym, zero + 1))
         signs = gl.convert_layout(gl.reshape(signs, (kw.shape[0], kw.shape[1])), LW)
@@ -167,7 +245,7 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
     NG: gl.constexpr = D // 32
     LKW: gl.constexpr = gl.SliceLayout(2, LK)                       # key words (BLOCK, W)
     LVW: gl.constexpr = gl.SliceLayout(2, LV)                       # value words (D, BLOCK/16)
-    RING: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 1, [1, 0])   # keys': rows of tokens
+    RING: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])   # row-major: mask words; keys' (_token_stage)
     # values': (channel, column) tiles stored by column, their 16-byte units XOR-swizzled by the column, so that
     # the four lanes of a row read four banks
     VRING: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [0, 1])
@@ -190,14 +268,14 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
     dq = _place(gl.arange(0, D, layout=gl.SliceLayout(0, LQ)), W)
     q_s = gl.allocate_shared_memory(gl.float16, [ROWS, D], TILE, _query(q_ptr, qs_ptr, kv, dq, REP, ROWS, HAS_QS))
     p_s = gl.allocate_shared_memory(gl.float16, [ROWS, BLOCK], TILE)
-    rings = (gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK, W], RING),           # key words
+    rings = (gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK, W], RING),            # key words (_token_stage)
              gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK, NG // 2], RING),      # key scales, fp16 pairs
              gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK, NG], RING),           # key slots
-             gl.allocate_shared_memory(gl.int32, [MASKS, BLOCK, NG], RING),            # key mask words
+             gl.allocate_shared_memory(gl.int32, [MASKS, GS, NG], RING),               # key mask words
              gl.allocate_shared_memory(gl.int32, [STAGES, D, BLOCK // 16], VRING),     # value words
              gl.allocate_shared_memory(gl.int32, [STAGES, D // 2, GS], GRING),         # value scales, fp16 pairs
              gl.allocate_shared_memory(gl.int32, [STAGES, D, GS], GRING),              # value slots
-             gl.allocate_shared_memory(gl.int32, [MASKS, D, GS], GRING))               # value mask words
+             gl.allocate_shared_memory(gl.int32, [MASKS, D // 32, GS], RING))          # value mask words
     m = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
     l = gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA)              # each thread's tokens' share of the row sums
     acc = gl.zeros([D, ROWS], gl.float32, layout=MMA)                # accᵀ, rows the real channels
@@ -223,15 +301,19 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
         _copy_step(rings, (stage + STAGES - 1) % STAGES, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_ptr,
                    vm_ptr, t + (STAGES - 1) * GS, last, MASK_UPTO, s_kmg, D, HAS_SYM)
         tk = gl.minimum(t * 32 + nk, last)[:, None]                                  # (BLOCK, 1)
-        kw, ks, kz, k_signs = _read_step(rings[0].index(stage), rings[1].index(stage), rings[2].index(stage),
-                                         rings[3].index(stage % MASKS), tk >= MASK_UPTO, tk % 32, LKW, LKG, RING,
-                                         HAS_SYM)
+        masks = _key_masks(rings[3].index(stage % MASKS), LKG) if HAS_SYM else tk
+        kw, ks, kz, k_signs = _read_step(_token_stage(rings[0], stage, gl.int32, W),
+                                         _token_stage(rings[1], stage, gl.float16, NG),
+                                         _token_stage(rings[2], stage, gl.int32, NG), masks, tk >= MASK_UPTO, tk % 32,
+                                         LKW, LKG, HAS_SYM)
         ka = _operand(_unpack_pairs(kw, LK, k_signs if HAS_SYM else None, ks, kz), A)
         s = warpgroup_mma(ka, q_s.permute((1, 0)), gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA), is_async=True)
         g = gl.minimum(t + gv, last // 32)
-        vw, vs, vz, v_signs = _read_step(rings[4].index(stage), rings[5].index(stage), rings[6].index(stage),
-                                         rings[7].index(stage % MASKS), g * 32 >= MASK_UPTO, cv % 32, LVW, LVG,
-                                         GRING16, HAS_SYM)
+        masks = _value_masks(rings[7].index(stage % MASKS), LVG) if HAS_SYM else g
+        vw, vs, vz, v_signs = _read_step(rings[4].index(stage),
+                                         _reinterpret(rings[5].index(stage), gl.float16, [D, GS], GRING16),
+                                         rings[6].index(stage), masks, g * 32 >= MASK_UPTO, cv % 32, LVW, LVG,
+                                         HAS_SYM)
         va = _operand(_unpack_pairs(vw, LV, v_signs if HAS_SYM else None, vs, vz), A)
         s = warpgroup_mma_wait(0, deps=[s, ka])[0]                  # the scores, computed as the values unpacked
         s = s * qk_scale + gl.where(t * 32 + ns <= last, 0.0, float("-inf"))[:, None]  # one FMA; masked: -inf
