@@ -14,8 +14,11 @@ STAGES steps), and are read from there in the layout the unpack PTX turns into A
 _operand): a thread holds one group per row (its lane's two adjacent code words; four lanes read a token's 32
 bytes), so each word takes one scale, one offset and one register of signs. A's columns are logical: column i of
 the key operand is channel _place(i, d/16) (the query is loaded in that order), column i of the value operand
-token _place(i, 8) of the step, so the key rows are copied in that token order and the weights p need no
-reordering; the output rows are the real channels. InnerQ's groups make every code word one group's:
+token _place(i, 8) of the step, so the key rows are in that token order and the weights p need no reordering; the
+output rows are the real channels. The keys' words, scales and slots are copied token by token into token-major
+rings whose rows are swizzled for the operand's reads (_token_ring, _token_copy): a copy instruction reads 512
+contiguous bytes and writes them without bank conflicts. A step's mask words are copied once (16 a side, not one
+a row) and broadcast over the rows that read them. InnerQ's groups make every code word one group's:
   - a key word holds 16 channels of one token's group, a value word 16 tokens of one channel's group (the values
     are packed along the tokens, kvquant.pack_tokens);
   - a slot is the fp32 zero point of an asymmetric group or the 32 sign bits of a symmetric one, whose zero is 0
@@ -33,7 +36,8 @@ the Triton kernel rounds it, then zero - M * scale rounded once more on asymmetr
 fp16 operands, fp32 products and softmax, the query times the key normalization in the model dtype, then fp16.
 
 Speed: docs/decode.md, "InnerQ's split kernel in Gluon", "InnerQ's operands in registers", "InnerQ's codes
-through shared memory" and "KIVI's codes under two magic numbers" (which this kernel's unpack shares).
+through shared memory", "KIVI's codes under two magic numbers" (which this kernel's unpack shares) and "InnerQ's
+keys copied token by token".
 KVZOO_INNERQ_KERNEL=triton|gluon|auto (default) overrides the choice: triton never takes this kernel.
 """
 
