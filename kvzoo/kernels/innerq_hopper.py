@@ -10,7 +10,7 @@ Both products run on the tensor cores with the dequantized tile as the wgmma's A
     s    (128 tokens, ROWS) = K (128, d) · qᵀ         A: the keys, a row per token
     accᵀ (d, ROWS)       += Vᵀ (d, 128) · pᵀ         A: the values, a row per channel
 A step's codes, scales, slots and mask words reach shared memory by cp.async a step ahead (_copy_step, a ring of
-STAGES steps), and are read from there in the layout the unpack PTX turns into A's registers (_operand_layouts,
+STAGES_* steps), and are read from there in the layout the unpack PTX turns into A's registers (_operand_layouts,
 _operand): a thread holds one group per row (its lane's two adjacent code words; four lanes read a token's 32
 bytes), so each word takes one scale, one offset and one register of signs. A's columns are logical: column i of
 the key operand is channel _place(i, d/16) (the query is loaded in that order), column i of the value operand
@@ -63,7 +63,9 @@ PROGRAMS_PER_SM = 2              # split-K sizing below BUSY_ROWS_PER_SM, as the
 BUSY_PROGRAMS_PER_SM = 3         # from BUSY_ROWS_PER_SM: three programs an SM, capped
 BUSY_ROWS_PER_SM = 1             # KV rows (B*H) per SM from which an SM takes BUSY_PROGRAMS_PER_SM
 REGISTERS_PER_SM = 65536
-STAGES = gl.constexpr(2)         # the ring's steps: one in flight while one is read (4 measured slower)
+# the ring's steps, by the groups: one (asymmetric: two) in flight while one is read. A third step made asymmetric
+# groups 6% faster at 128K, batch 1 and hybrid ones no faster; four were slower
+STAGES_ASYM, STAGES_HYBRID = gl.constexpr(3), gl.constexpr(2)
 ROW_OF_TOKEN_BIT = (8, 16, 32, 1, 64, 2, 4)   # the key row n whose token _place(n, 8) is 2^k, k = 0..6
 # a token row's bytes -> {token bit k: token bit XOR-ed into it}, so that the rows of one shared load of the operand
 # layouts land on distinct banks: lanes 2-4 read token bits 3, 5 and 6, and a 64-bit load (32-byte rows) serves
@@ -255,6 +257,7 @@ def _split_kernel(q_ptr, qs_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr,
     VRING: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [0, 1])
     GRING: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 4, [0, 1])
     GRING16: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 4, [0, 1])   # GRING's bytes read as fp16
+    STAGES: gl.constexpr = STAGES_HYBRID if HAS_SYM else STAGES_ASYM
     MASKS: gl.constexpr = STAGES if HAS_SYM else 1                       # the mask words' ring (unread: 1)
 
     kv = gl.program_id(0)                        # b * H + h
