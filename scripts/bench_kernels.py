@@ -40,6 +40,12 @@ kernels whose name holds one of the given texts; --shapes replaces the four (bat
 tensor-core dots and the online softmax left out (the codes of both streams unpacked and scaled as the kernel does,
 summed into registers so nothing is dead), at 4 and 8 warps, against the whole kernel and the read floor.
 
+--profile CASE: one --floors kernel at one --shapes shape, launched twice, then once between cudaProfilerStart and
+cudaProfilerStop, so that Nsight Compute profiles that launch's kernels alone (nothing is timed or written):
+
+    ncu --profile-from-start off --set full --import-source yes -o innerq \
+        python scripts/bench_kernels.py --profile "InnerQ-2 hybrid" --shapes 1x131072
+
 Writes OUT.json and OUT.md (GPU, versions, settings, tables); refuses to replace them without --overwrite.
 """
 
@@ -106,6 +112,8 @@ def parse_args():
                        help="every fused attention at 32K/128K, batch 1 and 32, against its read floor")
     table.add_argument("--stages", action="store_true",
                        help="the 2-bit outer kernel's unpacking alone against the whole kernel and the floor")
+    table.add_argument("--profile", metavar="CASE",
+                       help="one --floors kernel (its whole name) at one --shapes shape, launched once for a profiler")
     parser.add_argument("--cases", nargs="+", metavar="TEXT",
                         help="--floors: only the kernels whose name holds one of these (e.g. outer SDPA)")
     parser.add_argument("--shapes", nargs="+", metavar="BxN", type=shape,
@@ -119,8 +127,12 @@ def parse_args():
         parser.error("--runs must be at least 100")
     if args.cases and not args.floors:
         parser.error("--cases selects --floors kernels; add --floors")
-    if args.shapes and not (args.floors or args.stages):
+    if args.shapes and not (args.floors or args.stages or args.profile):
         parser.error("--shapes sets the --floors and --stages tables' rows; add one of them")
+    if args.profile is not None and args.profile not in FLOOR_CASES:
+        parser.error(f"--profile {args.profile!r} is not a kernel's whole name; the kernels: {'; '.join(FLOOR_CASES)}")
+    if args.profile is not None and len(args.shapes or ()) != 1:
+        parser.error("--profile takes one --shapes BxN, the shape it launches")
     unmatched = [c for c in args.cases or () if not any(wanted(name, [c]) for name in FLOOR_CASES)]
     if unmatched:
         parser.error(f"--cases {unmatched} names no kernel; the kernels: {'; '.join(FLOOR_CASES)}")
@@ -436,6 +448,24 @@ def floor_cases(B: int, N: int, gen: torch.Generator):
     yield from zip(FLOOR_CASES, builders)                                # in FLOOR_CASES' order
 
 
+def profile_once(case: str, B: int, N: int, gen: torch.Generator, start=torch.cuda.profiler.start,
+                 stop=torch.cuda.profiler.stop) -> None:
+    """The floor case named `case` over B rows x N tokens, built and launched twice (compiled, caches warm), then
+    launched once between start and stop, the profiler's range."""
+    for name, build in floor_cases(B, N, gen):
+        if name == case:
+            launch, _ = build()
+            launch()
+            launch()
+            torch.cuda.synchronize()
+            start()
+            launch()
+            torch.cuda.synchronize()
+            stop()
+            print(f"profiled one launch of {name}: batch {B}, {N} tokens")
+            return
+
+
 def triton_only(hopper, launch):
     """launch with the Gluon kernel of module `hopper` (kvzoo/kernels/*_hopper.py; None: a Triton without Gluon)
     switched off while it runs, so the Triton kernel alone is what the timer's graph captures."""
@@ -600,6 +630,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
 def main() -> None:
     args = parse_args()
     require_compiled_gpu("bench_kernels.py", "tests/kernels/test_kernels.py")
+    if args.profile is not None:
+        profile_once(args.profile, *args.shapes[0], torch.Generator(device=DEVICE).manual_seed(0))
+        return
     paths = output_paths(args.out, args.overwrite)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "cuda": torch.version.cuda, "bits": BITS, "window": WINDOW, "runs": args.runs, "warmup": args.warmup,

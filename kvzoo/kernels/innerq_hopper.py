@@ -138,12 +138,12 @@ def _key_masks(m_s, LG: gl.constexpr):
 @gluon.jit
 def _value_masks(m_s, LG: gl.constexpr):
     """The step's (D/32, GS) value mask words [channel // 32, group] (shared) as each value row's, (D, GS) in LG."""
-    H: gl.constexpr = m_s.shape[0]
+    WORDS: gl.constexpr = m_s.shape[0]
     GS: gl.constexpr = m_s.shape[1]
-    L3: gl.constexpr = _value_groups3(H * 32)
+    L3: gl.constexpr = _value_groups3(WORDS * 32)
     m = gl.expand_dims(m_s.load(gl.SliceLayout(1, L3)), 1)                                    # (D/32, 1, GS)
-    m = gl.broadcast(m, gl.zeros([H, 32, GS], gl.int32, L3))[0]
-    return gl.convert_layout(gl.reshape(m, (H * 32, GS)), LG)
+    m = gl.broadcast(m, gl.zeros([WORDS, 32, GS], gl.int32, L3))[0]
+    return gl.convert_layout(gl.reshape(m, (WORDS * 32, GS)), LG)
 
 
 @gluon.jit
@@ -184,10 +184,12 @@ def _copy_step(rings, stage, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_
     kw_s, ks_s, kz_s, km_s, vw_s, vs_s, vz_s, vm_s = rings
     n = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, CKW))
     tw = gl.minimum(t * 32 + _place(n, 8), last)[:, None]                          # (BLOCK, 1)
-    _async_load(_token_stage(kw_s, stage, gl.int32, W), kc_ptr + tw * W + gl.arange(0, W, layout=gl.SliceLayout(0, CKW))[None, :])
+    _async_load(_token_stage(kw_s, stage, gl.int32, W),
+                kc_ptr + tw * W + gl.arange(0, W, layout=gl.SliceLayout(0, CKW))[None, :])
     n = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, CKS))
     tg = gl.minimum(t * 32 + _place(n, 8), last)[:, None]
-    _async_load(_token_stage(ks_s, stage, gl.int32, NG // 2), ks_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + tg * (NG // 2)
+    _async_load(_token_stage(ks_s, stage, gl.int32, NG // 2),
+                ks_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + tg * (NG // 2)
                 + gl.arange(0, NG // 2, layout=gl.SliceLayout(0, CKS))[None, :])
     n = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, CKG))
     tg = gl.minimum(t * 32 + _place(n, 8), last)[:, None]
@@ -195,7 +197,8 @@ def _copy_step(rings, stage, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_
     _async_load(_token_stage(kz_s, stage, gl.int32, NG), kz_ptr + tg * NG + g)
     if HAS_SYM:
         block = gl.minimum(t + gl.arange(0, GS, layout=gl.SliceLayout(1, CM)), mask_last)[:, None]
-        _async_load(km_s.index(stage), km_ptr + block + gl.arange(0, NG, layout=gl.SliceLayout(0, CM))[None, :] * s_kmg)
+        g = gl.arange(0, NG, layout=gl.SliceLayout(0, CM))[None, :]
+        _async_load(km_s.index(stage), km_ptr + g * s_kmg + block)
     c = gl.arange(0, D, layout=gl.SliceLayout(1, CVW))[:, None]
     chunk = gl.minimum(t * 2 + gl.arange(0, BLOCK // 16, layout=gl.SliceLayout(0, CVW)), last // 16)[None, :]
     _async_load(vw_s.index(stage), vc_ptr + chunk * D + c)
@@ -207,7 +210,8 @@ def _copy_step(rings, stage, kc_ptr, ks_ptr, kz_ptr, km_ptr, vc_ptr, vs_ptr, vz_
     _async_load(vz_s.index(stage), vz_ptr + gv * D + c)
     if HAS_SYM:
         block = gl.minimum(t + gl.arange(0, GS, layout=gl.SliceLayout(0, CM)), mask_last)[None, :]
-        _async_load(vm_s.index(stage), vm_ptr + block * (D // 32) + gl.arange(0, D // 32, layout=gl.SliceLayout(1, CM))[:, None])
+        word = gl.arange(0, D // 32, layout=gl.SliceLayout(1, CM))[:, None]
+        _async_load(vm_s.index(stage), vm_ptr + block * (D // 32) + word)
     async_copy.commit_group()
 
 

@@ -70,7 +70,9 @@ def test_cases_select_kernels_by_name():
 @pytest.mark.parametrize("argv,message", [
     (["--cases", "outer"], "add --floors"), (["--floors", "--cases", "outer", "nope"], "['nope'] names no kernel"),
     (["--shapes", "1x1024"], "add one of them"), (["--floors", "--shapes", "79"], "'79' is not BxN"),
-    (["--stages", "--shapes", "1x100"], "a multiple of 128"), (["--floors", "--shapes", "0x1024"], "B >= 1")])
+    (["--stages", "--shapes", "1x100"], "a multiple of 128"), (["--floors", "--shapes", "0x1024"], "B >= 1"),
+    (["--profile", "InnerQ", "--shapes", "1x1024"], "'InnerQ' is not a kernel's whole name"),
+    (["--profile", "fp16 SDPA"], "takes one --shapes"), (["--profile", "fp16 SDPA", "--floors"], "not allowed")])
 def test_bad_cases_and_shapes_are_refused_by_name(argv, message, monkeypatch, capsys):
     bench = bench_module()
     monkeypatch.setattr(sys, "argv", ["bench_kernels.py", *argv])
@@ -83,6 +85,19 @@ def test_shapes_replace_the_table_rows(monkeypatch):
     bench = bench_module()
     monkeypatch.setattr(sys, "argv", ["bench_kernels.py", "--floors", "--shapes", "79x32768", "1x256"])
     assert bench.parse_args().shapes == [(79, 32768), (1, 256)]
+
+
+def test_profile_launches_its_case_once_inside_the_range(monkeypatch):
+    bench = bench_module()
+    monkeypatch.setattr(sys, "argv", ["bench_kernels.py", "--profile", "fp16 SDPA", "--shapes", "2x256"])
+    args = bench.parse_args()
+    assert args.profile == "fp16 SDPA" and args.shapes == [(2, 256)]
+    events = []
+    monkeypatch.setattr(bench.F, "scaled_dot_product_attention", lambda *a, **k: events.append("launch"))
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    bench.profile_once("fp16 SDPA", 2, 256, torch.Generator(device=DEVICE).manual_seed(0),
+                       lambda: events.append("start"), lambda: events.append("stop"))
+    assert events == ["launch", "launch", "start", "launch", "stop"]
 
 
 def test_aligned_bytes_follow_the_levels():
