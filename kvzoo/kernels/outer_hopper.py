@@ -52,16 +52,12 @@ where the Triton kernel rounds the model's table at p0 + j once). Its keys go th
 (the rotations' tables are read per token), in the logical channel order of the values (_real), dequantized after
 the unpack PTX; a thread holds channels c and c + d/2 of its key words (LPK), which share a table value.
 
-Speed (Llama-3.1-8B heads, rep 4, one H100, L2 flushed; docs/decode.md, "KIVI's and SQuat's quantized runs in
-Gluon" and "Eight query rows a program"): with the tail beside it, the whole operation at 32K, batch 32 takes 611 us
-against the Triton kernel's 814, at 128K, batch 1 96 against 118, at 32K, batch 1 32.5 against 40.4
-(`python scripts/bench_kernels.py --floors --cases "KIVI-2" --shapes 1x131072 1x32768 32x32768`). Keys stored
-before RoPE (one H200, "KIVI*'s keys rotated in the Gluon kernel"): 47.9 us against the Triton kernel's 54.8 at 32K,
-batch 1, 1,017 against 1,237 at 32K, batch 32 (`--cases "KIVI*"`). The keys in A's registers (one H200, "KIVI's
-keys in the wgmma's registers"): 30.6 us against 32.6 through shared memory at 32K, batch 1, 562 against 626 at 32K,
-batch 32. Codes under two magic numbers and row sums per thread (one H200, "KIVI's codes under two magic numbers"):
-81.5 us against 88.2 under one magic at 128K, batch 1, 483 against 562 at 32K, batch 32. Below MIN_GROUP_ROWS of
-work (KV rows x groups) the Triton kernel runs alone.
+Speed (Llama-3.1-8B heads, rep 4, one H200, L2 flushed, with the tail beside it; docs/decode.md, "KIVI's codes
+under two magic numbers"): 30.1 us at 32K, batch 1 and 80.8 at 128K, batch 1, where the Triton kernel alone takes
+40.7 and 119.4 (`python scripts/bench_kernels.py --floors --cases KIVI-2 --shapes 1x32768 1x131072`,
+results/kernels/h200/kivi-innerq-b1); 482 us at 32K, batch 32. Keys stored before RoPE: 45-46 us at 32K, batch 1,
+936 at 32K, batch 32 (`--cases "KIVI*"`, results/kernels/h200/two-magics). Below MIN_GROUP_ROWS of work (KV rows x
+groups) the Triton kernel runs alone.
 KVZOO_OUTER_KERNEL=triton|gluon|auto (default) overrides the choice: triton never takes this kernel, gluon takes it
 wherever the layout allows.
 """
