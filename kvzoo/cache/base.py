@@ -93,6 +93,7 @@ class Positions:
 
 
 UPKEEP = "step upkeep"       # side_stream role of the work a static step runs `beside` it
+TAIL = "attention tail"      # side_stream role of an attention's exact tokens, beside its quantized ones
 
 
 @dataclass
@@ -125,6 +126,26 @@ class StaticStep:
         self.forked = True
         with torch.cuda.stream(side):
             yield
+
+    @contextlib.contextmanager
+    def tail(self, *inputs: Tensor):
+        """Run the block's work where only the attention's exact tokens read its results (the token's window rows):
+        on a GPU on the attention's second stream (side_stream TAIL, yielded), which the attention joins before
+        its combine (innerq_decode_attention runs its window kernel there), so it overlaps the quantized part;
+        elsewhere in order (yields None). inputs: as `beside`'s."""
+        if not self.slot.is_cuda:
+            yield None
+            return
+        main, side = torch.cuda.current_stream(self.slot.device), side_stream(self.slot.device, TAIL)
+        side.wait_stream(main)
+        for t in inputs:
+            t.record_stream(side)
+        try:
+            with torch.cuda.stream(side):
+                yield side
+        except BaseException:       # the attention never joins it: a graph capture must not end with work apart
+            main.wait_stream(side)
+            raise
 
     def join(self) -> None:
         """The step's end: what ran `beside` it is done before anything after it."""

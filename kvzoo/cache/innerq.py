@@ -452,17 +452,19 @@ class InnerQCache(WholeStep, LayerCache):
 
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
         """decode with fixed shapes: the token's k, v into their windows' rows and the keys aligned with the value
-        window (_aligned_keys), then the fused kernel over every quantized slot (`lengths` says which are live),
-        the sink and the value window's rows with their keys; then, beside the step (StaticStep.beside: a second
-        stream on a GPU, joined at the step's end), the key leaving its window quantized and a value window the
-        token filled quantizing its oldest group, at device-held slots."""
+        window (_aligned_keys), on a GPU on the attention's second stream (StaticStep.tail), where the fused
+        kernel's window part then runs beside its quantized part; the fused kernel over every quantized slot
+        (`lengths` says which are live), the sink and the value window's rows with their keys; then, beside the
+        step (StaticStep.beside: a second stream on a GPU, joined at the step's end), the key leaving its window
+        quantized and a value window the token filled quantizing its oldest group, at device-held slots."""
         q, k = self.attn.rope(q, k, step.ids)
-        if self.opts.key_norm:
-            k = k / self.norm                            # the kernel multiplies q by the norm
         n_q, lengths = self._static_lengths(step)
         st = self.store
-        st.write_token_at(self.length, step, {"k": k, "v": v})      # k, v (B, H, 1, d) into their window rows
-        keys = self._aligned_keys(step, n_q)
+        with step.tail(k, v):               # only the kernel's window part reads these: beside its quantized part
+            if self.opts.key_norm:
+                k = k / self.norm                        # the kernel multiplies q by the norm
+            st.write_token_at(self.length, step, {"k": k, "v": v})  # k, v (B, H, 1, d) into their window rows
+            keys = self._aligned_keys(step, n_q)
         out = self._attend_fused(q, None, ((st.sink("k"), st.sink("v")), (keys, st.recent("v"))),
                                  lengths, self.norm[:, :, 0] if self.opts.key_norm else None)
         with step.beside():                 # nothing later in the step reads this layer's windows or codes

@@ -35,7 +35,10 @@ Three kernels:
      writes an empty partial (m = -inf). On an H100, 2-bit codes with head_dim 64 or 128 and at most 16 query
      rows a KV head take the same split in Gluon instead (kvzoo/kernels/innerq_hopper.py), 128 tokens a step.
   2. windows: grid (B*H, blocks). The exact window tokens, a block of 32 a program (tl.dot against k_win/v_win),
-     with the same online softmax, one more partial a block (the last columns).
+     with the same online softmax, one more partial a block (the last columns). On a GPU (WINDOWS_BESIDE) it runs
+     on the attention's second stream (side_stream TAIL), launched before the split kernel and beside it, after
+     the current stream's work and whatever the caller issued on that stream (the token's window rows:
+     StaticStep.tail), so that neither it nor those writes sit on the step's path.
   3. combine: grid (B*H,). Merges every column's partial (combine, shared with outer_attention), divides by l
      and writes (B, Hq, d) in q's dtype.
 fp32 inputs use exact fp32 dots (input_precision "ieee"); fp16/bf16 round the dequantized keys and the
@@ -44,6 +47,7 @@ softmax weights to fp16 (fast path) or the model dtype before the dots, as flash
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -51,6 +55,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvzoo.cache.base import TAIL, side_stream
 from kvzoo.cache.kvquant import unpack_sym_mask
 from kvzoo.kernels.quant_matvec import (GROUP, check_bits, check_head_dim, check_runnable, check_tensor, dequant_inner,
                                         head_rows, join_codes, sm_count, split_groups, unpack_asm,
@@ -64,6 +69,7 @@ except ImportError:          # a Triton without Gluon's Hopper API (older releas
 LOG2E = 1.4426950408889634
 BLOCK_W = 32                 # window tokens per step of the window kernel
 FAST_PATH = True             # fp16/bf16 models on a GPU: unpack/dequant codes as half2 in inline PTX
+WINDOWS_BESIDE = True        # on a GPU the window kernel runs on a second stream, beside the split kernel
 MAX_GS = None                # value groups (of 32 tokens) per step of the split kernel; None: by GQA ratio
 PROGRAMS_PER_SM = None       # split-K sizing: programs per SM of the device; None: by GQA ratio
 SPLIT_STAGES = None          # software-pipelining depth of the split kernel's token loop; None: by GQA ratio
@@ -585,11 +591,17 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
     # an empty window may have no storage: pass q, never read, rather than a null pointer
     (kw, s_kw), (vw, s_vw) = (head_rows(k_win), head_rows(v_win)) if W else ((q, 0), (q, 0))
     (kw2, s_kw2), (vw2, s_vw2) = (head_rows(k_win2), head_rows(v_win2)) if W2 else ((q, 0), (q, 0))
-    _window_kernel[(B * H, max(blocks, 1))](
-        q, q if q_scale is None else q_scale, kw, vw, kw2, vw2, m, l, acc, len_ptr, splits, cols, W, W2, qk_scale,
-        s_kw, s_vw, s_kw2, s_vw2, D=d, REP=rep, REP_P=rep_p, BLOCK=BLOCK_W, DYN=dyn, HAS_QS=q_scale is not None,
-        num_warps=num_warps, enable_fp_fusion=True)
-    if splits:
+    main, side = (torch.cuda.current_stream(dev), side_stream(dev, TAIL)) if WINDOWS_BESIDE and q.is_cuda \
+        else (None, None)
+    if side is not None:             # after the current stream's work and what the caller issued on `side`
+        side.wait_stream(main)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        _window_kernel[(B * H, max(blocks, 1))](
+            q, q if q_scale is None else q_scale, kw, vw, kw2, vw2, m, l, acc, len_ptr, splits, cols, W, W2,
+            qk_scale, s_kw, s_vw, s_kw2, s_vw2, D=d, REP=rep, REP_P=rep_p, BLOCK=BLOCK_W, DYN=dyn,
+            HAS_QS=q_scale is not None, num_warps=num_warps, enable_fp_fusion=True)
+
+    def split_columns() -> None:
         (kc, s_kc), (ks, s_ks), (kz, s_kz), (vc, s_vc), (vs, s_vs), (vz, s_vz) = map(
             head_rows, (k_codes, k_scale, k_slot, v_codes, v_scale, v_slot))
         # an empty mask (no bit ever stored: all symmetric) has no storage: pass the codes, never read
@@ -611,6 +623,13 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
                 *common, D=d, BITS=bits, REP=rep, REP_P=rep_p, HAS_SYM=has_sym, DYN=dyn, HAS_QS=q_scale is not None,
                 GS=gs, FAST=fast, ASM=unpack_asm(bits)[0], CON=unpack_asm(bits)[1], num_warps=split_warps,
                 num_stages=stages, enable_fp_fusion=True)
+
+    try:
+        if splits:
+            split_columns()
+    finally:                         # also on an error: a graph capture must not end with work left apart
+        if side is not None:
+            main.wait_stream(side)
     combine(m, l, acc, out, B * H, rep, num_warps)
     return out
 

@@ -79,7 +79,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvzoo.cache.base import side_stream
+from kvzoo.cache.base import TAIL, side_stream
 from kvzoo.cache.kvquant import QTensor, dequantize
 from kvzoo.kernels.innerq_attention import (BLOCK_W, LOG2E, _attend_window, _dot_dtype, _plan_splits, combine,
                                             softmax_step)
@@ -508,7 +508,7 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     if not gluon:
         triton_columns()
     elif TAIL_BESIDE:                            # the tail reads its windows while the Gluon kernel computes
-        main, side = torch.cuda.current_stream(dev), side_stream(dev, "attention tail")
+        main, side = torch.cuda.current_stream(dev), side_stream(dev, TAIL)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             triton_columns()

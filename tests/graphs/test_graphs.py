@@ -5,6 +5,7 @@ equal it too."""
 import pytest
 import torch
 
+from kvzoo.cache.base import StaticStep
 from kvzoo.generate import generate, prefill
 from kvzoo.graphs import GraphDecoder, PiecewiseDecoder, decoder
 from kvzoo.models.loader import load_weights
@@ -155,6 +156,20 @@ def test_refuses_strategies_without_a_static_step(model):
     prefill(model, torch.tensor([[3, 4, 5, 6]]), kv, None)
     with pytest.raises(ValueError, match="holds at most 4 tokens and is full"):
         GraphDecoder(model, kv)(torch.tensor([7]))
+
+
+def test_tail_and_beside_run_in_order_off_a_gpu():
+    """Off a GPU a step's `tail` (the window rows an attention's exact part reads) and `beside` blocks run in order
+    on the one stream: nothing to fork, nothing to join."""
+    step = StaticStep.make(torch.tensor([3]), torch.zeros(2, dtype=torch.long), 8, padded=False)
+    x = torch.zeros(2)
+    with step.tail(x) as stream:
+        assert stream is None
+        x += 1
+    with step.beside(x):
+        x *= 3
+    step.join()
+    assert x.tolist() == [3.0, 3.0] and not step.forked
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
