@@ -16,9 +16,11 @@ cache's host-side counters (a token joins a sink window, a recent window, or fil
 quantized) names the difference in `static_phase()`: one graph is recorded per phase and the host picks which
 to replay. Upkeep that nothing later in the step reads (storing the token, quantizing what left a window) may
 run in `StaticStep.beside()`: on a GPU a second stream, captured as a parallel branch and joined at the step's
-end. Strategies without a whole step (or whose settings it does not serve) use `PiecewiseDecoder`, which
-captures everything except attention: per layer, one graph from the block's input to q, k, v and one
-from the attention output to the next block's input; the strategy's `decode` runs eagerly between them.
+end; work that only an attention's exact tokens read (their window rows) in `StaticStep.tail()`, a stream the
+attention joins before its combine. Strategies without a whole step (or whose settings it does not serve) use
+`PiecewiseDecoder`, which captures everything except attention: per layer, one graph from the block's input to
+q, k, v and one from the attention output to the next block's input; the strategy's `decode` runs eagerly between
+them.
 `decoder()` picks the whole-step graph where every layer has a static step, else the piecewise one. On a
 CPU (no CUDA graphs) both run the same code eagerly (the kernels under the Triton interpreter), which is how
 the tests prove they equal the eager decode.

@@ -45,10 +45,11 @@ that a CUDA graph holds it (kvzoo/graphs.py). It has one graph per phase: a toke
 recent window, or fills it and a group is quantized in place (one window for both: innerq_flush, one kernel; the
 paper's windows: values 32 at a time through InnerQCodec.write_at, keys a token at a time). With the paper's
 windows up to 31 keys are quantized while their values are still exact; the kernel reads them dequantized beside
-their values' rows. Those aligned keys are one kernel before the attention (_aligned_keys); the key leaving its
-window is quantized and the window moved in one kernel after it, beside the step (_flush_keys); with
-FUSED_KEY_STEP off, their torch reference. Elsewhere (a CPU) decode reads the codes a stream at a time
-(WindowedStore.attend; a symmetric group's signs flipped into its codes).
+their values' rows. Those aligned keys are one kernel, with the token's window rows on the attention's second
+stream, beside its quantized part (_aligned_keys, StaticStep.tail); the key leaving its window is quantized and the
+window moved in one kernel after it, beside the step (_flush_keys); with FUSED_KEY_STEP off, their torch
+reference. Elsewhere (a CPU) decode reads the codes a stream at a time (WindowedStore.attend; a symmetric group's
+signs flipped into its codes).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """innerq_attention's split kernel on Hopper (sm_90), in Gluon: 2-bit InnerQ codes (keys in per-token groups of 32
 channels, values in per-channel groups of 32 tokens, asymmetric or hybrid sym/asym groups), head_dim 64 or 128, an
-fp16/bf16 model. The windows stay with innerq_attention's window kernel (launched before this one) and its
-combine kernel, which merges this kernel's (m, l, acc) partials as it merges the Triton split kernel's.
+fp16/bf16 model. The windows stay with innerq_attention's window kernel (launched before this one, on a second
+stream beside it) and its combine kernel, which merges this kernel's (m, l, acc) partials as it merges the Triton
+split kernel's.
 
     grid (B*H, splits): program (kv head, split) attends its rep query rows (ROWS = 8 or 16, padding past rep)
     over the value groups [split * PER_SPLIT, ...) of the live quantized tokens, 128 tokens a step.
