@@ -57,7 +57,9 @@ W4A16 kernel on a GPU) before the cells run: KV Pareto's 4-bit weights beside a 
 keeps in OUT.json) the GPU time per step of each kernel (on the CPU: each op's own time), the largest first: where
 a step's time goes, graph replays included. No timed step follows a profile: once torch.profiler has run, later
 replays of a graph with two streams are slower (SQuat, 8B, 128K, batch 1: 12.50 -> 13.74 ms/token after KIVI's
-cell was profiled, results/decode/h100/prof-taint).
+cell was profiled, results/decode/h100/prof-taint). --trace also writes each profiled cell's timeline beside OUT
+(OUT-trace-CELL.json.gz, Chrome's trace format, for ui.perfetto.dev): every kernel on its stream, which shows what
+sits on the step's path and what runs beside it (docs/decode.md, "InnerQ's window part beside its quantized part").
 
 --plot draws tokens/s against context: a panel per batch (the largest batches in one), a line per cache and
 step. --merge joins earlier OUT.json files into one table and plot without a GPU (a cell measured again
@@ -69,9 +71,13 @@ what it measured, which --merge reads.
 
 import argparse
 import gc
+import gzip
 import inspect
 import json
+import re
+import shutil
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,6 +170,9 @@ def parse_args():
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="once every cell is timed, profile N steps of each grid cell (torch.profiler): GPU "
                              "time per kernel")
+    parser.add_argument("--trace", action="store_true",
+                        help="with --profile: also write each profiled cell's timeline, OUT-trace-CELL.json.gz "
+                             "(Chrome trace format: ui.perfetto.dev), every kernel on its stream")
     parser.add_argument("--targets", action="store_true",
                         help="also print the decode-speed targets (TARGETS) as measured / required, from this "
                              "run's rows")
@@ -194,6 +203,8 @@ def parse_args():
         raise SystemExit("nothing to run: give --caches and/or --hf")
     if args.graph_only and not args.compile:
         raise SystemExit("--graph-only needs --compile")
+    if args.trace and not args.profile:
+        raise SystemExit("--trace writes the timelines of --profile's steps: add --profile N")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: this machine has no CUDA GPU; pass --device cpu")
     if args.device == "cpu" and (args.compile or args.hf or args.find_max_batch or args.find_max_context):
@@ -428,12 +439,19 @@ def free_memory() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def trace_path(out: str, row: dict) -> Path:
+    """Where --trace writes a profiled cell's timeline: OUT-trace-<cache>-<context>-b<batch>-<step>.json.gz."""
+    cell = re.sub(r"[^A-Za-z0-9.-]+", "_", f"{row['cache']}-{row['context']}-b{row['batch']}-{row['step']}")
+    return Path(f"{out}-trace-{cell}.json.gz")
+
+
 @torch.inference_mode()
 def run_cell(runner, cache: str, context: int, batch: int, steps: int, chunk: int, graphed: bool = False,
-             src: Filled | None = None, warmup: int = WARMUP, size: int | None = None, profile: int = 0) -> dict:
+             src: Filled | None = None, warmup: int = WARMUP, size: int | None = None, profile: int = 0,
+             trace: Path | None = None) -> dict:
     """Fill a cache (prefill, or copies of src's row), run `warmup` untimed decode steps, time `steps`; the
     cache is sized for `size` tokens (default: max_len(context, steps)). steps = 0: profile `profile` steps
-    instead (profile_steps), and return only {"kernels": ...}."""
+    instead (profile_steps, its timeline written to `trace` where given), and return only {"kernels": ...}."""
     free_memory()
     sync()
     t0 = time.perf_counter()
@@ -446,7 +464,7 @@ def run_cell(runner, cache: str, context: int, batch: int, steps: int, chunk: in
         token = step(token).argmax(-1)
     sync()
     if not steps:
-        return {"kernels": profile_steps(step, token, profile)}
+        return {"kernels": profile_steps(step, token, profile, trace=trace)}
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -463,9 +481,11 @@ def run_cell(runner, cache: str, context: int, batch: int, steps: int, chunk: in
             "weight_bytes": runner.weight_bytes, "read_GBps": (runner.weight_bytes + held) / latency / 1e9}
 
 
-def profile_steps(step, token: torch.Tensor, n: int, top: int = 12) -> list[dict]:
+def profile_steps(step, token: torch.Tensor, n: int, top: int = 12, trace: Path | None = None) -> list[dict]:
     """Time per step of each kernel (torch.profiler over n decode steps; on the CPU, each op's own time), the
-    largest first; the rest summed into one entry. Kernels inside a replayed CUDA graph are seen too."""
+    largest first; the rest summed into one entry. Kernels inside a replayed CUDA graph are seen too. trace: also
+    write the steps' timeline there (gzipped Chrome trace: each kernel on its stream, so what sits on the step's
+    path and what runs beside it can be read off)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = token.is_cuda
@@ -473,6 +493,12 @@ def profile_steps(step, token: torch.Tensor, n: int, top: int = 12) -> list[dict
         for _ in range(n):
             token = step(token).argmax(-1)
         sync()
+    if trace is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            raw = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(raw))
+            with raw.open("rb") as src, gzip.open(trace, "wb") as dst:
+                shutil.copyfileobj(src, dst)
     spent: dict[str, list] = {}
     if cuda:
         for e in prof.events():
@@ -578,9 +604,13 @@ def cells(runner, args, label: str, caches: list[str], graph_modes: list[bool], 
             if "decode_ms" not in row:
                 continue
             tqdm.write(f"{row['cache']}, {context} tokens, batch {batch}, {row['step']} step:")
+            trace = trace_path(args.out, row) if args.trace else None
             try:
                 row["kernels"] = run_cell(runner, cache, context, batch, 0, args.prefill_chunk, graphed,
-                                          warmup=args.warmup, profile=args.profile)["kernels"]  # written with the table
+                                          warmup=args.warmup, profile=args.profile,
+                                          trace=trace)["kernels"]  # written with the table
+                if trace is not None:
+                    row["trace"] = trace.name
             except RuntimeError as error:
                 if not out_of_memory(error):
                     raise
@@ -666,6 +696,9 @@ def merged_rows(runs: list[dict]) -> list[dict]:
 def main() -> None:
     args = parse_args()
     paths = output_paths(args.out, args.overwrite)             # refuses before any work
+    traces = sorted(Path(args.out).parent.glob(Path(args.out).name + "-trace-*.json.gz")) if args.trace else []
+    if traces and not args.overwrite:
+        raise SystemExit(f"{traces[0]} already exists; pass --overwrite to replace --trace's timelines")
     shard = tp.init(args.device)
     if shard is not None:
         if args.hf or args.weights != "model":

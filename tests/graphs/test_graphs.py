@@ -289,10 +289,10 @@ def test_bench_decode_profiles_each_cell_after_every_timed_step(model, monkeypat
 
     bench = bench_module()
     args = SimpleNamespace(contexts=[12], batches=[1, 2], steps=2, warmup=1, repeats=1, prefill_chunk=8,
-                           find_max_batch=False, find_max_context=False, profile=3)
+                           find_max_batch=False, find_max_context=False, profile=3, trace=False)
     events = []
     profile = bench.profile_steps
-    monkeypatch.setattr(bench, "profile_steps", lambda *a: events.append("profile") or profile(*a))
+    monkeypatch.setattr(bench, "profile_steps", lambda *a, **kw: events.append("profile") or profile(*a, **kw))
     rows = []
     keep = lambda row: events.append("timed") or rows.append(row)            # noqa: E731
     bench.cells(bench.Kvzoo(model), args, "tiny", ["fp16"], [False], keep)
@@ -301,6 +301,32 @@ def test_bench_decode_profiles_each_cell_after_every_timed_step(model, monkeypat
         times = [k["ms_per_step"] for k in row["kernels"]]
         assert len(times) > 2 and all(t >= 0 for t in times) and times[:-1] == sorted(times[:-1], reverse=True)
         assert row["kernels"][-1]["kernel"].endswith("other kernels)") and row["decode_ms"] > 0
+
+
+def test_bench_decode_traces_each_profiled_cell(model, tmp_path, monkeypatch):
+    """--trace: each profiled cell's timeline, a gzipped Chrome trace beside OUT named after the cell, its name in
+    the row; an existing timeline is not replaced without --overwrite."""
+    import gzip
+    import json
+    import sys
+    from types import SimpleNamespace
+
+    bench = bench_module()
+    out = str(tmp_path / "run")
+    args = SimpleNamespace(contexts=[12], batches=[2], steps=2, warmup=1, repeats=1, prefill_chunk=8,
+                           find_max_batch=False, find_max_context=False, profile=2, trace=True, out=out)
+    rows = []
+    bench.cells(bench.Kvzoo(model), args, "tiny", ["fp16", "kivi:bits=2"], [False], rows.append)
+    assert [r["trace"] for r in rows] == ["run-trace-fp16-12-b2-eager.json.gz",
+                                          "run-trace-kivi_bits_2-12-b2-eager.json.gz"]
+    for row in rows:
+        events = json.loads(gzip.open(tmp_path / row["trace"]).read())["traceEvents"]
+        assert any(e.get("ph") == "X" for e in events)
+    argv = ["bench_decode.py", "--models", "llama-3.1-8b", "--caches", "fp16", "--device", "cpu", "--out", out]
+    for extra, message in (([], "add --profile N"), (["--profile", "2"], "already exists; pass --overwrite")):
+        monkeypatch.setattr(sys, "argv", argv + ["--trace"] + extra)
+        with pytest.raises(SystemExit, match=message):
+            bench.main()
 
 
 def test_bench_decode_profiles_hugging_face_cells():
@@ -313,7 +339,7 @@ def test_bench_decode_profiles_hugging_face_cells():
     cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     args = SimpleNamespace(contexts=[12], batches=[1], steps=2, warmup=1, repeats=1, prefill_chunk=8,
-                           find_max_batch=False, find_max_context=False, profile=2)
+                           find_max_batch=False, find_max_context=False, profile=2, trace=False)
     rows = []
     bench.cells(bench.HuggingFace(transformers.LlamaForCausalLM(cfg).eval()), args, "tiny", ["fp16"], [False],
                 rows.append)
@@ -327,7 +353,7 @@ def test_bench_decode_writes_each_row_as_it_is_measured(model, tmp_path):
 
     bench = bench_module()
     args = SimpleNamespace(contexts=[12], batches=[1, 2], steps=2, warmup=1, repeats=1, prefill_chunk=8,
-                           find_max_batch=False, find_max_context=False, profile=0)
+                           find_max_batch=False, find_max_context=False, profile=0, trace=False)
     seen = []
     sink = bench.Rows(tmp_path / "out.json", "cpu", "test")
 
