@@ -484,6 +484,12 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     max_gs, stages = (ROPE_GROUPS_PER_STEP, ROPE_STAGES) if rope is not None else (GROUPS_PER_STEP, SPLIT_STAGES)
     splits, per_split, gs = _plan_splits(n_groups, B * H, dev, num_splits, max_gs, PROGRAMS_PER_SM) \
         if n_groups else (0, 0, 1)
+    if n_groups and outer_hopper is not None and outer_hopper.takes_warp_kernel(q, bits, v_bits, channel, rope, group,
+                                                                                rep, B * H * n_groups):
+        # the warp kernel holds more programs an SM: sized for them where each keeps a run of steps
+        plan = _plan_splits(n_groups, B * H, dev, num_splits, max_gs, outer_hopper.WARP_PROGRAMS_PER_SM)
+        if plan[1] >= outer_hopper.WARP_MIN_GROUPS:
+            splits, per_split, gs = plan
     # one partial per split over the quantized slots, and the last for the sink and the tail
     m = torch.empty(B * Hq, splits + 1, dtype=torch.float32, device=dev)
     l = torch.empty_like(m)

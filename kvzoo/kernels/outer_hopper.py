@@ -7,8 +7,29 @@ sink and the windows stay with the Triton split kernel, which runs the last prog
     grid (B*H, splits): program (kv head, split) attends its rep query rows (ROWS = 8 or 16, padding past rep)
     over the groups [split * PER_SPLIT, ...) of the slots quantized in both streams, 128 tokens a step.
 
-Bytes read are those of the Triton kernel (outer_attention's module docstring). What differs is how the
-dequantized tiles reach the tensor cores. Gluon lets the kernel choose every layout (Triton chooses them itself):
+Two kernels. Keys stored after RoPE at head_dim 128 (KIVI and SQuat on Llama/Mistral) take the warp kernel; head_dim
+64 and keys stored before RoPE the warpgroup kernel. Bytes read are those of the Triton kernel (outer_attention's
+module docstring) in both; what differs is how the dequantized tiles reach the tensor cores.
+
+The warp kernel (_warp_kernel): each of the four warps attends a key group of its own (32 tokens) a step, with its
+own online softmax, and the warps merge their (m, l, acc) once, after the loop; the products are mma.sync
+(m16n8k16, batched over the warps), both A operands in registers, and the loop holds no barrier and no shared
+memory:
+  - The scores sᵀ (32 tokens, ROWS) = K · qᵀ: the keys' words unpack into A as in the warpgroup kernel (below), each
+    column's scale and offset a half2 pair (slots a, a + 8) formed once a step from the loaded pairs (_column_pairs).
+  - The output accᵀ (d, ROWS) += Vᵀ · pᵀ: A = Vᵀ, whose half2 registers hold two tokens of one channel, while a
+    value word holds 16 channels of one token. A thread holds one word (16 channels) of 8 tokens, and the words of
+    tokens 2 p and 2 p + 1 are interleaved by halves (two prmt), so the unpack PTX's output a is slot a of both
+    tokens, dequantized with their two scales as a half2 (_warp_values). mma.sync's A covers every row (channel)
+    in each warp, so one thread's rows are a whole word, where the warpgroup MMA's 64-row A gives a thread 4
+    channels; that is why this kernel is mma.sync, not wgmma.
+  - pᵀ moves from the scores' accumulator layout to the B operand by shuffles (gl.convert_layout within the warp).
+  - 168 registers a thread, three programs an SM (the split-K plan sizes for WARP_PROGRAMS_PER_SM where a program
+    keeps WARP_MIN_GROUPS), a loop of 736 instructions for 128 tokens (sm_90 SASS, Triton 3.6), against the
+    warpgroup kernel's 839 at 250 registers, two programs an SM, four barriers a step and 37 KB of shared memory.
+  - A split of fewer groups than warps masks the warps past its end.
+
+The warpgroup kernel (_quantized_kernel); Gluon lets the kernel choose every layout (Triton chooses them itself):
   - The keys go to the wgmma as its A operand in registers, s (128 tokens, ROWS) = K · qᵀ: their code words are
     loaded in the layout the unpack PTX turns into A's registers (operand_layout, _operand; the conversion is
     checked trivial at compile time). A thread holds 32 channels (two adjacent words) of four tokens; A's columns
@@ -52,10 +73,11 @@ where the Triton kernel rounds the model's table at p0 + j once). Its keys go th
 (the rotations' tables are read per token), in the logical channel order of the values (_real), dequantized after
 the unpack PTX; a thread holds channels c and c + d/2 of its key words (LPK), which share a table value.
 
-Speed (Llama-3.1-8B heads, rep 4, one H200, L2 flushed, with the tail beside it; docs/decode.md, "KIVI's codes
-under two magic numbers"): 30.1 us at 32K, batch 1 and 80.8 at 128K, batch 1, where the Triton kernel alone takes
-40.7 and 119.4 (`python scripts/bench_kernels.py --floors --cases KIVI-2 --shapes 1x32768 1x131072`,
-results/kernels/h200/kivi-innerq-b1); 482 us at 32K, batch 32. Keys stored before RoPE: 45-46 us at 32K, batch 1,
+Speed (Llama-3.1-8B heads, rep 4, one H200, L2 flushed, with the tail beside it; docs/decode.md, "KIVI's layout in
+four independent warps"): the warp kernel 30.5 us at 32K, batch 1, 74.4 at 128K, batch 1, 372.8 at 32K, batch 32
+and 1,409 at 128K, batch 32, where the warpgroup kernel took 29.9, 81.2, 482.3 and 1,844.6 and the Triton kernel
+alone takes 40.7 and 119.4 at batch 1 (`python scripts/bench_kernels.py --floors --cases KIVI-2 --shapes 1x32768
+1x131072 32x32768 32x131072`, results/kernels/h200/kivi-warp). Keys stored before RoPE: 45-46 us at 32K, batch 1,
 936 at 32K, batch 32 (`--cases "KIVI*"`, results/kernels/h200/two-magics). Below MIN_GROUP_ROWS of work (KV rows x
 groups) the Triton kernel runs alone.
 KVZOO_OUTER_KERNEL=triton|gluon|auto (default) overrides the choice: triton never takes this kernel, gluon takes it
@@ -71,6 +93,7 @@ import triton
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
@@ -82,6 +105,9 @@ ENABLED = CHOICE != "triton"  # False: every call takes the Triton kernel (compa
 # work measured, 8K tokens at batch 1 of Llama-3.1-8B's heads (8 x 252), takes 22.4 us here against its 23.6
 MIN_GROUP_ROWS = 0 if CHOICE == "gluon" else 2016
 TOKENS, N_WARPS, N_ROWS = 128, 4, 16
+WARP_HEAD_DIM = 128     # the head_dim the warp kernel serves (keys after RoPE)
+WARP_PROGRAMS_PER_SM = 3   # its programs an SM (168 registers a thread at 8 rows): the split-K plan's target
+WARP_MIN_GROUPS = 32       # ... where a program keeps this many groups (8 steps); else the plan for two an SM
 BLOCK = gl.constexpr(TOKENS)         # tokens a step: four warps, one key group each
 WARPS = gl.constexpr(N_WARPS)
 LQ = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [N_WARPS, 1], [1, 0]))          # the query rows' load
@@ -530,6 +556,213 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos
     _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, kv, split, N_COLS, REP, False)
 
 
+# The warp kernel (module docstring): keys stored after RoPE, head_dim 128
+WARP_MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[N_WARPS, 1, 1],
+                                                  instr_shape=[1, 16, 8]))
+LOW_HALVES = gl.constexpr("prmt.b32 $0, $1, $2, 0x5410;")      # (a.lo, b.lo)
+HIGH_HALVES = gl.constexpr("prmt.b32 $0, $1, $2, 0x7632;")     # (a.hi, b.hi)
+# x (an fp16 pair) times a scale pair plus an offset pair, each pair an int32 entered twice (pack=2)
+FMA_PAIRS = gl.constexpr("fma.rn.f16x2 $0, $1, $2, $4;")
+# zero - M * scale for a pair of real channels (2 i, 2 i + 1), slots of parity 0 and 1: M = 4 and 16
+OFFSETS_HALF2 = gl.constexpr("{ .reg .b32 m; mov.b32 m, 0xCC00C400; fma.rn.f16x2 $0, $1, m, $2; }")
+
+
+@gluon.jit
+def _join8(o):
+    """The unpack PTX's 8 outputs, each (..., 2), joined: (..., 2, a2, a1, a0), output a = a0 + 2 a1 + 4 a2."""
+    return gl.join(gl.join(gl.join(o[0], o[4]), gl.join(o[2], o[6])), gl.join(gl.join(o[1], o[5]), gl.join(o[3], o[7])))
+
+
+@gluon.jit
+def _warp_operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t, last, LKW: gl.constexpr, KSL: gl.constexpr,
+                   LVW: gl.constexpr, D: gl.constexpr, CG: gl.constexpr):
+    """Step t's operands, warp w's from key group t + w: key words (4, 32, W) in LKW (a thread: two adjacent words
+    of four tokens), the group's key scales and zeros (4, D) as stored (a thread: its lane's 32 channels), value
+    words (4, 32, W) in LVW (a thread: word lane / 4 of tokens 2 (lane % 4) + {0, 1, 8, 9, 16, 17, 24, 25}) and each
+    value word's scale and zero. Slots past `last` read `last`."""
+    W: gl.constexpr = D // 16
+    L3: gl.constexpr = gl.SliceLayout(3, LKW)
+    wk = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    jk = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    ck = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    tk = gl.minimum((t + wk)[:, None] * 32 + jk[None, :], last)
+    kw = gl.load(kc_ptr + tk[:, :, None] * W + ck[None, None, :])
+    ws = gl.arange(0, WARPS, layout=gl.SliceLayout(1, KSL))
+    cs = gl.arange(0, D // 2, layout=gl.SliceLayout(0, KSL))
+    at = gl.minimum(t + ws, last // 32)[:, None] * (D // 2) + cs[None, :]
+    ks_ptr = ks_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    kz_ptr = kz_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    wv = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, LVW)))
+    jv = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, LVW)))
+    cv = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(1, LVW)))
+    tv = gl.minimum((t + wv)[:, None] * 32 + jv[None, :], last)[:, :, None]
+    vw = gl.load(vc_ptr + tv * W + cv[None, None, :])
+    atv = tv * (D // CG) + (cv * 16 // CG)[None, None, :]
+    return kw, gl.load(ks_ptr + at), gl.load(kz_ptr + at), vw, gl.load(vs_ptr + atv), gl.load(vz_ptr + atv)
+
+
+@gluon.jit
+def _column_pairs(pairs, XL: gl.constexpr):
+    """Key scales or offsets loaded as int32 half2 pairs of real channels (4, D/2) (a thread: its lane's 16 pairs,
+    real channels 32 t ..) -> (4, 32, D) int32 in XL, column c = b + 2 t + 8 a + 64 w0 holding the pair of real
+    channels 32 t + 16 w0 + a and + 8 (its slots a, a + 8), one prmt a pair, the same for b = 0 and 1."""
+    D: gl.constexpr = 2 * pairs.shape[1]
+    x = gl.reshape(pairs, (4, 4, 2, 2, 4))                        # (4, t, w0, + 8 channels, a // 2)
+    first, second = gl.split(gl.permute(x, (0, 1, 2, 4, 3)))      # (4, t, w0, a // 2)
+    lo = gl.inline_asm_elementwise(LOW_HALVES, "=r,r,r", [first, second], dtype=gl.int32, is_pure=True, pack=1)
+    hi = gl.inline_asm_elementwise(HIGH_HALVES, "=r,r,r", [first, second], dtype=gl.int32, is_pure=True, pack=1)
+    x = gl.reshape(gl.join(lo, hi), (4, 4, 2, 8))                 # (4, t, w0, a): a even the low halves
+    x = gl.reshape(gl.permute(gl.join(x, x), (0, 2, 3, 1, 4)), (4, D))                  # (4, w0, a, t, b)
+    x = gl.convert_layout(x, gl.SliceLayout(1, XL))
+    return gl.broadcast(gl.expand_dims(x, 1), gl.zeros([4, 32, D], gl.int32, XL))[0]
+
+
+@gluon.jit
+def _warp_keys(kw, ks, kz, LKW: gl.constexpr, XL: gl.constexpr, KA: gl.constexpr):
+    """Key words (4, 32, W) and their group's scales and zeros (4, D/2), int32 pairs of real channels as stored ->
+    the scores' A operand (4, 32, D) in registers: column c = b + 2 t + 8 a + 64 w0 is slot a + 8 b of word
+    2 t + w0 (real channel 32 t + 16 w0 + 8 b + a; _place's order), read as M + c and dequantized by one fp16x2
+    FMA with the column's scale and offset zero - M * scale (the magic M by a's parity)."""
+    D: gl.constexpr = 16 * kw.shape[2]
+    pairs = gl.join(kw, kw)                                                        # (4, 32, W, 2): the word twice
+    pairs = gl.convert_layout(pairs, LKW, assert_trivial=True)
+    o = gl.inline_asm_elementwise(MAGIC_ASM, MAGIC_CON, [pairs], dtype=(gl.float16,) * 8, is_pure=True, pack=2)
+    x = gl.reshape(_join8(o), (4, 32, 4, 2, 2, 2, 2, 2))                           # (4, 32, t, w0, b, a2, a1, a0)
+    x = gl.convert_layout(gl.reshape(gl.permute(x, (0, 1, 3, 5, 6, 7, 2, 4)), (4, 32, D)), XL, assert_trivial=True)
+    # the scales and offsets as half2 pairs of A's registers, (slot a, a + 8) of a word, formed once: the loaded
+    # pairs are real channels (2 i, 2 i + 1), whose offsets zero - M * scale take the magics (4, 16) as a half2
+    s_pairs = _column_pairs(ks, XL)
+    z_pairs = _column_pairs(gl.inline_asm_elementwise(OFFSETS_HALF2, "=r,r,r", [ks, kz], dtype=gl.int32,
+                                                      is_pure=True, pack=1), XL)
+    k = gl.inline_asm_elementwise(FMA_PAIRS, "=r,r,r,r,r,r", [x, s_pairs, z_pairs], dtype=gl.float16, is_pure=True,
+                                  pack=2)
+    return gl.convert_layout(k, KA, assert_trivial=True)
+
+
+@gluon.jit
+def _warp_values(vw, vs, vz, VL: gl.constexpr, VA: gl.constexpr):
+    """Value words (4, 32, W) in _warp_operands' layout and their scales and zeros -> the output product's A operand
+    Vᵀ (4, D, 32) in registers: row c = g + 8 h + 16 a is slot a + 8 h of word g (real channel 16 g + a + 8 h). A
+    thread's tokens 2 p and 2 p + 1 share a half2 register of A: their words are interleaved by halves first (one
+    prmt each: slots 0-7 of both, then slots 8-15), so the unpack PTX's output a holds slot a of both tokens, and
+    its FMA takes the two tokens' scales and offsets as a half2."""
+    W: gl.constexpr = vw.shape[2]
+    D: gl.constexpr = 16 * W
+    even, odd = gl.split(gl.permute(gl.reshape(vw, (4, 16, 2, W)), (0, 1, 3, 2)))    # (4, 16 p, W): tokens 2p, +1
+    lo = gl.inline_asm_elementwise(LOW_HALVES, "=r,r,r", [even, odd], dtype=gl.int32, is_pure=True, pack=1)
+    hi = gl.inline_asm_elementwise(HIGH_HALVES, "=r,r,r", [even, odd], dtype=gl.int32, is_pure=True, pack=1)
+    h = gl.join(lo, hi)                                                            # (4, 16, W, h)
+    pairs = gl.join(h, h)                                                          # (4, 16, W, h, 2): entered twice
+    s_e, s_o = gl.split(gl.permute(gl.reshape(vs, (4, 16, 2, W)), (0, 1, 3, 2)))
+    z_e, z_o = gl.split(gl.permute(gl.reshape(vz, (4, 16, 2, W)), (0, 1, 3, 2)))
+    scale = gl.join(s_e, s_o)                                                      # (4, 16, W, token parity)
+    zero = gl.join(z_e, z_o)
+    scale = gl.convert_layout(gl.permute(gl.join(scale, scale), (0, 1, 2, 4, 3)), pairs.type.layout)
+    zero = gl.convert_layout(gl.permute(gl.join(zero, zero), (0, 1, 2, 4, 3)), pairs.type.layout)
+    o = gl.inline_asm_elementwise(ZERO_ASM, ZERO_CON, [pairs, scale, zero], dtype=(gl.float16,) * 8, is_pure=True,
+                                  pack=2)
+    y = gl.permute(_join8(o), (0, 5, 6, 7, 3, 2, 1, 4))                            # (4, a2, a1, a0, h, g, p, parity)
+    y = gl.convert_layout(gl.reshape(y, (4, D, 32)), VL, assert_trivial=True)
+    return gl.convert_layout(y, VA, assert_trivial=True)
+
+
+@gluon.jit
+def _warp_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, l_ptr, acc_ptr, len_ptr, PER_SPLIT,
+                 N_COLS, qk_scale, s_kc, s_ks, s_kz, s_vc, s_vs, s_vz, D: gl.constexpr, REP: gl.constexpr,
+                 ROWS: gl.constexpr, CG: gl.constexpr, LKW: gl.constexpr, KSL: gl.constexpr, LVW: gl.constexpr,
+                 XL: gl.constexpr, VL: gl.constexpr):
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=WARP_MMA, k_width=2)
+    B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=WARP_MMA, k_width=2)
+    ROW: gl.constexpr = gl.SliceLayout(1, WARP_MMA)                  # (4, ROWS): each warp's rows
+    kv = gl.program_id(0)                        # b * H + h
+    head = kv.to(gl.int64)
+    kc_ptr += head * s_kc
+    ks_ptr += head * s_ks
+    kz_ptr += head * s_kz
+    vc_ptr += head * s_vc
+    vs_ptr += head * s_vs
+    vz_ptr += head * s_vz
+    split = gl.program_id(1)
+    n_both = gl.minimum(gl.load(len_ptr), gl.load(len_ptr + 1))
+    start = split * PER_SPLIT
+    stop = gl.minimum(start + PER_SPLIT, (n_both + 31) // 32)
+    last = gl.maximum(gl.minimum(n_both, stop * 32) - 1, 0)
+
+    # the query qᵀ (4, D, ROWS), the scores' B operand, the same in every warp: column c at _place(c)
+    cq = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B)))
+    rq = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, B)))
+    wq = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, B)))
+    q = gl.load(q_ptr + (kv * REP + rq[None, None, :]) * D + _place(cq, D // 16)[None, :, None] + 0 * wq[:, None, None],
+                mask=(rq < REP)[None, None, :], other=0)
+    q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
+    js = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, WARP_MMA)))
+    ws = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, WARP_MMA)))
+
+    m = gl.full([WARPS, ROWS], float("-inf"), gl.float32, layout=ROW)
+    # each thread's share of the row sums: its own tokens' (4, 8 (token bits 0-2), ROWS)
+    l = gl.sum(gl.reshape(gl.zeros([WARPS, 32, ROWS], gl.float32, WARP_MMA), (WARPS, 4, 8, ROWS)), axis=1)
+    acc = gl.zeros([WARPS, D, ROWS], gl.float32, layout=WARP_MMA)
+    ops = _warp_operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, start, last, LKW, KSL, LVW, D, CG)
+    for t in range(start, stop, WARPS):
+        nxt = _warp_operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t + WARPS, last, LKW, KSL, LVW, D, CG)
+        kw, ks, kz, vw, vs, vz = ops
+        s = mma_v2(_warp_keys(kw, ks, kz, LKW, XL, A), q, gl.zeros([WARPS, 32, ROWS], gl.float32, WARP_MMA))
+        live = ((t + ws)[:, None] * 32 + js[None, :] < n_both) & ((t + ws) < stop)[:, None]     # a warp's group
+        s = s * qk_scale + gl.where(live, 0.0, float("-inf"))[:, :, None]
+        m_new = gl.maximum(m, gl.max(s, axis=1))
+        m_top = gl.where(m_new > float("-inf"), m_new, 0.0)          # a warp with no live token yet: nothing to scale
+        alpha = gl.exp2(m - m_top)
+        p = gl.exp2(s - gl.expand_dims(m_top, 1))
+        a_l = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l.type.layout)), 1)
+        l = l * a_l + gl.sum(gl.reshape(p, (WARPS, 4, 8, ROWS)), axis=1)
+        m = m_new
+        acc = mma_v2(_warp_values(vw, vs, vz, VL, A), gl.convert_layout(p.to(gl.float16), B),
+                     acc * gl.expand_dims(alpha, 1))
+        ops = nxt
+
+    # the four warps' partials merged once: (m, l, acc) of the program's tokens
+    m_all = gl.max(m, axis=0)
+    f = gl.where(m > float("-inf"), gl.exp2(m - gl.expand_dims(m_all, 0)), 0.0)           # (4, ROWS)
+    l_all = gl.sum(gl.convert_layout(gl.sum(l, axis=1), ROW) * f, axis=0)
+    out = gl.sum(acc * gl.expand_dims(f, 1), axis=0)                                       # (D, ROWS)
+    r = gl.arange(0, ROWS, layout=m_all.type.layout)
+    rows = (kv * REP + r) * N_COLS + split
+    gl.store(m_ptr + rows, m_all, mask=r < REP)
+    gl.store(l_ptr + rows, gl.convert_layout(l_all, m_all.type.layout), mask=r < REP)
+    c = gl.arange(0, D, layout=gl.SliceLayout(1, out.type.layout))
+    ro = gl.arange(0, ROWS, layout=gl.SliceLayout(0, out.type.layout))
+    real = 16 * (c % 8) + c // 16 + 8 * ((c // 8) % 2)                                      # row c of Vᵀ
+    gl.store(acc_ptr + ((kv * REP + ro) * N_COLS + split)[None, :] * D + real[:, None], out,
+             mask=(ro < REP)[None, :])
+
+
+@functools.cache
+def _warp_layouts(d: int) -> tuple:
+    """(LKW, KSL, LVW, XL, VL) of the warp kernel, head_dim 128 (W = 8 words a token), four warps, warp w on dim 0:
+    LKW, the key words entering the unpack PTX (4, 32 tokens, W, 2): registers the pair axis, word + 1, token + 8,
+    + 16; lanes word + 2, + 4 (lane % 4 = t: words 2 t, 2 t + 1), token + 1, + 2, + 4;
+    KSL, the key scales' (4, d) load: a thread its lane's 32 consecutive channels (16-byte vectors);
+    LVW, the value words (4, 32, W): registers token + 1, + 8, + 16; lanes token + 2, + 4, word + 1, + 2, + 4;
+    XL and VL, the A operands' own layouts (the scores' (4, 32, d) and Vᵀ's (4, d, 32)) with their registers in A's
+    order, the half2 pairs first, so that an FMA's fp16x2 operands and A's registers are the same pairs."""
+    assert d == 128
+    warps = [[1, 0, 0], [2, 0, 0]]
+    lkw = gl.DistributedLinearLayout([[0, 0, 0, 1], [0, 0, 1, 0], [0, 8, 0, 0], [0, 16, 0, 0]],
+                                     [[0, 0, 2, 0], [0, 0, 4, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]],
+                                     [[1, 0, 0, 0], [2, 0, 0, 0]], [], [N_WARPS, 32, d // 16, 2])
+    ksl = gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8]], [[0, 16], [0, 32], [0, 0], [0, 0], [0, 0]],
+                                     [[1, 0], [2, 0]], [], [N_WARPS, d // 2])
+    lvw = gl.DistributedLinearLayout([[0, 1, 0], [0, 8, 0], [0, 16, 0]],
+                                     [[0, 2, 0], [0, 4, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]], warps, [],
+                                     [N_WARPS, 32, d // 16])
+    lanes = [[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]]
+    xl = gl.DistributedLinearLayout([[0, 0, 1], [0, 8, 0], [0, 0, 8], [0, 0, 16], [0, 0, 32], [0, 0, 64], [0, 16, 0]],
+                                    lanes, warps, [], [N_WARPS, 32, d])
+    vl = gl.DistributedLinearLayout([[0, 0, 1], [0, 8, 0], [0, 0, 8], [0, 0, 16], [0, 16, 0], [0, 32, 0], [0, 64, 0]],
+                                    lanes, warps, [], [N_WARPS, d, 32])
+    return lkw, ksl, lvw, xl, vl
+
+
 @gluon.jit
 def _tokens(r, ROPE: gl.constexpr):
     """Row r's token in a step: r with keys rotated in the kernel (a shared key tile in token order), else the key
@@ -593,13 +826,23 @@ def eligible(q: Tensor, bits: int, v_bits: int, channel: bool, rope, group: int,
              group_rows: int) -> bool:
     """Whether outer_decode_attention's quantized runs take this kernel: enabled, an sm_90 GPU with the inline-PTX
     path (fp16/bf16, compiled), 2-bit keys in per-channel groups (stored after RoPE, or before it: KIVI*) and 2-bit
-    values in groups of whole words, head_dim 64 or 128, at most 16 query rows a KV head, steps of four groups, and
+    values in groups of whole words, head_dim 64 or 128, at most 16 query rows a KV head, steps of four groups
+    (any, for the warp kernel), and
     at least MIN_GROUP_ROWS (KV rows x groups) of work, the least measured to gain; RoPE's tables, where given,
     hold at least a step's TOKENS positions (rope_tables)."""
     d = q.shape[-1]
     return (ENABLED and unpacks_in_ptx(q) and _is_hopper(q.device.index or 0) and bits == 2 and v_bits == 2
-            and channel and d in (64, 128) and group % 16 == 0 and rep <= N_ROWS and gs == TOKENS // 32
+            and channel and d in (64, 128) and group % 16 == 0 and rep <= N_ROWS
+            and (gs == TOKENS // 32 or (rope is None and d == WARP_HEAD_DIM))
             and group_rows >= MIN_GROUP_ROWS and (rope is None or rope[0].shape[0] >= TOKENS))
+
+
+def takes_warp_kernel(q: Tensor, bits: int, v_bits: int, channel: bool, rope, group: int, rep: int,
+                      group_rows: int) -> bool:
+    """Whether eligible() takes the warp kernel (keys after RoPE, head_dim 128) at any split of the groups, so
+    that the split-K plan may size for its WARP_PROGRAMS_PER_SM."""
+    return rope is None and q.shape[-1] == WARP_HEAD_DIM and eligible(q, bits, v_bits, channel, rope, group, rep,
+                                                                      TOKENS // 32, group_rows)
 
 
 _KEPT: dict = {}      # the last rope_tables made: {"from": (cos, sin) given, "table": the table made}
@@ -631,6 +874,12 @@ def quantized_splits(q: Tensor, buffers: list[tuple[Tensor, int]], m: Tensor, l:
     RoPE (outer_decode_attention's)."""
     B, Hq, d = q.shape
     H = buffers[0][0].shape[1]
+    if rope is None and d == WARP_HEAD_DIM:
+        _warp_kernel[(B * H, splits)](q, *(t for t, _ in buffers), m, l, acc, lengths, per_split, splits + 1, qk_scale,
+                                      *(s for _, s in buffers), D=d, REP=Hq // H, ROWS=rows_for(Hq // H), CG=group,
+                                      **dict(zip(("LKW", "KSL", "LVW", "XL", "VL"), _warp_layouts(d))),
+                                      num_warps=N_WARPS)
+        return
     lp, ksl, lpk, lh = _layouts(d, rope is not None)
     cos, sin, offsets = (*rope, rope_tables(*rope)) if rope is not None else (q, q, q)     # q: never read
     _quantized_kernel[(B * H, splits)](q, *(t for t, _ in buffers), cos, sin, offsets, m, l, acc, lengths, per_split,

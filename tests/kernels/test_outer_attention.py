@@ -277,24 +277,28 @@ def test_bad_rope_tables_name_the_problem():
 HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 
 
-# (d, dtype, rep, B, N, lengths, group, rope): KIVI's windows (keys quantized past values), partial steps and groups,
-# a short run (5 groups), 16 query rows, with and without a sink; value groups of one word, two and a whole token;
+# (d, dtype, rep, B, N, lengths, group, rope, splits): KIVI's windows (keys quantized past values), partial steps and
+# groups, a short run (5 groups), 16 query rows, with and without a sink, splits of two groups (fewer than a step of the
+# warp kernel's four warps); value groups of one word, two and a whole token;
 # keys stored before RoPE (KIVI*), rotated in the kernel: with and without a sink, bf16 tables and fp16, query rows
 # in half the padded rows (4 of 8) and in all of them (8, 16)
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
-@pytest.mark.parametrize("d,dtype,rep,B,N,lengths,group,rope", [
-    (128, torch.float16, 4, 2, 1024, (1024, 1000, 1030, 4), 32, False),
-    (64, torch.bfloat16, 3, 3, 800, (800, 777, 810, 0), 32, False),
-    (128, torch.bfloat16, 1, 1, 160, (160, 129, 160, 2), 32, False),
-    (64, torch.float16, 16, 1, 4096, (4096, 4095, 4100, 4), 32, False),
-    (128, torch.float16, 4, 1, 640, (640, 616, 650, 4), 16, False),
-    (128, torch.bfloat16, 2, 1, 640, (608, 630, 640, 0), 128, False),
-    (64, torch.float16, 4, 1, 640, (640, 616, 650, 4), 16, False),
-    (128, torch.bfloat16, 4, 2, 1024, (1024, 1000, 1030, 4), 32, True),
-    (64, torch.float16, 3, 3, 800, (800, 777, 810, 0), 32, True),
-    (128, torch.float16, 16, 1, 4096, (4096, 4095, 4100, 4), 32, True),
-    (128, torch.bfloat16, 8, 1, 640, (608, 630, 640, 0), 32, True)], ids=name)
-def test_hopper_kernel_matches_reference_and_triton_kernel(d, dtype, rep, B, N, lengths, group, rope, monkeypatch):
+@pytest.mark.parametrize("d,dtype,rep,B,N,lengths,group,rope,splits", [
+    (128, torch.float16, 4, 2, 1024, (1024, 1000, 1030, 4), 32, False, 2),
+    (64, torch.bfloat16, 3, 3, 800, (800, 777, 810, 0), 32, False, 2),
+    (128, torch.bfloat16, 1, 1, 160, (160, 129, 160, 2), 32, False, 2),
+    (64, torch.float16, 16, 1, 4096, (4096, 4095, 4100, 4), 32, False, 2),
+    (128, torch.float16, 16, 1, 4096, (4096, 4095, 4100, 4), 32, False, 2),
+    (128, torch.float16, 4, 2, 1024, (1024, 1000, 1030, 4), 32, False, 16),
+    (128, torch.float16, 4, 1, 640, (640, 616, 650, 4), 16, False, 2),
+    (128, torch.bfloat16, 2, 1, 640, (608, 630, 640, 0), 128, False, 2),
+    (64, torch.float16, 4, 1, 640, (640, 616, 650, 4), 16, False, 2),
+    (128, torch.bfloat16, 4, 2, 1024, (1024, 1000, 1030, 4), 32, True, 2),
+    (64, torch.float16, 3, 3, 800, (800, 777, 810, 0), 32, True, 2),
+    (128, torch.float16, 16, 1, 4096, (4096, 4095, 4100, 4), 32, True, 2),
+    (128, torch.bfloat16, 8, 1, 640, (608, 630, 640, 0), 32, True, 2)], ids=name)
+def test_hopper_kernel_matches_reference_and_triton_kernel(d, dtype, rep, B, N, lengths, group, rope, splits,
+                                                          monkeypatch):
     outer_hopper = pytest.importorskip("kvzoo.kernels.outer_hopper")
     H = 2
     codes, (k_rec, v_rec), (k_sink, v_sink) = cache(B, H, N, N, d, 2, dtype, seed=d + rep, group=group)
@@ -305,33 +309,38 @@ def test_hopper_kernel_matches_reference_and_triton_kernel(d, dtype, rep, B, N, 
     monkeypatch.setattr(outer_hopper, "MIN_GROUP_ROWS", 0)
     run = outer_hopper.quantized_splits
     monkeypatch.setattr(outer_hopper, "quantized_splits", lambda *a: calls.append(1) or run(*a))
-    got = outer_decode_attention(*args, num_splits=2, **kw)
+    got = outer_decode_attention(*args, num_splits=splits, **kw)
     assert calls, "the Gluon kernel was not taken"
     assert_close(got, outer_decode_attention_ref(*args, **kw), dtype)
     graph = torch.cuda.CUDAGraph()             # the tail's program on its second stream, captured as a branch
     with torch.cuda.graph(graph):
-        replayed = outer_decode_attention(*args, num_splits=2, **kw)
+        replayed = outer_decode_attention(*args, num_splits=splits, **kw)
     graph.replay()
     assert torch.equal(replayed, got)
     monkeypatch.setattr(outer_hopper, "ENABLED", False)
-    assert_close(got, outer_decode_attention(*args, num_splits=2, **kw), dtype)
+    assert_close(got, outer_decode_attention(*args, num_splits=splits, **kw), dtype)
     assert len(calls) == 2                     # eager and captured; none with the kernel disabled
 
 
 def test_hopper_kernel_is_not_taken_off_its_layout():
-    """4-bit codes, per-token keys, short runs, small work, RoPE's tables shorter than a step, and anything off an
-    H100: the Triton kernel serves them."""
+    """4-bit codes, per-token keys, short runs (but for the warp kernel's layout, keys after RoPE at head_dim 128),
+    small work, RoPE's tables shorter than a step, and anything off an H100: the Triton kernel serves them."""
     outer_hopper = pytest.importorskip("kvzoo.kernels.outer_hopper")
     q = torch.zeros(1, 4, 128, dtype=torch.float16, device=DEVICE)
     big = 1 << 20
     assert not outer_hopper.eligible(q, 4, 4, True, None, 32, 4, 4, big)
     assert not outer_hopper.eligible(q, 2, 2, False, None, 32, 4, 4, big)
-    assert not outer_hopper.eligible(q, 2, 2, True, None, 32, 4, 2, big)
+    assert outer_hopper.eligible(q, 2, 2, True, None, 32, 4, 2, big) == HOPPER        # the warp kernel: any run
+    assert outer_hopper.takes_warp_kernel(q, 2, 2, True, None, 32, 4, big) == HOPPER
+    assert not outer_hopper.eligible(q[..., :64], 2, 2, True, None, 32, 4, 2, big)
+    assert not outer_hopper.takes_warp_kernel(q[..., :64], 2, 2, True, None, 32, 4, big)
     assert not outer_hopper.eligible(q, 2, 2, True, None, 32, 4, 4, outer_hopper.MIN_GROUP_ROWS - 1)
     assert outer_hopper.eligible(q, 2, 2, True, None, 32, 4, 4, big) == HOPPER
     tables = rope_tables(outer_hopper.TOKENS, 128, torch.float16)
     assert outer_hopper.eligible(q, 2, 2, True, tables, 32, 4, 4, big) == HOPPER      # keys rotated in the kernel
     assert not outer_hopper.eligible(q, 2, 2, True, (tables[0][:-1], tables[1][:-1]), 32, 4, 4, big)
+    assert not outer_hopper.eligible(q, 2, 2, True, tables, 32, 4, 2, big)
+    assert not outer_hopper.takes_warp_kernel(q, 2, 2, True, tables, 32, 4, big)
 
 
 def test_hopper_kernel_reads_rope_tables_in_its_channel_order():
