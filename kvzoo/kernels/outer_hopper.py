@@ -24,9 +24,10 @@ memory:
     in each warp, so one thread's rows are a whole word, where the warpgroup MMA's 64-row A gives a thread 4
     channels; that is why this kernel is mma.sync, not wgmma.
   - pᵀ moves from the scores' accumulator layout to the B operand by shuffles (gl.convert_layout within the warp).
-  - 168 registers a thread, three programs an SM (the split-K plan sizes for WARP_PROGRAMS_PER_SM where a program
-    keeps WARP_MIN_GROUPS), a loop of 736 instructions for 128 tokens (sm_90 SASS, Triton 3.6), against the
-    warpgroup kernel's 839 at 250 registers, two programs an SM, four barriers a step and 37 KB of shared memory.
+  - At 8 rows 168 registers a thread, three programs an SM (the split-K plan sizes for WARP_PROGRAMS_PER_SM where a
+    program keeps WARP_MIN_GROUPS; 243 registers and two at 16 rows), a loop of 736 instructions for 128 tokens
+    (sm_90 SASS, Triton 3.6), against the warpgroup kernel's 839 at 250 registers, two programs an SM, four barriers
+    a step and 37 KB of shared memory.
   - A split of fewer groups than warps masks the warps past its end.
 
 The warpgroup kernel (_quantized_kernel); Gluon lets the kernel choose every layout (Triton chooses them itself):
@@ -106,8 +107,8 @@ ENABLED = CHOICE != "triton"  # False: every call takes the Triton kernel (compa
 MIN_GROUP_ROWS = 0 if CHOICE == "gluon" else 2016
 TOKENS, N_WARPS, N_ROWS = 128, 4, 16
 WARP_HEAD_DIM = 128     # the head_dim the warp kernel serves (keys after RoPE)
-WARP_PROGRAMS_PER_SM = 3   # its programs an SM (168 registers a thread at 8 rows): the split-K plan's target
-WARP_MIN_GROUPS = 32       # ... where a program keeps this many groups (8 steps); else the plan for two an SM
+WARP_PROGRAMS_PER_SM = 3   # its programs an SM at 8 rows (168 registers a thread; 243 at 16 rows: two), the
+WARP_MIN_GROUPS = 32       # split-K plan's target where a program keeps this many groups (8 steps)
 BLOCK = gl.constexpr(TOKENS)         # tokens a step: four warps, one key group each
 WARPS = gl.constexpr(N_WARPS)
 LQ = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [N_WARPS, 1], [1, 0]))          # the query rows' load
@@ -448,6 +449,24 @@ def _padded(x, ROWS: gl.constexpr):
 
 
 @gluon.jit
+def _head_pointers(kv, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, s_kc, s_ks, s_kz, s_vc, s_vs, s_vz):
+    """The six buffers' pointers at KV row kv (b * H + h), each moved by its head stride (int64 offsets)."""
+    head = kv.to(gl.int64)
+    return (kc_ptr + head * s_kc, ks_ptr + head * s_ks, kz_ptr + head * s_kz, vc_ptr + head * s_vc,
+            vs_ptr + head * s_vs, vz_ptr + head * s_vz)
+
+
+@gluon.jit
+def _run(len_ptr, split, PER_SPLIT):
+    """Split `split`'s run of groups: (the slots quantized in both streams, its first group, the group past its last,
+    its last live slot)."""
+    n_both = gl.minimum(gl.load(len_ptr), gl.load(len_ptr + 1))
+    start = split * PER_SPLIT
+    stop = gl.minimum(start + PER_SPLIT, (n_both + 31) // 32)
+    return n_both, start, stop, gl.maximum(gl.minimum(n_both, stop * 32) - 1, 0)
+
+
+@gluon.jit
 def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos_ptr, sin_ptr, off_ptr, m_ptr, l_ptr,
                       acc_ptr, len_ptr, PER_SPLIT, N_COLS, qk_scale, s_kc, s_ks, s_kz, s_vc, s_vs, s_vz,
                       D: gl.constexpr, REP: gl.constexpr, ROWS: gl.constexpr, CG: gl.constexpr, LP: gl.constexpr,
@@ -468,13 +487,8 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos
                                       (2, GS, 16, D)).type.layout
 
     kv = gl.program_id(0)                        # b * H + h
-    head = kv.to(gl.int64)
-    kc_ptr += head * s_kc
-    ks_ptr += head * s_ks
-    kz_ptr += head * s_kz
-    vc_ptr += head * s_vc
-    vs_ptr += head * s_vs
-    vz_ptr += head * s_vz
+    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr = _head_pointers(kv, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                                                                    s_kc, s_ks, s_kz, s_vc, s_vs, s_vz)
     split = gl.program_id(1)
 
     if ROPE:
@@ -504,10 +518,7 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos
     else:
         red_s = None
 
-    n_both = gl.minimum(gl.load(len_ptr), gl.load(len_ptr + 1))
-    start = split * PER_SPLIT
-    stop = gl.minimum(start + PER_SPLIT, (n_both + 31) // 32)
-    last = gl.maximum(gl.minimum(n_both, stop * 32) - 1, 0)
+    n_both, start, stop, last = _run(len_ptr, split, PER_SPLIT)
     # each row's token in the step: in order with ROPE, else the key operand's (_row_token), values and scores alike
     n = _tokens(gl.arange(0, BLOCK, layout=gl.SliceLayout(1, LW)), ROPE)
     w = gl.arange(0, W, layout=gl.SliceLayout(0, LW))
@@ -675,18 +686,10 @@ def _warp_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, l
     B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=WARP_MMA, k_width=2)
     ROW: gl.constexpr = gl.SliceLayout(1, WARP_MMA)                  # (4, ROWS): each warp's rows
     kv = gl.program_id(0)                        # b * H + h
-    head = kv.to(gl.int64)
-    kc_ptr += head * s_kc
-    ks_ptr += head * s_ks
-    kz_ptr += head * s_kz
-    vc_ptr += head * s_vc
-    vs_ptr += head * s_vs
-    vz_ptr += head * s_vz
+    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr = _head_pointers(kv, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                                                                    s_kc, s_ks, s_kz, s_vc, s_vs, s_vz)
     split = gl.program_id(1)
-    n_both = gl.minimum(gl.load(len_ptr), gl.load(len_ptr + 1))
-    start = split * PER_SPLIT
-    stop = gl.minimum(start + PER_SPLIT, (n_both + 31) // 32)
-    last = gl.maximum(gl.minimum(n_both, stop * 32) - 1, 0)
+    n_both, start, stop, last = _run(len_ptr, split, PER_SPLIT)
 
     # the query qᵀ (4, D, ROWS), the scores' B operand, the same in every warp: column c at _place(c)
     cq = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B)))
@@ -839,10 +842,10 @@ def eligible(q: Tensor, bits: int, v_bits: int, channel: bool, rope, group: int,
 
 def takes_warp_kernel(q: Tensor, bits: int, v_bits: int, channel: bool, rope, group: int, rep: int,
                       group_rows: int) -> bool:
-    """Whether eligible() takes the warp kernel (keys after RoPE, head_dim 128) at any split of the groups, so
-    that the split-K plan may size for its WARP_PROGRAMS_PER_SM."""
-    return rope is None and q.shape[-1] == WARP_HEAD_DIM and eligible(q, bits, v_bits, channel, rope, group, rep,
-                                                                      TOKENS // 32, group_rows)
+    """Whether eligible() takes the warp kernel (keys after RoPE, head_dim 128) with 8 rows (three programs an SM) at
+    any split of the groups, so that the split-K plan may size for its WARP_PROGRAMS_PER_SM."""
+    return rope is None and q.shape[-1] == WARP_HEAD_DIM and rows_for(rep) == 8 and eligible(
+        q, bits, v_bits, channel, rope, group, rep, TOKENS // 32, group_rows)
 
 
 _KEPT: dict = {}      # the last rope_tables made: {"from": (cos, sin) given, "table": the table made}
