@@ -588,9 +588,9 @@ def _join8(o):
 def _warp_operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t, last, LKW: gl.constexpr, KSL: gl.constexpr,
                    LVW: gl.constexpr, D: gl.constexpr, CG: gl.constexpr):
     """Step t's operands, warp w's from key group t + w: key words (4, 32, W) in LKW (a thread: two adjacent words
-    of four tokens), the group's key scales and zeros (4, D) as stored (a thread: its lane's 32 channels), value
-    words (4, 32, W) in LVW (a thread: word lane / 4 of tokens 2 (lane % 4) + {0, 1, 8, 9, 16, 17, 24, 25}) and each
-    value word's scale and zero. Slots past `last` read `last`."""
+    of four tokens), the group's key scales and zeros (4, D/2) as stored, int32 pairs of real channels (a thread: its
+    lane's 32 channels), value words (4, 32, W) in LVW (a thread: word lane / 4 of tokens 2 (lane % 4) + {0, 1, 8, 9,
+    16, 17, 24, 25}) and each value word's scale and zero. Slots past `last` read `last`."""
     W: gl.constexpr = D // 16
     L3: gl.constexpr = gl.SliceLayout(3, LKW)
     wk = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
@@ -744,7 +744,7 @@ def _warp_layouts(d: int) -> tuple:
     """(LKW, KSL, LVW, XL, VL) of the warp kernel, head_dim 128 (W = 8 words a token), four warps, warp w on dim 0:
     LKW, the key words entering the unpack PTX (4, 32 tokens, W, 2): registers the pair axis, word + 1, token + 8,
     + 16; lanes word + 2, + 4 (lane % 4 = t: words 2 t, 2 t + 1), token + 1, + 2, + 4;
-    KSL, the key scales' (4, d) load: a thread its lane's 32 consecutive channels (16-byte vectors);
+    KSL, the key scales' (4, d/2) load, int32 pairs: a thread its lane's 32 consecutive channels (16-byte vectors);
     LVW, the value words (4, 32, W): registers token + 1, + 8, + 16; lanes token + 2, + 4, word + 1, + 2, + 4;
     XL and VL, the A operands' own layouts (the scores' (4, 32, d) and Vᵀ's (4, d, 32)) with their registers in A's
     order, the half2 pairs first, so that an FMA's fp16x2 operands and A's registers are the same pairs."""
