@@ -26,7 +26,12 @@ defaults: groups of 64, a 128-token residual) run HF's eager forward, the way `g
 --max-batch; probes run 3 steps), then a cell timed at that batch (a sixteenth fewer rows if the full cell runs
 out of memory). Those batches are filled by copying one prefilled row into
 every row (kvzoo: ModelCache.repeat_row; HF: the row's K/V given to the new cache's own update()): decoding
-costs the same whatever the rows hold, and prefilling 60 x 32K tokens per probe would take minutes.
+costs the same whatever the rows hold, and prefilling 60 x 32K tokens per probe would take minutes. --fill copies
+fills the grid's cells so too, from one prefilled row per cache and context: a batch found so can then be profiled,
+
+    python scripts/bench_decode.py --models llama-3.1-8b --compile --graph-only --batches 154 --steps 8 \
+        --contexts 32768 --caches kivi:bits=2 --fill copies --profile 4 --trace --out results/decode/kivi-154
+
 --find-max-context: per model x cache, the largest context that fits at batch 1 (doubling from 128K, then
 bisection to 1K): kvzoo allocates its buffers for that many tokens, prefills 64 and decodes two tokens. A
 strategy with a whole-step graph (with --compile) decodes so at once: its memory does not depend on how full
@@ -154,6 +159,10 @@ def parse_args():
                              "CPU's speed drifts by up to 2x over minutes; the fastest run is the least disturbed)")
     parser.add_argument("--compile", action="store_true", help="also time the CUDA-graph step (kvzoo.graphs)")
     parser.add_argument("--graph-only", action="store_true", help="with --compile: time the CUDA-graph step only")
+    parser.add_argument("--fill", default="prefill", choices=["prefill", "copies"],
+                        help="how the grid's cells fill their rows: prefill each row, or copy one prefilled row "
+                             "into every row as --find-max-batch does (a batch that fits to decode but not to "
+                             "prefill, e.g. the largest one, timed or profiled)")
     parser.add_argument("--find-max-batch", action="store_true", help="search the largest batch that fits")
     parser.add_argument("--max-batch", type=int, default=256, help="upper end of the batch search")
     parser.add_argument("--find-max-context", action="store_true", help="search the largest context at batch 1")
@@ -561,10 +570,26 @@ def largest(fits_at, lo: int, limit: int, step: int = 1) -> int:
 def cells(runner, args, label: str, caches: list[str], graph_modes: list[bool], keep) -> None:
     """Every cell of the grid, then the searches; keep(row) gets each row as it is measured."""
     grid = [(c, n, b, g) for c in caches for n in args.contexts for b in args.batches for g in graph_modes]
+    cell_size = lambda context: max_len(context, args.steps + args.profile, args.warmup)     # noqa: E731
+    rows = {}                  # --fill copies: the last (cache, context)'s prefilled row
+
+    def source(cache: str, context: int) -> Filled | None:
+        if args.fill != "copies":
+            return None
+        if (cache, context) not in rows:
+            rows.clear()
+            free_memory()
+            with torch.inference_mode():
+                rows[(cache, context)] = runner.fill(cache, context, 1, cell_size(context), args.prefill_chunk, None)
+        return rows[(cache, context)]
+
     timed = []
     for cache, context, batch, graphed in tqdm(grid * args.repeats, desc=f"{label} {runner.impl}"):
-        timed.append(cell_row(runner, args, label, cache, context, batch, graphed))
+        src = source(cache, context)
+        timed.append(cell_row(runner, args, label, cache, context, batch, graphed, src,
+                              cell_size(context) if src is not None else None))
         keep(timed[-1])
+    rows.clear()
     if args.find_max_batch:
         for cache in caches:
             graphed = graph_modes[-1]
@@ -605,16 +630,18 @@ def cells(runner, args, label: str, caches: list[str], graph_modes: list[bool], 
                 continue
             tqdm.write(f"{row['cache']}, {context} tokens, batch {batch}, {row['step']} step:")
             trace = trace_path(args.out, row) if args.trace else None
+            src = source(cache, context)
             try:
-                row["kernels"] = run_cell(runner, cache, context, batch, 0, args.prefill_chunk, graphed,
-                                          warmup=args.warmup, profile=args.profile,
-                                          trace=trace)["kernels"]  # written with the table
+                row["kernels"] = run_cell(runner, cache, context, batch, 0, args.prefill_chunk, graphed, src,
+                                          warmup=args.warmup, size=cell_size(context) if src is not None else None,
+                                          profile=args.profile, trace=trace)["kernels"]  # written with the table
                 if trace is not None:
                     row["trace"] = trace.name
             except RuntimeError as error:
                 if not out_of_memory(error):
                     raise
             free_memory()
+        rows.clear()
 
 
 def static_step(runner: Kvzoo, cache: str) -> bool:
@@ -627,13 +654,13 @@ def static_step(runner: Kvzoo, cache: str) -> bool:
         return isinstance(decoder(runner.model, kv), GraphDecoder)
 
 
-def cell_row(runner, args, label, cache, context, batch, graphed, src=None) -> dict:
+def cell_row(runner, args, label, cache, context, batch, graphed, src=None, size=None) -> dict:
     name = cache if runner.impl == "kvzoo" else f"hf:{cache}"
     row = {"model": label, "impl": runner.impl, "cache": name, "context": context, "batch": batch,
            "step": "graph" if graphed else "eager"}
     try:
         row.update(run_cell(runner, cache, context, batch, args.steps, args.prefill_chunk, graphed, src,
-                            warmup=args.warmup))
+                            warmup=args.warmup, size=size))
     except RuntimeError as error:
         if not out_of_memory(error):
             raise

@@ -289,7 +289,7 @@ def test_bench_decode_profiles_each_cell_after_every_timed_step(model, monkeypat
 
     bench = bench_module()
     args = SimpleNamespace(contexts=[12], batches=[1, 2], steps=2, warmup=1, repeats=1, prefill_chunk=8,
-                           find_max_batch=False, find_max_context=False, profile=3, trace=False)
+                           find_max_batch=False, find_max_context=False, fill="prefill", profile=3, trace=False)
     events = []
     profile = bench.profile_steps
     monkeypatch.setattr(bench, "profile_steps", lambda *a, **kw: events.append("profile") or profile(*a, **kw))
@@ -303,6 +303,26 @@ def test_bench_decode_profiles_each_cell_after_every_timed_step(model, monkeypat
         assert row["kernels"][-1]["kernel"].endswith("other kernels)") and row["decode_ms"] > 0
 
 
+def test_bench_decode_fills_cells_by_row_copies(model):
+    """--fill copies: each grid cell's rows are copies of one prefilled row per cache and context (as the largest
+    batch's search fills them), timed and profiled so: a batch that fits to decode but not to prefill."""
+    from types import SimpleNamespace
+
+    bench = bench_module()
+    args = SimpleNamespace(contexts=[12], batches=[2, 3], steps=2, warmup=1, repeats=1, prefill_chunk=8,
+                           find_max_batch=False, find_max_context=False, fill="copies", profile=1, trace=False)
+    runner = bench.Kvzoo(model)
+    fills = []
+    fill = runner.fill
+    runner.fill = lambda *a: fills.append(a[2]) or fill(*a)                   # the rows each fill makes
+    rows = []
+    bench.cells(runner, args, "tiny", ["fp16", "kivi:bits=2"], [False], rows.append)
+    assert [r["filled"] for r in rows] == ["row copies"] * 4 and all(r["prefill_s"] is None for r in rows)
+    assert all(r["kernels"] and r["decode_ms"] > 0 for r in rows)
+    # one prefilled row per cache for the timed cells and again for the profiles, each copied into 2 and 3 rows
+    assert fills == [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3]
+
+
 def test_bench_decode_traces_each_profiled_cell(model, tmp_path, monkeypatch):
     """--trace: each profiled cell's timeline, a gzipped Chrome trace beside OUT named after the cell, its name in
     the row; an existing timeline is not replaced without --overwrite."""
@@ -314,7 +334,7 @@ def test_bench_decode_traces_each_profiled_cell(model, tmp_path, monkeypatch):
     bench = bench_module()
     out = str(tmp_path / "run")
     args = SimpleNamespace(contexts=[12], batches=[2], steps=2, warmup=1, repeats=1, prefill_chunk=8,
-                           find_max_batch=False, find_max_context=False, profile=2, trace=True, out=out)
+                           find_max_batch=False, find_max_context=False, fill="prefill", profile=2, trace=True, out=out)
     rows = []
     bench.cells(bench.Kvzoo(model), args, "tiny", ["fp16", "kivi:bits=2"], [False], rows.append)
     assert [r["trace"] for r in rows] == ["run-trace-fp16-12-b2-eager.json.gz",
@@ -339,7 +359,7 @@ def test_bench_decode_profiles_hugging_face_cells():
     cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     args = SimpleNamespace(contexts=[12], batches=[1], steps=2, warmup=1, repeats=1, prefill_chunk=8,
-                           find_max_batch=False, find_max_context=False, profile=2, trace=False)
+                           find_max_batch=False, find_max_context=False, fill="prefill", profile=2, trace=False)
     rows = []
     bench.cells(bench.HuggingFace(transformers.LlamaForCausalLM(cfg).eval()), args, "tiny", ["fp16"], [False],
                 rows.append)
@@ -353,7 +373,7 @@ def test_bench_decode_writes_each_row_as_it_is_measured(model, tmp_path):
 
     bench = bench_module()
     args = SimpleNamespace(contexts=[12], batches=[1, 2], steps=2, warmup=1, repeats=1, prefill_chunk=8,
-                           find_max_batch=False, find_max_context=False, profile=0, trace=False)
+                           find_max_batch=False, find_max_context=False, fill="prefill", profile=0, trace=False)
     seen = []
     sink = bench.Rows(tmp_path / "out.json", "cpu", "test")
 
