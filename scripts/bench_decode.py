@@ -571,17 +571,18 @@ def cells(runner, args, label: str, caches: list[str], graph_modes: list[bool], 
     """Every cell of the grid, then the searches; keep(row) gets each row as it is measured."""
     grid = [(c, n, b, g) for c in caches for n in args.contexts for b in args.batches for g in graph_modes]
     cell_size = lambda context: max_len(context, args.steps + args.profile, args.warmup)     # noqa: E731
-    rows = {}                  # --fill copies: the last (cache, context)'s prefilled row
+    prefilled = {}             # --fill copies: the last (cache, context)'s prefilled row
 
     def source(cache: str, context: int) -> Filled | None:
         if args.fill != "copies":
             return None
-        if (cache, context) not in rows:
-            rows.clear()
+        if (cache, context) not in prefilled:
+            prefilled.clear()
             free_memory()
             with torch.inference_mode():
-                rows[(cache, context)] = runner.fill(cache, context, 1, cell_size(context), args.prefill_chunk, None)
-        return rows[(cache, context)]
+                prefilled[(cache, context)] = runner.fill(cache, context, 1, cell_size(context),
+                                                          args.prefill_chunk, None)
+        return prefilled[(cache, context)]
 
     timed = []
     for cache, context, batch, graphed in tqdm(grid * args.repeats, desc=f"{label} {runner.impl}"):
@@ -589,7 +590,7 @@ def cells(runner, args, label: str, caches: list[str], graph_modes: list[bool], 
         timed.append(cell_row(runner, args, label, cache, context, batch, graphed, src,
                               cell_size(context) if src is not None else None))
         keep(timed[-1])
-    rows.clear()
+    prefilled.clear()
     if args.find_max_batch:
         for cache in caches:
             graphed = graph_modes[-1]
@@ -641,7 +642,7 @@ def cells(runner, args, label: str, caches: list[str], graph_modes: list[bool], 
                 if not out_of_memory(error):
                     raise
             free_memory()
-        rows.clear()
+        prefilled.clear()
 
 
 def static_step(runner: Kvzoo, cache: str) -> bool:

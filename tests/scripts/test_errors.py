@@ -330,6 +330,8 @@ def test_new_script_options_refuse_bad_values(monkeypatch, capsys, script, args,
     ("bench_decode.py", ["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
     ("bench_decode.py", ["--max-context", "100"], "--max-context must be >= 1024"),
     ("bench_decode.py", ["--weights", "w3"], "argument --weights: invalid choice: 'w3'"),
+    ("bench_decode.py", ["--fill", "all"], "argument --fill: invalid choice: 'all'"),
+    ("bench_decode.py", ["--trace"], "--trace writes the timelines of --profile's steps: add --profile N"),
     ("repro.kvpareto.bench", ["--rows", "0"], "--rows and --runs must be >= 1"),
     ("bench_kernels.py", ["--floors", "--stages"], "argument --stages: not allowed with argument --floors"),
 ])
