@@ -46,9 +46,9 @@ recent window, or fills it and a group is quantized in place (one window for bot
 paper's windows: values 32 at a time through InnerQCodec.write_at, keys a token at a time). With the paper's
 windows up to 31 keys are quantized while their values are still exact; the kernel reads them dequantized beside
 their values' rows. Those aligned keys are one kernel, with the token's window rows on the attention's second
-stream, beside its quantized part (_aligned_keys, StaticStep.tail); the key leaving its window is quantized and the
-window moved in one kernel after it, beside the step (_flush_keys); with FUSED_KEY_STEP off, their torch
-reference. Elsewhere (a CPU) decode reads the codes a stream at a time (WindowedStore.attend; a symmetric group's
+stream, beside its quantized part (_aligned_keys, StaticStep.tail); the key leaving its window (a ring: no row
+moves, kvzoo/cache/store.py) is quantized in one kernel after it, beside the step (_flush_keys); with
+FUSED_KEY_STEP off, their torch reference. Elsewhere (a CPU) decode reads the codes a stream at a time (WindowedStore.attend; a symmetric group's
 signs flipped into its codes).
 """
 
@@ -430,7 +430,7 @@ class InnerQCache(WholeStep, LayerCache):
                                        read, codec.mask_upto())
         delta = n_k - n_q                                                        # (1,) in [0, 32)
         rows = torch.arange(st.recent("v").shape[2], device=n_q.device)
-        keys = st.recent("k").index_select(2, (rows - delta).clamp(0, st.recent("k").shape[2] - 1))
+        keys = st.recent("k").index_select(2, (n_q + rows) % st.recent("k").shape[2])     # slot S + n_q + j, a ring
         if codec.capacity:                       # else nothing is ever quantized: every key is in its window
             quantized = codec.read_at(n_q, GROUP, keys.dtype).index_select(2, rows.clamp_max(GROUP - 1))
             keys = torch.where((rows < delta)[:, None], quantized, keys)
@@ -438,7 +438,7 @@ class InnerQCache(WholeStep, LayerCache):
 
     def _flush_keys(self, step: StaticStep) -> None:
         """With the paper's windows, if the token filled the key window: its oldest token quantized at its
-        device-held slot and the window moved down by one (innerq_key_flush where FUSED_KEY_STEP)."""
+        device-held slot, from its row of the ring (innerq_key_flush where FUSED_KEY_STEP)."""
         st = self.store
         if st.window is not None or st.phase(self.length, "k") != "flush":
             return

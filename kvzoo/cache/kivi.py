@@ -43,8 +43,8 @@ key window's; KIVI* has a static step only there); otherwise attention runs over
 stream's static layout (WindowedStore.static_rows), the dead ones and those the mask forbids masked, the key
 weights routed to the value rows by slot where the two streams' windows differ. One graph per phase (in each
 stream the token joins the sink, joins the window, or fills it and its oldest group is quantized at a device-held
-slot; one kernel quantizes a value and moves its window, on a second stream beside the layers after it). Its cost
-grows with the buffer (max_len), not with the tokens stored.
+slot; one kernel quantizes a value from its row of the value window, a ring, on a second stream beside the layers
+after it). Its cost grows with the buffer (max_len), not with the tokens stored.
 
 Paper settings: b = 2 (also 4), G = 32, R = 128 (Llama/Mistral); scales and zeros in fp16. The XQuant
 paper's KIVI* rows of its Table 4 keep the first 3 layers at 4 bits: `high_layers=3` (`high_bits=4`).
@@ -277,17 +277,19 @@ class KIVICache(WholeStep, LayerCache):
         return out[:, :, None]                                                  # (B, Hq, 1, d)
 
     def _static_lengths(self, step: StaticStep) -> Tensor:
-        """From the device-held length L: int32 (4,) [keys quantized, values quantized, slots stored after the
-        sink, slots stored in the sink], the token's not counted, as the fused kernel takes them; shared by every
-        layer."""
+        """From the device-held length L: int32 (6,) [keys quantized, values quantized, slots stored after the
+        sink, slots stored in the sink, the key and the value window's rows of their oldest slots (rings,
+        Window.first_row)], the token's not counted, as the fused kernel takes them; shared by every layer."""
         st = self.store
         key = ("outer", st.windows["k"], st.windows["v"])
         if key not in step.derived:
             S, L = self.opts.sink, step.slot
             (n_k, _), (n_v, _) = st.window_row(step, "k"), st.window_row(step, "v")
             in_sink = L < S
-            step.derived[key] = torch.cat([n_k, n_v, torch.where(in_sink, 0, L - S),
-                                           torch.where(in_sink, L, S)]).to(torch.int32)
+            rows = [torch.as_tensor(st.windows[name].first_row(n), device=L.device).reshape(1)
+                    for name, n in (("k", n_k), ("v", n_v))]
+            step.derived[key] = torch.cat([n_k, n_v, torch.where(in_sink, 0, L - S), torch.where(in_sink, L, S),
+                                           *rows]).to(torch.int32)
         return step.derived[key]
 
 

@@ -9,6 +9,9 @@ is held as
 
 with Nq = Window.quantized(L) = max(0, floor((L - S - R) / G)) * G. A group is quantized once, when it
 leaves the recent window, and never requantized. G = 1, R = 0 quantizes every token as it is stored.
+The recent window's buffer holds R + G rows. With G = 1 it is a ring (slot s in row (s - S) mod (R + 1)): a token
+leaves it at every step and no row moves; with G > 1 its rows move down G rows when a group leaves
+(Window.first_row). `recent_rows` gives the live rows in slot order.
 
 `Window.quantized` is the one formula of what is quantized when: the store uses it on host ints, the static
 (CUDA-graph) steps on device tensors, and simulated mode (kvzoo/cache/base.py) per query: the query at slot
@@ -58,6 +61,13 @@ class Window:
         """Tokens held quantized once `length` are stored (an int, or a device tensor: no host sync)."""
         n = (length - self.sink - self.recent) // self.group
         return (n.clamp_min(0) if isinstance(n, Tensor) else max(n, 0)) * self.group
+
+    def first_row(self, n_q):
+        """The row of the recent window's buffer (R + G rows) that holds its oldest slot S + n_q. A window of
+        one-token groups is a ring, slot s in row (s - S) mod (R + 1), so that no row moves when its oldest leaves
+        (every token); one of G > 1 tokens moves down G rows when a group leaves (once every G tokens), its
+        oldest slot in row 0. Slot S + n_q + j is then in row (first_row(n_q) + j) mod (R + G)."""
+        return n_q % (self.recent + 1) if self.group == 1 else 0
 
     def rounded(self, q_slots: Tensor, n_keys: int) -> Tensor:
         """(T, n_keys) True where the query at slot q_slots[t] reads key slot j quantized: j in [S, S + Nq(s))."""
@@ -117,7 +127,11 @@ class Codec(nn.Module):
 
     def flush_at(self, start: Tensor, window: Tensor, group: int) -> None:
         """A window's oldest `group` rows (window (*lead, R + group, width)) into slots [start, start + group) at a
-        device-held start (1,), and its other rows moved down `group` rows (the static step)."""
+        device-held start (1,) (the static step): a ring's (group 1) from its row start mod (R + 1), where it stays;
+        else rows 0 .. group - 1, the other rows then moved down `group` rows (Window.first_row)."""
+        if group == 1:
+            self.write_at(start, window.index_select(-2, start % window.shape[-2]))
+            return
         self.write_at(start, window[..., :group, :])
         move_down(window, group)
 
@@ -213,9 +227,9 @@ class GroupCodec(Codec):
             buf.index_copy_(buf.dim() - 2, groups if grouped else slots, values)
 
     def flush_at(self, start: Tensor, window: Tensor, group: int) -> None:
-        if group == 1 and self._token_kernel(window) and window.is_contiguous():   # one kernel: write and move
+        if group == 1 and self._token_kernel(window) and window.is_contiguous():   # one kernel, from its ring row
             from kvzoo.kernels.quantize_pack import group_token_write
-            group_token_write(window, start, self.codes, self.scale, self.zero, self.bits, self.group, move=True)
+            group_token_write(window, start, self.codes, self.scale, self.zero, self.bits, self.group, ring=True)
             return
         super().flush_at(start, window, group)
 
@@ -285,7 +299,18 @@ class WindowedStore(nn.Module):
         return self.get_buffer(f"sink_{name}")
 
     def recent(self, name: str) -> Tensor:
+        """Stream `name`'s recent window buffer (*lead, R + G, width), its rows placed by Window.first_row."""
         return self.get_buffer(f"recent_{name}")
+
+    def recent_rows(self, name: str, length: int) -> Tensor:
+        """The recent window's live rows in slot order once `length` are stored: (*lead, r, width), a view
+        unless a ring's rows wrap past its last row."""
+        _, n_q, r = self.counts(length, name)
+        buf, first = self.recent(name), self.windows[name].first_row(n_q)
+        wrapped = first + r - buf.shape[-2]
+        if wrapped <= 0:
+            return buf[..., first:first + r, :]
+        return torch.cat([buf[..., first:, :], buf[..., :wrapped, :]], dim=-2)
 
     def counts(self, length: int, name: str | None = None) -> tuple[int, int, int]:
         """(tokens in the sink, quantized, in the recent window) of stream `name` (default: the shared window)
@@ -314,10 +339,12 @@ class WindowedStore(nn.Module):
             flush = w.quantized(at + x.shape[-2]) - n_q
             assert real is None or (r == 0 and flush == x.shape[-2]), "padding masks go with token-by-token windows"
             recent = self.recent(name)
-            tail = torch.cat([recent[..., :r, :], x], dim=-2)              # (*lead, r + T, width)
+            tail = torch.cat([self.recent_rows(name, at), x], dim=-2)         # (*lead, r + T, width), slot order
             if flush:
                 self.codecs[name].write(n_q, n_q + flush, tail[..., :flush, :], real)
-            recent[..., :tail.shape[-2] - flush, :] = tail[..., flush:, :]
+            kept = tail.shape[-2] - flush                                   # < R + G rows, from slot S + n_q + flush
+            rows_at = (w.first_row(n_q + flush) + torch.arange(kept, device=recent.device)) % recent.shape[-2]
+            recent.index_copy_(recent.dim() - 2, rows_at, tail[..., flush:, :].to(recent.dtype))
         return length + next(iter(rows.values())).shape[-2]
 
     def read(self, length: int, dtype: torch.dtype, start: int = 0, names: tuple[str, ...] | None = None
@@ -330,7 +357,7 @@ class WindowedStore(nn.Module):
             codec = self.codecs[name]
             in_sink, n_q, r = self.counts(length, name)
             out[name] = torch.cat([self.sink(name)[..., :in_sink, :], codec.read(n_q, dtype, min(start, n_q)),
-                                   self.recent(name)[..., :r, :]], dim=-2)
+                                   self.recent_rows(name, length)], dim=-2)
         return out
 
     def attend(self, q: Tensor, length: int, token: dict[str, Tensor], mask: Tensor | None = None,
@@ -346,7 +373,7 @@ class WindowedStore(nn.Module):
             scores = torch.cat([qf @ keys.float().transpose(-1, -2), qf @ token["k"].float().transpose(-1, -2)], -1)
         else:
             in_sink, n_q, r = self.counts(length, "k")
-            exact = [self.sink("k")[..., :in_sink, :], self.recent("k")[..., :r, :], token["k"]]
+            exact = [self.sink("k")[..., :in_sink, :], self.recent_rows("k", length), token["k"]]
             k_sink, k_recent, k_token = (qf @ rows.float().transpose(-1, -2) for rows in exact)
             scores = torch.cat([k_sink, self.codecs["k"].scores(qf, n_q), k_recent, k_token], dim=-1)  # (B, H, rep, L + 1)
         if mask is not None:
@@ -355,7 +382,7 @@ class WindowedStore(nn.Module):
         in_sink, n_q, r = self.counts(length, "v")
         p_sink, p_q, p_recent, p_token = p.split([in_sink, n_q, r, 1], dim=-1)
         out = (p_sink @ self.sink("v")[..., :in_sink, :].float() + self.codecs["v"].weigh(p_q, n_q)
-               + p_recent @ self.recent("v")[..., :r, :].float() + p_token @ token["v"].float())
+               + p_recent @ self.recent_rows("v", length).float() + p_token @ token["v"].float())
         return out.view(B, Hq, 1, d).to(q.dtype)
 
     def append_read(self, length: int, rows: dict[str, Tensor], held: bool = False):
@@ -403,15 +430,16 @@ class WindowedStore(nn.Module):
 
     def window_row(self, step, name: str | None = None) -> tuple[Tensor, Tensor]:
         """From the device-held length L = step.slot: (Nq (1,), the token's row in its window: sink row L while
-        L < S, else recent row L - S - Nq) of stream `name` (default: the shared window). Computed once per
-        step and window, shared by every layer."""
+        L < S, else the recent row of slot L, Window.first_row) of stream `name` (default: the shared window).
+        Computed once per step and window, shared by every layer."""
         w = self.windows[name] if name is not None else self.shared()
         S, R, G = w.sink, w.recent, w.group
         key = ("window", S, R, G)
         if key not in step.derived:
             L = step.slot
             n_q = w.quantized(L)
-            step.derived[key] = (n_q, torch.where(L < S, L.clamp_max(max(S - 1, 0)), L - S - n_q))
+            recent_row = (w.first_row(n_q) + L - S - n_q) % (R + G)
+            step.derived[key] = (n_q, torch.where(L < S, L.clamp_max(max(S - 1, 0)), recent_row))
         return step.derived[key]
 
     def static_rows(self, step, name: str) -> tuple[Tensor, Tensor]:
@@ -423,6 +451,7 @@ class WindowedStore(nn.Module):
             L, device = step.slot, step.slot.device
             n_q, _ = self.window_row(step, name)
             quant, sink, recent = (torch.arange(k, device=device) for k in (n, w.sink, w.recent + w.group))
+            recent = (recent - w.first_row(n_q)) % (w.recent + w.group)      # recent row i holds slot S + n_q + j
             slots = torch.cat([w.sink + quant, sink, w.sink + n_q + recent])
             live = torch.cat([quant < n_q, sink <= L, recent <= L - w.sink - n_q])
             step.derived[key] = (slots, live)
@@ -465,16 +494,18 @@ class WindowedStore(nn.Module):
 
     def flush_at(self, length: int, step, names: tuple[str, ...] | None = None) -> None:
         """Each stream (of `names`, default all) whose recent window the token filled: its oldest group into
-        quantized slots [Nq, Nq + G) at the device-held Nq, the rest of the window moved down."""
+        quantized slots [Nq, Nq + G) at the device-held Nq (Codec.flush_at: a ring's rows stay, others move)."""
         for name, codec in self.codecs.items():
             if (names is None or name in names) and self.phase(length, name) == "flush":
                 n_q, _ = self.window_row(step, name)
                 codec.flush_at(n_q, self.recent(name), self.windows[name].group)
 
     def shift(self, names: tuple[str, ...] | None = None) -> None:
-        """Move the recent windows (of `names`, default all) down by one group (after its oldest was quantized)."""
+        """Move the recent windows (of `names`, default all) down by one group (after its oldest was quantized by
+        the caller); a ring (Window.first_row) does not move."""
         for name in names or tuple(self.codecs):
-            move_down(self.recent(name), self.windows[name].group)
+            if self.windows[name].group > 1:
+                move_down(self.recent(name), self.windows[name].group)
 
     def token_kernel_serves(self, padded: bool, attn, max_len: int) -> bool:
         """Whether `attend_token_kernel` serves this store: streams "k" and "v" in per-token groups (GroupCodec,
@@ -503,9 +534,9 @@ class WindowedStore(nn.Module):
         from kvzoo.kernels.outer_attention import outer_decode_attention
 
         key = ("token kernel lengths",)
-        if key not in step.derived:            # [keys quantized, values quantized, slots stored, sink]
-            n_q, _ = self.window_row(step, "k")
-            step.derived[key] = torch.cat([n_q, n_q, n_q, torch.zeros_like(n_q)]).to(torch.int32)
+        if key not in step.derived:            # [keys quantized, values quantized, slots stored, sink, rows]
+            n_q, _ = self.window_row(step, "k")       # and the windows' rows of their oldest slots: one row each
+            step.derived[key] = torch.cat([n_q, n_q, n_q] + [torch.zeros_like(n_q)] * 3).to(torch.int32)
         kc, vc = self.codecs["k"], self.codecs["v"]
         out = outer_decode_attention(q[:, :, 0], kc.codes, kc.scale, kc.zero, vc.codes, vc.scale, vc.zero, kc.bits,
                                      self.recent("k"), self.recent("v"), step.derived[key], v_bits=vc.bits,
@@ -516,5 +547,5 @@ class WindowedStore(nn.Module):
         return out[:, :, None]
 
     def scratch(self) -> tuple[Tensor, ...]:
-        """Buffers a static step changes so that running it twice would differ (the window shift)."""
+        """Buffers a static step changes so that running it twice would differ (the token's window rows)."""
         return tuple(self.recent(name) for name in self.codecs)

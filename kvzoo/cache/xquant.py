@@ -374,10 +374,10 @@ class XQuantCache(WholeStep, LayerCache):
         window rows, each stream's own): (B, n_kv, length, hd) each, model dtype."""
         out = []
         for name, up in self._sources():
-            codec, window = self.store.codecs[name], self.store.recent(name)
-            _, n_q, r = self.store.counts(length, name)
+            codec, window = self.store.codecs[name], self.store.recent_rows(name, length)
+            _, n_q, _ = self.store.counts(length, name)
             flat = torch.cat([rematerialize(codec.held(n_q), codec.held_first(n_q), up),
-                              rematerialize(window[:, :r], None, up)], dim=1)   # (B, N, n_kv*hd)
+                              rematerialize(window, None, up)], dim=1)   # (B, N, n_kv*hd)
             out.append(heads(flat, self.attn.n_kv_heads, window.dtype))
         return out[0], out[1]
 
@@ -404,13 +404,13 @@ class XQuantCache(WholeStep, LayerCache):
         if not self.length:
             return self.prefill(x, q, k, v, pos)
         (k_name, up_k), (v_name, up_v) = self._sources()
-        codec, window = self.store.codecs[k_name], self.store.recent(k_name)
-        _, n_q, r = self.store.counts(self.length, k_name)
+        codec, window = self.store.codecs[k_name], self.store.recent_rows(k_name, self.length)
+        _, n_q, _ = self.store.counts(self.length, k_name)
         flat = torch.cat([rematerialize(codec.held(n_q), codec.held_first(n_q), up_k),
-                          rematerialize(window[:, :r], None, up_k)], dim=1)          # (B, L, n_kv*hd)
-        codec, window = self.store.codecs[v_name], self.store.recent(v_name)
-        _, n_q, r = self.store.counts(self.length, v_name)
-        weigh = lambda p: codec.weigh(p[..., :n_q], n_q) + p[..., n_q:] @ window[:, :r].float()   # noqa: E731
+                          rematerialize(window, None, up_k)], dim=1)          # (B, L, n_kv*hd)
+        codec, window = self.store.codecs[v_name], self.store.recent_rows(v_name, self.length)
+        _, n_q, _ = self.store.counts(self.length, v_name)
+        weigh = lambda p: codec.weigh(p[..., :n_q], n_q) + p[..., n_q:] @ window.float()   # noqa: E731
         out = decode_attention(self.attn, q, heads(flat, self.attn.n_kv_heads, k.dtype), k, v, pos, weigh, up_v)
         self.length = self.store.append(self.length, self._rows(x))
         return out

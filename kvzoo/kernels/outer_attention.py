@@ -8,7 +8,9 @@ program.
 The tail is every slot after the sink, u = 0, 1, ... n_tail - 1 (the token being decoded last). Keys and values
 leave their recent windows at their own pace (KIVI's authors' windows: keys R at a time, values one at a time), so
 each stream has its own count of quantized slots, n_k and n_v: slot u's key is quantized when u < n_k, else row
-u - n_k of the key window; its value is quantized when u < n_v, else row u - n_v of the value window.
+(k_row + u - n_k) mod KW of the key window (KW rows); its value is quantized when u < n_v, else row
+(v_row + u - n_v) mod VW of the value window. A window a token leaves at every step is a ring, so that no row moves
+(kvzoo/cache/store.py, Window.first_row); k_row and v_row are the rows of its oldest slots.
 
 Inputs (H KV heads, Hq = rep * H query heads, GQA: query head h*rep + j reads KV head h; b = bits in {2, 4, 8},
 the keys' and the values' each; W = d*b/32 code words per token; N_k, N_v the buffers' slots; G the channels of a
@@ -19,7 +21,8 @@ per-token group, 32 by default, any power of two dividing d):
     v_codes    int32 (B, H, N_v, W)     v_scale, v_zero fp16 (B, H, N_v, d/G)    per-token groups of G channels
     k_recent, v_recent (B, H, ., d)     the windows' rows, in q's dtype
     k_sink, v_sink     (B, H, ., d)     the sink's rows (may hold none)
-    lengths    int32 (4,) on the device: [n_k, n_v, n_tail, n_sink] (CUDA graphs read them at replay)
+    lengths    int32 (6,) on the device: [n_k, n_v, n_tail, n_sink, k_row, v_row] (CUDA graphs read them at
+                                        replay)
     k_token, v_token   (B, H, 1, d)     optional: the token being decoded, attended after every stored slot
                                         (its key after RoPE), so that a step can store it beside the attention
 A group decodes to code * scale + zero (kvzoo.cache.kvquant's asymmetric quantizer). Every slot counted by
@@ -293,20 +296,20 @@ def _rotated_sink(q_lo, q_hi, kw_ptr, vw_ptr, n_sink, cos_ptr, sin_ptr, m, l, ac
 
 
 @triton.jit
-def _tail_key_part(kc_ptr, ks_ptr, kz_ptr, kr_ptr, u, n_k, live, coded, D: tl.constexpr, KB: tl.constexpr,
-                   KT: tl.constexpr, CG: tl.constexpr, PART: tl.constexpr, PARTS: tl.constexpr):
+def _tail_key_part(kc_ptr, ks_ptr, kz_ptr, kr_ptr, u, n_k, k_row, KW, live, coded, D: tl.constexpr,
+                   KB: tl.constexpr, KT: tl.constexpr, CG: tl.constexpr, PART: tl.constexpr, PARTS: tl.constexpr):
     """Keys of tail slots u (BLOCK,), channel part PART of PARTS, fp32: from the codes where `coded`, else row
-    u - n_k of the key window."""
+    (k_row + u - n_k) mod KW of the key window."""
     C: tl.constexpr = D // PARTS
     k = _token_keys(kc_ptr, ks_ptr, kz_ptr, u, coded, D, KB, KT, CG, PART, PARTS)
-    at = (u - n_k)[:, None] * D + PART * C + tl.arange(0, C)[None, :]
+    at = ((k_row + u - n_k) % KW)[:, None] * D + PART * C + tl.arange(0, C)[None, :]
     exact = tl.load(kr_ptr + at, mask=(live & ~coded)[:, None], other=0)
     return tl.where(coded[:, None], k, exact.to(tl.float32))
 
 
 @triton.jit
 def _tail(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_ptr, vw_ptr, cos_ptr,
-          sin_ptr, len_ptr, m, l, acc, qk_scale, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
+          sin_ptr, len_ptr, KW, VW, m, l, acc, qk_scale, D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
           BLOCK: tl.constexpr, ROPE: tl.constexpr, KT: tl.constexpr, CG: tl.constexpr):
     """The online softmax over the sink, then over the tail's slots past those quantized in both streams, BLOCK
     at a time, each slot's key and value from its codes or its window (module docstring)."""
@@ -315,6 +318,8 @@ def _tail(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
     n_v = tl.load(len_ptr + 1)
     n_tail = tl.load(len_ptr + 2)
     n_sink = tl.load(len_ptr + 3)
+    k_row = tl.load(len_ptr + 4)                 # the windows' rows of tail slots n_k and n_v (rings)
+    v_row = tl.load(len_ptr + 5)
     if ROPE:
         m, l, acc = _rotated_sink(q_lo, q_hi, kw_ptr, vw_ptr, n_sink, cos_ptr, sin_ptr, m, l, acc, qk_scale, D,
                                   BLOCK)
@@ -325,15 +330,16 @@ def _tail(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
         live = u < n_tail
         coded = live & (u < n_k)                                   # key from its codes, else from the key window
         if ROPE:                                                   # slot u at position n_sink + u
-            k_lo = _tail_key_part(kc_ptr, ks_ptr, kz_ptr, kr_ptr, u, n_k, live, coded, D, KB, KT, CG, 0, 2)
-            k_hi = _tail_key_part(kc_ptr, ks_ptr, kz_ptr, kr_ptr, u, n_k, live, coded, D, KB, KT, CG, 1, 2)
+            k_lo = _tail_key_part(kc_ptr, ks_ptr, kz_ptr, kr_ptr, u, n_k, k_row, KW, live, coded, D, KB, KT, CG, 0, 2)
+            k_hi = _tail_key_part(kc_ptr, ks_ptr, kz_ptr, kr_ptr, u, n_k, k_row, KW, live, coded, D, KB, KT, CG, 1, 2)
             s = _rotated_scores(q_lo, q_hi, k_lo, k_hi, cos_ptr, sin_ptr, n_sink + u, live, D)
         else:
-            k = _tail_key_part(kc_ptr, ks_ptr, kz_ptr, kr_ptr, u, n_k, live, coded, D, KB, KT, CG, 0, 1)
+            k = _tail_key_part(kc_ptr, ks_ptr, kz_ptr, kr_ptr, u, n_k, k_row, KW, live, coded, D, KB, KT, CG, 0, 1)
             s = tl.dot(q, tl.trans(_dot_dtype(k.to(q.dtype))), input_precision="ieee")
         coded = live & (u < n_v)                                   # value from its codes, else the value window
         v = _values(_exact_codes(vc_ptr, u, coded, D, VB, 0, 1), vs_ptr, vz_ptr, u, coded, D, CG)
-        exact = tl.load(vr_ptr + (u - n_v)[:, None] * D + d[None, :], mask=(live & ~coded)[:, None], other=0)
+        exact = tl.load(vr_ptr + ((v_row + u - n_v) % VW)[:, None] * D + d[None, :], mask=(live & ~coded)[:, None],
+                        other=0)
         v = _dot_dtype(tl.where(coded[:, None], v, exact.to(tl.float32)).to(q.dtype))
         m, l, acc = _online_scores(s * qk_scale, v, live, m, l, acc)
     return m, l, acc
@@ -341,7 +347,7 @@ def _tail(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
 
 @triton.jit
 def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_ptr, vw_ptr, cos_ptr,
-                  sin_ptr, m_ptr, l_ptr, acc_ptr, len_ptr, PER_SPLIT, SPLIT0, qk_scale,
+                  sin_ptr, m_ptr, l_ptr, acc_ptr, len_ptr, KW, VW, PER_SPLIT, SPLIT0, qk_scale,
                   s_kc, s_ks, s_kz, s_vc, s_vs, s_vz, s_kr, s_vr, s_kw, s_vw,
                   D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
                   GS: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, AK: tl.constexpr, CK: tl.constexpr,
@@ -367,7 +373,7 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
     if split == n_cols - 1:                      # the last program: the sink and the tail
         m, l, acc = _tail(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr + head * s_kr,
                           vr_ptr + head * s_vr, kw_ptr + head * s_kw, vw_ptr + head * s_vw, cos_ptr, sin_ptr, len_ptr,
-                          m, l, acc, qk_scale, D, KB, VB, BLOCK, ROPE, KT, CG)
+                          KW, VW, m, l, acc, qk_scale, D, KB, VB, BLOCK, ROPE, KT, CG)
     else:
         m, l, acc = _quantized(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos_ptr, sin_ptr,
                                len_ptr, split * PER_SPLIT, PER_SPLIT, m, l, acc, qk_scale, D, KB, VB, GS, FAST, AK,
@@ -408,7 +414,9 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     `lengths` counts. bits: the keys' (and the values', unless v_bits); key_groups "token" for keys grouped like
     the values, per token (KV Pareto, int8); group: channels per per-token group. lengths: [n_k, n_v, n_tail,
     n_sink], an int32 device tensor (4,) (CUDA graphs) or four ints, with n_k <= N_k, n_v <= N_v, the tail's
-    window slots within the windows' rows and n_sink within the sink's.
+    window slots within the windows' rows and n_sink within the sink's; or six, with [.., k_row, v_row]: the rows
+    of k_recent and v_recent holding tail slots n_k and n_v, the windows then rings (slot u >= n_k's key in row
+    (k_row + u - n_k) mod the window's rows, kvzoo.cache.store.Window.first_row); four ints mean rows 0.
     rope: (cos, sin) tables (P, d) in q's dtype (row p: position p, rotate-half layout) for keys quantized before
     RoPE (KIVI*): every key is rotated in the kernel, sink row i to position i and tail slot u to n_sink + u,
     P >= n_sink + n_tail; the sink's and the key window's rows are given before RoPE, as stored.
@@ -446,8 +454,8 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
                                   ("v_scale", v_scale, (B, H, N_v, d // group), torch.float16),
                                   ("v_zero", v_zero, (B, H, N_v, d // group), torch.float16)):
         check_tensor(t, name, shape, (dtype,), dev)
-    _check_rows(k_recent, "k_recent", B, H, d, q)
-    _check_rows(v_recent, "v_recent", B, H, d, q)
+    k_rows = _check_rows(k_recent, "k_recent", B, H, d, q)
+    v_rows = _check_rows(v_recent, "v_recent", B, H, d, q)
     if (k_sink is None) != (v_sink is None):
         raise ValueError("give both k_sink and v_sink, or neither")
     _check_rows(k_sink, "k_sink", B, H, d, q)
@@ -468,10 +476,13 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
         if not isinstance(lengths, Tensor) and lengths[3] + lengths[2] > rope[0].shape[0]:
             raise ValueError(f"rope tables hold {rope[0].shape[0]} positions; the keys need {lengths[3] + lengths[2]}")
     if not isinstance(lengths, Tensor):
-        if len(lengths) != 4 or lengths[0] > N_k or lengths[1] > N_v:
-            raise ValueError(f"lengths must be [n_k <= {N_k}, n_v <= {N_v}, n_tail, n_sink], got {lengths}")
-        lengths = torch.tensor(lengths, dtype=torch.int32, device=dev)
-    check_tensor(lengths, "lengths", (4,), (torch.int32,), dev)
+        if len(lengths) not in (4, 6) or lengths[0] > N_k or lengths[1] > N_v:
+            raise ValueError(f"lengths must be [n_k <= {N_k}, n_v <= {N_v}, n_tail, n_sink] and optionally "
+                             f"[k_row, v_row], got {lengths}")
+        lengths = torch.tensor((*lengths, 0, 0)[:6], dtype=torch.int32, device=dev)
+    if isinstance(lengths, Tensor) and lengths.shape == (4,):       # windows in slot order: their rows from 0
+        lengths = torch.cat([lengths, lengths.new_zeros(2)])
+    check_tensor(lengths, "lengths", (6,), (torch.int32,), dev)
     rep = Hq // H
     rep_p = max(16, triton.next_power_of_2(rep))
     qk_scale = (1 / math.sqrt(d) if sm_scale is None else sm_scale) * LOG2E
@@ -505,7 +516,8 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
 
     def triton_columns():
         _split_kernel[(B * H, splits + 1 - split0)](
-            q, *(t for t, _ in buffers), cos, sin, m, l, acc, lengths, per_split, split0, qk_scale,
+            q, *(t for t, _ in buffers), cos, sin, m, l, acc, lengths, max(k_rows, 1), max(v_rows, 1), per_split,
+            split0, qk_scale,
             *(s for _, s in buffers), D=d, KB=bits, VB=v_bits, REP=rep, REP_P=rep_p, GS=gs, BLOCK=BLOCK_W, FAST=fast,
             AK=unpack_asm(bits)[0], CK=unpack_asm(bits)[1], AV=unpack_asm(v_bits)[0], CV=unpack_asm(v_bits)[1],
             ROPE=rope is not None, KT=not channel, CG=group,
@@ -541,7 +553,10 @@ def outer_decode_attention_ref(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_ze
     or read from its window (module docstring), then the token if given, fp32 softmax."""
     B, Hq, d = q.shape
     H = k_codes.shape[1]
-    n_k, n_v, n_tail, n_sink = lengths.tolist() if isinstance(lengths, Tensor) else lengths
+    n_k, n_v, n_tail, n_sink, k_row, v_row = (*(lengths.tolist() if isinstance(lengths, Tensor) else lengths), 0, 0)[:6]
+
+    def window(rows, first, n):            # n rows of a ring from row `first`, in slot order
+        return rows.roll(-first, dims=2)[:, :, :n].float()
 
     def per_token(codes, scale, zero, b, n):                 # (B, H, n, d) fp32, groups of `group` channels
         return dequantize(QTensor(codes[:, :, :n], scale[:, :, :n], zero[:, :, :n], b, group, -1, (B, H, n, d)))
@@ -552,11 +567,11 @@ def outer_decode_attention_ref(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_ze
         k_q = per_token(k_codes, k_scale, k_zero, bits, n_k)
     v_q = per_token(v_codes, v_scale, v_zero, bits if v_bits is None else v_bits, n_v)
     sink = [] if k_sink is None else [(k_sink[:, :, :n_sink].float(), v_sink[:, :, :n_sink].float())]
-    keys = torch.cat([s[0] for s in sink] + [k_q, k_recent[:, :, :n_tail - n_k].float()], dim=2)
+    keys = torch.cat([s[0] for s in sink] + [k_q, window(k_recent, k_row, n_tail - n_k)], dim=2)
     if rope is not None:                       # key i (sink rows, then the tail's slots) at position i, rotate-half
         cos, sin = (t[:keys.shape[2]].float() for t in rope)
         keys = keys * cos + torch.cat([-keys[..., d // 2:], keys[..., :d // 2]], dim=-1) * sin
-    values = torch.cat([s[1] for s in sink] + [v_q, v_recent[:, :, :n_tail - n_v].float()], dim=2)
+    values = torch.cat([s[1] for s in sink] + [v_q, window(v_recent, v_row, n_tail - n_v)], dim=2)
     if k_token is not None:
         keys, values = torch.cat([keys, k_token.float()], dim=2), torch.cat([values, v_token.float()], dim=2)
     scale = 1 / math.sqrt(d) if sm_scale is None else sm_scale

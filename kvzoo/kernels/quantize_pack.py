@@ -30,14 +30,15 @@ innerq_aligned_keys and innerq_key_flush are the per-token key work of that step
 leave their window a token at a time, values 32 at a time), in place of some hundred small torch ops. The first
 gives the keys of the value window's rows, aligned slot for slot (the first `n_k - n_q` dequantized from the
 codes, the rest the key window's exact rows), a program per (row, KV head, 32 rows), before the attention; the
-second quantizes the key window's oldest token at slot n_k and moves the window down by one, a program per (row,
-KV head, key group of 32 channels: each moves its own channels), after it (the static step runs it beside the
-layers that follow).
+second quantizes the key window's oldest token at slot n_k, a program per (row, KV head, key group of 32 channels),
+after it (the static step runs it beside the layers that follow). The key window is a ring
+(kvzoo.cache.store.Window.first_row): slot S + j lies in row j mod KW, and no row moves.
 
 group_token_write is kvzoo.cache.kvquant.quantize's asymmetric per-token groups (G channels of one token share
 an fp16 scale and zero: KIVI's and SQuat's values, XQuant's X U_v) for the one token a static step quantizes,
 written at a device-held slot: one kernel in place of some forty torch ops (quantize, pack, index copies). A
-window whose oldest row leaves each step (KIVI's values) is also moved down one row in the same kernel.
+window whose oldest row leaves each step (KIVI's values) is a ring (kvzoo.cache.store.Window.first_row): the
+kernel reads the row that slot's token lies in, and no row moves.
 """
 
 from __future__ import annotations
@@ -226,7 +227,8 @@ def _aligned_keys_kernel(win_ptr, out_ptr, nk_ptr, nq_ptr, kc_ptr, ks_ptr, kz_pt
                          D: tl.constexpr, BITS: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr,
                          READ: tl.constexpr, CODES: tl.constexpr):
     """Program (batch row x KV head, i): rows [32 i, 32 i + 32) of out (VW, D), row j the key of slot n_q + j,
-    dequantized from the codes for j < n_k - n_q, else row j - (n_k - n_q) of the key window win (KW, D)."""
+    dequantized from the codes for j < n_k - n_q, else row (n_q + j) mod KW of the key window win (KW, D), a
+    ring."""
     CPW: tl.constexpr = 32 // BITS
     NG: tl.constexpr = D // 32
     W: tl.constexpr = D * BITS // 32
@@ -235,11 +237,12 @@ def _aligned_keys_kernel(win_ptr, out_ptr, nk_ptr, nq_ptr, kc_ptr, ks_ptr, kz_pt
     out_ptr += head * s_out
     kc_ptr, ks_ptr, kz_ptr, km_ptr = _key_buffers(kc_ptr, ks_ptr, kz_ptr, km_ptr, head, s_codes, s_groups, s_km)
     n_k = tl.load(nk_ptr).to(tl.int32)                                              # keys quantized before the step
-    delta = n_k - tl.load(nq_ptr).to(tl.int32)                                      # of them, values still exact
+    n_q = tl.load(nq_ptr).to(tl.int32)
+    delta = n_k - n_q                                                               # of them, values still exact
     d = tl.arange(0, D)
     row = tl.program_id(1) * 32 + tl.arange(0, 32)
     from_win = (row >= delta) & (row < VW)
-    src = tl.minimum(tl.maximum(row - delta, 0), KW - 1)
+    src = (n_q + row) % KW
     x = tl.load(win_ptr + src[:, None] * D + d[None, :], mask=from_win[:, None], other=0).to(tl.float32)
     if CODES:                                                                    # (32, D) from the codes
         coded = row < delta
@@ -270,22 +273,20 @@ def _aligned_keys_kernel(win_ptr, out_ptr, nk_ptr, nq_ptr, kc_ptr, ks_ptr, kz_pt
 def _key_flush_kernel(win_ptr, nk_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, s_win, s_codes, s_groups, s_km, s_kmg,
                       D: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr, TOP: tl.constexpr, KW: tl.constexpr,
                       MASK: tl.constexpr):
-    """Program (batch row x KV head, key group g): row 0's group g of the key window win (KW, D), channels
-    [32 g, 32 g + 32), quantized into slot n_k (its mask bit written with MASK), then rows 1.. of those channels
-    moved down. Programs own disjoint channels, so only this program's threads read what it overwrites."""
+    """Program (batch row x KV head, key group g): the key window win (KW, D), a ring, its oldest row n_k mod KW,
+    group g (channels [32 g, 32 g + 32)), quantized into slot n_k (its mask bit written with MASK)."""
     CPW: tl.constexpr = 32 // BITS
     NG: tl.constexpr = D // 32
     W: tl.constexpr = D * BITS // 32
-    ROWS: tl.constexpr = triton.next_power_of_2(KW)                             # >= the KW - 1 rows moved
     head = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
-    win_ptr += head * s_win + g * 32
     kc_ptr, ks_ptr, kz_ptr, km_ptr = _key_buffers(kc_ptr, ks_ptr, kz_ptr, km_ptr, head, s_codes, s_groups, s_km)
     n_k = tl.load(nk_ptr).to(tl.int32)
+    win_ptr += head * s_win + (n_k % KW) * D + g * 32
     wi = tl.arange(0, BITS)
     cw = tl.arange(0, CPW)
     bit = wi[:, None] * CPW + cw[None, :]                                        # index in the group of 32
-    oldest = tl.load(win_ptr + bit)[None, None, :, :]                            # (1, 1, BITS, CPW): row 0
+    oldest = tl.load(win_ptr + bit)[None, None, :, :]                            # (1, 1, BITS, CPW)
     codes, scale, slot, sym = _quantize_groups(oldest.to(tl.float32), bit, MODE, TOP)
     words = tl.sum(codes.to(tl.int32) << (cw * BITS)[None, None, None, :], 3)  # (1, 1, BITS)
     tl.store(kc_ptr + n_k * W + g * BITS + wi[None, None, :], words)
@@ -295,12 +296,6 @@ def _key_flush_kernel(win_ptr, nk_ptr, kc_ptr, ks_ptr, kz_ptr, km_ptr, s_win, s_
         at = km_ptr + g * s_kmg + n_k // 32
         flag = tl.sum(tl.sum(sym.to(tl.int32), 1), 0) << (n_k % 32)
         tl.store(at, (tl.load(at) & ~(1 << (n_k % 32))) | flag)
-    row = tl.arange(0, ROWS)[:, None]
-    ch = tl.arange(0, 32)[None, :]
-    moved = row < KW - 1
-    below = tl.load(win_ptr + (row + 1) * D + ch, mask=moved, other=0)                # rows 1 .. KW-1, in registers
-    tl.debug_barrier()                                                           # every row read before any moves
-    tl.store(win_ptr + row * D + ch, below, mask=moved)
 
 
 def _key_step_checks(win: Tensor, codes: Tensor, scale: Tensor, slot: Tensor, mask: Tensor | None, bits: int,
@@ -328,7 +323,7 @@ def innerq_aligned_keys(win: Tensor, n_k: Tensor, n_q: Tensor, codes: Tensor, sc
     held quantized before the step; codes/scale/slot (B, H, capacity, ...) the key codec's buffers, mask its bits
     (B, H, d/32, words) or None. Row j of the result is slot n_q + j's key: the codes' (read as `read`: every group
     "asym", "sym", or by its "mask" bit, slots from mask_upto on symmetric) for j < n_k - n_q, else win's row
-    j - (n_k - n_q). Equals InnerQCodec.read_at beside the key window (kvzoo/cache/innerq.py's torch path)."""
+    (n_q + j) mod KW (a ring, kvzoo.cache.store.Window.first_row). Equals InnerQCodec.read_at beside the key window (kvzoo/cache/innerq.py's torch path)."""
     if read not in READS:
         raise ValueError(f"unknown read mode {read!r}; accepted: {', '.join(READS)}")
     km, s_km, s_kmg = _key_step_checks(win, codes, scale, slot, mask, bits, read == "mask")
@@ -344,9 +339,9 @@ def innerq_aligned_keys(win: Tensor, n_k: Tensor, n_q: Tensor, codes: Tensor, sc
 
 def innerq_key_flush(win: Tensor, n_k: Tensor, codes: Tensor, scale: Tensor, slot: Tensor, mask: Tensor | None,
                      bits: int, mode: str) -> None:
-    """The key window's oldest token (win (B, H, KW, d)) quantized in `mode` (asym | sym | hybrid) into InnerQ's key
-    buffers at slot n_k (an int64 device tensor (1,)), its mask bit written in hybrid mode, and the window moved
-    down by one. Equals InnerQCodec.write_at + WindowedStore.shift (kvzoo/cache/innerq.py's torch path)."""
+    """The key window's oldest token (win (B, H, KW, d), a ring: row n_k mod KW) quantized in `mode` (asym | sym |
+    hybrid) into InnerQ's key buffers at slot n_k (an int64 device tensor (1,)), its mask bit written in hybrid
+    mode; no row moves. Equals Codec.flush_at of a ring (kvzoo/cache/innerq.py's torch path)."""
     if mode not in MODES:
         raise ValueError(f"unknown quantization mode {mode!r}; accepted: {', '.join(MODES)}")
     km, s_km, s_kmg = _key_step_checks(win, codes, scale, slot, mask, bits, mode == "hybrid")
@@ -358,18 +353,16 @@ def innerq_key_flush(win: Tensor, n_k: Tensor, codes: Tensor, scale: Tensor, slo
 
 
 @triton.jit
-def _token_group_kernel(x_ptr, slot_ptr, codes_ptr, scale_ptr, zero_ptr, s_x, s_codes, s_groups,
-                        NG: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, TOP: tl.constexpr,
-                        MOVE: tl.constexpr, CHUNK: tl.constexpr):
-    """Program (batch row and head, group g of G channels): row 0's group g as (word, code in word), quantized
-    into slot `slot`; then rows 1..MOVE of the same G channels move down one row, CHUNK rows a time (programs
-    own disjoint channels, so only this program's threads read what it overwrites)."""
+def _token_group_kernel(x_ptr, slot_ptr, codes_ptr, scale_ptr, zero_ptr, s_x, s_codes, s_groups, N,
+                        NG: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, TOP: tl.constexpr):
+    """Program (batch row and head, group g of G channels): row slot mod N's group g as (word, code in word),
+    quantized into slot `slot`."""
     CPW: tl.constexpr = 32 // BITS
     WG: tl.constexpr = G // CPW                                                      # words per group
     lead = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     slot = tl.load(slot_ptr).to(tl.int64)
-    x_ptr += lead * s_x + g * G
+    x_ptr += lead * s_x + (slot % N) * (NG * G) + g * G
     wi = tl.arange(0, WG)
     c = tl.arange(0, CPW)
     x = tl.load(x_ptr + wi[:, None] * CPW + c[None, :]).to(tl.float32)             # (WG, CPW)
@@ -382,42 +375,31 @@ def _token_group_kernel(x_ptr, slot_ptr, codes_ptr, scale_ptr, zero_ptr, s_x, s_
     at = lead * s_groups + slot * NG + g
     tl.store(scale_ptr + at, scale.to(tl.float16))
     tl.store(zero_ptr + at, zero.to(tl.float16))
-    if MOVE:
-        r = tl.arange(0, CHUNK)
-        ch = tl.arange(0, G)
-        for start in range(0, MOVE, CHUNK):
-            row = start + r
-            moved = (row < MOVE)[:, None]
-            below = tl.load(x_ptr + (row + 1)[:, None] * (NG * G) + ch[None, :], mask=moved)
-            tl.debug_barrier()                                   # row 0 and these rows read before any is written
-            tl.store(x_ptr + row[:, None] * (NG * G) + ch[None, :], below, mask=moved)
 
 
 def group_token_write(rows: Tensor, slot: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, bits: int,
-                      group: int, move: bool = False) -> None:
-    """Row 0 of rows (*lead, n, width) quantized as kvzoo.cache.kvquant.quantize(row, bits, group) (asymmetric,
+                      group: int, ring: bool = False) -> None:
+    """One row of rows (*lead, n, width) quantized as kvzoo.cache.kvquant.quantize(row, bits, group) (asymmetric,
     groups of `group` channels, fp16 scale and zero) into a GroupCodec's buffers codes (*lead, capacity, words),
     scale and zero (*lead, capacity, width / group) at slot `slot`, an int64 device tensor (1,). bits 2, 4 or 8,
-    `group` a power of two that holds whole code words. n = 1 (one token), or with move a window whose oldest
-    row leaves: rows 1..n-1 then move down one row (rows must then be the window itself, contiguous)."""
+    `group` a power of two that holds whole code words. n = 1 (one token), or with ring a window of n rows whose
+    row slot mod n is the one written (a ring, kvzoo.cache.store.Window.first_row; contiguous)."""
     if bits not in (2, 4, 8):
         raise ValueError(f"group_token_write packs 2-, 4- or 8-bit codes, got {bits}")
     width, n = rows.shape[-1], rows.shape[-2]
     if group & (group - 1) or group % (32 // bits) or width % group:
         raise ValueError(f"group {group} must be a power of two of whole {bits}-bit code words dividing {width}")
-    if n != 1 and not move:
-        raise ValueError(f"group_token_write writes one row unless move=True, got {n}")
+    if n != 1 and not ring:
+        raise ValueError(f"group_token_write writes one row unless ring=True, got {n}")
     check_runnable(_token_group_kernel, rows.device)
-    for name, t in (("codes", codes), ("scale", scale), ("zero", zero)) + ((("rows", rows),) if move else ()):
+    for name, t in (("codes", codes), ("scale", scale), ("zero", zero)) + ((("rows", rows),) if ring else ()):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous: the write fills the cache's own buffers, not views")
     x = rows.reshape(-1, n * width)                                                  # (prod(lead), n * width)
     ng = width // group
-    moved = n - 1 if move else 0
     _token_group_kernel[(x.shape[0], ng)](
         x, slot, codes, scale, zero, x.stride(0), codes.shape[-2] * codes.shape[-1], scale.shape[-2] * scale.shape[-1],
-        NG=ng, G=group, BITS=bits, TOP=float(2 ** bits - 1), MOVE=moved,
-        CHUNK=min(triton.next_power_of_2(max(moved, 1)), max(1, 4096 // group)), num_warps=2, enable_fp_fusion=False)
+        n, NG=ng, G=group, BITS=bits, TOP=float(2 ** bits - 1), num_warps=2, enable_fp_fusion=False)
 
 
 def quantize_inner(x: Tensor, bits: int, mode: str = "hybrid", block_t: int | None = None,

@@ -62,7 +62,7 @@ def test_what_each_granularity_stores(model):  # noqa: F811
     _, cache = stream(model, "kvpareto:k_bits=2,v_bits=2,granularity=block,group_size=8", x[:, :21], prefill=5)
     store = cache.layers[0].store
     values = store.read(21, torch.float32)["v"]
-    assert store.counts(21) == (0, 16, 5) and torch.equal(values[:, :, 16:], store.recent("v")[:, :, :5])
+    assert store.counts(21) == (0, 16, 5) and torch.equal(values[:, :, 16:], store.recent_rows("v", 21))
     assert values[:, :, :16].unique().numel() <= 2 * 2 * 2 * 4                 # 4 levels per (row, head, block)
     assert cache.layers[0].nbytes() == cache.layers[0].formula_nbytes(21)
     # a 16-bit K beside block-quantized V: every key held once and exact (the complete blocks as the codec's rows,

@@ -30,7 +30,7 @@ def store(window: Window, capacity: int = 256) -> WindowedStore:
     return WindowedStore(window, codecs, lead, torch.float32, "cpu")
 
 
-@pytest.mark.parametrize("window", [Window(0, 16, 8), Window(5, 16, 8), Window(0, 0, 8)], ids=str)
+@pytest.mark.parametrize("window", [Window(0, 16, 8), Window(5, 16, 8), Window(0, 0, 8), Window(5, 16, 1)], ids=str)
 def test_chunks_are_quantized_once_and_windows_stay_exact(window):
     s = store(window)
     k, v = torch.randn(2, 2, 3, 200, 16, generator=torch.Generator().manual_seed(0))
@@ -52,10 +52,11 @@ def test_chunks_are_quantized_once_and_windows_stay_exact(window):
     assert s.nbytes(length) == s.formula_nbytes(length)
 
 
-def test_device_slot_writes_equal_host_writes():
-    """The static step's flush (write_at at a device-held slot, then the window moves down) stores what the
-    host path stores."""
-    window = Window(4, 16, 8)
+@pytest.mark.parametrize("window", [Window(4, 16, 8), Window(4, 16, 1), Window(0, 5, 1)], ids=str)
+def test_device_slot_writes_equal_host_writes(window):
+    """The static step's flush (write_at at a device-held slot; a window of G > 1 tokens then moves down, a ring
+    of one-token groups does not) stores what the host path stores, and static_rows names the slot each window
+    row holds, over steps that wrap around a ring several times."""
     host, dev = store(window), store(window)
     k, v = torch.randn(2, 2, 3, 60, 16, generator=torch.Generator().manual_seed(1))
     length = host.append(0, {"k": k[:, :, :27], "v": v[:, :, :27]})
@@ -63,6 +64,12 @@ def test_device_slot_writes_equal_host_writes():
     for t in range(27, 60):                                         # one token at a time, as decode does
         step = type("Step", (), {"slot": torch.tensor([length]), "derived": {}})()
         dev.write_token_at(length, step, {"k": k[:, :, t:t + 1], "v": v[:, :, t:t + 1]})
+        slots, live = dev.static_rows(step, "k")
+        held = torch.cat([dev.sink("k"), dev.recent("k")], dim=2)                 # the static layout past quantized
+        n = dev.codecs["k"].capacity
+        for row in range(held.shape[2]):
+            if live[n + row]:
+                assert torch.equal(held[:, :, row], k[:, :, slots[n + row]]), f"row {row}, step {t}"
         dev.flush_at(length, step)
         length = host.append(length, {"k": k[:, :, t:t + 1], "v": v[:, :, t:t + 1]})
     assert torch.equal(host.read(length, torch.float32)["k"], dev.read(length, torch.float32)["k"])

@@ -350,7 +350,7 @@ def test_key_step_kernel_equals_the_torch_path(monkeypatch, bits, mode, dtype):
     """innerq_aligned_keys and innerq_key_flush (the static step's per-token key work at the paper's windows)
     against the torch path they replace (InnerQCache._aligned_keys and _flush_keys with FUSED_KEY_STEP off): the
     aligned keys, the key codes, scales, slots and
-    mask bits, and the moved key window, bit for bit, over 72 steps (keys leaving a token at a time, values 32
+    mask bits, and the key window (a ring), bit for bit, over 72 steps (keys leaving a token at a time, values 32
     at a time, so every lag of keys behind values from 0 to 31 occurs)."""
     import kvzoo.cache.innerq as innerq
     from kvzoo.cache.base import StaticStep
@@ -384,15 +384,15 @@ def test_key_step_kernel_equals_the_torch_path(monkeypatch, bits, mode, dtype):
 
 @pytest.mark.parametrize("kw,mode", [(1, "hybrid"), (33, "asym")])
 def test_key_flush_at_any_window_length(kw, mode):
-    """innerq_key_flush with a key window of one row (recent=0: nothing moves) or of a partial block of rows: slot n
-    holds the oldest row as quantize_unified quantizes it, and the rest of the window moves down by one."""
+    """innerq_key_flush with a key window of one row (recent=0) or of a partial block of rows, a ring: slot n holds
+    row n mod KW as quantize_unified quantizes it, and no row moves."""
     from kvzoo.kernels.quantize_pack import innerq_key_flush
 
     torch.manual_seed(kw)
     B, H, d, capacity, n = 1, 2, 64, 40, 37
     win = torch.randn(B, H, kw, d, device=DEVICE) * 2 + 0.5
     before = win.clone()
-    want = quantize_unified(win[:, :, :1], 2, -1, mode)
+    want = quantize_unified(win[:, :, n % kw:n % kw + 1], 2, -1, mode)
     codes = torch.zeros(B, H, capacity, d // 16, dtype=torch.int32, device=DEVICE)
     scale = torch.zeros(B, H, capacity, d // 32, dtype=torch.float16, device=DEVICE)
     slot = torch.zeros(B, H, capacity, d // 32, dtype=torch.int32, device=DEVICE)
@@ -403,7 +403,7 @@ def test_key_flush_at_any_window_length(kw, mode):
     assert torch.equal(slot[:, :, n], want.slot[:, :, 0])
     if mask is not None:
         assert torch.equal((mask[..., n // 32] >> (n % 32)) & 1, want.sym[:, :, 0].int())
-    assert torch.equal(win[:, :, :kw - 1], before[:, :, 1:])
+    assert torch.equal(win, before)
 
 
 @pytest.mark.parametrize("bits,group,dtype", [(2, 32, torch.float32), (4, 16, torch.bfloat16), (8, 128, torch.float16),
@@ -432,8 +432,9 @@ def test_token_write_kernel_equals_the_torch_path(monkeypatch, bits, group, dtyp
                          ids=name)
 def test_window_flush_kernel_equals_the_torch_path(monkeypatch, bits, group, recent, dtype):
     """GroupCodec.flush_at of a window whose oldest row leaves each step (KIVI's values under the authors'
-    windows) in one kernel equals its torch path (write_at's quantize, pack and index copies, then the window
-    moved down) bit for bit: the codes, scales and zeros, and the moved window, over consecutive steps."""
+    windows, a ring: slot s's token in row s mod (R + 1)) in one kernel equals its torch path (write_at's quantize,
+    pack and index copies of that row) bit for bit: the codes, scales and zeros, over consecutive steps that wrap
+    around the ring, and the window left as it was."""
     import kvzoo.cache.store as store
     from kvzoo.cache.store import GroupCodec
 
@@ -442,20 +443,26 @@ def test_window_flush_kernel_equals_the_torch_path(monkeypatch, bits, group, rec
     window = (torch.randn(2, 3, recent + 1, 64, device=DEVICE) * 3 + 0.7).to(dtype)
     window[1, 2, 0, :group] = -2.5                                             # scale 0: every code 0
     windows = {True: window.clone(), False: window.clone()}
-    for slot in (0, 1, 6):
+    for slot in (0, 1, 6, 7):
         token = (torch.randn(2, 3, 64, device=DEVICE) + slot).to(dtype)
+        row = slot % (recent + 1)
+        want = quantize(windows[True][..., row:row + 1, :], bits, group, axis=-1)       # the token of slot `slot`
         for codec, fused in ((ours, True), (ref, False)):
             monkeypatch.setattr(store, "FUSED_TOKEN_WRITE", fused)
+            before = windows[fused].clone()
             codec.flush_at(torch.tensor([slot], device=DEVICE), windows[fused], 1)
-            windows[fused][..., recent, :] = token                                 # the next step's token
-        assert torch.equal(windows[True], windows[False]), f"window after slot {slot}"
+            assert torch.equal(windows[fused], before), f"the ring's rows stay, slot {slot}"
+            windows[fused][..., (slot + recent) % (recent + 1), :] = token        # the next step's token
+        assert torch.equal(ours.codes[..., slot:slot + 1, :], want.codes), f"codes of slot {slot}"
+    for buf in ("codes", "scale", "zero"):
+        assert torch.equal(getattr(ours, buf), getattr(ref, buf)), buf
     for buf in ("codes", "scale", "zero"):
         assert torch.equal(getattr(ours, buf), getattr(ref, buf)), buf
 
 
 def test_token_write_refuses_bad_inputs():
-    """group_token_write names what it cannot take: a bit width, a group, several rows without move, and views
-    where it writes (with move, the window itself)."""
+    """group_token_write names what it cannot take: a bit width, a group, several rows outside a ring, and views
+    where it writes (in a ring, the window itself)."""
     from kvzoo.kernels.quantize_pack import group_token_write
 
     codes = torch.zeros(2, 8, 4, dtype=torch.int32, device=DEVICE)
@@ -466,10 +473,10 @@ def test_token_write_refuses_bad_inputs():
         group_token_write(window[:, :1], slot, codes, scale, zero, 3, 32)
     with pytest.raises(ValueError, match="power of two"):
         group_token_write(window[:, :1], slot, codes, scale, zero, 2, 24)
-    with pytest.raises(ValueError, match="one row unless move=True"):
+    with pytest.raises(ValueError, match="one row unless ring=True"):
         group_token_write(window, slot, codes, scale, zero, 2, 32)
     with pytest.raises(ValueError, match="rows must be contiguous"):
-        group_token_write(window[..., :32], slot, codes, scale, zero, 2, 32, move=True)
+        group_token_write(window[..., :32], slot, codes, scale, zero, 2, 32, ring=True)
     with pytest.raises(ValueError, match="codes must be contiguous"):
         group_token_write(window[:, :1], slot, codes[:, ::2], scale, zero, 2, 32)
 

@@ -65,6 +65,23 @@ def test_fused_outer_attention_matches_reference(bits, d, dtype, rep, lengths):
         assert_close(got, outer_decode_attention_ref(*args, k_sink=k_sink, v_sink=v_sink), dtype)
 
 
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, (0, 7)), (torch.float16, (39, 1)), (torch.bfloat16, (13, 26))],
+                         ids=name)
+def test_windows_as_rings_equal_them_in_slot_order(dtype, rows):
+    """lengths [.., k_row, v_row]: windows held as rings (their oldest slots in rows k_row and v_row, wrapping past
+    the last row, kvzoo.cache.store.Window.first_row) attend as the same windows in slot order, kernel and
+    reference."""
+    B, H, rep, d = 2, 2, 4, 64
+    codes, (k_rec, v_rec), (k_sink, v_sink) = cache(B, H, 128, 96, d, 2, dtype, seed=sum(rows))
+    q = torch.randn(B, H * rep, d, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    lengths, kw = (96, 64, 100, 4), dict(k_sink=k_sink, v_sink=v_sink)
+    want = outer_decode_attention(q, *codes, 2, k_rec, v_rec, lengths, num_splits=2, **kw)
+    k_ring, v_ring = k_rec.roll(rows[0], dims=2), v_rec.roll(rows[1], dims=2)    # row 0 moved to row k_row, v_row
+    for lens in ((*lengths, *rows), torch.tensor((*lengths, *rows), dtype=torch.int32, device=DEVICE)):
+        assert_close(outer_decode_attention(q, *codes, 2, k_ring, v_ring, lens, num_splits=2, **kw), want, dtype)
+        assert_close(outer_decode_attention_ref(q, *codes, 2, k_ring, v_ring, lens, **kw), want, dtype)
+
+
 # (bits, d, dtype, lengths): the token in the tail's last slot (keys past values, one window, nothing quantized)
 # or, with no tail yet, in the sink's last row
 @pytest.mark.parametrize("bits,d,dtype,lengths", [(2, 128, torch.float16, (128, 90, 130, 4)),
