@@ -286,10 +286,9 @@ class KIVICache(WholeStep, LayerCache):
             S, L = self.opts.sink, step.slot
             (n_k, _), (n_v, _) = st.window_row(step, "k"), st.window_row(step, "v")
             in_sink = L < S
-            rows = [torch.as_tensor(st.windows[name].first_row(n), device=L.device).reshape(1)
-                    for name, n in (("k", n_k), ("v", n_v))]
             step.derived[key] = torch.cat([n_k, n_v, torch.where(in_sink, 0, L - S), torch.where(in_sink, L, S),
-                                           *rows]).to(torch.int32)
+                                           st.windows["k"].first_row(n_k), st.windows["v"].first_row(n_v)]
+                                          ).to(torch.int32)
         return step.derived[key]
 
 

@@ -66,8 +66,9 @@ class Window:
         """The row of the recent window's buffer (R + G rows) that holds its oldest slot S + n_q. A window of
         one-token groups is a ring, slot s in row (s - S) mod (R + 1), so that no row moves when its oldest leaves
         (every token); one of G > 1 tokens moves down G rows when a group leaves (once every G tokens), its
-        oldest slot in row 0. Slot S + n_q + j is then in row (first_row(n_q) + j) mod (R + G)."""
-        return n_q % (self.recent + 1) if self.group == 1 else 0
+        oldest slot in row 0. Slot S + n_q + j is then in row (first_row(n_q) + j) mod (R + G). An int for an int
+        n_q, else a device tensor like it (no host copy, which a CUDA graph's capture refuses)."""
+        return n_q % (self.recent + 1) if self.group == 1 else n_q * 0
 
     def rounded(self, q_slots: Tensor, n_keys: int) -> Tensor:
         """(T, n_keys) True where the query at slot q_slots[t] reads key slot j quantized: j in [S, S + Nq(s))."""
