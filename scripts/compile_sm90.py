@@ -116,15 +116,18 @@ def cases() -> dict:
                 num_warps=outer_attention.split_kernel_warps("token" if kt else "channel", group, 128, 4),
                 num_stages=stages, enable_fp_fusion=True))
     win = dict(POINTERS, q_ptr="*bf16", qs_ptr="*bf16", kw_ptr="*bf16", vw_ptr="*bf16", kw2_ptr="*bf16",
-               vw2_ptr="*bf16", win_ptr="*bf16", out_ptr="*bf16", nk_ptr="*i64", nq_ptr="*i64", ks_ptr="*fp16")
+               vw2_ptr="*bf16", kr_ptr="*bf16", win_ptr="*bf16", out_ptr="*bf16", nk_ptr="*i64", nq_ptr="*i64",
+               ks_ptr="*fp16")
+    # the paper's windows: the value window's keys from the key ring (k_ring2); the windows' head strides,
+    # multiples of 16, specialized as the launcher does
     out["innerq-window"] = (innerq_attention._window_kernel, dict(
-        D=128, REP=4, REP_P=16, BLOCK=innerq_attention.BLOCK_W, DYN=True, HAS_QS=True), ASTSource, win,
-        dict(num_warps=4, enable_fp_fusion=True))
+        D=128, REP=4, REP_P=16, BLOCK=innerq_attention.BLOCK_W, DYN=True, HAS_QS=True, RING=True), ASTSource, win,
+        dict(num_warps=4, enable_fp_fusion=True, divisible=("s_kw", "s_vw", "s_kw2", "s_vw2", "s_kr")))
     out["combine"] = (innerq_attention.combine_kernel, dict(D=128, REP=4, REP_P=4, CHUNK=16, TOKEN=True), ASTSource,
                       dict(win, kt_ptr="*bf16", vt_ptr="*bf16"), dict(num_warps=4))
-    # InnerQ's key work at the paper's windows: a key window of R + 1 = 97 rows, a value window of R + 32 = 128
+    # InnerQ's key work at the paper's windows: a key window of R + 1 = 97 rows, the 32 lagging keys
     out["innerq-aligned-keys"] = (quantize_pack._aligned_keys_kernel, dict(
-        D=128, BITS=2, KW=97, VW=128, READ=quantize_pack.READS.index("mask"), CODES=True), ASTSource, win,
+        D=128, BITS=2, KW=97, VW=32, READ=quantize_pack.READS.index("mask"), CODES=True), ASTSource, win,
         dict(num_warps=4, enable_fp_fusion=False))
     out["innerq-key-flush"] = (quantize_pack._key_flush_kernel, dict(
         D=128, BITS=2, MODE=quantize_pack.MODES.index("hybrid"), TOP=3.0, KW=97, MASK=True), ASTSource, win,

@@ -45,11 +45,11 @@ that a CUDA graph holds it (kvzoo/graphs.py). It has one graph per phase: a toke
 recent window, or fills it and a group is quantized in place (one window for both: innerq_flush, one kernel; the
 paper's windows: values 32 at a time through InnerQCodec.write_at, keys a token at a time). With the paper's
 windows up to 31 keys are quantized while their values are still exact; the kernel reads them dequantized beside
-their values' rows. Those aligned keys are one kernel, with the token's window rows on the attention's second
-stream, beside its quantized part (_aligned_keys, StaticStep.tail); the key leaving its window (a ring: no row
-moves, kvzoo/cache/store.py) is quantized in one kernel after it, beside the step (_flush_keys); with
-FUSED_KEY_STEP off, their torch reference. Elsewhere (a CPU) decode reads the codes a stream at a time (WindowedStore.attend; a symmetric group's
-signs flipped into its codes).
+their values' rows, and the rest of the value window's keys from the key window. Those lagging keys are one
+kernel, with the token's window rows on the attention's second stream, beside its quantized part (_lagging_keys,
+StaticStep.tail); the key leaving its window (a ring: no row moves, kvzoo/cache/store.py) is quantized in one
+kernel after it, beside the step (_flush_keys); with FUSED_KEY_STEP off, their torch reference. Elsewhere (a CPU)
+decode reads the codes a stream at a time (WindowedStore.attend; a symmetric group's signs flipped into its codes).
 """
 
 from __future__ import annotations
@@ -343,10 +343,11 @@ class InnerQCache(WholeStep, LayerCache):
         return (k.codes, k.scale, k.slot, masks[0], v.codes, v.scale, v.slot, masks[1])
 
     def _attend_fused(self, q: Tensor, n: int | None, windows: tuple, lengths: Tensor | None = None,
-                      q_scale: Tensor | None = None) -> Tensor:
+                      q_scale: Tensor | None = None, ring: Tensor | None = None) -> Tensor:
         """q (B, Hq, 1, d) after RoPE (times q_scale (B, H, d) inside the kernel where given) over quantized
         slots [0, n) (all of them, `lengths` saying how many are live, when n is None) and the exact windows
-        ((k, v), (k2, v2)): (B, Hq, 1, d)."""
+        ((k, v), (k2, v2)), k2 the lagging keys and `ring` the key window where given (innerq_decode_attention's
+        k_ring2): (B, Hq, 1, d)."""
         from kvzoo.kernels.innerq_attention import innerq_decode_attention
 
         kc, ks, kz, km, vc, vs, vz, vm = self._kernel_inputs()
@@ -357,7 +358,7 @@ class InnerQCache(WholeStep, LayerCache):
         out = innerq_decode_attention(q[:, :, 0], kc, ks, kz, km, vc, vs, vz, vm, k_win, v_win, self.opts.bits,
                                       k_win2=k_win2, v_win2=v_win2, lengths=lengths,
                                       mask_upto=self.store.codecs["k"].mask_upto(),
-                                      q_scale=q_scale)
+                                      q_scale=q_scale, k_ring2=ring)
         return out[:, :, None]                                                 # (B, Hq, 1, d)
 
     def decode(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pos: Positions) -> Tensor:
@@ -399,37 +400,38 @@ class InnerQCache(WholeStep, LayerCache):
 
     def _static_lengths(self, step: StaticStep) -> tuple[Tensor, Tensor]:
         """From the device-held length L: (the values' quantized tokens n_q (1,), as WindowedStore.window_row gives
-        them; live lengths (3,) int32 [n_q, sink tokens, recent tokens] for the kernel), shared by every layer.
-        The kernel reads slots [S, S + n_q) from both streams' codes and every later slot from the value window's
-        rows, beside which the keys are aligned (_aligned_keys)."""
+        them; live lengths int32 [n_q, sink tokens, recent tokens] for the kernel, and with the paper's windows
+        [.., delta = Nq_k - n_q], the keys quantized before their values), shared by every layer. The kernel reads
+        slots [S, S + n_q) from both streams' codes and every later slot from the value window's rows, their keys
+        from the key window (a ring) or, for the first delta, dequantized (_lagging_keys)."""
         key = ("innerq", self.opts.sink, self.opts.recent)
         if key not in step.derived:
             S, L = self.opts.sink, step.slot
             n_q, r = self.store.window_row(step, "v")
             in_sink = L < S
-            lengths = torch.cat([torch.where(in_sink, 0, n_q), torch.where(in_sink, L + 1, S),
-                                 torch.where(in_sink, 0, r + 1)]).to(torch.int32)
-            step.derived[key] = (n_q, lengths)
+            lengths = [torch.where(in_sink, 0, n_q), torch.where(in_sink, L + 1, S), torch.where(in_sink, 0, r + 1)]
+            if self.store.window is None:
+                lengths.append(self.store.window_row(step, "k")[0] - n_q)
+            step.derived[key] = (n_q, torch.cat(lengths).to(torch.int32))
         return step.derived[key]
 
-    def _aligned_keys(self, step: StaticStep, n_q: Tensor) -> Tensor:
-        """The keys of the value window's rows (B, H, R + 32, d), row j holding slot S + n_q + j's key: quantized
-        (read from the codes) for j < Nq_k - n_q (< 32 keys that left their window before their values left
-        theirs), else exact in the key window. With one window for both streams: the key window itself. One kernel
-        (kvzoo/kernels/quantize_pack.py) where FUSED_KEY_STEP, else the torch path, its reference."""
+    def _lagging_keys(self, step: StaticStep, n_q: Tensor) -> Tensor:
+        """The keys of the value window's first 32 rows (B, H, 32, d), row j holding slot S + n_q + j's key:
+        dequantized from the codes for j < Nq_k - n_q (< 32 keys that left their window before their values left
+        theirs), else the key window's row (a ring); the kernel reads only the first, the rest from the key window
+        itself. One kernel (kvzoo/kernels/quantize_pack.py) where FUSED_KEY_STEP, else the torch path, its
+        reference."""
         st = self.store
-        if st.window is not None:
-            return st.recent("k")
         n_k, _ = st.window_row(step, "k")
         codec = st.codecs["k"]
         if FUSED_KEY_STEP:
             from kvzoo.kernels.quantize_pack import innerq_aligned_keys
             read = "asym" if codec.mode == "asym" else "mask" if codec.has_mask else "sym"
             return innerq_aligned_keys(st.recent("k"), n_k, n_q, codec.codes, codec.scale, codec.slot,
-                                       codec.mask if codec.has_mask else None, st.recent("v").shape[2], codec.bits,
-                                       read, codec.mask_upto())
+                                       codec.mask if codec.has_mask else None, GROUP, codec.bits, read,
+                                       codec.mask_upto())
         delta = n_k - n_q                                                        # (1,) in [0, 32)
-        rows = torch.arange(st.recent("v").shape[2], device=n_q.device)
+        rows = torch.arange(GROUP, device=n_q.device)
         keys = st.recent("k").index_select(2, (n_q + rows) % st.recent("k").shape[2])     # slot S + n_q + j, a ring
         if codec.capacity:                       # else nothing is ever quantized: every key is in its window
             quantized = codec.read_at(n_q, GROUP, keys.dtype).index_select(2, rows.clamp_max(GROUP - 1))
@@ -452,8 +454,8 @@ class InnerQCache(WholeStep, LayerCache):
             st.flush_at(self.length, step, ("k",))
 
     def decode_static(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, step: StaticStep) -> Tensor:
-        """decode with fixed shapes: the token's k, v into their windows' rows and the keys aligned with the value
-        window (_aligned_keys), on a GPU on the attention's second stream (StaticStep.tail), where the fused
+        """decode with fixed shapes: the token's k, v into their windows' rows and the keys quantized before their
+        values (_lagging_keys), on a GPU on the attention's second stream (StaticStep.tail), where the fused
         kernel's window part then runs beside its quantized part; the fused kernel over every quantized slot
         (`lengths` says which are live), the sink and the value window's rows with their keys; then, beside the
         step (StaticStep.beside: a second stream on a GPU, joined at the step's end), the key leaving its window
@@ -465,9 +467,10 @@ class InnerQCache(WholeStep, LayerCache):
             if self.opts.key_norm:
                 k = k / self.norm                        # the kernel multiplies q by the norm
             st.write_token_at(self.length, step, {"k": k, "v": v})  # k, v (B, H, 1, d) into their window rows
-            keys = self._aligned_keys(step, n_q)
+            keys, ring = (st.recent("k"), None) if st.window is not None else (self._lagging_keys(step, n_q),
+                                                                              st.recent("k"))
         out = self._attend_fused(q, None, ((st.sink("k"), st.sink("v")), (keys, st.recent("v"))),
-                                 lengths, self.norm[:, :, 0] if self.opts.key_norm else None)
+                                 lengths, self.norm[:, :, 0] if self.opts.key_norm else None, ring)
         with step.beside():                 # nothing later in the step reads this layer's windows or codes
             self._flush_keys(step)
             if st.window is None:

@@ -377,6 +377,26 @@ def _attend_window(q, kw_ptr, vw_ptr, WIN, m, l, acc, qk_scale, D: tl.constexpr,
 
 
 @triton.jit
+def _attend_ring_block(q, lag_ptr, ring_ptr, vw_ptr, j0, n, n_q, delta, KW, m, l, acc, qk_scale, D: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """The online softmax over rows j0 .. j0 + n - 1 (n <= BLOCK) of a window whose row j's value is row j of vw_ptr
+    (from j0) and whose key is row j of lag_ptr for j < delta, else row (n_q + j) mod KW of the key ring (InnerQ's
+    keys beside its value window)."""
+    d = tl.arange(0, D)
+    r = tl.arange(0, BLOCK)
+    j = j0 + r
+    live = r < n
+    lag = j < delta
+    rows = tl.where(lag, lag_ptr + j * D, ring_ptr + ((n_q + j) % KW) * D)               # (BLOCK,) row pointers
+    k = _dot_dtype(tl.load(rows[:, None] + d[None, :], mask=live[:, None], other=0))
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    m, l, alpha, p = softmax_step(tl.where(live[None, :], s, float("-inf")), m, l)
+    v = _dot_dtype(tl.load(vw_ptr + r[:, None] * D + d[None, :], mask=live[:, None], other=0))
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m, l, acc
+
+
+@triton.jit
 def merge_splits(m_ptr, l_ptr, acc_ptr, heads, live_r, SPLITS, D: tl.constexpr, CHUNK: tl.constexpr):
     """The split kernels' partials (m, l, acc) of query rows `heads` (REP_P,) merged into one online-softmax state,
     CHUNK splits per step (their loads issued together: a step is one memory round trip, which bounds this loop);
@@ -405,13 +425,14 @@ def merge_splits(m_ptr, l_ptr, acc_ptr, heads, live_r, SPLITS, D: tl.constexpr, 
 
 
 @triton.jit
-def _window_kernel(q_ptr, qs_ptr, kw_ptr, vw_ptr, kw2_ptr, vw2_ptr, m_ptr, l_ptr, acc_ptr, len_ptr, COL, N_COLS, WIN,
-                   WIN2, qk_scale, s_kw, s_vw, s_kw2, s_vw2,
+def _window_kernel(q_ptr, qs_ptr, kw_ptr, vw_ptr, kw2_ptr, vw2_ptr, kr_ptr, m_ptr, l_ptr, acc_ptr, len_ptr, COL,
+                   N_COLS, WIN, WIN2, KW, qk_scale, s_kw, s_vw, s_kw2, s_vw2, s_kr,
                    D: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, BLOCK: tl.constexpr,
-                   DYN: tl.constexpr, HAS_QS: tl.constexpr):
+                   DYN: tl.constexpr, HAS_QS: tl.constexpr, RING: tl.constexpr):
     """Program (KV head, i): the (m, l, acc) partial of the head's query rows over block i of BLOCK exact tokens
     of the windows (the first window's blocks, then the second's), at column COL + i; an empty block (past the
-    live tokens) writes m = -inf."""
+    live tokens) writes m = -inf. RING: the second window's keys from kw2 (rows j < delta) or the key ring kr
+    (_attend_ring_block), n_q and delta entries 0 and 3 of the lengths."""
     kv = tl.program_id(0)
     head = kv.to(tl.int64)
     i = tl.program_id(1)
@@ -433,9 +454,15 @@ def _window_kernel(q_ptr, qs_ptr, kw_ptr, vw_ptr, kw2_ptr, vw2_ptr, m_ptr, l_ptr
                                    D, BLOCK)
     else:
         j = i - first
-        m, l, acc = _attend_window(q, kw2_ptr + head * s_kw2 + j * BLOCK * D, vw2_ptr + head * s_vw2 + j * BLOCK * D,
-                                   tl.minimum(_live(len_ptr, WIN2, 2, DYN) - j * BLOCK, BLOCK), m, l, acc, qk_scale,
-                                   D, BLOCK)
+        n = tl.minimum(_live(len_ptr, WIN2, 2, DYN) - j * BLOCK, BLOCK)
+        if RING:
+            if n > 0:
+                m, l, acc = _attend_ring_block(q, kw2_ptr + head * s_kw2, kr_ptr + head * s_kr,
+                                               vw2_ptr + head * s_vw2 + j * BLOCK * D, j * BLOCK, n, tl.load(len_ptr),
+                                               tl.load(len_ptr + 3), KW, m, l, acc, qk_scale, D, BLOCK)
+        else:
+            m, l, acc = _attend_window(q, kw2_ptr + head * s_kw2 + j * BLOCK * D,
+                                       vw2_ptr + head * s_vw2 + j * BLOCK * D, n, m, l, acc, qk_scale, D, BLOCK)
     rows = heads * N_COLS + COL + i
     tl.store(m_ptr + rows, m, mask=live_r)
     tl.store(l_ptr + rows, l, mask=live_r)
@@ -477,11 +504,12 @@ def combine(m: Tensor, l: Tensor, acc: Tensor, out: Tensor, kv_rows: int, rep: i
                                REP_P=rows, CHUNK=max(64 // rows, 1), TOKEN=token is not None, num_warps=num_warps)
 
 
-def _check_window(k: Tensor, v: Tensor, name: str, q: Tensor, B: int, H: int) -> int:
-    if not isinstance(k, Tensor) or k.dim() != 4:
-        raise ValueError(f"k_{name} must be a tensor (B, H, W, d)")
-    W = k.shape[2]
-    check_tensor(k, f"k_{name}", (B, H, W, q.shape[-1]), (q.dtype,), q.device)
+def _check_window(k: Tensor, v: Tensor, name: str, q: Tensor, B: int, H: int, lagging: bool = False) -> int:
+    """The window's rows W, v's; k holds as many, or with `lagging` any (the keys before a ring, k_ring2)."""
+    if not isinstance(k, Tensor) or k.dim() != 4 or not isinstance(v, Tensor) or v.dim() != 4:
+        raise ValueError(f"k_{name} and v_{name} must be tensors (B, H, W, d)")
+    W = v.shape[2]
+    check_tensor(k, f"k_{name}", (B, H, k.shape[2] if lagging else W, q.shape[-1]), (q.dtype,), q.device)
     check_tensor(v, f"v_{name}", (B, H, W, q.shape[-1]), (q.dtype,), q.device)
     return W
 
@@ -507,7 +535,8 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
                             k_win: Tensor, v_win: Tensor, bits: int, *, k_win2: Tensor | None = None,
                             v_win2: Tensor | None = None, lengths: Tensor | None = None, mask_upto: int | None = None,
                             q_scale: Tensor | None = None, sm_scale: float | None = None,
-                            num_splits: int | None = None, num_warps: int = 4) -> Tensor:
+                            num_splits: int | None = None, num_warps: int = 4,
+                            k_ring2: Tensor | None = None) -> Tensor:
     """Decode attention (B, Hq, d) in q's dtype of one query token per sequence over an InnerQ cache: the N
     quantized tokens (inner layout) and the exact tokens of one or two windows (sink and recent).
 
@@ -519,7 +548,10 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
     tokens (<= W2)]; the buffers behind them are sized for the most tokens, the grid by N. q_scale (B, H, d),
     in q's dtype, multiplies the query of every head of a KV head channel-wise first (InnerQ's key
     normalization). sm_scale defaults to 1/sqrt(d); num_splits (split-K over the quantized tokens) to enough
-    programs to fill the device."""
+    programs to fill the device. k_ring2 (B, H, KW, d): the second window's keys lie in a ring (InnerQ's key window
+    beside its value window, kvzoo/cache/store.py's Window.first_row): row j's key is k_win2's row j for j < delta
+    (keys quantized before their values: k_win2 holds those, dequantized), else k_ring2's row (n + j) mod KW, n the
+    quantized tokens; lengths is then (4,) [.., delta]."""
     check_bits(bits)
     if not isinstance(q, Tensor) or q.dim() != 3:
         raise ValueError("q must be a tensor (B, Hq, d)")
@@ -546,14 +578,18 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
     W = _check_window(k_win, v_win, "win", q, B, H)
     if (k_win2 is None) != (v_win2 is None):
         raise ValueError("give both k_win2 and v_win2, or neither")
-    W2 = 0 if k_win2 is None else _check_window(k_win2, v_win2, "win2", q, B, H)
+    W2 = 0 if k_win2 is None else _check_window(k_win2, v_win2, "win2", q, B, H, lagging=k_ring2 is not None)
     mask_upto = N if mask_upto is None else mask_upto
     _check_masks(k_mask, v_mask, B, H, N, d, mask_upto, dev)
     if q_scale is not None:
         check_tensor(q_scale, "q_scale", (B, H, d), (q.dtype,), dev)
         q_scale = q_scale.contiguous()
+    if k_ring2 is not None:
+        if lengths is None or k_win2 is None:
+            raise ValueError("k_ring2 needs k_win2 (the keys quantized before their values) and lengths (4,)")
+        check_tensor(k_ring2, "k_ring2", (B, H, k_ring2.shape[2], d), (k_win2.dtype,), dev)
     if lengths is not None:
-        check_tensor(lengths, "lengths", (3,), (torch.int32,), dev)
+        check_tensor(lengths, "lengths", (3 + (k_ring2 is not None),), (torch.int32,), dev)
     elif N + W + W2 == 0:
         raise ValueError("nothing to attend to: no quantized and no window tokens")
     rep = Hq // H
@@ -591,15 +627,16 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
     # an empty window may have no storage: pass q, never read, rather than a null pointer
     (kw, s_kw), (vw, s_vw) = (head_rows(k_win), head_rows(v_win)) if W else ((q, 0), (q, 0))
     (kw2, s_kw2), (vw2, s_vw2) = (head_rows(k_win2), head_rows(v_win2)) if W2 else ((q, 0), (q, 0))
+    (kr, s_kr), kw_rows = (head_rows(k_ring2), k_ring2.shape[2]) if k_ring2 is not None else ((q, 0), 1)
     main, side = (torch.cuda.current_stream(dev), side_stream(dev, TAIL)) if WINDOWS_BESIDE and q.is_cuda \
         else (None, None)
     if side is not None:             # after the current stream's work and what the caller issued on `side`
         side.wait_stream(main)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         _window_kernel[(B * H, max(blocks, 1))](
-            q, q if q_scale is None else q_scale, kw, vw, kw2, vw2, m, l, acc, len_ptr, splits, cols, W, W2,
-            qk_scale, s_kw, s_vw, s_kw2, s_vw2, D=d, REP=rep, REP_P=rep_p, BLOCK=BLOCK_W, DYN=dyn,
-            HAS_QS=q_scale is not None, num_warps=num_warps, enable_fp_fusion=True)
+            q, q if q_scale is None else q_scale, kw, vw, kw2, vw2, kr, m, l, acc, len_ptr, splits, cols, W, W2,
+            kw_rows, qk_scale, s_kw, s_vw, s_kw2, s_vw2, s_kr, D=d, REP=rep, REP_P=rep_p, BLOCK=BLOCK_W, DYN=dyn,
+            HAS_QS=q_scale is not None, RING=k_ring2 is not None, num_warps=num_warps, enable_fp_fusion=True)
 
     def split_columns() -> None:
         (kc, s_kc), (ks, s_ks), (kz, s_kz), (vc, s_vc), (vs, s_vs), (vz, s_vz) = map(
@@ -639,11 +676,17 @@ def innerq_decode_attention_ref(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_s
                                 k_win: Tensor, v_win: Tensor, bits: int, *, k_win2: Tensor | None = None,
                                 v_win2: Tensor | None = None, lengths: Tensor | None = None,
                                 mask_upto: int | None = None, q_scale: Tensor | None = None,
-                                sm_scale: float | None = None) -> Tensor:
+                                sm_scale: float | None = None, k_ring2: Tensor | None = None) -> Tensor:
     """Torch attention over the dequantized cache (fp32) concatenated with the windows, fp32 softmax."""
     B, Hq, d = q.shape
     H, N = k_codes.shape[1], k_codes.shape[2]
-    n, w, w2 = lengths.tolist() if lengths is not None else (N, k_win.shape[2], 0 if k_win2 is None else k_win2.shape[2])
+    n, w, w2 = lengths.tolist()[:3] if lengths is not None else \
+        (N, k_win.shape[2], 0 if k_win2 is None else k_win2.shape[2])
+    if k_ring2 is not None:                  # row j: k_win2's for j < delta, else the ring's row (n + j) mod KW
+        rows = torch.arange(v_win2.shape[2], device=q.device)
+        ring = k_ring2.index_select(2, (n + rows) % k_ring2.shape[2])
+        lag = k_win2.index_select(2, rows.clamp_max(k_win2.shape[2] - 1))
+        k_win2 = torch.where((rows < lengths[3].item())[:, None], lag, ring)
     upto = N if mask_upto is None else mask_upto
     k_sym, v_sym = (None, None) if k_mask is None else \
         (unpack_sym_mask(k_mask, -1, n, upto, d), unpack_sym_mask(v_mask, -2, n, upto, d))

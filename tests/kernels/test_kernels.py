@@ -212,6 +212,34 @@ def test_fused_attention_reads_live_lengths_from_the_device(bits, dtype, mode, l
     assert_close(sliced, want, dtype)
 
 
+@pytest.mark.parametrize("dtype,live,delta", [(torch.float32, (96, 4, 40), 5), (torch.float16, (64, 4, 33), 0),
+                                              (torch.bfloat16, (128, 4, 64), 31)], ids=name)
+def test_fused_attention_reads_the_second_windows_keys_from_a_ring(dtype, live, delta):
+    """k_ring2: the second window's row j takes k_win2's row j (the lagging keys) for j < delta, else row
+    (n + j) mod KW of the key ring, n the quantized tokens (InnerQ's paper windows); kernel and reference equal the
+    same keys laid out in the value window's order."""
+    torch.manual_seed(delta)
+    B, H, rep, N, d, KW = 2, 2, 3, 160, 64, 41
+    k, v = torch.randn(2, B, H, N, d, device=DEVICE)
+    sink_k, sink_v = torch.randn(2, B, H, 4, d, device=DEVICE).to(dtype)
+    ring, lag = torch.randn(B, H, KW, d, device=DEVICE).to(dtype), torch.randn(B, H, 32, d, device=DEVICE).to(dtype)
+    res_v = torch.randn(B, H, 64, d, device=DEVICE).to(dtype)
+    n = live[0]
+    rows = torch.arange(64, device=DEVICE)
+    aligned = torch.where((rows < delta)[:, None], lag.index_select(2, rows.clamp_max(31)),
+                          ring.index_select(2, (n + rows) % KW))
+    q = torch.randn(B, H * rep, d, device=DEVICE).to(dtype)
+    args = (q, *packed(k, 2, -1, "hybrid"), *packed(v, 2, -2, "hybrid"), sink_k, sink_v, 2)
+    lengths = torch.tensor(live, dtype=torch.int32, device=DEVICE)
+    want = innerq_decode_attention_ref(*args, k_win2=aligned, v_win2=res_v, lengths=lengths)
+    ringed = dict(k_win2=lag, v_win2=res_v, k_ring2=ring, lengths=torch.tensor((*live, delta), dtype=torch.int32,
+                                                                             device=DEVICE))
+    assert_close(innerq_decode_attention(*args, num_splits=3, **ringed), want, dtype)
+    assert_close(innerq_decode_attention_ref(*args, **ringed), want, dtype)
+    with pytest.raises(ValueError, match="k_ring2 needs k_win2"):
+        innerq_decode_attention(*args, v_win2=res_v, k_win2=lag, k_ring2=ring)
+
+
 @pytest.mark.parametrize("rows,splits", [(8, 33), (256, 2), (384, 2), (536, 6), (632, 5), (64, 8), (80, 6)])
 def test_split_count_fills_whole_waves(rows, splits):
     """An H100's 264 program slots (132 SMs, 2 programs each): no split count up to twice one wave's takes fewer
@@ -348,8 +376,8 @@ def test_flush_kernel_writes_what_the_cache_writes(bits, mode, dtype):
                          ids=name)
 def test_key_step_kernel_equals_the_torch_path(monkeypatch, bits, mode, dtype):
     """innerq_aligned_keys and innerq_key_flush (the static step's per-token key work at the paper's windows)
-    against the torch path they replace (InnerQCache._aligned_keys and _flush_keys with FUSED_KEY_STEP off): the
-    aligned keys, the key codes, scales, slots and
+    against the torch path they replace (InnerQCache._lagging_keys and _flush_keys with FUSED_KEY_STEP off): the
+    lagging keys, the key codes, scales, slots and
     mask bits, and the key window (a ring), bit for bit, over 72 steps (keys leaving a token at a time, values 32
     at a time, so every lag of keys behind values from 0 to 31 occurs)."""
     import kvzoo.cache.innerq as innerq
@@ -371,7 +399,7 @@ def test_key_step_kernel_equals_the_torch_path(monkeypatch, bits, mode, dtype):
                                    112)
             st = cache.store
             st.write_token_at(t, step, {"k": k[:, :, t:t + 1], "v": v[:, :, t:t + 1]})
-            cache.keys = cache._aligned_keys(step, st.window_row(step, "v")[0])
+            cache.keys = cache._lagging_keys(step, st.window_row(step, "v")[0])
             cache._flush_keys(step)
             st.flush_at(t, step, ("v",))
             cache.length += 1

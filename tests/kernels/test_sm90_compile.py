@@ -28,7 +28,7 @@ NAMES = [f"innerq-gluon-d{d}-{g}" for d in (128, 64) for g in MODES] + \
     [f"w4a16-gluon-{rows}-rows-split-{split}" for rows in (8, 16) for split in (1, 4)]
 NAMES += ["innerq-window", "combine", "innerq-aligned-keys", "innerq-key-flush"]
 NAMES += ["alignedkv-qk", "alignedkv-pv", "alignedkv-topk", "alignedkv-estimate"]
-# no loop: a block of 32 rows a program (the window's 32 tokens, 32 aligned keys), the flush's moves unrolled, or
+# no loop: a block of 32 rows a program (the window's 32 tokens, the 32 lagging keys), the flush's one row, or
 # AlignedKV's top-k passes (one sorting network a program)
 LOOPLESS = {"innerq-window", "innerq-aligned-keys", "innerq-key-flush", "alignedkv-topk", "alignedkv-estimate"}
 
