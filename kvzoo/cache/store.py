@@ -548,5 +548,6 @@ class WindowedStore(nn.Module):
         return out[:, :, None]
 
     def scratch(self) -> tuple[Tensor, ...]:
-        """Buffers a static step changes so that running it twice would differ (the token's window rows)."""
-        return tuple(self.recent(name) for name in self.codecs)
+        """Buffers a static step changes so that running it twice would differ: the windows of G > 1 tokens, which
+        move down when a group leaves (a ring's step writes the same rows again)."""
+        return tuple(self.recent(name) for name in self.codecs if self.windows[name].group > 1)
