@@ -69,7 +69,8 @@ Values are not rematerialized: the softmax weighs the value latents (gathered in
 where X U_k and X U_v have different windows, the paper's) and the (Hq, c) result is projected by each head's
 slice of up_v (weighed_attention), which saves V's (K × c) · (c × n_kv·hd) product and its round trip.
 The host's counters only pick the phase: "flush" when the token fills a stream's window, whose oldest group is
-then quantized into slots [Nq, Nq + G) at the device-held Nq and the rest moved down; "recent" otherwise.
+then quantized into slots [Nq, Nq + G) at the device-held Nq and the rest moved down (a window of one-token groups is
+a ring, where nothing moves: kvzoo/cache/store.py); "recent" otherwise.
 
 Tensor parallelism (kvzoo/models/tp.py): an MHA model's X is the whole layer input on every rank, so each rank
 holds the same X codes (N times the bytes) and rematerializes its own heads; the GQA latents are the SVD of the

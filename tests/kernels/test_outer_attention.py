@@ -218,6 +218,10 @@ def test_bad_inputs_name_the_problem():
         outer_decode_attention(q, *codes, 2, k_rec, v_rec, lens, k_sink=k_sink)
     with pytest.raises(ValueError, match="lengths must be"):
         outer_decode_attention(q, *codes, 2, k_rec, v_rec, (96, 32, 100, 0))
+    with pytest.raises(ValueError, match="optionally \\[k_row, v_row\\]"):
+        outer_decode_attention(q, *codes, 2, k_rec, v_rec, (32, 32, 40, 0, 1))
+    with pytest.raises(ValueError, match=r"lengths has shape \(5,\), expected \(6,\)"):
+        outer_decode_attention(q, *codes, 2, k_rec, v_rec, torch.zeros(5, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="v_bits must be one of"):
         outer_decode_attention(q, *codes, 2, k_rec, v_rec, lens, v_bits=3)
     with pytest.raises(ValueError, match="key_groups must be"):
