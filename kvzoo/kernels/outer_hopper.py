@@ -586,30 +586,51 @@ def _join8(o):
 
 @gluon.jit
 def _warp_operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t, last, LKW: gl.constexpr, KSL: gl.constexpr,
-                   LVW: gl.constexpr, D: gl.constexpr, CG: gl.constexpr):
+                   LVW: gl.constexpr, D: gl.constexpr, CG: gl.constexpr, CLAMP: gl.constexpr):
     """Step t's operands, warp w's from key group t + w: key words (4, 32, W) in LKW (a thread: two adjacent words
     of four tokens), the group's key scales and zeros (4, D/2) as stored, int32 pairs of real channels (a thread: its
     lane's 32 channels), value words (4, 32, W) in LVW (a thread: word lane / 4 of tokens 2 (lane % 4) + {0, 1, 8, 9,
-    16, 17, 24, 25}) and each value word's scale and zero. Slots past `last` read `last`."""
+    16, 17, 24, 25}) and each value word's scale and zero. With CLAMP slots past `last` read `last`; without, every
+    slot of the step is read where it lies, so that a thread's loads are one address plus constants."""
     W: gl.constexpr = D // 16
     L3: gl.constexpr = gl.SliceLayout(3, LKW)
+    first = t * 32                                                  # the step's first slot: scalar pointers move
     wk = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
     jk = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
     ck = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    tk = gl.minimum((t + wk)[:, None] * 32 + jk[None, :], last)
-    kw = gl.load(kc_ptr + tk[:, :, None] * W + ck[None, None, :])
+    tk = wk[:, None] * 32 + jk[None, :]                             # (4, 32): slots from `first`
+    if CLAMP:
+        tk = gl.minimum(tk, last - first)
+    kw = gl.load(kc_ptr + first * W + (tk[:, :, None] * W + ck[None, None, :]))
     ws = gl.arange(0, WARPS, layout=gl.SliceLayout(1, KSL))
     cs = gl.arange(0, D // 2, layout=gl.SliceLayout(0, KSL))
-    at = gl.minimum(t + ws, last // 32)[:, None] * (D // 2) + cs[None, :]
-    ks_ptr = ks_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-    kz_ptr = kz_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    if CLAMP:
+        ws = gl.minimum(ws, last // 32 - t)
+    at = ws[:, None] * (D // 2) + cs[None, :]
+    ks_ptr = ks_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + t * (D // 2)
+    kz_ptr = kz_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + t * (D // 2)
     wv = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, LVW)))
     jv = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, LVW)))
     cv = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(1, LVW)))
-    tv = gl.minimum((t + wv)[:, None] * 32 + jv[None, :], last)[:, :, None]
-    vw = gl.load(vc_ptr + tv * W + cv[None, None, :])
+    tv = wv[:, None] * 32 + jv[None, :]
+    if CLAMP:
+        tv = gl.minimum(tv, last - first)
+    tv = gl.expand_dims(tv, 2)
+    vw = _load_moved(vc_ptr + first * W, tv * W + cv[None, None, :], (1 + 8 + 16) * W, CLAMP)
     atv = tv * (D // CG) + (cv * 16 // CG)[None, None, :]
-    return kw, gl.load(ks_ptr + at), gl.load(kz_ptr + at), vw, gl.load(vs_ptr + atv), gl.load(vz_ptr + atv)
+    vs = _load_moved(vs_ptr + first * (D // CG), atv, (1 + 8 + 16) * (D // CG), CLAMP)
+    vz = _load_moved(vz_ptr + first * (D // CG), atv, (1 + 8 + 16) * (D // CG), CLAMP)
+    return kw, gl.load(ks_ptr + at), gl.load(kz_ptr + at), vw, vs, vz
+
+
+@gluon.jit
+def _load_moved(ptr, offsets, REGS: gl.constexpr, CLAMP: gl.constexpr):
+    """ptr[offsets] for _warp_operands' (4, 32, W) tensors, whose registers hold the offsets' bits in REGS (the
+    tokens a thread holds) and its lanes and warps the others. Unclamped, the offsets are split into those two
+    parts, so that a thread's loads are one address plus immediates (else each is an address of its own)."""
+    if CLAMP:
+        return gl.load(ptr + offsets)
+    return gl.load((ptr + (offsets & ~REGS)) + (offsets & REGS))
 
 
 @gluon.jit
@@ -678,11 +699,41 @@ def _warp_values(vw, vs, vz, VL: gl.constexpr, VA: gl.constexpr):
 
 
 @gluon.jit
+def _warp_step(ops, q, m, l, acc, qk_scale, t, stop, n_both, LKW: gl.constexpr, XL: gl.constexpr, VL: gl.constexpr,
+               MASKED: gl.constexpr):
+    """Step t of the warp kernel: warp w attends key group t + w (ops: _warp_operands') with its own online softmax
+    in base 2, on the state (m, l, acc) _warp_kernel holds. MASKED: slots past n_both and groups from `stop` on are
+    masked to -inf (a warp may then have no live token yet); else every slot is live."""
+    ROWS: gl.constexpr = q.shape[2]
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=WARP_MMA, k_width=2)
+    B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=WARP_MMA, k_width=2)
+    kw, ks, kz, vw, vs, vz = ops
+    s = mma_v2(_warp_keys(kw, ks, kz, LKW, XL, A), q, gl.zeros([WARPS, 32, ROWS], gl.float32, WARP_MMA))
+    if MASKED:
+        js = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, WARP_MMA)))
+        ws = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, WARP_MMA)))
+        live = ((t + ws)[:, None] * 32 + js[None, :] < n_both) & ((t + ws) < stop)[:, None]     # a warp's group
+        s = s * qk_scale + gl.where(live, 0.0, float("-inf"))[:, :, None]
+        m_new = gl.maximum(m, gl.max(s, axis=1))
+        m_top = gl.where(m_new > float("-inf"), m_new, 0.0)      # a warp with no live token yet: nothing to scale
+        alpha = gl.exp2(m - m_top)
+        p = gl.exp2(s - gl.expand_dims(m_top, 1))
+    else:           # the scale (> 0) taken after the max, and into the exponent's FMA
+        m_new = gl.maximum(m, gl.max(s, axis=1) * qk_scale)
+        alpha = gl.exp2(m - m_new)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    a_l = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l.type.layout)), 1)
+    l = l * a_l + gl.sum(gl.reshape(p, (WARPS, 4, 8, ROWS)), axis=1)
+    acc = mma_v2(_warp_values(vw, vs, vz, VL, A), gl.convert_layout(p.to(gl.float16), B),
+                 acc * gl.expand_dims(alpha, 1))
+    return m_new, l, acc
+
+
+@gluon.jit
 def _warp_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, l_ptr, acc_ptr, len_ptr, PER_SPLIT,
                  N_COLS, qk_scale, s_kc, s_ks, s_kz, s_vc, s_vs, s_vz, D: gl.constexpr, REP: gl.constexpr,
                  ROWS: gl.constexpr, CG: gl.constexpr, LKW: gl.constexpr, KSL: gl.constexpr, LVW: gl.constexpr,
                  XL: gl.constexpr, VL: gl.constexpr):
-    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=WARP_MMA, k_width=2)
     B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=WARP_MMA, k_width=2)
     ROW: gl.constexpr = gl.SliceLayout(1, WARP_MMA)                  # (4, ROWS): each warp's rows
     kv = gl.program_id(0)                        # b * H + h
@@ -698,30 +749,24 @@ def _warp_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, l
     q = gl.load(q_ptr + (kv * REP + rq[None, None, :]) * D + _place(cq, D // 16)[None, :, None] + 0 * wq[:, None, None],
                 mask=(rq < REP)[None, None, :], other=0)
     q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
-    js = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, WARP_MMA)))
-    ws = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, WARP_MMA)))
 
     m = gl.full([WARPS, ROWS], float("-inf"), gl.float32, layout=ROW)
     # each thread's share of the row sums: its own tokens' (4, 8 (token bits 0-2), ROWS)
     l = gl.sum(gl.reshape(gl.zeros([WARPS, 32, ROWS], gl.float32, WARP_MMA), (WARPS, 4, 8, ROWS)), axis=1)
     acc = gl.zeros([WARPS, D, ROWS], gl.float32, layout=WARP_MMA)
-    ops = _warp_operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, start, last, LKW, KSL, LVW, D, CG)
-    for t in range(start, stop, WARPS):
-        nxt = _warp_operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t + WARPS, last, LKW, KSL, LVW, D, CG)
-        kw, ks, kz, vw, vs, vz = ops
-        s = mma_v2(_warp_keys(kw, ks, kz, LKW, XL, A), q, gl.zeros([WARPS, 32, ROWS], gl.float32, WARP_MMA))
-        live = ((t + ws)[:, None] * 32 + js[None, :] < n_both) & ((t + ws) < stop)[:, None]     # a warp's group
-        s = s * qk_scale + gl.where(live, 0.0, float("-inf"))[:, :, None]
-        m_new = gl.maximum(m, gl.max(s, axis=1))
-        m_top = gl.where(m_new > float("-inf"), m_new, 0.0)          # a warp with no live token yet: nothing to scale
-        alpha = gl.exp2(m - m_top)
-        p = gl.exp2(s - gl.expand_dims(m_top, 1))
-        a_l = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l.type.layout)), 1)
-        l = l * a_l + gl.sum(gl.reshape(p, (WARPS, 4, 8, ROWS)), axis=1)
-        m = m_new
-        acc = mma_v2(_warp_values(vw, vs, vz, VL, A), gl.convert_layout(p.to(gl.float16), B),
-                     acc * gl.expand_dims(alpha, 1))
+    # the steps whose 128 slots are all live: loads with no clamp, scores with no mask; the next step's operands
+    # are loaded before this step's work (the last full step loads itself again, a hit in the caches)
+    full = start + gl.maximum(gl.minimum(stop, n_both // 32) - start, 0) // WARPS * WARPS
+    ops = _warp_operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, start, last, LKW, KSL, LVW, D, CG, True)
+    for t in range(start, full, WARPS):
+        nxt = _warp_operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, gl.minimum(t + WARPS, full - WARPS), last,
+                             LKW, KSL, LVW, D, CG, False)
+        m, l, acc = _warp_step(ops, q, m, l, acc, qk_scale, t, stop, n_both, LKW, XL, VL, False)
         ops = nxt
+    # the rest (fewer than four groups, or a group not all live): loaded as they are attended, slots clamped
+    for t in range(full, stop, WARPS):
+        ops = _warp_operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t, last, LKW, KSL, LVW, D, CG, True)
+        m, l, acc = _warp_step(ops, q, m, l, acc, qk_scale, t, stop, n_both, LKW, XL, VL, True)
 
     # the four warps' partials merged once: (m, l, acc) of the program's tokens
     m_all = gl.max(m, axis=0)
@@ -877,7 +922,7 @@ def quantized_splits(q: Tensor, buffers: list[tuple[Tensor, int]], m: Tensor, l:
     RoPE (outer_decode_attention's)."""
     B, Hq, d = q.shape
     H = buffers[0][0].shape[1]
-    if rope is None and d == WARP_HEAD_DIM:
+    if rope is None and d == WARP_HEAD_DIM and qk_scale > 0:      # (its full steps take the max before the scale)
         _warp_kernel[(B * H, splits)](q, *(t for t, _ in buffers), m, l, acc, lengths, per_split, splits + 1, qk_scale,
                                       *(s for _, s in buffers), D=d, REP=Hq // H, ROWS=rows_for(Hq // H), CG=group,
                                       **dict(zip(("LKW", "KSL", "LVW", "XL", "VL"), _warp_layouts(d))),

@@ -299,13 +299,14 @@ HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 
 
 # (d, dtype, rep, B, N, lengths, group, rope, splits): KIVI's windows (keys quantized past values), partial steps and
-# groups, a short run (5 groups), 16 query rows, with and without a sink, splits of two groups (fewer than a step of the
+# groups, whole steps only (the warp kernel's loop with no clamped tail), a short run (5 groups), 16 query rows, with and without a sink, splits of two groups (fewer than a step of the
 # warp kernel's four warps); value groups of one word, two and a whole token;
 # keys stored before RoPE (KIVI*), rotated in the kernel: with and without a sink, bf16 tables and fp16, query rows
 # in half the padded rows (4 of 8) and in all of them (8, 16)
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
 @pytest.mark.parametrize("d,dtype,rep,B,N,lengths,group,rope,splits", [
     (128, torch.float16, 4, 2, 1024, (1024, 1000, 1030, 4), 32, False, 2),
+    (128, torch.float16, 4, 2, 1024, (1024, 1024, 1030, 4), 32, False, 2),
     (64, torch.bfloat16, 3, 3, 800, (800, 777, 810, 0), 32, False, 2),
     (128, torch.bfloat16, 1, 1, 160, (160, 129, 160, 2), 32, False, 2),
     (64, torch.float16, 16, 1, 4096, (4096, 4095, 4100, 4), 32, False, 2),
@@ -341,6 +342,19 @@ def test_hopper_kernel_matches_reference_and_triton_kernel(d, dtype, rep, B, N, 
     monkeypatch.setattr(outer_hopper, "ENABLED", False)
     assert_close(got, outer_decode_attention(*args, num_splits=splits, **kw), dtype)
     assert len(calls) == 2                     # eager and captured; none with the kernel disabled
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
+def test_hopper_kernel_with_a_negative_softmax_scale(monkeypatch):
+    """The warp kernel takes its whole steps' max before the softmax scale; a scale <= 0 takes the other kernel."""
+    outer_hopper = pytest.importorskip("kvzoo.kernels.outer_hopper")
+    monkeypatch.setattr(outer_hopper, "MIN_GROUP_ROWS", 0)
+    codes, (k_rec, v_rec), (k_sink, v_sink) = cache(1, 2, 512, 512, 128, 2, torch.float16, seed=3, group=32)
+    q = torch.randn(1, 8, 128, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.float16)
+    args = (q, *codes, 2, k_rec, v_rec, torch.tensor((512, 500, 520, 4), dtype=torch.int32, device=DEVICE))
+    kw = dict(k_sink=k_sink, v_sink=v_sink, group=32, sm_scale=-0.05)
+    assert_close(outer_decode_attention(*args, num_splits=2, **kw), outer_decode_attention_ref(*args, **kw),
+                 torch.float16)
 
 
 def test_hopper_kernel_is_not_taken_off_its_layout():
