@@ -25,9 +25,14 @@ memory:
     channels; that is why this kernel is mma.sync, not wgmma.
   - pᵀ moves from the scores' accumulator layout to the B operand by shuffles (gl.convert_layout within the warp).
   - At 8 rows 168 registers a thread, three programs an SM (the split-K plan sizes for WARP_PROGRAMS_PER_SM where a
-    program keeps WARP_MIN_GROUPS; 243 registers and two at 16 rows), a loop of 736 instructions for 128 tokens
+    program keeps WARP_MIN_GROUPS; 243 registers and two at 16 rows), a loop of 645 instructions for 128 tokens
     (sm_90 SASS, Triton 3.6), against the warpgroup kernel's 839 at 250 registers, two programs an SM, four barriers
     a step and 37 KB of shared memory.
+  - Whole steps first: while a step's 128 slots are all live, its loads take no clamp (a thread's loads of a tensor
+    are one address plus immediates: _load_moved) and its scores no mask, and the softmax scale is applied after the
+    row max, inside the exponent's FMA. Each step loads the next one's operands before its own work. The rest of a
+    split (fewer than four groups, or a group not all live) runs after, one clamped, masked step at a time. Clamping
+    every load had cost 91 more instructions a step (736).
   - A split of fewer groups than warps masks the warps past its end.
 
 The warpgroup kernel (_quantized_kernel); Gluon lets the kernel choose every layout (Triton chooses them itself):
@@ -78,7 +83,9 @@ Speed (Llama-3.1-8B heads, rep 4, one H200, L2 flushed, with the tail beside it;
 four independent warps"): the warp kernel 30.5 us at 32K, batch 1, 74.4 at 128K, batch 1, 372.8 at 32K, batch 32
 and 1,409 at 128K, batch 32, where the warpgroup kernel took 29.9, 81.2, 482.3 and 1,844.6 and the Triton kernel
 alone takes 40.7 and 119.4 at batch 1 (`python scripts/bench_kernels.py --floors --cases KIVI-2 --shapes 1x32768
-1x131072 32x32768 32x131072`, results/kernels/h200/kivi-warp). Keys stored before RoPE: 45-46 us at 32K, batch 1,
+1x131072 32x32768 32x131072`, results/kernels/h200/kivi-warp). With whole steps unclamped (docs/decode.md, "KIVI's
+warp kernel in whole steps"), on another H200: 351 us at 32K, batch 32 and 1,254 at 128K, where the kernel before took
+379 and 1,377 on the same machine; batch 1 unchanged (34 and 76-78). Keys stored before RoPE: 45-46 us at 32K, batch 1,
 936 at 32K, batch 32 (`--cases "KIVI*"`, results/kernels/h200/two-magics). Below MIN_GROUP_ROWS of work (KV rows x
 groups) the Triton kernel runs alone.
 KVZOO_OUTER_KERNEL=triton|gluon|auto (default) overrides the choice: triton never takes this kernel, gluon takes it
