@@ -188,20 +188,24 @@ def resources(cubin: bytes) -> dict:
 
 def read_resources(usage: str, sass: str) -> dict:
     """Registers and spills of a kernel (cuobjdump -res-usage, -sass), and its main loop: the longest backward
-    branch's instructions, with their opcodes counted. Spills are the SASS's local stores and loads (STL, LDL), in
-    the whole kernel and in its loop, and the stack frame (bytes a thread) ptxas gives them: cuobjdump's LOCAL counts
-    only local arrays, and reads 0 for a kernel that spills."""
+    branch's instructions, with their opcodes counted; `loops` lists, in program order, the lengths of every loop at
+    least half as long (a kernel that runs its whole steps in one loop and the rest of a split in another has two).
+    Spills are the SASS's local stores and loads (STL, LDL), in the whole kernel and in its loop, and the stack frame
+    (bytes a thread) ptxas gives them: cuobjdump's LOCAL counts only local arrays, and reads 0 for a kernel that
+    spills."""
     ins = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
     loops = [(int(m.group(1), 16), addr) for addr, text in ins
              if (m := re.search(r"BRA\s+`?\(?(?:\.L_x_\d+\)?\s*)?0x([0-9a-f]+)", text)) and int(m.group(1), 16) < addr]
     first, last = max(loops, key=lambda span: span[1] - span[0], default=(0, -1))
     ops = [(addr, (text.split()[1] if text.startswith("@") else text.split()[0]).split(".")[0]) for addr, text in ins]
     body = [op for addr, op in ops if first <= addr <= last]
+    sizes = [sum(start <= addr <= end for addr, _ in ins) for start, end in sorted(loops)]
     return {"registers": int(re.search(r"REG:(\d+)", usage).group(1)),
             "stack": int(re.search(r"STACK:(\d+)", usage).group(1)),
             "spills": sum(op in ("STL", "LDL") for _, op in ops),
             "loop_spills": sum(op in ("STL", "LDL") for op in body),
-            "loop": len(body), "mix": collections.Counter(body).most_common(12)}
+            "loop": len(body), "loops": [n for n in sizes if 2 * n >= len(body)],
+            "mix": collections.Counter(body).most_common(12)}
 
 
 def main() -> None:
@@ -234,7 +238,7 @@ def main() -> None:
             print(f"| {name} | {r['error'].splitlines()[-1]} | | | | |")
             continue
         print(f"| {name} | {r['shared']:,} | {r['registers']} | {r['spills']} ({r['loop_spills']}) | {r['stack']} | "
-              f"{r['loop']:,} |")
+              f"{', '.join(f'{n:,}' for n in r['loops'])} |")
         if args.mix:
             print(f"|  | {' '.join(f'{op} {n}' for op, n in r['mix'])} | | | | |")
 

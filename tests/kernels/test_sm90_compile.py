@@ -87,6 +87,17 @@ def test_spills_are_read_from_the_sass():
     result = load("compile_sm90").read_resources(usage, sass)
     assert (result["registers"], result["stack"], result["spills"], result["loop_spills"], result["loop"]) == \
         (255, 400, 3, 2, 5)
+    assert result["loops"] == [5]
+
+
+def test_kivi_warp_kernel_fits_its_programs_an_sm(compiled):
+    """The warp kernel's split-K plan sizes for WARP_PROGRAMS_PER_SM programs an SM: its registers must fit them,
+    with no spills in its loops (a register more, and an SM holds one program fewer)."""
+    from kvzoo.kernels.outer_hopper import N_WARPS, WARP_PROGRAMS_PER_SM
+
+    result = compiled["kivi-gluon-d128"]
+    assert result["registers"] * 32 * N_WARPS * WARP_PROGRAMS_PER_SM <= 65536 and result["spills"] == 0, result
+    assert len(result["loops"]) == 2, result            # the whole steps, then the rest of a split
 
 
 @pytest.mark.parametrize("mode", MODES)
