@@ -31,8 +31,8 @@ memory:
   - Whole steps first: while a step's 128 slots are all live, its loads take no clamp (a thread's loads of a tensor
     are one address plus immediates: _load_moved) and its scores no mask, and the softmax scale is applied after the
     row max, inside the exponent's FMA. Each step loads the next one's operands before its own work. The rest of a
-    split (fewer than four groups, or a group not all live) runs after, one clamped, masked step at a time. Clamping
-    every load had cost 91 more instructions a step (736).
+    split (fewer than four groups, or a group not all live) runs after, one clamped, masked step at a time, in a loop
+    of 711 instructions.
   - A split of fewer groups than warps masks the warps past its end.
 
 The warpgroup kernel (_quantized_kernel); Gluon lets the kernel choose every layout (Triton chooses them itself):
@@ -79,15 +79,13 @@ where the Triton kernel rounds the model's table at p0 + j once). Its keys go th
 (the rotations' tables are read per token), in the logical channel order of the values (_real), dequantized after
 the unpack PTX; a thread holds channels c and c + d/2 of its key words (LPK), which share a table value.
 
-Speed (Llama-3.1-8B heads, rep 4, one H200, L2 flushed, with the tail beside it; docs/decode.md, "KIVI's layout in
-four independent warps"): the warp kernel 30.5 us at 32K, batch 1, 74.4 at 128K, batch 1, 372.8 at 32K, batch 32
-and 1,409 at 128K, batch 32, where the warpgroup kernel took 29.9, 81.2, 482.3 and 1,844.6 and the Triton kernel
-alone takes 40.7 and 119.4 at batch 1 (`python scripts/bench_kernels.py --floors --cases KIVI-2 --shapes 1x32768
-1x131072 32x32768 32x131072`, results/kernels/h200/kivi-warp). With whole steps unclamped (docs/decode.md, "KIVI's
-warp kernel in whole steps"), on another H200: 351 us at 32K, batch 32 and 1,254 at 128K, where the kernel before took
-379 and 1,377 on the same machine; batch 1 unchanged (34 and 76-78). Keys stored before RoPE: 45-46 us at 32K, batch 1,
-936 at 32K, batch 32 (`--cases "KIVI*"`, results/kernels/h200/two-magics). Below MIN_GROUP_ROWS of work (KV rows x
-groups) the Triton kernel runs alone.
+Speed (Llama-3.1-8B heads, rep 4, one H200, L2 flushed, with the tail beside it; docs/decode.md, "KIVI's warp kernel
+in whole steps"): the warp kernel 34.2 us at 32K, batch 1, 76.4 at 128K, batch 1, 351.3 at 32K, batch 32 and 1,253.7
+at 128K, batch 32 (`python scripts/bench_kernels.py --floors --cases "SQuat (outer)" --shapes 1x32768 1x131072
+32x32768 32x131072`, results/kernels/h200/kivi-full-steps-same). On another H200 (results/kernels/h200/kivi-warp) the
+warpgroup kernel took 29.9, 81.2, 482.3 and 1,844.6 and the Triton kernel alone 40.7 and 119.4 at batch 1. Keys
+stored before RoPE: 45-46 us at 32K, batch 1, 936 at 32K, batch 32 (`--cases "KIVI*"`,
+results/kernels/h200/two-magics). Below MIN_GROUP_ROWS of work (KV rows x groups) the Triton kernel runs alone.
 KVZOO_OUTER_KERNEL=triton|gluon|auto (default) overrides the choice: triton never takes this kernel, gluon takes it
 wherever the layout allows.
 """
@@ -929,7 +927,7 @@ def quantized_splits(q: Tensor, buffers: list[tuple[Tensor, int]], m: Tensor, l:
     RoPE (outer_decode_attention's)."""
     B, Hq, d = q.shape
     H = buffers[0][0].shape[1]
-    if rope is None and d == WARP_HEAD_DIM and qk_scale > 0:      # (its full steps take the max before the scale)
+    if rope is None and d == WARP_HEAD_DIM and qk_scale > 0:      # (its whole steps take the max before the scale)
         _warp_kernel[(B * H, splits)](q, *(t for t, _ in buffers), m, l, acc, lengths, per_split, splits + 1, qk_scale,
                                       *(s for _, s in buffers), D=d, REP=Hq // H, ROWS=rows_for(Hq // H), CG=group,
                                       **dict(zip(("LKW", "KSL", "LVW", "XL", "VL"), _warp_layouts(d))),

@@ -299,8 +299,9 @@ HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 
 
 # (d, dtype, rep, B, N, lengths, group, rope, splits): KIVI's windows (keys quantized past values), partial steps and
-# groups, whole steps only (the warp kernel's loop with no clamped tail), a short run (5 groups), 16 query rows, with and without a sink, splits of two groups (fewer than a step of the
-# warp kernel's four warps); value groups of one word, two and a whole token;
+# groups, whole steps only (the warp kernel's first loop, no clamped rest), a short run (5 groups), 16 query rows,
+# with and without a sink, splits of two groups (fewer than a step of the warp kernel's four warps); value groups of
+# one word, two and a whole token;
 # keys stored before RoPE (KIVI*), rotated in the kernel: with and without a sink, bf16 tables and fp16, query rows
 # in half the padded rows (4 of 8) and in all of them (8, 16)
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
