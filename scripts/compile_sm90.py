@@ -123,7 +123,8 @@ def cases() -> dict:
     out["innerq-window"] = (innerq_attention._window_kernel, dict(
         D=128, REP=4, REP_P=16, BLOCK=innerq_attention.BLOCK_W, DYN=True, HAS_QS=True, RING=True), ASTSource, win,
         dict(num_warps=4, enable_fp_fusion=True, divisible=("s_kw", "s_vw", "s_kw2", "s_vw2", "s_kr")))
-    out["combine"] = (innerq_attention.combine_kernel, dict(D=128, REP=4, REP_P=4, CHUNK=16, TOKEN=True), ASTSource,
+    out["combine"] = (innerq_attention.combine_kernel, dict(D=128, DC=32, REP=4, REP_P=4, CHUNK=64, TOKEN=True),
+                      ASTSource,
                       dict(win, kt_ptr="*bf16", vt_ptr="*bf16"), dict(num_warps=4))
     # InnerQ's key work at the paper's windows: a key window of R + 1 = 97 rows, the 32 lagging keys
     out["innerq-aligned-keys"] = (quantize_pack._aligned_keys_kernel, dict(

@@ -39,8 +39,8 @@ Three kernels:
      on the attention's second stream (side_stream TAIL), launched before the split kernel and beside it, after
      the current stream's work and whatever the caller issued on that stream (the token's window rows:
      StaticStep.tail), so that neither it nor those writes sit on the step's path.
-  3. combine: grid (B*H,). Merges every column's partial (combine, shared with outer_attention), divides by l
-     and writes (B, Hq, d) in q's dtype.
+  3. combine: grid (B*H, d/32), 32 channels a program. Merges every column's partial (combine, shared with
+     outer_attention), every split in one step where its tile fits, divides by l and writes (B, Hq, d) in q's dtype.
 fp32 inputs use exact fp32 dots (input_precision "ieee"); fp16/bf16 round the dequantized keys and the
 softmax weights to fp16 (fast path) or the model dtype before the dots, as flash attention does.
 """
@@ -72,6 +72,8 @@ FAST_PATH = True             # fp16/bf16 models on a GPU: unpack/dequant codes a
 WINDOWS_BESIDE = True        # on a GPU the window kernel runs on a second stream, beside the split kernel
 MAX_GS = None                # value groups (of 32 tokens) per step of the split kernel; None: by GQA ratio
 PROGRAMS_PER_SM = None       # split-K sizing: programs per SM of the device; None: by GQA ratio
+COMBINE_CHANNELS = 32        # the combine kernel's channels a program (a KV head's rows take d / 32 programs)
+COMBINE_TILE = 8192          # ... and the most acc elements (rows x splits x channels) one of its steps loads
 SPLIT_STAGES = None          # software-pipelining depth of the split kernel's token loop; None: by GQA ratio
 SPLIT_WARPS = None           # warps of the split kernel; None: by GQA ratio
 
@@ -397,16 +399,16 @@ def _attend_ring_block(q, lag_ptr, ring_ptr, vw_ptr, j0, n, n_q, delta, KW, m, l
 
 
 @triton.jit
-def merge_splits(m_ptr, l_ptr, acc_ptr, heads, live_r, SPLITS, D: tl.constexpr, CHUNK: tl.constexpr):
+def merge_splits(m_ptr, l_ptr, acc_ptr, heads, live_r, SPLITS, d, D: tl.constexpr, CHUNK: tl.constexpr):
     """The split kernels' partials (m, l, acc) of query rows `heads` (REP_P,) merged into one online-softmax state,
-    CHUNK splits per step (their loads issued together: a step is one memory round trip, which bounds this loop);
-    rows not live read as empty."""
+    acc's channels d (DC,) of D, CHUNK splits per step (their loads issued together: a step is one memory round trip,
+    which bounds this loop); rows not live read as empty."""
     REP_P: tl.constexpr = heads.shape[0]
-    d = tl.arange(0, D)
+    DC: tl.constexpr = d.shape[0]
     c = tl.arange(0, CHUNK)
     m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((REP_P,), dtype=tl.float32)
-    acc = tl.zeros((REP_P, D), dtype=tl.float32)
+    acc = tl.zeros((REP_P, DC), dtype=tl.float32)
     for s0 in range(0, SPLITS, CHUNK):
         rows = heads[:, None] * SPLITS + (s0 + c)[None, :]                            # (REP_P, CHUNK)
         live = live_r[:, None] & (s0 + c < SPLITS)[None, :]
@@ -471,20 +473,22 @@ def _window_kernel(q_ptr, qs_ptr, kw_ptr, vw_ptr, kw2_ptr, vw2_ptr, kr_ptr, m_pt
 
 @triton.jit
 def combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, q_ptr, kt_ptr, vt_ptr, SPLITS, qk_scale, s_kt, s_vt,
-                   D: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, CHUNK: tl.constexpr, TOKEN: tl.constexpr):
-    """grid (B*H,): a KV head's query rows' SPLITS partials merged, with TOKEN then the token given apart (its key
-    and value, one row each, at kt_ptr and vt_ptr + head * s_kt, s_vt) attended in fp32 from the dots' dtypes,
-    divided by l and written in out's dtype."""
+                   D: tl.constexpr, DC: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, CHUNK: tl.constexpr,
+                   TOKEN: tl.constexpr):
+    """grid (B*H, D/DC): a KV head's query rows' SPLITS partials merged over channels [j DC, (j + 1) DC), with TOKEN
+    then the token given apart (its key and value, one row each, at kt_ptr and vt_ptr + head * s_kt, s_vt) attended
+    in fp32 from the dots' dtypes, divided by l and written in out's dtype."""
     kv = tl.program_id(0)
     r = tl.arange(0, REP_P)
     live_r = r < REP
-    d = tl.arange(0, D)
+    d = tl.program_id(1) * DC + tl.arange(0, DC)
     heads = kv * REP + r
-    m, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, heads, live_r, SPLITS, D, CHUNK)
+    m, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, heads, live_r, SPLITS, d, D, CHUNK)
     if TOKEN:
         head = kv.to(tl.int64)
-        q = _dot_dtype(tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=live_r[:, None], other=0))
-        k = _dot_dtype(tl.load(kt_ptr + head * s_kt + d))
+        e = tl.arange(0, D)                                            # the token's score takes every channel
+        q = _dot_dtype(tl.load(q_ptr + heads[:, None] * D + e[None, :], mask=live_r[:, None], other=0))
+        k = _dot_dtype(tl.load(kt_ptr + head * s_kt + e))
         v = _dot_dtype(tl.load(vt_ptr + head * s_vt + d))
         s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1, keep_dims=True) * qk_scale   # (REP_P, 1)
         m, l, alpha, p = softmax_step(s, m, l)
@@ -500,8 +504,12 @@ def combine(m: Tensor, l: Tensor, acc: Tensor, out: Tensor, kv_rows: int, rep: i
     the token being decoded attended after them (outer_decode_attention's k_token and v_token)."""
     rows = triton.next_power_of_2(rep)                             # no dots: rows pad to a power of two only
     q, (kt, s_kt), (vt, s_vt), qk_scale = token if token is not None else (out, (out, 0), (out, 0), 1.0)
-    combine_kernel[(kv_rows,)](m, l, acc, out, q, kt, vt, m.shape[1], qk_scale, s_kt, s_vt, D=out.shape[-1], REP=rep,
-                               REP_P=rows, CHUNK=max(64 // rows, 1), TOKEN=token is not None, num_warps=num_warps)
+    d = out.shape[-1]
+    dc = min(d, COMBINE_CHANNELS)
+    # every split in one step (one memory round trip) where its acc tile fits COMBINE_TILE elements
+    chunk = max(1, min(triton.next_power_of_2(m.shape[1]), COMBINE_TILE // (rows * dc)))
+    combine_kernel[(kv_rows, d // dc)](m, l, acc, out, q, kt, vt, m.shape[1], qk_scale, s_kt, s_vt, D=d, DC=dc,
+                                       REP=rep, REP_P=rows, CHUNK=chunk, TOKEN=token is not None, num_warps=num_warps)
 
 
 def _check_window(k: Tensor, v: Tensor, name: str, q: Tensor, B: int, H: int, lagging: bool = False) -> int:

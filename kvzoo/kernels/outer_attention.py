@@ -52,7 +52,7 @@ Two kernels:
      work runs its quantized columns in the Gluon kernel of kvzoo/kernels/outer_hopper.py, and this kernel runs only
      the last program (SPLIT0: the first column this launch owns), on a second stream beside the Gluon kernel
      (TAIL_BESIDE), so that it reads its windows while the Gluon kernel computes; the combine waits for both.
-  2. combine: grid (B*H,). Merges the partials, attends the token given apart (k_token, v_token: its score and
+  2. combine: grid (B*H, d/32). Merges the partials, attends the token given apart (k_token, v_token: its score and
      weight in fp32), divides by l and writes (B, Hq, d) in q's dtype (innerq_attention.combine, shared with
      InnerQ's kernels). The token is the combine's, not the split kernel's last program's: a second pass there
      made the whole split kernel slower at 8 warps (docs/decode.md, "int8's kernel at 8 warps"), and int8 on
