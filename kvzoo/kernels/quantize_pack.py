@@ -323,7 +323,8 @@ def innerq_aligned_keys(win: Tensor, n_k: Tensor, n_q: Tensor, codes: Tensor, sc
     held quantized before the step; codes/scale/slot (B, H, capacity, ...) the key codec's buffers, mask its bits
     (B, H, d/32, words) or None. Row j of the result is slot n_q + j's key: the codes' (read as `read`: every group
     "asym", "sym", or by its "mask" bit, slots from mask_upto on symmetric) for j < n_k - n_q, else win's row
-    (n_q + j) mod KW (a ring, kvzoo.cache.store.Window.first_row). Equals InnerQCodec.read_at beside the key window (kvzoo/cache/innerq.py's torch path)."""
+    (n_q + j) mod KW (a ring, kvzoo.cache.store.Window.first_row). Equals InnerQCodec.read_at beside the key window
+    (kvzoo/cache/innerq.py's torch path)."""
     if read not in READS:
         raise ValueError(f"unknown read mode {read!r}; accepted: {', '.join(READS)}")
     km, s_km, s_kmg = _key_step_checks(win, codes, scale, slot, mask, bits, read == "mask")

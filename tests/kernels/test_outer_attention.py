@@ -347,15 +347,22 @@ def test_hopper_kernel_matches_reference_and_triton_kernel(d, dtype, rep, B, N, 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
 def test_hopper_kernel_with_a_negative_softmax_scale(monkeypatch):
-    """The warp kernel takes its whole steps' max before the softmax scale; a scale <= 0 takes the other kernel."""
+    """The warp kernel takes its whole steps' max before the softmax scale; a scale <= 0 takes the other kernel
+    (its launches counted), and matches the reference."""
     outer_hopper = pytest.importorskip("kvzoo.kernels.outer_hopper")
     monkeypatch.setattr(outer_hopper, "MIN_GROUP_ROWS", 0)
+    launches, warp = [], outer_hopper._warp_kernel
+    monkeypatch.setattr(outer_hopper, "_warp_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: launches.append(grid) or warp[grid]})())
     codes, (k_rec, v_rec), (k_sink, v_sink) = cache(1, 2, 512, 512, 128, 2, torch.float16, seed=3, group=32)
     q = torch.randn(1, 8, 128, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.float16)
     args = (q, *codes, 2, k_rec, v_rec, torch.tensor((512, 500, 520, 4), dtype=torch.int32, device=DEVICE))
-    kw = dict(k_sink=k_sink, v_sink=v_sink, group=32, sm_scale=-0.05)
-    assert_close(outer_decode_attention(*args, num_splits=2, **kw), outer_decode_attention_ref(*args, **kw),
-                 torch.float16)
+    for scale, taken in ((0.05, True), (-0.05, False)):
+        kw = dict(k_sink=k_sink, v_sink=v_sink, group=32, sm_scale=scale)
+        launches.clear()
+        assert_close(outer_decode_attention(*args, num_splits=2, **kw), outer_decode_attention_ref(*args, **kw),
+                     torch.float16)
+        assert bool(launches) == taken, (scale, launches)
 
 
 def test_hopper_kernel_is_not_taken_off_its_layout():
