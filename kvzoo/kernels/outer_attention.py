@@ -496,7 +496,7 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     splits, per_split, gs = _plan_splits(n_groups, B * H, dev, num_splits, max_gs, PROGRAMS_PER_SM) \
         if n_groups else (0, 0, 1)
     if n_groups and outer_hopper is not None and outer_hopper.takes_warp_kernel(q, bits, v_bits, channel, rope, group,
-                                                                                rep, B * H * n_groups):
+                                                                                rep, B * H * n_groups, qk_scale):
         # the warp kernel holds more programs an SM: sized for them where each keeps a run of steps
         plan = _plan_splits(n_groups, B * H, dev, num_splits, max_gs, outer_hopper.WARP_PROGRAMS_PER_SM)
         if plan[1] >= outer_hopper.WARP_MIN_GROUPS:
@@ -511,7 +511,7 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
                for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_recent, v_recent, k_sink, v_sink)]
     cos, sin = (t.contiguous() for t in rope) if rope is not None else (q, q)       # q: never read
     gluon = bool(splits) and outer_hopper is not None and outer_hopper.eligible(
-        q, bits, v_bits, channel, rope, group, rep, gs, B * H * n_groups)
+        q, bits, v_bits, channel, rope, group, rep, gs, B * H * n_groups, qk_scale)
     split0 = splits if gluon else 0              # with the Gluon kernel, the Triton kernel runs the last column only
 
     def triton_columns():

@@ -876,26 +876,33 @@ def _is_hopper(index: int) -> bool:
 
 
 def eligible(q: Tensor, bits: int, v_bits: int, channel: bool, rope, group: int, rep: int, gs: int,
-             group_rows: int) -> bool:
+             group_rows: int, qk_scale: float) -> bool:
     """Whether outer_decode_attention's quantized runs take this kernel: enabled, an sm_90 GPU with the inline-PTX
     path (fp16/bf16, compiled), 2-bit keys in per-channel groups (stored after RoPE, or before it: KIVI*) and 2-bit
     values in groups of whole words, head_dim 64 or 128, at most 16 query rows a KV head, steps of four groups
-    (any, for the warp kernel), and
+    (any, for the warp kernel: _serves_warp_kernel), and
     at least MIN_GROUP_ROWS (KV rows x groups) of work, the least measured to gain; RoPE's tables, where given,
     hold at least a step's TOKENS positions (rope_tables)."""
     d = q.shape[-1]
     return (ENABLED and unpacks_in_ptx(q) and _is_hopper(q.device.index or 0) and bits == 2 and v_bits == 2
             and channel and d in (64, 128) and group % 16 == 0 and rep <= N_ROWS
-            and (gs == TOKENS // 32 or (rope is None and d == WARP_HEAD_DIM))
+            and (gs == TOKENS // 32 or _serves_warp_kernel(d, rope, qk_scale))
             and group_rows >= MIN_GROUP_ROWS and (rope is None or rope[0].shape[0] >= TOKENS))
 
 
 def takes_warp_kernel(q: Tensor, bits: int, v_bits: int, channel: bool, rope, group: int, rep: int,
-                      group_rows: int) -> bool:
-    """Whether eligible() takes the warp kernel (keys after RoPE, head_dim 128) with 8 rows (three programs an SM) at
-    any split of the groups, so that the split-K plan may size for its WARP_PROGRAMS_PER_SM."""
-    return rope is None and q.shape[-1] == WARP_HEAD_DIM and rows_for(rep) == 8 and eligible(
-        q, bits, v_bits, channel, rope, group, rep, TOKENS // 32, group_rows)
+                      group_rows: int, qk_scale: float) -> bool:
+    """Whether eligible() takes the warp kernel (keys after RoPE, head_dim 128, a softmax scale above 0:
+    _serves_warp_kernel) with 8 rows (three programs an SM) at any split of the groups, so that the split-K plan may
+    size for its WARP_PROGRAMS_PER_SM."""
+    return _serves_warp_kernel(q.shape[-1], rope, qk_scale) and rows_for(rep) == 8 and eligible(
+        q, bits, v_bits, channel, rope, group, rep, TOKENS // 32, group_rows, qk_scale)
+
+
+def _serves_warp_kernel(d: int, rope, qk_scale: float) -> bool:
+    """Whether quantized_splits launches the warp kernel: keys after RoPE at head_dim 128 and a softmax scale above 0
+    (its whole steps take the max before the scale); else the warpgroup kernel, whose splits are whole steps."""
+    return rope is None and d == WARP_HEAD_DIM and qk_scale > 0
 
 
 _KEPT: dict = {}      # the last rope_tables made: {"from": (cos, sin) given, "table": the table made}
@@ -927,7 +934,7 @@ def quantized_splits(q: Tensor, buffers: list[tuple[Tensor, int]], m: Tensor, l:
     RoPE (outer_decode_attention's)."""
     B, Hq, d = q.shape
     H = buffers[0][0].shape[1]
-    if rope is None and d == WARP_HEAD_DIM and qk_scale > 0:      # (its whole steps take the max before the scale)
+    if _serves_warp_kernel(d, rope, qk_scale):
         _warp_kernel[(B * H, splits)](q, *(t for t, _ in buffers), m, l, acc, lengths, per_split, splits + 1, qk_scale,
                                       *(s for _, s in buffers), D=d, REP=Hq // H, ROWS=rows_for(Hq // H), CG=group,
                                       **dict(zip(("LKW", "KSL", "LVW", "XL", "VL"), _warp_layouts(d))),
