@@ -38,7 +38,7 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from kvzoo.kernels import (alignedkv_attention, innerq_attention, innerq_hopper, outer_attention, outer_hopper,
-                           quantize_pack, scores, w4a16, w4a16_hopper, xquant_remat)
+                           quantize_pack, scores, token_hopper, w4a16, w4a16_hopper, xquant_remat)
 from kvzoo.kernels.quant_matvec import unpack_asm
 
 H100 = GPUTarget("cuda", 90, 32)
@@ -99,6 +99,10 @@ def cases() -> dict:
                 QROWS=outer_hopper.query_rows(rep)), GluonASTSource,
                 dict(POINTERS, kz_ptr="*fp16", vz_ptr="*fp16", cos_ptr="*bf16", sin_ptr="*bf16", off_ptr="*fp16"),
                 dict(gluon, divisible=STRIDES))
+    out["int8-gluon-d128"] = (token_hopper._token_kernel, dict(
+        D=128, REP=4, ROWS=token_hopper.ROWS_MAX, **dict(zip(("LK", "LK5", "LV", "LV5"), token_hopper._layouts(128)))),
+        GluonASTSource, dict(POINTERS, ks_ptr="*fp16", kz_ptr="*fp16", vs_ptr="*fp16", vz_ptr="*fp16"),
+        dict(gluon, divisible=STRIDES))
     for bits in (2, 4):
         asm, con = unpack_asm(bits)
         for mode, has_sym in (("hybrid", True), ("asym", False)):

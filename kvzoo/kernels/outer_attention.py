@@ -49,7 +49,8 @@ Two kernels:
      tail's slots past the quantized ones 32 at a time, each slot's key and value read from its codes or its window
      by the rule above. Every program writes its (m, l, acc).
      On an H100, KIVI's and SQuat's 2-bit layout (per-channel keys, stored after RoPE or before it) with enough
-     work runs its quantized columns in the Gluon kernel of kvzoo/kernels/outer_hopper.py, and this kernel runs only
+     work runs its quantized columns in the Gluon kernel of kvzoo/kernels/outer_hopper.py (int8's: of
+     kvzoo/kernels/token_hopper.py), and this kernel runs only
      the last program (SPLIT0: the first column this launch owns), on a second stream beside the Gluon kernel
      (TAIL_BESIDE), so that it reads its windows while the Gluon kernel computes; the combine waits for both.
   2. combine: grid (B*H, d/32). Merges the partials, attends the token given apart (k_token, v_token: its score and
@@ -91,9 +92,9 @@ from kvzoo.kernels.quant_matvec import (GROUP, check_head_dim, check_runnable, c
                                         unpacks_in_ptx)
 
 try:
-    from kvzoo.kernels import outer_hopper
+    from kvzoo.kernels import outer_hopper, token_hopper
 except ImportError:          # a Triton without Gluon's Hopper API (older releases): the Triton kernel serves all
-    outer_hopper = None
+    outer_hopper = token_hopper = None
 
 GROUPS_PER_STEP = 4          # groups of 32 tokens per step of the split kernel (128 tokens)
 PROGRAMS_PER_SM = 2          # split-K sizing: programs per SM of the device
@@ -501,6 +502,11 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
         plan = _plan_splits(n_groups, B * H, dev, num_splits, max_gs, outer_hopper.WARP_PROGRAMS_PER_SM)
         if plan[1] >= outer_hopper.WARP_MIN_GROUPS:
             splits, per_split, gs = plan
+    # int8's layout: its kernel takes splits of any number of groups
+    by_token = bool(n_groups) and token_hopper is not None and token_hopper.eligible(q, bits, v_bits, channel, rope,
+                                                                                     group, rep, B * H * n_groups)
+    if by_token:
+        splits, per_split, gs = _plan_splits(n_groups, B * H, dev, num_splits, max_gs, token_hopper.PROGRAMS_PER_SM)
     # one partial per split over the quantized slots, and the last for the sink and the tail
     m = torch.empty(B * Hq, splits + 1, dtype=torch.float32, device=dev)
     l = torch.empty_like(m)
@@ -510,8 +516,8 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
                (torch.zeros(1, dtype=q.dtype if t is None else t.dtype, device=dev), 0)
                for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_recent, v_recent, k_sink, v_sink)]
     cos, sin = (t.contiguous() for t in rope) if rope is not None else (q, q)       # q: never read
-    gluon = bool(splits) and outer_hopper is not None and outer_hopper.eligible(
-        q, bits, v_bits, channel, rope, group, rep, gs, B * H * n_groups, qk_scale)
+    gluon = bool(splits) and (by_token or outer_hopper is not None and outer_hopper.eligible(
+        q, bits, v_bits, channel, rope, group, rep, gs, B * H * n_groups, qk_scale))
     split0 = splits if gluon else 0              # with the Gluon kernel, the Triton kernel runs the last column only
 
     def triton_columns():
@@ -523,6 +529,13 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
             ROPE=rope is not None, KT=not channel, CG=group,
             num_warps=split_kernel_warps(key_groups, group, d, num_warps), num_stages=stages, enable_fp_fusion=True)
 
+    def quantized_splits():
+        if by_token:
+            token_hopper.quantized_splits(q, buffers[:6], m, l, acc, lengths, per_split, splits, qk_scale)
+        else:
+            outer_hopper.quantized_splits(q, buffers[:6], m, l, acc, lengths, per_split, splits, qk_scale, group,
+                                         rope)
+
     if not gluon:
         triton_columns()
     elif TAIL_BESIDE:                            # the tail reads its windows while the Gluon kernel computes
@@ -530,12 +543,10 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
         side.wait_stream(main)
         with torch.cuda.stream(side):
             triton_columns()
-        outer_hopper.quantized_splits(q, buffers[:6], m, l, acc, lengths, per_split, splits, qk_scale, group,
-                                     rope)
+        quantized_splits()
         main.wait_stream(side)
     else:
-        outer_hopper.quantized_splits(q, buffers[:6], m, l, acc, lengths, per_split, splits, qk_scale, group,
-                                     rope)
+        quantized_splits()
         triton_columns()
     token = (q, head_rows(k_token), head_rows(v_token), qk_scale) if k_token is not None else None
     combine(m, l, acc, out, B * H, rep, num_warps, token)

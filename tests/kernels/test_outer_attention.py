@@ -370,6 +370,59 @@ def test_hopper_kernel_with_a_negative_softmax_scale(monkeypatch):
             assert bool(launches) == taken, (scale, splits, launches)
 
 
+# (dtype, rep, B, N, lengths, splits): int8's layout in its Gluon kernel: a sink and a tail, a partial last group
+# (a warp's slots past the last live one), short splits (groups fewer than the four warps), the default split plan,
+# eight query rows
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
+@pytest.mark.parametrize("dtype,rep,B,N,lengths,splits", [
+    (torch.float16, 4, 2, 1024, (1024, 1024, 1030, 4), 2), (torch.bfloat16, 8, 1, 640, (608, 608, 620, 0), 2),
+    (torch.float16, 1, 1, 160, (160, 129, 160, 2), 2), (torch.float16, 4, 2, 1024, (1000, 1024, 1030, 4), 16),
+    (torch.bfloat16, 3, 3, 800, (800, 777, 810, 0), None)], ids=name)
+def test_token_kernel_matches_reference_and_triton_kernel(dtype, rep, B, N, lengths, splits, monkeypatch):
+    token_hopper = pytest.importorskip("kvzoo.kernels.token_hopper")
+    H, d = 2, 128
+    codes, (k_rec, v_rec) = token_cache(B, H, N, d, 8, 8, d, dtype, rows=40, seed=rep + N)
+    g = torch.Generator().manual_seed(rep)
+    k_sink, v_sink = (torch.randn(B, H, 4, d, generator=g).to(DEVICE, dtype) for _ in range(2))
+    q = torch.randn(B, H * rep, d, generator=g).to(DEVICE, dtype)
+    args = (q, *codes, 8, k_rec, v_rec, torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
+    kw = dict(k_sink=k_sink, v_sink=v_sink, key_groups="token", group=d)
+    calls = []
+    monkeypatch.setattr(token_hopper, "MIN_GROUP_ROWS", 0)
+    run = token_hopper.quantized_splits
+    monkeypatch.setattr(token_hopper, "quantized_splits", lambda *a: calls.append(1) or run(*a))
+    got = outer_decode_attention(*args, num_splits=splits, **kw)
+    assert calls, "the Gluon kernel was not taken"
+    assert_close(got, outer_decode_attention_ref(*args, **kw), dtype)
+    graph = torch.cuda.CUDAGraph()             # the tail's program on its second stream, captured as a branch
+    with torch.cuda.graph(graph):
+        replayed = outer_decode_attention(*args, num_splits=splits, **kw)
+    graph.replay()
+    assert torch.equal(replayed, got)
+    monkeypatch.setattr(token_hopper, "ENABLED", False)
+    assert_close(got, outer_decode_attention(*args, num_splits=splits, **kw), dtype)
+    assert len(calls) == 2                     # eager and captured; none with the kernel disabled
+
+
+def test_token_kernel_is_not_taken_off_its_layout():
+    """int8's kernel: 8-bit keys and values in per-token groups of the whole head (int8), keys after RoPE, head_dim
+    128, at most 8 query rows, enough work; KV Pareto's groups of 32, 4-bit codes, per-channel keys, keys before
+    RoPE, head_dim 64, 16 query rows, small work and anything off an H100 take the Triton kernel."""
+    token_hopper = pytest.importorskip("kvzoo.kernels.token_hopper")
+    q = torch.zeros(1, 4, 128, dtype=torch.float16, device=DEVICE)
+    big = 1 << 20
+    assert token_hopper.eligible(q, 8, 8, False, None, 128, 4, big) == HOPPER
+    assert token_hopper.eligible(q, 8, 8, False, None, 128, 8, big) == HOPPER
+    assert not token_hopper.eligible(q, 8, 8, False, None, 32, 4, big)
+    assert not token_hopper.eligible(q, 8, 4, False, None, 128, 4, big)
+    assert not token_hopper.eligible(q, 8, 8, True, None, 128, 4, big)
+    assert not token_hopper.eligible(q, 8, 8, False, rope_tables(128, 128, torch.float16), 128, 4, big)
+    assert not token_hopper.eligible(q[..., :64], 8, 8, False, None, 64, 4, big)
+    assert not token_hopper.eligible(q, 8, 8, False, None, 128, 9, big)
+    assert not token_hopper.eligible(q, 8, 8, False, None, 128, 4, token_hopper.MIN_GROUP_ROWS - 1)
+    assert not token_hopper.eligible(q.float(), 8, 8, False, None, 128, 4, big)
+
+
 def test_hopper_kernel_is_not_taken_off_its_layout():
     """4-bit codes, per-token keys, short runs (but for the warp kernel's layout, keys after RoPE at head_dim 128),
     small work, RoPE's tables shorter than a step, and anything off an H100: the Triton kernel serves them."""
