@@ -9,7 +9,8 @@ Stored per layer, in the shared store (kvzoo/cache/store.py), B rows, H = n_kv_h
     scale, zero  fp16 (B, H, L, 1)  per token and head, K and V each
 Bytes per token, per layer and KV head: 2 * (d + 4); d = 64: 136 against 256 for fp16 (0.53).
 Decode: eagerly through the store (WindowedStore.attend); in a CUDA graph (WholeStep) through the fused kernel of
-kvzoo/kernels/outer_attention.py over the codes (WindowedStore.attend_token_kernel).
+kvzoo/kernels/outer_attention.py over the codes (WindowedStore.attend_token_kernel), whose quantized runs on an
+H100/H200 at head_dim 128 take kvzoo/kernels/token_hopper.py.
 Option bits=16 keeps the rows at the model's precision: the lossless setting every strategy has.
 """
 

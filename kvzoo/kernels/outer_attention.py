@@ -49,10 +49,10 @@ Two kernels:
      tail's slots past the quantized ones 32 at a time, each slot's key and value read from its codes or its window
      by the rule above. Every program writes its (m, l, acc).
      On an H100, KIVI's and SQuat's 2-bit layout (per-channel keys, stored after RoPE or before it) with enough
-     work runs its quantized columns in the Gluon kernel of kvzoo/kernels/outer_hopper.py (int8's: of
-     kvzoo/kernels/token_hopper.py), and this kernel runs only
-     the last program (SPLIT0: the first column this launch owns), on a second stream beside the Gluon kernel
-     (TAIL_BESIDE), so that it reads its windows while the Gluon kernel computes; the combine waits for both.
+     work runs its quantized columns in the Gluon kernels of kvzoo/kernels/outer_hopper.py, and int8's in the one of
+     kvzoo/kernels/token_hopper.py; this kernel then runs only the last program (SPLIT0: the first column this
+     launch owns), on a second stream beside the Gluon kernel (TAIL_BESIDE), so that it reads its windows while the
+     Gluon kernel computes; the combine waits for both.
   2. combine: grid (B*H, d/32). Merges the partials, attends the token given apart (k_token, v_token: its score and
      weight in fp32), divides by l and writes (B, Hq, d) in q's dtype (innerq_attention.combine, shared with
      InnerQ's kernels). The token is the combine's, not the split kernel's last program's: a second pass there
