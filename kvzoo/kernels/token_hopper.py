@@ -106,7 +106,8 @@ def _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t, last, LK: gl.co
     tv = gl.minimum(_arange(WARPS, 0, LV) * 32 + _arange(32, 1, LV), last - first)
     vw = gl.load(vc_ptr + first * W + (tv * W + _arange(8, 2, LV) * 4 + _arange(4, 3, LV)))
     S: gl.constexpr = gl.SliceLayout(2, WARP_MMA)
-    ts = gl.arange(0, WARPS, layout=gl.SliceLayout(1, S))[:, None] * 32 + gl.arange(0, 32, layout=gl.SliceLayout(0, S))[None, :]
+    ts = gl.arange(0, WARPS, layout=gl.SliceLayout(1, S))[:, None] * 32 + \
+        gl.arange(0, 32, layout=gl.SliceLayout(0, S))[None, :]                     # (4, 32): slots from `first`
     ts = first + gl.minimum(ts, last - first)
     return (kw, vw, gl.load(ks_ptr + ts).to(gl.float32), gl.load(kz_ptr + ts).to(gl.float32),
             gl.load(vs_ptr + ts).to(gl.float32), gl.load(vz_ptr + ts).to(gl.float32))
@@ -144,7 +145,6 @@ def _step(ops, q, qsum, m, l, z, acc, qk_scale, t, stop, n_both, LK5: gl.constex
     """Step t: warp w attends group t + w (ops: _operands') with its own online softmax in base 2, on the state
     (m, l, z, acc) _token_kernel holds; slots past n_both and groups from `stop` on are masked to -inf."""
     ROWS: gl.constexpr = q.shape[2]
-    D: gl.constexpr = q.shape[1]
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=WARP_MMA, k_width=2)
     B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=WARP_MMA, k_width=2)
     kw, vw, ks, kz, vs, vz = ops
@@ -237,9 +237,11 @@ def _layouts(d: int) -> tuple:
     lv = gl.DistributedLinearLayout([[0, 0, 0, 1], [0, 0, 0, 2], [0, 1, 0, 0], [0, 8, 0, 0], [0, 16, 0, 0]],
                                     [[0, 2, 0, 0], [0, 4, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]], warps4, [],
                                     [N_WARPS, 32, 8, 4])
-    lv5 = gl.DistributedLinearLayout([[0, 0, 0, 0, 1], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 4, 0, 0, 0], [0, 8, 0, 0, 0]],
-                                     [[0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 2, 0, 0], [0, 0, 4, 0, 0]],
-                                     [[1, 0, 0, 0, 0], [2, 0, 0, 0, 0]], [], [N_WARPS, 16, 8, 4, 2])
+    # a pair p is tokens 2 p, 2 p + 1: LV's token + 2, + 4 (lanes) and + 8, + 16 (registers) are p + 1, + 2, + 4, + 8
+    lv5 = gl.DistributedLinearLayout(
+        [[0, 0, 0, 0, 1], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 4, 0, 0, 0], [0, 8, 0, 0, 0]],
+        [[0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 2, 0, 0], [0, 0, 4, 0, 0]],
+        [[1, 0, 0, 0, 0], [2, 0, 0, 0, 0]], [], [N_WARPS, 16, 8, 4, 2])
     return lk, lk5, lv, lv5
 
 
