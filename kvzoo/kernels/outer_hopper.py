@@ -739,7 +739,6 @@ def _warp_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, l
                  N_COLS, qk_scale, s_kc, s_ks, s_kz, s_vc, s_vs, s_vz, D: gl.constexpr, REP: gl.constexpr,
                  ROWS: gl.constexpr, CG: gl.constexpr, LKW: gl.constexpr, KSL: gl.constexpr, LVW: gl.constexpr,
                  XL: gl.constexpr, VL: gl.constexpr):
-    B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=WARP_MMA, k_width=2)
     ROW: gl.constexpr = gl.SliceLayout(1, WARP_MMA)                  # (4, ROWS): each warp's rows
     kv = gl.program_id(0)                        # b * H + h
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr = _head_pointers(kv, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
@@ -747,13 +746,7 @@ def _warp_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, l
     split = gl.program_id(1)
     n_both, start, stop, last = _run(len_ptr, split, PER_SPLIT)
 
-    # the query qᵀ (4, D, ROWS), the scores' B operand, the same in every warp: column c at _place(c)
-    cq = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B)))
-    rq = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, B)))
-    wq = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, B)))
-    q = gl.load(q_ptr + (kv * REP + rq[None, None, :]) * D + _place(cq, D // 16)[None, :, None] + 0 * wq[:, None, None],
-                mask=(rq < REP)[None, None, :], other=0)
-    q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
+    q = warp_query(q_ptr, kv, _place(warp_columns(D), D // 16), REP, ROWS)     # column c: channel _place(c)
 
     m = gl.full([WARPS, ROWS], float("-inf"), gl.float32, layout=ROW)
     # each thread's share of the row sums: its own tokens' (4, 8 (token bits 0-2), ROWS)
@@ -773,19 +766,56 @@ def _warp_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, l
         ops = _warp_operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t, last, LKW, KSL, LVW, D, CG, True)
         m, l, acc = _warp_step(ops, q, m, l, acc, qk_scale, t, stop, n_both, LKW, XL, VL, True)
 
-    # the four warps' partials merged once: (m, l, acc) of the program's tokens
-    m_all = gl.max(m, axis=0)
-    f = gl.where(m > float("-inf"), gl.exp2(m - gl.expand_dims(m_all, 0)), 0.0)           # (4, ROWS)
-    l_all = gl.sum(gl.convert_layout(gl.sum(l, axis=1), ROW) * f, axis=0)
-    out = gl.sum(acc * gl.expand_dims(f, 1), axis=0)                                       # (D, ROWS)
-    r = gl.arange(0, ROWS, layout=m_all.type.layout)
-    rows = (kv * REP + r) * N_COLS + split
-    gl.store(m_ptr + rows, m_all, mask=r < REP)
-    gl.store(l_ptr + rows, gl.convert_layout(l_all, m_all.type.layout), mask=r < REP)
+    m_all, l_all, out, _ = warp_merge(m, l, acc)
     c = gl.arange(0, D, layout=gl.SliceLayout(1, out.type.layout))
+    warp_store(m_ptr, l_ptr, acc_ptr, m_all, l_all, out, 16 * (c % 8) + c // 16 + 8 * ((c // 8) % 2), kv, split,
+               N_COLS, REP)                                                              # row c of Vᵀ's channel
+
+
+@gluon.jit
+def warp_columns(D: gl.constexpr):
+    """0 .. D - 1 in the layout of the columns of warp_query's query (the rows of the scores' B operand)."""
+    B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=WARP_MMA, k_width=2)
+    return gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B)))
+
+
+@gluon.jit
+def warp_query(q_ptr, kv, channels, REP: gl.constexpr, ROWS: gl.constexpr):
+    """The query rows of KV head kv as qᵀ (4, D, ROWS), the scores' B operand in a warp kernel, the same in every
+    warp: column c is channel channels[c] (warp_columns' layout); padded past REP with zeros; fp16 (a bf16 query
+    clamped to the fp16 range, as the Triton kernels)."""
+    D: gl.constexpr = channels.shape[0]
+    B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=WARP_MMA, k_width=2)
+    rq = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, B)))
+    wq = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, B)))
+    q = gl.load(q_ptr + (kv * REP + rq[None, None, :]) * D + channels[None, :, None] + 0 * wq[:, None, None],
+                mask=(rq < REP)[None, None, :], other=0)
+    return gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
+
+
+@gluon.jit
+def warp_merge(m, l, acc):
+    """A warp kernel's four warps' partials, running max m (4, ROWS), each thread's share of the row sums l and accᵀ
+    (4, D, ROWS), merged once: (m, l, accᵀ (D, ROWS)) of the program's tokens, and each warp's factor (4, ROWS)."""
+    ROW: gl.constexpr = gl.SliceLayout(1, WARP_MMA)
+    m_all = gl.max(m, axis=0)
+    f = gl.where(m > float("-inf"), gl.exp2(m - gl.expand_dims(m_all, 0)), 0.0)
+    l_all = gl.sum(gl.convert_layout(gl.sum(l, axis=1), ROW) * f, axis=0)
+    return m_all, l_all, gl.sum(acc * gl.expand_dims(f, 1), axis=0), f
+
+
+@gluon.jit
+def warp_store(m_ptr, l_ptr, acc_ptr, m, l, out, channels, kv, split, N_COLS, REP: gl.constexpr):
+    """Store a warp kernel's merged partials (warp_merge) as column `split` of its KV head's REP rows: m, l (ROWS,)
+    and accᵀ (D, ROWS), whose row c is channel channels[c]."""
+    ROWS: gl.constexpr = m.shape[0]
+    D: gl.constexpr = out.shape[0]
+    r = gl.arange(0, ROWS, layout=m.type.layout)
+    rows = (kv * REP + r) * N_COLS + split
+    gl.store(m_ptr + rows, m, mask=r < REP)
+    gl.store(l_ptr + rows, gl.convert_layout(l, m.type.layout), mask=r < REP)
     ro = gl.arange(0, ROWS, layout=gl.SliceLayout(0, out.type.layout))
-    real = 16 * (c % 8) + c // 16 + 8 * ((c // 8) % 2)                                      # row c of Vᵀ
-    gl.store(acc_ptr + ((kv * REP + ro) * N_COLS + split)[None, :] * D + real[:, None], out,
+    gl.store(acc_ptr + ((kv * REP + ro) * N_COLS + split)[None, :] * D + channels[:, None], out,
              mask=(ro < REP)[None, :])
 
 

@@ -42,7 +42,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from kvzoo.kernels.outer_hopper import N_WARPS, WARP_MMA, WARPS, _head_pointers, _is_hopper, _run
+from kvzoo.kernels.outer_hopper import (N_WARPS, WARP_MMA, WARPS, _head_pointers, _is_hopper, _run, warp_query,
+                                        warp_columns, warp_merge, warp_store)
 from kvzoo.kernels.quant_matvec import kernel_choice, unpacks_in_ptx
 
 CHOICE = kernel_choice("KVZOO_TOKEN_KERNEL")
@@ -171,7 +172,6 @@ def _step(ops, q, qsum, m, l, z, acc, qk_scale, t, stop, n_both, LK5: gl.constex
 def _token_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, l_ptr, acc_ptr, len_ptr, PER_SPLIT,
                   N_COLS, qk_scale, s_kc, s_ks, s_kz, s_vc, s_vs, s_vz, D: gl.constexpr, REP: gl.constexpr,
                   ROWS: gl.constexpr, LK: gl.constexpr, LK5: gl.constexpr, LV: gl.constexpr, LV5: gl.constexpr):
-    B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=WARP_MMA, k_width=2)
     ROW: gl.constexpr = gl.SliceLayout(1, WARP_MMA)                  # (4, ROWS): each warp's rows
     kv = gl.program_id(0)                        # b * H + h
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr = _head_pointers(kv, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
@@ -179,14 +179,9 @@ def _token_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, 
     split = gl.program_id(1)
     n_both, start, stop, last = _run(len_ptr, split, PER_SPLIT)
 
-    # the query qᵀ (4, D, ROWS), the scores' B operand, the same in every warp: column c at _key_channel(c); its
-    # sum over the channels (fp32, of the fp16 query the product takes) carries the keys' zeros
-    cq = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B)))
-    rq = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, B)))
-    wq = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, B)))
-    q = gl.load(q_ptr + (kv * REP + rq[None, None, :]) * D + _key_channel(cq)[None, :, None] + 0 * wq[:, None, None],
-                mask=(rq < REP)[None, None, :], other=0)
-    q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
+    # the query qᵀ (4, D, ROWS), column c channel _key_channel(c); its sum over the channels (fp32, of the fp16 query
+    # the product takes) carries the keys' zeros
+    q = warp_query(q_ptr, kv, _key_channel(warp_columns(D)), REP, ROWS)
     qsum = gl.convert_layout(gl.sum(q.to(gl.float32), axis=1), ROW)
 
     m = gl.full([WARPS, ROWS], float("-inf"), gl.float32, layout=ROW)
@@ -201,21 +196,12 @@ def _token_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, 
         m, l, z, acc = _step(ops, q, qsum, m, l, z, acc, qk_scale, t, stop, n_both, LK5, LV5)
         ops = nxt
 
-    # the four warps' partials merged once: (m, l, acc + z) of the program's tokens
-    m_all = gl.max(m, axis=0)
-    f = gl.where(m > float("-inf"), gl.exp2(m - gl.expand_dims(m_all, 0)), 0.0)           # (4, ROWS)
-    l_all = gl.sum(gl.convert_layout(gl.sum(l, axis=1), ROW) * f, axis=0)
+    # the four warps' partials merged once, the zeros' share added to every channel: (m, l, acc + z)
+    m_all, l_all, out, f = warp_merge(m, l, acc)
     z_all = gl.sum(gl.convert_layout(gl.sum(z, axis=1), ROW) * f, axis=0)
-    out = gl.sum(acc * gl.expand_dims(f, 1), axis=0)                                       # (D, ROWS)
     out = out + gl.expand_dims(gl.convert_layout(z_all, gl.SliceLayout(0, out.type.layout)), 0)
-    r = gl.arange(0, ROWS, layout=m_all.type.layout)
-    rows = (kv * REP + r) * N_COLS + split
-    gl.store(m_ptr + rows, m_all, mask=r < REP)
-    gl.store(l_ptr + rows, gl.convert_layout(l_all, m_all.type.layout), mask=r < REP)
     c = gl.arange(0, D, layout=gl.SliceLayout(1, out.type.layout))
-    ro = gl.arange(0, ROWS, layout=gl.SliceLayout(0, out.type.layout))
-    gl.store(acc_ptr + ((kv * REP + ro) * N_COLS + split)[None, :] * D + _value_channel(c)[:, None], out,
-             mask=(ro < REP)[None, :])
+    warp_store(m_ptr, l_ptr, acc_ptr, m_all, l_all, out, _value_channel(c), kv, split, N_COLS, REP)
 
 
 @functools.cache
