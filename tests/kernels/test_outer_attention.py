@@ -328,10 +328,16 @@ def test_hopper_kernel_matches_reference_and_triton_kernel(d, dtype, rep, B, N, 
     q = torch.randn(B, H * rep, d, generator=torch.Generator().manual_seed(rep)).to(DEVICE, dtype)
     args = (q, *codes, 2, k_rec, v_rec, torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
     kw = dict(k_sink=k_sink, v_sink=v_sink, group=group, rope=rope_tables(N + 16, d, dtype) if rope else None)
+    check_gluon_kernel(outer_hopper, args, kw, splits, dtype, monkeypatch)
+
+
+def check_gluon_kernel(module, args, kw, splits, dtype, monkeypatch):
+    """outer_decode_attention(*args, **kw) takes `module`'s Gluon kernel (any amount of work), matches the reference,
+    replays the same in a CUDA graph, and matches the Triton kernel (the Gluon kernel disabled)."""
     calls = []
-    monkeypatch.setattr(outer_hopper, "MIN_GROUP_ROWS", 0)
-    run = outer_hopper.quantized_splits
-    monkeypatch.setattr(outer_hopper, "quantized_splits", lambda *a: calls.append(1) or run(*a))
+    monkeypatch.setattr(module, "MIN_GROUP_ROWS", 0)
+    run = module.quantized_splits
+    monkeypatch.setattr(module, "quantized_splits", lambda *a: calls.append(1) or run(*a))
     got = outer_decode_attention(*args, num_splits=splits, **kw)
     assert calls, "the Gluon kernel was not taken"
     assert_close(got, outer_decode_attention_ref(*args, **kw), dtype)
@@ -340,7 +346,7 @@ def test_hopper_kernel_matches_reference_and_triton_kernel(d, dtype, rep, B, N, 
         replayed = outer_decode_attention(*args, num_splits=splits, **kw)
     graph.replay()
     assert torch.equal(replayed, got)
-    monkeypatch.setattr(outer_hopper, "ENABLED", False)
+    monkeypatch.setattr(module, "ENABLED", False)
     assert_close(got, outer_decode_attention(*args, num_splits=splits, **kw), dtype)
     assert len(calls) == 2                     # eager and captured; none with the kernel disabled
 
@@ -387,21 +393,7 @@ def test_token_kernel_matches_reference_and_triton_kernel(dtype, rep, B, N, leng
     q = torch.randn(B, H * rep, d, generator=g).to(DEVICE, dtype)
     args = (q, *codes, 8, k_rec, v_rec, torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
     kw = dict(k_sink=k_sink, v_sink=v_sink, key_groups="token", group=d)
-    calls = []
-    monkeypatch.setattr(token_hopper, "MIN_GROUP_ROWS", 0)
-    run = token_hopper.quantized_splits
-    monkeypatch.setattr(token_hopper, "quantized_splits", lambda *a: calls.append(1) or run(*a))
-    got = outer_decode_attention(*args, num_splits=splits, **kw)
-    assert calls, "the Gluon kernel was not taken"
-    assert_close(got, outer_decode_attention_ref(*args, **kw), dtype)
-    graph = torch.cuda.CUDAGraph()             # the tail's program on its second stream, captured as a branch
-    with torch.cuda.graph(graph):
-        replayed = outer_decode_attention(*args, num_splits=splits, **kw)
-    graph.replay()
-    assert torch.equal(replayed, got)
-    monkeypatch.setattr(token_hopper, "ENABLED", False)
-    assert_close(got, outer_decode_attention(*args, num_splits=splits, **kw), dtype)
-    assert len(calls) == 2                     # eager and captured; none with the kernel disabled
+    check_gluon_kernel(token_hopper, args, kw, splits, dtype, monkeypatch)
 
 
 def test_token_kernel_is_not_taken_off_its_layout():
