@@ -768,8 +768,8 @@ def _warp_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, l
 
     m_all, l_all, out, _ = warp_merge(m, l, acc)
     c = gl.arange(0, D, layout=gl.SliceLayout(1, out.type.layout))
-    warp_store(m_ptr, l_ptr, acc_ptr, m_all, l_all, out, 16 * (c % 8) + c // 16 + 8 * ((c // 8) % 2), kv, split,
-               N_COLS, REP)                                                              # row c of Vᵀ's channel
+    real = 16 * (c % 8) + c // 16 + 8 * ((c // 8) % 2)                                      # row c of Vᵀ
+    warp_store(m_ptr, l_ptr, acc_ptr, m_all, l_all, out, real, kv, split, N_COLS, REP)
 
 
 @gluon.jit
