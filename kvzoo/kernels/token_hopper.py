@@ -22,8 +22,10 @@ products, once a token rather than once a code:
     a token, one 16-byte load) and its columns tokens 2 t + {0, 1, 8, 9, 16, 17, 24, 25}: the words of tokens 2 p and
     2 p + 1 are interleaved by bytes (two prmt), so that one register holds a channel of both tokens.
   - The weights p times each token's value scale reach the B operand in fp16, as flash attention rounds p.
+  - Each step loads the next one's operands before its own work: 165 registers a thread, three programs an SM
+    (PROGRAMS_PER_SM, the split-K plan's), a loop of 665 instructions for 128 tokens (sm_90 SASS, Triton 3.6).
 Numerics: the codes and their products exact, the scales and zeros applied in fp32 (the Triton kernel rounds each
-code's code * scale + zero to fp16), fp16 query and weights, fp32 softmax.
+code * scale + zero to fp16), fp16 query and weights, fp32 softmax.
 Bytes read: the Triton kernel's, 2 (d + 4) a token and KV head.
 
 Speed (Llama-3.1-8B heads, rep 4, one H200, L2 flushed; docs/decode.md, "int8 in four independent warps (H200)"):
