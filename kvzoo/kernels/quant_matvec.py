@@ -157,8 +157,9 @@ KERNELS = ("auto", "triton", "gluon")
 
 
 def kernel_choice(variable: str) -> str:
-    """The Gluon kernel choice an environment variable (KVZOO_OUTER_KERNEL, KVZOO_INNERQ_KERNEL, KVZOO_W4A16_KERNEL)
-    holds, default auto: triton never takes the Gluon kernel, gluon takes it wherever its layout allows."""
+    """The Gluon kernel choice an environment variable (KVZOO_OUTER_KERNEL, KVZOO_INNERQ_KERNEL, KVZOO_TOKEN_KERNEL,
+    KVZOO_W4A16_KERNEL) holds, default auto: triton never takes the Gluon kernel, gluon takes it wherever its layout
+    allows."""
     choice = os.environ.get(variable, "auto")
     if choice not in KERNELS:
         raise ValueError(f"{variable} must be one of {KERNELS}, got {choice!r}")

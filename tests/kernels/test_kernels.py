@@ -637,8 +637,22 @@ def test_kvzoo_innerq_kernel_picks_the_kernel(choice, enabled):
     assert run.stdout.split() == [enabled]
 
 
+@pytest.mark.parametrize("choice,enabled,least", [("triton", "False", "2016"), ("gluon", "True", "0"),
+                                                  ("auto", "True", "2016")])
+def test_kvzoo_token_kernel_picks_the_kernel(choice, enabled, least):
+    """KVZOO_TOKEN_KERNEL, read when token_hopper is imported: triton never takes int8's Gluon kernel, gluon takes it
+    at any amount of work."""
+    pytest.importorskip("kvzoo.kernels.token_hopper")
+    run = subprocess.run([sys.executable, "-c",
+                          "from kvzoo.kernels import token_hopper as h; print(h.ENABLED, h.MIN_GROUP_ROWS)"],
+                         env={**os.environ, "KVZOO_TOKEN_KERNEL": choice}, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [enabled, least]
+
+
 @pytest.mark.parametrize("variable,module", [("KVZOO_INNERQ_KERNEL", "kvzoo.kernels.innerq_hopper"),
                                              ("KVZOO_OUTER_KERNEL", "kvzoo.kernels.outer_hopper"),
+                                             ("KVZOO_TOKEN_KERNEL", "kvzoo.kernels.token_hopper"),
                                              ("KVZOO_W4A16_KERNEL", "kvzoo.kernels.w4a16")])
 def test_kvzoo_kernel_choices_refuse_other_values(variable, module):
     pytest.importorskip("kvzoo.kernels.outer_hopper")            # a Triton with Gluon
