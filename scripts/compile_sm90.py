@@ -99,10 +99,12 @@ def cases() -> dict:
                 QROWS=outer_hopper.query_rows(rep)), GluonASTSource,
                 dict(POINTERS, kz_ptr="*fp16", vz_ptr="*fp16", cos_ptr="*bf16", sin_ptr="*bf16", off_ptr="*fp16"),
                 dict(gluon, divisible=STRIDES))
-    out["int8-gluon-d128"] = (token_hopper._token_kernel, dict(
-        D=128, REP=4, ROWS=token_hopper.ROWS_MAX, **dict(zip(("LK", "LK5", "LV", "LV5"), token_hopper._layouts(128)))),
-        GluonASTSource, dict(POINTERS, ks_ptr="*fp16", kz_ptr="*fp16", vs_ptr="*fp16", vz_ptr="*fp16"),
-        dict(gluon, divisible=STRIDES))
+    for name, group in (("int8", 128), ("kvpareto", 32)):
+        out[f"{name}-gluon-d128"] = (token_hopper._token_kernel, dict(
+            D=128, REP=4, ROWS=token_hopper.ROWS_MAX, CG=group,
+            **dict(zip(("LK", "LK5", "LV", "LV5"), token_hopper._layouts(128)))),
+            GluonASTSource, dict(POINTERS, ks_ptr="*fp16", kz_ptr="*fp16", vs_ptr="*fp16", vz_ptr="*fp16"),
+            dict(gluon, divisible=STRIDES))
     for bits in (2, 4):
         asm, con = unpack_asm(bits)
         for mode, has_sym in (("hybrid", True), ("asym", False)):

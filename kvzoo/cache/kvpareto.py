@@ -43,8 +43,9 @@ k8v4 / k4v4 ... chosen by the Pareto search.
 
 Decode: eagerly through the store (WindowedStore.attend); in a CUDA graph (WholeStep), token granularity at 2, 4
 or 8 bits, through the fused kernel of kvzoo/kernels/outer_attention.py over the codes (keys and values in
-per-token groups, WindowedStore.attend_token_kernel). Block and tensor granularity, and 16-bit streams, decode
-piecewise.
+per-token groups, WindowedStore.attend_token_kernel), whose quantized runs at 8 bits in groups of 32 or 64 channels
+on an H100/H200 at head_dim 128 take kvzoo/kernels/token_hopper.py. Block and tensor granularity, and 16-bit
+streams, decode piecewise.
 
 Tensor parallelism (kvzoo/models/tp.py): k_mean and the token and block groups are per KV head, so each rank has
 its own heads'; the tensor granularity's range spans the rank's heads only.

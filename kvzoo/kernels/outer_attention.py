@@ -49,8 +49,8 @@ Two kernels:
      tail's slots past the quantized ones 32 at a time, each slot's key and value read from its codes or its window
      by the rule above. Every program writes its (m, l, acc).
      On an H100, KIVI's and SQuat's 2-bit layout (per-channel keys, stored after RoPE or before it) with enough
-     work runs its quantized columns in the Gluon kernels of kvzoo/kernels/outer_hopper.py, and int8's in the one of
-     kvzoo/kernels/token_hopper.py; this kernel then runs only the last program (SPLIT0: the first column this
+     work runs its quantized columns in the Gluon kernels of kvzoo/kernels/outer_hopper.py, and 8-bit per-token groups
+     (int8's, KV Pareto k8v8's) in the one of kvzoo/kernels/token_hopper.py; this kernel then runs only the last program (SPLIT0: the first column this
      launch owns), on a second stream beside the Gluon kernel (TAIL_BESIDE), so that it reads its windows while the
      Gluon kernel computes; the combine waits for both.
   2. combine: grid (B*H, d/32). Merges the partials, attends the token given apart (k_token, v_token: its score and
@@ -502,7 +502,7 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
         plan = _plan_splits(n_groups, B * H, dev, num_splits, max_gs, outer_hopper.WARP_PROGRAMS_PER_SM)
         if plan[1] >= outer_hopper.WARP_MIN_GROUPS:
             splits, per_split, gs = plan
-    # int8's layout: its kernel takes splits of any number of groups
+    # 8-bit per-token groups (int8, KV Pareto k8v8): their kernel takes splits of any number of groups
     by_token = bool(n_groups) and token_hopper is not None and token_hopper.eligible(q, bits, v_bits, channel, rope,
                                                                                      group, rep, B * H * n_groups)
     if by_token:
@@ -531,7 +531,7 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
 
     def quantized_splits():
         if by_token:
-            token_hopper.quantized_splits(q, buffers[:6], m, l, acc, lengths, per_split, splits, qk_scale)
+            token_hopper.quantized_splits(q, buffers[:6], m, l, acc, lengths, per_split, splits, qk_scale, group)
         else:
             outer_hopper.quantized_splits(q, buffers[:6], m, l, acc, lengths, per_split, splits, qk_scale, group,
                                          rope)

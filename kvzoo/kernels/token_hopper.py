@@ -1,37 +1,47 @@
-"""The quantized runs of outer_attention's split kernel for int8's layout on Hopper (sm_90), in Gluon: keys and
-values as 8-bit codes, each token's head vector one group (one scale and zero a token and stream, stored after
-RoPE), head_dim 128, at most 8 query rows a KV head, an fp16/bf16 model. The tail (and sink) stay with the Triton
-split kernel, which runs the last program; both write the same (m, l, acc) partials, merged by its combine kernel.
+"""The quantized runs of outer_attention's split kernel for 8-bit codes in per-token groups on Hopper (sm_90), in
+Gluon: int8's layout (each token's head vector one group) and KV Pareto's k8v8 (groups of 32 or 64 channels), keys
+and values as 8-bit codes with an fp16 scale and zero a group, keys stored after RoPE, head_dim 128, at most 8 query
+rows a KV head, an fp16/bf16 model. The tail (and sink) stay with the Triton split kernel, which runs the last
+program; both write the same (m, l, acc) partials, merged by its combine kernel.
 
     grid (B*H, splits): program (kv head, split) attends its rep query rows (8, padding past rep) over the groups
     [split * PER_SPLIT, ...) of the slots quantized in both streams, 128 tokens a step: warp w the 32 of group t + w.
 
 As outer_hopper's warp kernel, each of the four warps keeps its own online softmax (m, l, accᵀ) and the warps merge
 once, after the loop; both products are mma.sync (m16n8k16, batched over the warps) with the codes in A's registers,
-and the loop holds no barrier and no shared memory. What differs is where the scales go: a group is a whole token,
-so A holds the codes themselves (exact in fp16) and each token's scale and zero are applied in fp32 around the
-products, once a token rather than once a code:
-    s    = scale_k * (K_c · qᵀ) + zero_k * Σ_c q_c                      (32 tokens, 8 rows) a warp
-    accᵀ += V_cᵀ · (p * scale_v)ᵀ,   z += Σ_tokens p * zero_v           z: the zeros' share, every channel's
+and the loop holds no barrier and no shared memory. A split runs its whole steps (128 live slots) first, unclamped
+and unmasked, then the rest.
   - A code c is read as 1024 + c: one prmt puts two bytes under the magic 0x64 (an fp16 pair), one fp16 subtraction
     takes 1024 off the pair, exactly.
-  - Keys, A = K_c (32 tokens, d): a thread's rows are tokens g, g + 8, g + 16, g + 24 (g = lane / 4) and its columns
+  - Keys, A = K (32 tokens, d): a thread's rows are tokens g, g + 8, g + 16, g + 24 (g = lane / 4) and its columns
     channels 32 t .. 32 t + 31 (t = lane % 4), eight words a token, two 16-byte loads. A's column i is channel
     _key_channel(i), the order the query is loaded in.
-  - Values, A = V_cᵀ (d, 32 tokens): a thread's rows are channels 16 g .. 16 g + 15 (_value_channel: four words of
+  - Values, A = Vᵀ (d, 32 tokens): a thread's rows are channels 16 g .. 16 g + 15 (_value_channel: four words of
     a token, one 16-byte load) and its columns tokens 2 t + {0, 1, 8, 9, 16, 17, 24, 25}: the words of tokens 2 p and
     2 p + 1 are interleaved by bytes (two prmt), so that one register holds a channel of both tokens.
-  - The weights p times each token's value scale reach the B operand in fp16, as flash attention rounds p.
-  - Each step loads the next one's operands before its own work: 165 registers a thread, three programs an SM
-    (PROGRAMS_PER_SM, the split-K plan's), a loop of 665 instructions for 128 tokens (sm_90 SASS, Triton 3.6).
-Numerics: the codes and their products exact, the scales and zeros applied in fp32 (the Triton kernel rounds each
-code * scale + zero to fp16), fp16 query and weights, fp32 softmax.
-Bytes read: the Triton kernel's, 2 (d + 4) a token and KV head.
+Where the scales go:
+  - A group of the whole head (int8): A holds the codes themselves (exact in fp16), and each token's scale and zero
+    are applied in fp32 around the products, once a token rather than once a code; the weights p times each token's
+    value scale reach the B operand in fp16, as flash attention rounds p:
+        s    = scale_k * (K_c · qᵀ) + zero_k * Σ_c q_c                  (32 tokens, 8 rows) a warp
+        accᵀ += V_cᵀ · (p * scale_v)ᵀ,   z += Σ_tokens p * zero_v       z: the zeros' share, every channel's
+  - Groups of G = 32 or 64 channels (KV Pareto): a product's columns span groups, so each code is taken to
+    c * scale + zero in fp16 before the product, one fp16x2 FMA a register with its group's scale and zero as half2
+    pairs: a key's (scale, scale) (a thread's 32 channels lie in one group), a value's (scale of token 2 p, of 2 p + 1)
+    (its 16 channels lie in one group).
+Registers and loops (sm_90 SASS, Triton 3.6; `python scripts/compile_sm90.py --cases int8-gluon kvpareto-gluon`):
+int8 loads a step's keys and values a step ahead, 168 registers, a whole step's loop of 623 instructions; KV Pareto
+its keys only (with its values, 231 registers: two programs an SM), 168 registers, 755 instructions. Both fit three
+programs an SM (PROGRAMS_PER_SM, the split-K plan's).
+Numerics: int8, the codes and their products exact, the scales and zeros applied in fp32; KV Pareto, each code *
+scale + zero rounded to fp16 (the Triton kernel's rounding); fp16 query and weights, fp32 softmax.
+Bytes read: the Triton kernel's, 2 (d + 4 d / G) a token and KV head.
 
-Speed (Llama-3.1-8B heads, rep 4, one H200, L2 flushed; docs/decode.md, "int8 in four independent warps (H200)"):
-53.8 us at 32K, batch 1, 102.0 at 128K, batch 1, 607.4 at 32K, batch 32 and 2,295.5 at 128K, batch 32, 51-87% of
-the read floor, against the Triton kernel's 55.7, 152.8, 1,080.2 and 4,242.0 (`python scripts/bench_kernels.py
---floors --cases int8 --shapes 1x32768 1x131072 32x32768 32x131072`, results/kernels/h200/int8-warps).
+Speed (Llama-3.1-8B heads, rep 4, one H200, L2 flushed; docs/decode.md, "8-bit per-token groups in one warp kernel
+(H200)"): at 32K batch 1, 128K batch 1, 32K batch 32 and 128K batch 32, int8 53.9, 102.4, 606.5 and 2,293.8 us
+(51-86% of the read floor), KV Pareto 55.7, 108.9, 659.0 and 2,512.2 (53-86%) against the Triton kernel's 50.6,
+140.4, 985.2 and 3,849.8 (`python scripts/bench_kernels.py --floors --cases int8 "KV Pareto" --shapes 1x32768
+1x131072 32x32768 32x131072`, results/kernels/h200/token-groups).
 KVZOO_TOKEN_KERNEL=triton|gluon|auto (default) overrides the choice: triton never takes this kernel.
 """
 
@@ -44,17 +54,20 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from kvzoo.kernels.outer_hopper import (N_WARPS, WARP_MMA, WARPS, _head_pointers, _is_hopper, _run, warp_query,
-                                        warp_columns, warp_merge, warp_store)
+from kvzoo.kernels.outer_hopper import (N_WARPS, WARP_MMA, WARPS, _head_pointers, _is_hopper, _load_moved, _run,
+                                        warp_query, warp_columns, warp_merge, warp_store)
 from kvzoo.kernels.quant_matvec import kernel_choice, unpacks_in_ptx
 
 CHOICE = kernel_choice("KVZOO_TOKEN_KERNEL")
 ENABLED = CHOICE != "triton"
 HEAD_DIM, ROWS_MAX = 128, 8
+GROUPS = (32, 64, HEAD_DIM)      # channels a group: a thread's key channels (32) and value channels (16) lie in one
 PROGRAMS_PER_SM = 3      # the split-K plan's programs an SM
 # the least work (KV rows x groups of 32 slots) this kernel takes ("gluon": any): outer_hopper's. The least measured,
-# 32K at batch 1 of Llama-3.1-8B's heads (8 x 1,024), takes 53.8 us here against the Triton kernel's 55.7
+# 32K at batch 1 of Llama-3.1-8B's heads (8 x 1,024), takes 53.9 us here against the Triton kernel's 55.7 for int8;
+# for KV Pareto 55.7 against 50.6 alone, but its decode step is faster with it (docs/decode.md)
 MIN_GROUP_ROWS = 0 if CHOICE == "gluon" else 2016
+TOKEN_REGS = gl.constexpr(8 + 16)      # the bits of a slot's offset in its step that a thread's registers hold
 # an int32 word's bytes under the magic 0x64 as fp16 pairs 1024 + c, 1024 taken off: bytes (0, 1) and (2, 3)
 KEY_ASM = gl.constexpr("{ .reg .b32 m, k; mov.b32 m, 0x64646464; mov.b32 k, 0x64006400; "
                        "prmt.b32 $0, $2, m, 0x4140; prmt.b32 $1, $2, m, 0x4342; "
@@ -67,6 +80,21 @@ VALUE_ASM = gl.constexpr("{ .reg .b32 lo, hi, m, k; mov.b32 m, 0x64646464; mov.b
                          "prmt.b32 $2, hi, m, 0x4140; prmt.b32 $3, hi, m, 0x4342; "
                          "sub.f16x2 $0, $0, k; sub.f16x2 $1, $1, k; sub.f16x2 $2, $2, k; sub.f16x2 $3, $3, k; }")
 VALUE_CON = gl.constexpr("=r,=r,=r,=r,r,r,r,r")
+# groups of G < d channels: each code taken to c * scale + zero in fp16 after the exact subtraction, one FMA a pair
+# (the Triton kernel's rounding), with the pair's scales and zeros as half2 registers
+SCALED_KEY_ASM = gl.constexpr("{ .reg .b32 m, k; mov.b32 m, 0x64646464; mov.b32 k, 0x64006400; "
+                              "prmt.b32 $0, $2, m, 0x4140; prmt.b32 $1, $2, m, 0x4342; "
+                              "sub.f16x2 $0, $0, k; sub.f16x2 $1, $1, k; "
+                              "fma.rn.f16x2 $0, $0, $4, $6; fma.rn.f16x2 $1, $1, $4, $6; }")
+SCALED_KEY_CON = gl.constexpr("=r,=r,r,r,r,r,r,r")
+SCALED_VALUE_ASM = gl.constexpr("{ .reg .b32 lo, hi, m, k; mov.b32 m, 0x64646464; mov.b32 k, 0x64006400; "
+                                "prmt.b32 lo, $4, $6, 0x5140; prmt.b32 hi, $4, $6, 0x7362; "
+                                "prmt.b32 $0, lo, m, 0x4140; prmt.b32 $1, lo, m, 0x4342; "
+                                "prmt.b32 $2, hi, m, 0x4140; prmt.b32 $3, hi, m, 0x4342; "
+                                "sub.f16x2 $0, $0, k; sub.f16x2 $1, $1, k; sub.f16x2 $2, $2, k; sub.f16x2 $3, $3, k; "
+                                "fma.rn.f16x2 $0, $0, $8, $10; fma.rn.f16x2 $1, $1, $8, $10; "
+                                "fma.rn.f16x2 $2, $2, $8, $10; fma.rn.f16x2 $3, $3, $8, $10; }")
+SCALED_VALUE_CON = gl.constexpr("=r,=r,=r,=r,r,r,r,r,r,r,r,r")
 
 
 @gluon.jit
@@ -97,83 +125,163 @@ def _arange(n: gl.constexpr, DIM: gl.constexpr, L: gl.constexpr):
 
 
 @gluon.jit
-def _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t, last, LK: gl.constexpr, LV: gl.constexpr,
-              D: gl.constexpr):
-    """Step t's operands, warp w's from group t + w, slots past `last` reading `last`: key words (4, 32, 4, 8)
-    [warp, token, t, k] in LK (word 8 t + k of the token), value words (4, 32, 8, 4) [warp, token, g, y] in LV (word
-    4 g + y), and the tokens' key and value scales and zeros (4, 32) fp32 in the scores' layout."""
-    W: gl.constexpr = D // 4
-    first = t * 32                                                   # the step's first slot: scalar pointers move
-    tk = gl.minimum(_arange(WARPS, 0, LK) * 32 + _arange(32, 1, LK), last - first)
-    kw = gl.load(kc_ptr + first * W + (tk * W + _arange(4, 2, LK) * 8 + _arange(8, 3, LK)))
-    tv = gl.minimum(_arange(WARPS, 0, LV) * 32 + _arange(32, 1, LV), last - first)
-    vw = gl.load(vc_ptr + first * W + (tv * W + _arange(8, 2, LV) * 4 + _arange(4, 3, LV)))
-    S: gl.constexpr = gl.SliceLayout(2, WARP_MMA)
-    ts = gl.arange(0, WARPS, layout=gl.SliceLayout(1, S))[:, None] * 32 + \
-        gl.arange(0, 32, layout=gl.SliceLayout(0, S))[None, :]                     # (4, 32): slots from `first`
-    ts = first + gl.minimum(ts, last - first)
-    return (kw, vw, gl.load(ks_ptr + ts).to(gl.float32), gl.load(kz_ptr + ts).to(gl.float32),
-            gl.load(vs_ptr + ts).to(gl.float32), gl.load(vz_ptr + ts).to(gl.float32))
+def _slots(L: gl.constexpr, first, last, CLAMP: gl.constexpr):
+    """Warp w's 32 slots of step `first` (4, 32) in the 2-D layout L, from `first`; with CLAMP those past `last`
+    read `last`."""
+    ts = gl.arange(0, WARPS, layout=gl.SliceLayout(1, L))[:, None] * 32 + \
+        gl.arange(0, 32, layout=gl.SliceLayout(0, L))[None, :]
+    if CLAMP:
+        ts = gl.minimum(ts, last - first)
+    return ts
 
 
 @gluon.jit
-def _keys(kw, LK5: gl.constexpr, KA: gl.constexpr):
+def _key_operands(kc_ptr, ks_ptr, kz_ptr, t, last, LK: gl.constexpr, LK5: gl.constexpr, D: gl.constexpr,
+                  CG: gl.constexpr, CLAMP: gl.constexpr):
+    """Step t's keys, warp w's from group t + w: the words (4, 32, 4, 8) [warp, token, t, k] in LK (word 8 t + k of
+    the token) and the tokens' scales and zeros: groups of the whole head (CG = D), (4, 32) fp32 in the scores'
+    layout; else (scale, scale) half2 pairs (4, 32, 4) [warp, token, t] as the unpack PTX takes them (channels
+    32 t .. lie in one group). With CLAMP slots past `last` read `last`; without, every slot of the step is read
+    where it lies (a thread's loads of a tensor are one address plus constants: outer_hopper's _load_moved)."""
+    W: gl.constexpr = D // 4
+    NG: gl.constexpr = D // CG
+    first = t * 32                                   # the step's first slot: scalar pointers move
+    tk = gl.expand_dims(gl.expand_dims(_slots(gl.SliceLayout(2, gl.SliceLayout(3, LK)), first, last, CLAMP), 2), 3)
+    kw = gl.load(kc_ptr + first * W + (tk * W + _arange(4, 2, LK) * 8 + _arange(8, 3, LK)))
+    if CG == D:
+        ts = _slots(gl.SliceLayout(2, WARP_MMA), first, last, CLAMP)
+        ks = _load_moved(ks_ptr + first, ts, TOKEN_REGS, CLAMP).to(gl.float32)
+        kz = _load_moved(kz_ptr + first, ts, TOKEN_REGS, CLAMP).to(gl.float32)
+    else:
+        KS: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, LK5))                 # (4, 32, 4) [warp, token, t]
+        ts = gl.expand_dims(_slots(gl.SliceLayout(2, KS), first, last, CLAMP), 2)
+        at = ts * NG + gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, KS)))[None, None, :] * 32 // CG
+        ks = _load_moved(ks_ptr + first * NG, at, TOKEN_REGS * NG, CLAMP)
+        kz = _load_moved(kz_ptr + first * NG, at, TOKEN_REGS * NG, CLAMP)
+        ks, kz = _half2(ks, ks), _half2(kz, kz)
+    return kw, ks, kz
+
+
+@gluon.jit
+def _value_operands(vc_ptr, vs_ptr, vz_ptr, t, last, LV: gl.constexpr, LV5: gl.constexpr, D: gl.constexpr,
+                    CG: gl.constexpr, CLAMP: gl.constexpr):
+    """Step t's values as _key_operands' keys: the words (4, 32, 8, 4) [warp, token, g, y] in LV (word 4 g + y) and
+    the tokens' scales and zeros, (4, 32) fp32 (CG = D) or two tokens' (scale of 2 p, of 2 p + 1) half2 pairs
+    (4, 16, 8) [warp, p, g] (channels 16 g .. lie in one group)."""
+    W: gl.constexpr = D // 4
+    NG: gl.constexpr = D // CG
+    first = t * 32
+    tv = gl.expand_dims(gl.expand_dims(_slots(gl.SliceLayout(2, gl.SliceLayout(3, LV)), first, last, CLAMP), 2), 3)
+    vw = gl.load(vc_ptr + first * W + (tv * W + _arange(8, 2, LV) * 4 + _arange(4, 3, LV)))
+    if CG == D:
+        ts = _slots(gl.SliceLayout(2, WARP_MMA), first, last, CLAMP)
+        vs = _load_moved(vs_ptr + first, ts, TOKEN_REGS, CLAMP).to(gl.float32)
+        vz = _load_moved(vz_ptr + first, ts, TOKEN_REGS, CLAMP).to(gl.float32)
+    else:
+        VS: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, LV5))                 # (4, 16, 8) [warp, p, g]
+        p2 = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, VS)))[:, None] * 32 + \
+            gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, VS)))[None, :] * 2   # (4, 16): token 2 p
+        te, to = p2, p2 + 1
+        if CLAMP:
+            te = gl.minimum(te, last - first)
+            to = gl.minimum(to, last - first)
+        g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, VS)))[None, None, :] * 16 // CG
+        at_e = gl.expand_dims(te, 2) * NG + g
+        at_o = gl.expand_dims(to, 2) * NG + g
+        REGS: gl.constexpr = TOKEN_REGS * NG
+        vs = _half2(_load_moved(vs_ptr + first * NG, at_e, REGS, CLAMP),
+                    _load_moved(vs_ptr + first * NG, at_o, REGS, CLAMP))
+        vz = _half2(_load_moved(vz_ptr + first * NG, at_e, REGS, CLAMP),
+                    _load_moved(vz_ptr + first * NG, at_o, REGS, CLAMP))
+    return vw, vs, vz
+
+
+@gluon.jit
+def _half2(lo, hi):
+    """fp16 tensors -> int32 half2 registers {lo, hi}."""
+    return gl.inline_asm_elementwise("mov.b32 $0, {$1, $2};", "=r,h,h", [lo, hi], dtype=gl.int32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _keys(kw, ks, kz, SCALED: gl.constexpr, LK5: gl.constexpr, KA: gl.constexpr):
     """Key words (4, 32, 4, 8) -> the scores' A operand (4, 32, D): column b + 2 t + 8 h + 16 k is byte 2 h + b of
-    word 8 t + k, the code itself in fp16."""
+    word 8 t + k, the code itself in fp16, or (SCALED) code * scale + zero with _operands' half2 pairs ks, kz."""
     pairs = gl.convert_layout(gl.join(kw, kw), LK5, assert_trivial=True)    # (4, 32, 4, 8, 2): the pair axis first
-    lo, hi = gl.inline_asm_elementwise(KEY_ASM, KEY_CON, [pairs], dtype=(gl.float16,) * 2, is_pure=True, pack=2)
+    if SCALED:
+        lo, hi = gl.inline_asm_elementwise(SCALED_KEY_ASM, SCALED_KEY_CON, [pairs, ks[:, :, :, None, None],
+                                           kz[:, :, :, None, None]], dtype=(gl.float16,) * 2, is_pure=True, pack=2)
+    else:
+        lo, hi = gl.inline_asm_elementwise(KEY_ASM, KEY_CON, [pairs], dtype=(gl.float16,) * 2, is_pure=True, pack=2)
     x = gl.permute(gl.join(lo, hi), (0, 1, 3, 5, 2, 4))                             # (4, 32, k, h, t, b)
     return gl.convert_layout(gl.reshape(x, (WARPS, 32, 4 * kw.shape[2] * kw.shape[3])), KA)
 
 
 @gluon.jit
-def _values(vw, LV5: gl.constexpr, VA: gl.constexpr):
+def _values(vw, vs, vz, SCALED: gl.constexpr, LV5: gl.constexpr, VA: gl.constexpr):
     """Value words (4, 32, 8, 4) [warp, token, g, y] -> the output product's A operand Vᵀ (4, D, 32): row
-    g + 8 x + 16 y' is channel 16 g + 2 y' + x (_value_channel), column the token, the code itself in fp16."""
+    g + 8 x + 16 y' is channel 16 g + 2 y' + x (_value_channel), column the token, the code itself in fp16, or
+    (SCALED) code * scale + zero with _operands' half2 pairs vs, vz."""
     G: gl.constexpr = vw.shape[2]
     Y: gl.constexpr = vw.shape[3]
     even, odd = gl.split(gl.permute(gl.reshape(vw, (WARPS, 16, 2, G, Y)), (0, 1, 3, 4, 2)))   # tokens 2 p, 2 p + 1
     # each word entered twice, the pair axis a thread's first register (pack=2 takes a register's neighbours)
     even = gl.convert_layout(gl.join(even, even), LV5, assert_trivial=True)
     odd = gl.convert_layout(gl.join(odd, odd), LV5, assert_trivial=True)
-    o0, o1, o2, o3 = gl.inline_asm_elementwise(VALUE_ASM, VALUE_CON, [even, odd], dtype=(gl.float16,) * 4,
-                                               is_pure=True, pack=2)
+    if SCALED:
+        scales = [vs[:, :, :, None, None], vz[:, :, :, None, None]]       # broadcast over y and the pair axis
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(SCALED_VALUE_ASM, SCALED_VALUE_CON, [even, odd] + scales,
+                                                   dtype=(gl.float16,) * 4, is_pure=True, pack=2)
+    else:
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(VALUE_ASM, VALUE_CON, [even, odd], dtype=(gl.float16,) * 4,
+                                                   is_pure=True, pack=2)
     x = gl.join(gl.join(o0, o1), gl.join(o2, o3))                    # (4, 16 p, g, y, parity, byte bit 0, bit 1)
     x = gl.permute(x, (0, 3, 6, 5, 2, 1, 4))                         # (4, y, bit 1, bit 0, g, p, parity)
     return gl.convert_layout(gl.reshape(x, (WARPS, 4 * G * Y, 32)), VA)
 
 
 @gluon.jit
-def _step(ops, q, qsum, m, l, z, acc, qk_scale, t, stop, n_both, LK5: gl.constexpr, LV5: gl.constexpr):
-    """Step t: warp w attends group t + w (ops: _operands') with its own online softmax in base 2, on the state
-    (m, l, z, acc) _token_kernel holds; slots past n_both and groups from `stop` on are masked to -inf."""
+def _step(keys, values, q, qsum, m, l, z, acc, qk_scale, t, stop, n_both, D: gl.constexpr, CG: gl.constexpr,
+          LK5: gl.constexpr, LV5: gl.constexpr, MASKED: gl.constexpr):
+    """Step t: warp w attends group t + w (keys, values: _key_operands', _value_operands') with its own online
+    softmax in base 2, on the state
+    (m, l, z, acc) _token_kernel holds. MASKED: slots past n_both and groups from `stop` on are masked to -inf (a warp
+    may then have no live token yet); else every slot is live."""
     ROWS: gl.constexpr = q.shape[2]
+    EXACT: gl.constexpr = CG == D                # the codes in the products, the scales and zeros around them
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=WARP_MMA, k_width=2)
     B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=WARP_MMA, k_width=2)
-    kw, vw, ks, kz, vs, vz = ops
-    s = mma_v2(_keys(kw, LK5, A), q, gl.zeros([WARPS, 32, ROWS], gl.float32, WARP_MMA))
-    js = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, WARP_MMA)))
-    ws = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, WARP_MMA)))
-    live = ((t + ws)[:, None] * 32 + js[None, :] < n_both) & ((t + ws) < stop)[:, None]     # a warp's group
-    # the token's scale and zero around the product, the softmax scale with them; masked: -inf
-    s = s * gl.expand_dims(ks * qk_scale, 2) + (gl.expand_dims(kz * qk_scale, 2) * gl.expand_dims(qsum, 1)
-                                                + gl.where(live, 0.0, float("-inf"))[:, :, None])
+    kw, ks, kz = keys
+    vw, vs, vz = values
+    s = mma_v2(_keys(kw, ks, kz, not EXACT, LK5, A), q, gl.zeros([WARPS, 32, ROWS], gl.float32, WARP_MMA))
+    if EXACT:       # the token's scale and zero around the product, the softmax scale with them
+        s = s * gl.expand_dims(ks * qk_scale, 2) + gl.expand_dims(kz * qk_scale, 2) * gl.expand_dims(qsum, 1)
+    else:
+        s = s * qk_scale
+    if MASKED:
+        js = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, WARP_MMA)))
+        ws = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, WARP_MMA)))
+        live = ((t + ws)[:, None] * 32 + js[None, :] < n_both) & ((t + ws) < stop)[:, None]     # a warp's group
+        s = s + gl.where(live, 0.0, float("-inf"))[:, :, None]
     m_new = gl.maximum(m, gl.max(s, axis=1))
     m_top = gl.where(m_new > float("-inf"), m_new, 0.0)      # a warp with no live token yet: nothing to scale
     alpha = gl.exp2(m - m_top)
     p = gl.exp2(s - gl.expand_dims(m_top, 1))
     a_l = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l.type.layout)), 1)
     l = l * a_l + gl.sum(gl.reshape(p, (WARPS, 4, 8, ROWS)), axis=1)
-    z = z * a_l + gl.sum(gl.reshape(p * gl.expand_dims(vz, 2), (WARPS, 4, 8, ROWS)), axis=1)
-    pv = gl.convert_layout((p * gl.expand_dims(vs, 2)).to(gl.float16), B)
-    acc = mma_v2(_values(vw, LV5, A), pv, acc * gl.expand_dims(alpha, 1))
+    if EXACT:
+        z = z * a_l + gl.sum(gl.reshape(p * gl.expand_dims(vz, 2), (WARPS, 4, 8, ROWS)), axis=1)
+        p = p * gl.expand_dims(vs, 2)
+    acc = mma_v2(_values(vw, vs, vz, not EXACT, LV5, A), gl.convert_layout(p.to(gl.float16), B),
+                 acc * gl.expand_dims(alpha, 1))
     return m_new, l, z, acc
 
 
 @gluon.jit
 def _token_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, l_ptr, acc_ptr, len_ptr, PER_SPLIT,
                   N_COLS, qk_scale, s_kc, s_ks, s_kz, s_vc, s_vs, s_vz, D: gl.constexpr, REP: gl.constexpr,
-                  ROWS: gl.constexpr, LK: gl.constexpr, LK5: gl.constexpr, LV: gl.constexpr, LV5: gl.constexpr):
+                  ROWS: gl.constexpr, CG: gl.constexpr, LK: gl.constexpr, LK5: gl.constexpr, LV: gl.constexpr,
+                  LV5: gl.constexpr):
     ROW: gl.constexpr = gl.SliceLayout(1, WARP_MMA)                  # (4, ROWS): each warp's rows
     kv = gl.program_id(0)                        # b * H + h
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr = _head_pointers(kv, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
@@ -182,7 +290,7 @@ def _token_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, 
     n_both, start, stop, last = _run(len_ptr, split, PER_SPLIT)
 
     # the query qᵀ (4, D, ROWS), column c channel _key_channel(c); its sum over the channels (fp32, of the fp16 query
-    # the product takes) carries the keys' zeros
+    # the product takes) carries the keys' zeros where they are applied around the product (CG = D)
     q = warp_query(q_ptr, kv, _key_channel(warp_columns(D)), REP, ROWS)
     qsum = gl.convert_layout(gl.sum(q.to(gl.float32), axis=1), ROW)
 
@@ -191,17 +299,36 @@ def _token_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, 
     l = gl.sum(gl.reshape(gl.zeros([WARPS, 32, ROWS], gl.float32, WARP_MMA), (WARPS, 4, 8, ROWS)), axis=1)
     z = l
     acc = gl.zeros([WARPS, D, ROWS], gl.float32, layout=WARP_MMA)
-    # each step's operands are loaded a step ahead (past the run: its last slot again, a hit in the caches)
-    ops = _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, start, last, LK, LV, D)
-    for t in range(start, stop, WARPS):
-        nxt = _operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t + WARPS, last, LK, LV, D)
-        m, l, z, acc = _step(ops, q, qsum, m, l, z, acc, qk_scale, t, stop, n_both, LK5, LV5)
-        ops = nxt
+    # the steps whose 128 slots are all live: loads with no clamp, scores with no mask. The next step's keys are
+    # loaded before this step's work (the last full step loads itself again, a hit in the caches), and so are its
+    # values where a group is the whole head; groups of G < D channels load their values in their step, which keeps
+    # three programs an SM (their half2 scales and the FMA take registers)
+    full = start + gl.maximum(gl.minimum(stop, n_both // 32) - start, 0) // WARPS * WARPS
+    keys = _key_operands(kc_ptr, ks_ptr, kz_ptr, start, last, LK, LK5, D, CG, True)
+    if CG == D:
+        values = _value_operands(vc_ptr, vs_ptr, vz_ptr, start, last, LV, LV5, D, CG, True)
+    for t in range(start, full, WARPS):
+        ahead = gl.minimum(t + WARPS, full - WARPS)
+        next_keys = _key_operands(kc_ptr, ks_ptr, kz_ptr, ahead, last, LK, LK5, D, CG, False)
+        if CG == D:
+            next_values = _value_operands(vc_ptr, vs_ptr, vz_ptr, ahead, last, LV, LV5, D, CG, False)
+        else:
+            values = _value_operands(vc_ptr, vs_ptr, vz_ptr, t, last, LV, LV5, D, CG, False)
+        m, l, z, acc = _step(keys, values, q, qsum, m, l, z, acc, qk_scale, t, stop, n_both, D, CG, LK5, LV5, False)
+        keys = next_keys
+        if CG == D:
+            values = next_values
+    # the rest (fewer than four groups, or a group not all live): loaded as they are attended, slots clamped
+    for t in range(full, stop, WARPS):
+        keys = _key_operands(kc_ptr, ks_ptr, kz_ptr, t, last, LK, LK5, D, CG, True)
+        values = _value_operands(vc_ptr, vs_ptr, vz_ptr, t, last, LV, LV5, D, CG, True)
+        m, l, z, acc = _step(keys, values, q, qsum, m, l, z, acc, qk_scale, t, stop, n_both, D, CG, LK5, LV5, True)
 
-    # the four warps' partials merged once, the zeros' share added to every channel: (m, l, acc + z)
+    # the four warps' partials merged once; the zeros' share (CG = D) added to every channel: (m, l, acc + z)
     m_all, l_all, out, f = warp_merge(m, l, acc)
-    z_all = gl.sum(gl.convert_layout(gl.sum(z, axis=1), ROW) * f, axis=0)
-    out = out + gl.expand_dims(gl.convert_layout(z_all, gl.SliceLayout(0, out.type.layout)), 0)
+    if CG == D:
+        z_all = gl.sum(gl.convert_layout(gl.sum(z, axis=1), ROW) * f, axis=0)
+        out = out + gl.expand_dims(gl.convert_layout(z_all, gl.SliceLayout(0, out.type.layout)), 0)
     c = gl.arange(0, D, layout=gl.SliceLayout(1, out.type.layout))
     warp_store(m_ptr, l_ptr, acc_ptr, m_all, l_all, out, _value_channel(c), kv, split, N_COLS, REP)
 
@@ -240,12 +367,12 @@ def eligible(q: Tensor, bits: int, v_bits: int, channel: bool, rope, group: int,
     of work."""
     d = q.shape[-1]
     return (ENABLED and unpacks_in_ptx(q) and _is_hopper(q.device.index or 0) and bits == 8 and v_bits == 8
-            and not channel and rope is None and d == HEAD_DIM and group == d and rep <= ROWS_MAX
+            and not channel and rope is None and d == HEAD_DIM and group in GROUPS and rep <= ROWS_MAX
             and group_rows >= MIN_GROUP_ROWS)
 
 
 def quantized_splits(q: Tensor, buffers: list[tuple[Tensor, int]], m: Tensor, l: Tensor, acc: Tensor,
-                     lengths: Tensor, per_split: int, splits: int, qk_scale: float) -> None:
+                     lengths: Tensor, per_split: int, splits: int, qk_scale: float, group: int) -> None:
     """Write the (m, l, acc) partials of columns [0, splits) (outer_decode_attention's buffers, splits + 1 columns)
     for q (B, Hq, d) contiguous; buffers: outer_decode_attention's (tensor, head stride) pairs of the key and value
     codes, scales and zeros, in that order."""
@@ -253,5 +380,5 @@ def quantized_splits(q: Tensor, buffers: list[tuple[Tensor, int]], m: Tensor, l:
     H = buffers[0][0].shape[1]
     lk, lk5, lv, lv5 = _layouts(d)
     _token_kernel[(B * H, splits)](q, *(t for t, _ in buffers), m, l, acc, lengths, per_split, splits + 1, qk_scale,
-                                   *(s for _, s in buffers), D=d, REP=Hq // H, ROWS=ROWS_MAX, LK=lk, LK5=lk5, LV=lv,
-                                   LV5=lv5, num_warps=N_WARPS)
+                                   *(s for _, s in buffers), D=d, REP=Hq // H, ROWS=ROWS_MAX, CG=group, LK=lk, LK5=lk5,
+                                   LV=lv, LV5=lv5, num_warps=N_WARPS)

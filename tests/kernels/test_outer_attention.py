@@ -376,36 +376,41 @@ def test_hopper_kernel_with_a_negative_softmax_scale(monkeypatch):
             assert bool(launches) == taken, (scale, splits, launches)
 
 
-# (dtype, rep, B, N, lengths, splits): int8's layout in its Gluon kernel: a sink and a tail, a partial last group
-# (a warp's slots past the last live one), short splits (groups fewer than the four warps), the default split plan,
-# eight query rows
+# (dtype, rep, B, N, lengths, splits, group): 8-bit codes in per-token groups in their Gluon kernel, int8's (the
+# whole head) and KV Pareto's (32 and 64 channels): a sink and a tail, a partial last group (a warp's slots past the
+# last live one), short splits (groups fewer than the four warps), splits of whole steps only, the default split
+# plan, eight query rows
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
-@pytest.mark.parametrize("dtype,rep,B,N,lengths,splits", [
-    (torch.float16, 4, 2, 1024, (1024, 1024, 1030, 4), 2), (torch.bfloat16, 8, 1, 640, (608, 608, 620, 0), 2),
-    (torch.float16, 1, 1, 160, (160, 129, 160, 2), 2), (torch.float16, 4, 2, 1024, (1000, 1024, 1030, 4), 16),
-    (torch.bfloat16, 3, 3, 800, (800, 777, 810, 0), None)], ids=name)
-def test_token_kernel_matches_reference_and_triton_kernel(dtype, rep, B, N, lengths, splits, monkeypatch):
+@pytest.mark.parametrize("dtype,rep,B,N,lengths,splits,group", [
+    (torch.float16, 4, 2, 1024, (1024, 1024, 1030, 4), 2, 128), (torch.bfloat16, 8, 1, 640, (608, 608, 620, 0), 2, 128),
+    (torch.float16, 1, 1, 160, (160, 129, 160, 2), 2, 128), (torch.float16, 4, 2, 1024, (1000, 1024, 1030, 4), 16, 128),
+    (torch.bfloat16, 3, 3, 800, (800, 777, 810, 0), None, 128),
+    (torch.float16, 4, 2, 1024, (1024, 1024, 1030, 4), 2, 32), (torch.bfloat16, 8, 1, 640, (608, 608, 620, 0), 2, 64),
+    (torch.float16, 1, 1, 160, (160, 129, 160, 2), 2, 32), (torch.float16, 4, 2, 1024, (1000, 1024, 1030, 4), 16, 32),
+    (torch.bfloat16, 3, 3, 800, (800, 777, 810, 0), None, 32)], ids=name)
+def test_token_kernel_matches_reference_and_triton_kernel(dtype, rep, B, N, lengths, splits, group, monkeypatch):
     token_hopper = pytest.importorskip("kvzoo.kernels.token_hopper")
     H, d = 2, 128
-    codes, (k_rec, v_rec) = token_cache(B, H, N, d, 8, 8, d, dtype, rows=40, seed=rep + N)
+    codes, (k_rec, v_rec) = token_cache(B, H, N, d, 8, 8, group, dtype, rows=40, seed=rep + N)
     g = torch.Generator().manual_seed(rep)
     k_sink, v_sink = (torch.randn(B, H, 4, d, generator=g).to(DEVICE, dtype) for _ in range(2))
     q = torch.randn(B, H * rep, d, generator=g).to(DEVICE, dtype)
     args = (q, *codes, 8, k_rec, v_rec, torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
-    kw = dict(k_sink=k_sink, v_sink=v_sink, key_groups="token", group=d)
+    kw = dict(k_sink=k_sink, v_sink=v_sink, key_groups="token", group=group)
     check_gluon_kernel(token_hopper, args, kw, splits, dtype, monkeypatch)
 
 
 def test_token_kernel_is_not_taken_off_its_layout():
-    """int8's kernel: 8-bit keys and values in per-token groups of the whole head (int8), keys after RoPE, head_dim
-    128, at most 8 query rows, enough work; KV Pareto's groups of 32, 4-bit codes, per-channel keys, keys before
-    RoPE, head_dim 64, 16 query rows, small work and anything off an H100 take the Triton kernel."""
+    """The per-token kernel: 8-bit keys and values in per-token groups of 32, 64 or 128 channels (KV Pareto, int8),
+    keys after RoPE, head_dim 128, at most 8 query rows, enough work; groups of 16, 4-bit codes, per-channel keys,
+    keys before RoPE, head_dim 64, 16 query rows, small work and anything off an H100 take the Triton kernel."""
     token_hopper = pytest.importorskip("kvzoo.kernels.token_hopper")
     q = torch.zeros(1, 4, 128, dtype=torch.float16, device=DEVICE)
     big = 1 << 20
-    assert token_hopper.eligible(q, 8, 8, False, None, 128, 4, big) == HOPPER
+    for group in (32, 64, 128):
+        assert token_hopper.eligible(q, 8, 8, False, None, group, 4, big) == HOPPER
     assert token_hopper.eligible(q, 8, 8, False, None, 128, 8, big) == HOPPER
-    assert not token_hopper.eligible(q, 8, 8, False, None, 32, 4, big)
+    assert not token_hopper.eligible(q, 8, 8, False, None, 16, 4, big)
     assert not token_hopper.eligible(q, 8, 4, False, None, 128, 4, big)
     assert not token_hopper.eligible(q, 8, 8, True, None, 128, 4, big)
     assert not token_hopper.eligible(q, 8, 8, False, rope_tables(128, 128, torch.float16), 128, 4, big)
