@@ -50,9 +50,9 @@ Two kernels:
      by the rule above. Every program writes its (m, l, acc).
      On an H100, KIVI's and SQuat's 2-bit layout (per-channel keys, stored after RoPE or before it) with enough
      work runs its quantized columns in the Gluon kernels of kvzoo/kernels/outer_hopper.py, and 8-bit per-token groups
-     (int8's, KV Pareto k8v8's) in the one of kvzoo/kernels/token_hopper.py; this kernel then runs only the last program (SPLIT0: the first column this
-     launch owns), on a second stream beside the Gluon kernel (TAIL_BESIDE), so that it reads its windows while the
-     Gluon kernel computes; the combine waits for both.
+     (int8's, KV Pareto k8v8's) in the one of kvzoo/kernels/token_hopper.py; this kernel then runs only the last
+     program (SPLIT0: the first column this launch owns), on a second stream beside the Gluon kernel (TAIL_BESIDE), so
+     that it reads its windows while the Gluon kernel computes; the combine waits for both.
   2. combine: grid (B*H, d/32). Merges the partials, attends the token given apart (k_token, v_token: its score and
      weight in fp32), divides by l and writes (B, Hq, d) in q's dtype (innerq_attention.combine, shared with
      InnerQ's kernels). The token is the combine's, not the split kernel's last program's: a second pass there
@@ -507,6 +507,9 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
                                                                                      group, rep, B * H * n_groups)
     if by_token:
         splits, per_split, gs = _plan_splits(n_groups, B * H, dev, num_splits, max_gs, token_hopper.PROGRAMS_PER_SM)
+        if per_split < token_hopper.MIN_GROUPS:       # short runs: fewer, longer splits
+            splits, per_split, gs = _plan_splits(n_groups, B * H, dev, num_splits, max_gs,
+                                                 token_hopper.SHORT_PROGRAMS_PER_SM)
     # one partial per split over the quantized slots, and the last for the sink and the tail
     m = torch.empty(B * Hq, splits + 1, dtype=torch.float32, device=dev)
     l = torch.empty_like(m)

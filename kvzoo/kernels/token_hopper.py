@@ -63,9 +63,13 @@ ENABLED = CHOICE != "triton"
 HEAD_DIM, ROWS_MAX = 128, 8
 GROUPS = (32, 64, HEAD_DIM)      # channels a group: a thread's key channels (32) and value channels (16) lie in one
 PROGRAMS_PER_SM = 3      # the split-K plan's programs an SM
+# ... unless its splits would keep fewer than MIN_GROUPS groups of 32 slots: then SHORT_PROGRAMS_PER_SM. At 32K, batch
+# 1 (Llama-3.1-8B's heads) three programs an SM give splits of 21 groups: 53.9 us for int8 and 56.5 for KV Pareto,
+# against 42.7 and 47.3 with two (31 groups) and 43.0 and 46.8 with one (60 groups)
+MIN_GROUPS, SHORT_PROGRAMS_PER_SM = 32, 2
 # the least work (KV rows x groups of 32 slots) this kernel takes ("gluon": any): outer_hopper's. The least measured,
-# 32K at batch 1 of Llama-3.1-8B's heads (8 x 1,024), takes 53.9 us here against the Triton kernel's 55.7 for int8;
-# for KV Pareto 55.7 against 50.6 alone, but its decode step is faster with it (docs/decode.md)
+# 32K at batch 1 of Llama-3.1-8B's heads (8 x 1,024), takes 42.7 us here for int8 and 47.3 for KV Pareto against the
+# Triton kernel's 55.7 and 50.6
 MIN_GROUP_ROWS = 0 if CHOICE == "gluon" else 2016
 TOKEN_REGS = gl.constexpr(8 + 16)      # the bits of a slot's offset in its step that a thread's registers hold
 # an int32 word's bytes under the magic 0x64 as fp16 pairs 1024 + c, 1024 taken off: bytes (0, 1) and (2, 3)

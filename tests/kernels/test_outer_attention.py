@@ -400,6 +400,32 @@ def test_token_kernel_matches_reference_and_triton_kernel(dtype, rep, B, N, leng
     check_gluon_kernel(token_hopper, args, kw, splits, dtype, monkeypatch)
 
 
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
+@pytest.mark.parametrize("B,N", [(1, 32768), (1, 131072), (4, 32768)], ids=name)
+def test_token_kernel_plans_longer_splits_for_short_runs(B, N, monkeypatch):
+    """The per-token kernel's split-K plan: PROGRAMS_PER_SM programs an SM, or SHORT_PROGRAMS_PER_SM where those
+    splits would keep fewer than MIN_GROUPS groups (Llama-3.1-8B's heads at 32K, batch 1)."""
+    from kvzoo.kernels import outer_attention
+    token_hopper = pytest.importorskip("kvzoo.kernels.token_hopper")
+    H, d, rep = 8, 128, 4
+    plans = []
+    monkeypatch.setattr(token_hopper, "quantized_splits", lambda *a: plans.append(a[6:8]))
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    words = [torch.randint(-2 ** 31, 2 ** 31, (B, H, N, d // 4), dtype=torch.int32, device=DEVICE, generator=g)
+             for _ in range(2)]
+    scales = [torch.rand(B, H, N, d // 32, device=DEVICE, generator=g).half() for _ in range(4)]
+    q = torch.randn(B, H * rep, d, device=DEVICE, generator=g).half()
+    rows = torch.randn(B, H, 8, d, device=DEVICE, generator=g).half()
+    outer_decode_attention(q, words[0], *scales[:2], words[1], *scales[2:], 8, rows, rows, (N, N, N, 0),
+                           key_groups="token", group=32)
+    n_groups = N // 32
+    plan = [outer_attention._plan_splits(n_groups, B * H, q.device, None, outer_attention.GROUPS_PER_STEP, programs)
+            for programs in (token_hopper.PROGRAMS_PER_SM, token_hopper.SHORT_PROGRAMS_PER_SM)]
+    splits, per_split, _ = plan[0] if plan[0][1] >= token_hopper.MIN_GROUPS else plan[1]
+    assert plans == [(per_split, splits)]
+    assert (B, N) != (1, 32768) or per_split > 21          # the short runs of three programs an SM, not taken
+
+
 def test_token_kernel_is_not_taken_off_its_layout():
     """The per-token kernel: 8-bit keys and values in per-token groups of 32, 64 or 128 channels (KV Pareto, int8),
     keys after RoPE, head_dim 128, at most 8 query rows, enough work; groups of 16, 4-bit codes, per-channel keys,
