@@ -32,16 +32,16 @@ Where the scales go:
 Registers and loops (sm_90 SASS, Triton 3.6; `python scripts/compile_sm90.py --cases int8-gluon kvpareto-gluon`):
 int8 loads a step's keys and values a step ahead, 168 registers, a whole step's loop of 623 instructions; KV Pareto
 its keys only (with its values, 231 registers: two programs an SM), 168 registers, 755 instructions. Both fit three
-programs an SM (PROGRAMS_PER_SM, the split-K plan's).
+programs an SM (PROGRAMS_PER_SM, the split-K plan's; two where that leaves a split short: SHORT_PROGRAMS_PER_SM).
 Numerics: int8, the codes and their products exact, the scales and zeros applied in fp32; KV Pareto, each code *
 scale + zero rounded to fp16 (the Triton kernel's rounding); fp16 query and weights, fp32 softmax.
 Bytes read: the Triton kernel's, 2 (d + 4 d / G) a token and KV head.
 
-Speed (Llama-3.1-8B heads, rep 4, one H200, L2 flushed; docs/decode.md, "8-bit per-token groups in one warp kernel
-(H200)"): at 32K batch 1, 128K batch 1, 32K batch 32 and 128K batch 32, int8 53.9, 102.4, 606.5 and 2,293.8 us
-(51-86% of the read floor), KV Pareto 55.7, 108.9, 659.0 and 2,512.2 (53-86%) against the Triton kernel's 50.6,
-140.4, 985.2 and 3,849.8 (`python scripts/bench_kernels.py --floors --cases int8 "KV Pareto" --shapes 1x32768
-1x131072 32x32768 32x131072`, results/kernels/h200/token-groups).
+Speed (Llama-3.1-8B heads, rep 4, one H200, L2 flushed; docs/decode.md, "8-bit per-token groups in one warp kernel:
+KV Pareto (H200)"): at 32K batch 1, 128K batch 1, 32K batch 32 and 128K batch 32, int8 43.0, 101.6, 597.1 and
+2,228.5 us (64-87% of the read floor), KV Pareto 46.2, 107.7, 647.6 and 2,454.8 (63-86%) against the Triton
+kernel's 50.8, 141.4, 988.8 and 3,884.5 (`python scripts/bench_kernels.py --floors --cases int8 "KV Pareto" --shapes
+1x32768 1x131072 32x32768 32x131072`, results/kernels/h200/token-groups-plan).
 KVZOO_TOKEN_KERNEL=triton|gluon|auto (default) overrides the choice: triton never takes this kernel.
 """
 
