@@ -140,6 +140,15 @@ def _slots(L: gl.constexpr, first, last, CLAMP: gl.constexpr):
 
 
 @gluon.jit
+def _token_scales(s_ptr, z_ptr, first, last, CLAMP: gl.constexpr):
+    """The scales and zeros of a step's tokens, one a token (a group of the whole head): (4, 32) fp32 in the scores'
+    layout, slots from `first` (clamped to `last` with CLAMP)."""
+    ts = _slots(gl.SliceLayout(2, WARP_MMA), first, last, CLAMP)
+    return (_load_moved(s_ptr + first, ts, TOKEN_REGS, CLAMP).to(gl.float32),
+            _load_moved(z_ptr + first, ts, TOKEN_REGS, CLAMP).to(gl.float32))
+
+
+@gluon.jit
 def _key_operands(kc_ptr, ks_ptr, kz_ptr, t, last, LK: gl.constexpr, LK5: gl.constexpr, D: gl.constexpr,
                   CG: gl.constexpr, CLAMP: gl.constexpr):
     """Step t's keys, warp w's from group t + w: the words (4, 32, 4, 8) [warp, token, t, k] in LK (word 8 t + k of
@@ -153,9 +162,7 @@ def _key_operands(kc_ptr, ks_ptr, kz_ptr, t, last, LK: gl.constexpr, LK5: gl.con
     tk = gl.expand_dims(gl.expand_dims(_slots(gl.SliceLayout(2, gl.SliceLayout(3, LK)), first, last, CLAMP), 2), 3)
     kw = gl.load(kc_ptr + first * W + (tk * W + _arange(4, 2, LK) * 8 + _arange(8, 3, LK)))
     if CG == D:
-        ts = _slots(gl.SliceLayout(2, WARP_MMA), first, last, CLAMP)
-        ks = _load_moved(ks_ptr + first, ts, TOKEN_REGS, CLAMP).to(gl.float32)
-        kz = _load_moved(kz_ptr + first, ts, TOKEN_REGS, CLAMP).to(gl.float32)
+        ks, kz = _token_scales(ks_ptr, kz_ptr, first, last, CLAMP)
     else:
         KS: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, LK5))                 # (4, 32, 4) [warp, token, t]
         ts = gl.expand_dims(_slots(gl.SliceLayout(2, KS), first, last, CLAMP), 2)
@@ -178,9 +185,7 @@ def _value_operands(vc_ptr, vs_ptr, vz_ptr, t, last, LV: gl.constexpr, LV5: gl.c
     tv = gl.expand_dims(gl.expand_dims(_slots(gl.SliceLayout(2, gl.SliceLayout(3, LV)), first, last, CLAMP), 2), 3)
     vw = gl.load(vc_ptr + first * W + (tv * W + _arange(8, 2, LV) * 4 + _arange(4, 3, LV)))
     if CG == D:
-        ts = _slots(gl.SliceLayout(2, WARP_MMA), first, last, CLAMP)
-        vs = _load_moved(vs_ptr + first, ts, TOKEN_REGS, CLAMP).to(gl.float32)
-        vz = _load_moved(vz_ptr + first, ts, TOKEN_REGS, CLAMP).to(gl.float32)
+        vs, vz = _token_scales(vs_ptr, vz_ptr, first, last, CLAMP)
     else:
         VS: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, LV5))                 # (4, 16, 8) [warp, p, g]
         p2 = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, VS)))[:, None] * 32 + \
@@ -210,7 +215,7 @@ def _half2(lo, hi):
 @gluon.jit
 def _keys(kw, ks, kz, SCALED: gl.constexpr, LK5: gl.constexpr, KA: gl.constexpr):
     """Key words (4, 32, 4, 8) -> the scores' A operand (4, 32, D): column b + 2 t + 8 h + 16 k is byte 2 h + b of
-    word 8 t + k, the code itself in fp16, or (SCALED) code * scale + zero with _operands' half2 pairs ks, kz."""
+    word 8 t + k, the code itself in fp16, or (SCALED) code * scale + zero with _key_operands' half2 pairs ks, kz."""
     pairs = gl.convert_layout(gl.join(kw, kw), LK5, assert_trivial=True)    # (4, 32, 4, 8, 2): the pair axis first
     if SCALED:
         lo, hi = gl.inline_asm_elementwise(SCALED_KEY_ASM, SCALED_KEY_CON, [pairs, ks[:, :, :, None, None],
@@ -225,7 +230,7 @@ def _keys(kw, ks, kz, SCALED: gl.constexpr, LK5: gl.constexpr, KA: gl.constexpr)
 def _values(vw, vs, vz, SCALED: gl.constexpr, LV5: gl.constexpr, VA: gl.constexpr):
     """Value words (4, 32, 8, 4) [warp, token, g, y] -> the output product's A operand Vᵀ (4, D, 32): row
     g + 8 x + 16 y' is channel 16 g + 2 y' + x (_value_channel), column the token, the code itself in fp16, or
-    (SCALED) code * scale + zero with _operands' half2 pairs vs, vz."""
+    (SCALED) code * scale + zero with _value_operands' half2 pairs vs, vz."""
     G: gl.constexpr = vw.shape[2]
     Y: gl.constexpr = vw.shape[3]
     even, odd = gl.split(gl.permute(gl.reshape(vw, (WARPS, 16, 2, G, Y)), (0, 1, 3, 4, 2)))   # tokens 2 p, 2 p + 1
@@ -248,9 +253,8 @@ def _values(vw, vs, vz, SCALED: gl.constexpr, LV5: gl.constexpr, VA: gl.constexp
 def _step(keys, values, q, qsum, m, l, z, acc, qk_scale, t, stop, n_both, D: gl.constexpr, CG: gl.constexpr,
           LK5: gl.constexpr, LV5: gl.constexpr, MASKED: gl.constexpr):
     """Step t: warp w attends group t + w (keys, values: _key_operands', _value_operands') with its own online
-    softmax in base 2, on the state
-    (m, l, z, acc) _token_kernel holds. MASKED: slots past n_both and groups from `stop` on are masked to -inf (a warp
-    may then have no live token yet); else every slot is live."""
+    softmax in base 2, on the state (m, l, z, acc) _token_kernel holds. MASKED: slots past n_both and groups from
+    `stop` on are masked to -inf (a warp may then have no live token yet); else every slot is live."""
     ROWS: gl.constexpr = q.shape[2]
     EXACT: gl.constexpr = CG == D                # the codes in the products, the scales and zeros around them
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=WARP_MMA, k_width=2)
