@@ -281,7 +281,7 @@ def measure(model: str, N: int, timer: Timer, gen: torch.Generator) -> list[dict
            nbytes(qa, *hybrid, k_win, v_win))
     record("attention", "read floor", read_floor(fused_bytes), fused_bytes)
     outer = (okc, oks, okz, ovc, ovs, ovz)
-    lengths = torch.tensor([n_q, n_q, N, 0], dtype=torch.int32, device=DEVICE)
+    lengths = torch.tensor([n_q, n_q, N, 0, 0, 0], dtype=torch.int32, device=DEVICE)     # the graph step gives six
     outer_bytes = nbytes(qa, okc[:, :, :n_q], oks[:, :, :n_q // 32], okz[:, :, :n_q // 32], ovc[:, :, :n_q],
                          ovs[:, :, :n_q], ovz[:, :, :n_q], k_win, v_win)
     record("attention", "fused 2-bit outer",
@@ -370,7 +370,8 @@ def floor_cases(B: int, N: int, gen: torch.Generator):
     q = torch.randn(B, Hq, d, device=DEVICE, generator=gen).half()
     k_win, v_win = torch.randn(2, B, H, WINDOW, d, device=DEVICE, generator=gen).half()
     tok = torch.randn(2, B, H, 1, d, device=DEVICE, generator=gen).half()   # the outer kernel's token, given apart
-    lengths = torch.tensor([n_q, n_q, N, 0], dtype=torch.int32, device=DEVICE)
+    # six lengths, as the graph step gives them (the windows' rows from 0): four would take a concatenation a launch
+    lengths = torch.tensor([n_q, n_q, N, 0, 0, 0], dtype=torch.int32, device=DEVICE)
 
     def words(bits):
         return torch.randint(-2 ** 31, 2 ** 31, (B, H, n_q, d * bits // 32), dtype=torch.int32, device=DEVICE,
