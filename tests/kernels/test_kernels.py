@@ -640,8 +640,8 @@ def test_kvzoo_innerq_kernel_picks_the_kernel(choice, enabled):
 @pytest.mark.parametrize("choice,enabled,least", [("triton", "False", "2016"), ("gluon", "True", "0"),
                                                   ("auto", "True", "2016")])
 def test_kvzoo_token_kernel_picks_the_kernel(choice, enabled, least):
-    """KVZOO_TOKEN_KERNEL, read when token_hopper is imported: triton never takes int8's Gluon kernel, gluon takes it
-    at any amount of work."""
+    """KVZOO_TOKEN_KERNEL, read when token_hopper is imported: triton never takes the per-token Gluon kernel (int8,
+    KV Pareto k8v8), gluon takes it at any amount of work."""
     pytest.importorskip("kvzoo.kernels.token_hopper")
     run = subprocess.run([sys.executable, "-c",
                           "from kvzoo.kernels import token_hopper as h; print(h.ENABLED, h.MIN_GROUP_ROWS)"],
