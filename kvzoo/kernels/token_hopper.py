@@ -64,8 +64,8 @@ HEAD_DIM, ROWS_MAX = 128, 8
 GROUPS = (32, 64, HEAD_DIM)      # channels a group: a thread's key channels (32) and value channels (16) lie in one
 PROGRAMS_PER_SM = 3      # the split-K plan's programs an SM
 # ... unless its splits would keep fewer than MIN_GROUPS groups of 32 slots: then SHORT_PROGRAMS_PER_SM. At 32K, batch
-# 1 (Llama-3.1-8B's heads) three programs an SM give splits of 21 groups: 53.9 us for int8 and 56.5 for KV Pareto,
-# against 42.7 and 47.3 with two (31 groups) and 43.0 and 46.8 with one (60 groups)
+# 1 (Llama-3.1-8B's heads) three programs an SM plan 85 splits of 12 groups a KV head: 53.9 us for int8 and 56.5 for
+# KV Pareto, against 42.7 and 47.3 with two (32 splits of 32 groups; one plans the same)
 MIN_GROUPS, SHORT_PROGRAMS_PER_SM = 32, 2
 # the least work (KV rows x groups of 32 slots) this kernel takes ("gluon": any): outer_hopper's. The least measured,
 # 32K at batch 1 of Llama-3.1-8B's heads (8 x 1,024), takes 42.7 us here for int8 and 47.3 for KV Pareto against the
