@@ -140,6 +140,16 @@ def _slots(L: gl.constexpr, first, last, CLAMP: gl.constexpr):
 
 
 @gluon.jit
+def _words(ptr, first, last, W: gl.constexpr, L: gl.constexpr, CLAMP: gl.constexpr):
+    """A step's code words (4, 32, A, B) in L [warp, token, a, b]: element (a, b) is word a B + b of the token's W,
+    warp w's slots 32 w .. from `first` (clamped to `last` with CLAMP)."""
+    A: gl.constexpr = L.shape[2]
+    B: gl.constexpr = L.shape[3]
+    ts = gl.expand_dims(gl.expand_dims(_slots(gl.SliceLayout(2, gl.SliceLayout(3, L)), first, last, CLAMP), 2), 3)
+    return gl.load(ptr + first * W + (ts * W + _arange(A, 2, L) * B + _arange(B, 3, L)))
+
+
+@gluon.jit
 def _token_scales(s_ptr, z_ptr, first, last, CLAMP: gl.constexpr):
     """The scales and zeros of a step's tokens, one a token (a group of the whole head): (4, 32) fp32 in the scores'
     layout, slots from `first` (clamped to `last` with CLAMP)."""
@@ -159,8 +169,7 @@ def _key_operands(kc_ptr, ks_ptr, kz_ptr, t, last, LK: gl.constexpr, LK5: gl.con
     W: gl.constexpr = D // 4
     NG: gl.constexpr = D // CG
     first = t * 32                                   # the step's first slot: scalar pointers move
-    tk = gl.expand_dims(gl.expand_dims(_slots(gl.SliceLayout(2, gl.SliceLayout(3, LK)), first, last, CLAMP), 2), 3)
-    kw = gl.load(kc_ptr + first * W + (tk * W + _arange(4, 2, LK) * 8 + _arange(8, 3, LK)))
+    kw = _words(kc_ptr, first, last, W, LK, CLAMP)
     if CG == D:
         ks, kz = _token_scales(ks_ptr, kz_ptr, first, last, CLAMP)
     else:
@@ -182,8 +191,7 @@ def _value_operands(vc_ptr, vs_ptr, vz_ptr, t, last, LV: gl.constexpr, LV5: gl.c
     W: gl.constexpr = D // 4
     NG: gl.constexpr = D // CG
     first = t * 32
-    tv = gl.expand_dims(gl.expand_dims(_slots(gl.SliceLayout(2, gl.SliceLayout(3, LV)), first, last, CLAMP), 2), 3)
-    vw = gl.load(vc_ptr + first * W + (tv * W + _arange(8, 2, LV) * 4 + _arange(4, 3, LV)))
+    vw = _words(vc_ptr, first, last, W, LV, CLAMP)
     if CG == D:
         vs, vz = _token_scales(vs_ptr, vz_ptr, first, last, CLAMP)
     else:
