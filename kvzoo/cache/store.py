@@ -539,8 +539,9 @@ class WindowedStore(nn.Module):
             n_q, _ = self.window_row(step, "k")       # and the windows' rows of their oldest slots: one row each
             step.derived[key] = torch.cat([n_q, n_q, n_q] + [torch.zeros_like(n_q)] * 3).to(torch.int32)
         kc, vc = self.codecs["k"], self.codecs["v"]
+        # every stored slot is quantized (the windows' one row only stages the token): no window to attend
         out = outer_decode_attention(q[:, :, 0], kc.codes, kc.scale, kc.zero, vc.codes, vc.scale, vc.zero, kc.bits,
-                                     self.recent("k"), self.recent("v"), step.derived[key], v_bits=vc.bits,
+                                     None, None, step.derived[key], v_bits=vc.bits,
                                      key_groups="token", group=kc.group, k_token=rows["k"], v_token=rows["v"])
         with step.beside(*rows.values()):       # nothing later in the step reads this layer's windows or codes
             self.write_token_at(length, step, rows)

@@ -72,8 +72,9 @@ FAST_PATH = True             # fp16/bf16 models on a GPU: unpack/dequant codes a
 WINDOWS_BESIDE = True        # on a GPU the window kernel runs on a second stream, beside the split kernel
 MAX_GS = None                # value groups (of 32 tokens) per step of the split kernel; None: by GQA ratio
 PROGRAMS_PER_SM = None       # split-K sizing: programs per SM of the device; None: by GQA ratio
-COMBINE_CHANNELS = 32        # the combine kernel's channels a program (a KV head's rows take d / 32 programs)
-COMBINE_TILE = 8192          # ... and the most acc elements (rows x splits x channels) one of its steps loads
+COMBINE_CHANNELS = 32        # the combine kernel's channels a program (a KV head's rows take d / 32 programs) ...
+MIN_COMBINE_CHANNELS = 8     # ... down to 8 (a 32-byte sector of fp32) where every split then fits one step
+COMBINE_TILE = 8192          # the most acc elements (rows x splits x channels) one of its steps loads
 SPLIT_STAGES = None          # software-pipelining depth of the split kernel's token loop; None: by GQA ratio
 SPLIT_WARPS = None           # warps of the split kernel; None: by GQA ratio
 
@@ -505,9 +506,12 @@ def combine(m: Tensor, l: Tensor, acc: Tensor, out: Tensor, kv_rows: int, rep: i
     rows = triton.next_power_of_2(rep)                             # no dots: rows pad to a power of two only
     q, (kt, s_kt), (vt, s_vt), qk_scale = token if token is not None else (out, (out, 0), (out, 0), 1.0)
     d = out.shape[-1]
-    dc = min(d, COMBINE_CHANNELS)
-    # every split in one step (one memory round trip) where its acc tile fits COMBINE_TILE elements
-    chunk = max(1, min(triton.next_power_of_2(m.shape[1]), COMBINE_TILE // (rows * dc)))
+    # every split in one step (one memory round trip) where its acc tile fits COMBINE_TILE elements: fewer channels a
+    # program (more programs) for many splits
+    columns, dc = triton.next_power_of_2(m.shape[1]), min(d, COMBINE_CHANNELS)
+    while dc > MIN_COMBINE_CHANNELS and rows * columns * dc > COMBINE_TILE:
+        dc //= 2
+    chunk = max(1, min(columns, COMBINE_TILE // (rows * dc)))
     combine_kernel[(kv_rows, d // dc)](m, l, acc, out, q, kt, vt, m.shape[1], qk_scale, s_kt, s_vt, D=d, DC=dc,
                                        REP=rep, REP_P=rows, CHUNK=chunk, TOKEN=token is not None, num_warps=num_warps)
 

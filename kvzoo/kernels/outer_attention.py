@@ -19,7 +19,7 @@ per-token group, 32 by default, any power of two dividing d):
     k_codes    int32 (B, H, N_k, W)     k_scale, k_zero fp16 (B, H, N_k/32, d)   per-channel groups of 32 tokens
                                         (N_k a multiple of 32); key_groups="token": (B, H, N_k, d/G), per token
     v_codes    int32 (B, H, N_v, W)     v_scale, v_zero fp16 (B, H, N_v, d/G)    per-token groups of G channels
-    k_recent, v_recent (B, H, ., d)     the windows' rows, in q's dtype
+    k_recent, v_recent (B, H, ., d)     the windows' rows, in q's dtype (None: no window)
     k_sink, v_sink     (B, H, ., d)     the sink's rows (may hold none)
     lengths    int32 (6,) on the device: [n_k, n_v, n_tail, n_sink, k_row, v_row] (CUDA graphs read them at
                                         replay)
@@ -52,7 +52,9 @@ Two kernels:
      work runs its quantized columns in the Gluon kernels of kvzoo/kernels/outer_hopper.py, and 8-bit per-token groups
      (int8's, KV Pareto k8v8's) in the one of kvzoo/kernels/token_hopper.py; this kernel then runs only the last
      program (SPLIT0: the first column this launch owns), on a second stream beside the Gluon kernel (TAIL_BESIDE), so
-     that it reads its windows while the Gluon kernel computes; the combine waits for both.
+     that it reads its windows while the Gluon kernel computes; the combine waits for both. With neither a sink nor
+     a window (every stored slot quantized: KV Pareto's and int8's graph step) there is no last program: the Gluon
+     kernel and the combine are the whole attention.
   2. combine: grid (B*H, d/32). Merges the partials, attends the token given apart (k_token, v_token: its score and
      weight in fp32), divides by l and writes (B, Hq, d) in q's dtype (innerq_attention.combine, shared with
      InnerQ's kernels). The token is the combine's, not the split kernel's last program's: a second pass there
@@ -459,7 +461,7 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     v_rows = _check_rows(v_recent, "v_recent", B, H, d, q)
     if (k_sink is None) != (v_sink is None):
         raise ValueError("give both k_sink and v_sink, or neither")
-    _check_rows(k_sink, "k_sink", B, H, d, q)
+    sink_rows = _check_rows(k_sink, "k_sink", B, H, d, q)
     _check_rows(v_sink, "v_sink", B, H, d, q)
     if (k_token is None) != (v_token is None):
         raise ValueError("give both k_token and v_token, or neither")
@@ -480,6 +482,10 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
         if len(lengths) not in (4, 6) or lengths[0] > N_k or lengths[1] > N_v:
             raise ValueError(f"lengths must be [n_k <= {N_k}, n_v <= {N_v}, n_tail, n_sink] and optionally "
                              f"[k_row, v_row], got {lengths}")
+        if lengths[3] > sink_rows or lengths[2] - min(lengths[0], lengths[1]) > max(k_rows, v_rows):
+            raise ValueError(f"lengths {list(lengths)} attend {lengths[3]} sink rows and "
+                             f"{lengths[2] - min(lengths[0], lengths[1])} tail slots past those quantized in both "
+                             f"streams; the sink holds {sink_rows} rows and the larger window {max(k_rows, v_rows)}")
         lengths = torch.tensor((*lengths, 0, 0)[:6], dtype=torch.int32, device=dev)
     if isinstance(lengths, Tensor) and lengths.shape == (4,):       # windows in slot order: their rows from 0
         lengths = torch.cat([lengths, lengths.new_zeros(2)])
@@ -510,18 +516,21 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
         if per_split < token_hopper.MIN_GROUPS:       # short runs: fewer, longer splits
             splits, per_split, gs = _plan_splits(n_groups, B * H, dev, num_splits, max_gs,
                                                  token_hopper.SHORT_PROGRAMS_PER_SM)
-    # one partial per split over the quantized slots, and the last for the sink and the tail
-    m = torch.empty(B * Hq, splits + 1, dtype=torch.float32, device=dev)
-    l = torch.empty_like(m)
-    acc = torch.empty(B * Hq, splits + 1, d, dtype=torch.float32, device=dev)
-    # an empty buffer may have no storage: pass one element of its dtype, never read, rather than a null pointer
-    buffers = [head_rows(t) if t is not None and t.numel() else
-               (torch.zeros(1, dtype=q.dtype if t is None else t.dtype, device=dev), 0)
-               for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_recent, v_recent, k_sink, v_sink)]
-    cos, sin = (t.contiguous() for t in rope) if rope is not None else (q, q)       # q: never read
     gluon = bool(splits) and (by_token or outer_hopper is not None and outer_hopper.eligible(
         q, bits, v_bits, channel, rope, group, rep, gs, B * H * n_groups, qk_scale))
     split0 = splits if gluon else 0              # with the Gluon kernel, the Triton kernel runs the last column only
+    # one partial per split over the quantized slots, and the last for the sink and the tail; with the Gluon kernel
+    # and neither a sink nor a window (every stored slot quantized), no last column and no Triton launch
+    tail = 0 if gluon and not (sink_rows or k_rows or v_rows) else 1
+    m = torch.empty(B * Hq, splits + tail, dtype=torch.float32, device=dev)
+    l = torch.empty_like(m)
+    acc = torch.empty(B * Hq, splits + tail, d, dtype=torch.float32, device=dev)
+    # an empty buffer may have no storage: pass one element of its dtype, never read, rather than a null pointer
+    # (allocated, not filled: a fill is a kernel launch ahead of the attention's, 2-3 us at batch 1)
+    buffers = [head_rows(t) if t is not None and t.numel() else
+               (torch.empty(1, dtype=q.dtype if t is None else t.dtype, device=dev), 0)
+               for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_recent, v_recent, k_sink, v_sink)]
+    cos, sin = (t.contiguous() for t in rope) if rope is not None else (q, q)       # q: never read
 
     def triton_columns():
         _split_kernel[(B * H, splits + 1 - split0)](
@@ -541,6 +550,8 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
 
     if not gluon:
         triton_columns()
+    elif not tail:
+        quantized_splits()
     elif TAIL_BESIDE:                            # the tail reads its windows while the Gluon kernel computes
         main, side = torch.cuda.current_stream(dev), side_stream(dev, TAIL)
         side.wait_stream(main)
@@ -569,8 +580,9 @@ def outer_decode_attention_ref(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_ze
     H = k_codes.shape[1]
     n_k, n_v, n_tail, n_sink, k_row, v_row = (*(lengths.tolist() if isinstance(lengths, Tensor) else lengths), 0, 0)[:6]
 
-    def window(rows, first, n):            # n rows of a ring from row `first`, in slot order
-        return rows.roll(-first, dims=2)[:, :, :n].float()
+    def window(rows, first, n):            # n rows of a ring from row `first`, in slot order (None: no window)
+        none = q.new_zeros(B, H, 0, d, dtype=torch.float32)
+        return none if rows is None else rows.roll(-first, dims=2)[:, :, :n].float()
 
     def per_token(codes, scale, zero, b, n):                 # (B, H, n, d) fp32, groups of `group` channels
         return dequantize(QTensor(codes[:, :, :n], scale[:, :, :n], zero[:, :, :n], b, group, -1, (B, H, n, d)))

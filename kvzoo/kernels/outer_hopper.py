@@ -958,14 +958,14 @@ def rope_tables(cos: Tensor, sin: Tensor) -> Tensor:
 def quantized_splits(q: Tensor, buffers: list[tuple[Tensor, int]], m: Tensor, l: Tensor, acc: Tensor,
                      lengths: Tensor, per_split: int, splits: int, qk_scale: float, group: int,
                      rope: tuple[Tensor, Tensor] | None = None) -> None:
-    """Write the (m, l, acc) partials of columns [0, splits) (outer_decode_attention's buffers, splits + 1 columns)
-    for q (B, Hq, d) contiguous; buffers: outer_decode_attention's (tensor, head stride) pairs of the key and value
-    codes, scales and zeros, in that order; rope: the (cos, sin) tables (positions, d) of keys stored before
-    RoPE (outer_decode_attention's)."""
+    """Write the (m, l, acc) partials of columns [0, splits) of outer_decode_attention's buffers (splits columns,
+    or splits + 1 with the sink's and the tail's) for q (B, Hq, d) contiguous; buffers: outer_decode_attention's
+    (tensor, head stride) pairs of the key and value codes, scales and zeros, in that order; rope: the (cos, sin)
+    tables (positions, d) of keys stored before RoPE (outer_decode_attention's)."""
     B, Hq, d = q.shape
     H = buffers[0][0].shape[1]
     if _serves_warp_kernel(d, rope, qk_scale):
-        _warp_kernel[(B * H, splits)](q, *(t for t, _ in buffers), m, l, acc, lengths, per_split, splits + 1, qk_scale,
+        _warp_kernel[(B * H, splits)](q, *(t for t, _ in buffers), m, l, acc, lengths, per_split, m.shape[1], qk_scale,
                                       *(s for _, s in buffers), D=d, REP=Hq // H, ROWS=rows_for(Hq // H), CG=group,
                                       **dict(zip(("LKW", "KSL", "LVW", "XL", "VL"), _warp_layouts(d))),
                                       num_warps=N_WARPS)
@@ -973,6 +973,6 @@ def quantized_splits(q: Tensor, buffers: list[tuple[Tensor, int]], m: Tensor, l:
     lp, ksl, lpk, lh = _layouts(d, rope is not None)
     cos, sin, offsets = (*rope, rope_tables(*rope)) if rope is not None else (q, q, q)     # q: never read
     _quantized_kernel[(B * H, splits)](q, *(t for t, _ in buffers), cos, sin, offsets, m, l, acc, lengths, per_split,
-                                       splits + 1, qk_scale, *(s for _, s in buffers), D=d, REP=Hq // H,
+                                       m.shape[1], qk_scale, *(s for _, s in buffers), D=d, REP=Hq // H,
                                        ROWS=rows_for(Hq // H), CG=group, LP=lp, KSL=ksl, LPK=lpk, LH=lh,
                                        ROPE=rope is not None, QROWS=query_rows(Hq // H), num_warps=N_WARPS)

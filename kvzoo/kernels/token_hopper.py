@@ -389,12 +389,12 @@ def eligible(q: Tensor, bits: int, v_bits: int, channel: bool, rope, group: int,
 
 def quantized_splits(q: Tensor, buffers: list[tuple[Tensor, int]], m: Tensor, l: Tensor, acc: Tensor,
                      lengths: Tensor, per_split: int, splits: int, qk_scale: float, group: int) -> None:
-    """Write the (m, l, acc) partials of columns [0, splits) (outer_decode_attention's buffers, splits + 1 columns)
-    for q (B, Hq, d) contiguous; buffers: outer_decode_attention's (tensor, head stride) pairs of the key and value
-    codes, scales and zeros, in that order."""
+    """Write the (m, l, acc) partials of columns [0, splits) of outer_decode_attention's buffers (splits columns,
+    or splits + 1 with the sink's and the tail's) for q (B, Hq, d) contiguous; buffers: outer_decode_attention's
+    (tensor, head stride) pairs of the key and value codes, scales and zeros, in that order."""
     B, Hq, d = q.shape
     H = buffers[0][0].shape[1]
     lk, lk5, lv, lv5 = _layouts(d)
-    _token_kernel[(B * H, splits)](q, *(t for t, _ in buffers), m, l, acc, lengths, per_split, splits + 1, qk_scale,
+    _token_kernel[(B * H, splits)](q, *(t for t, _ in buffers), m, l, acc, lengths, per_split, m.shape[1], qk_scale,
                                    *(s for _, s in buffers), D=d, REP=Hq // H, ROWS=ROWS_MAX, CG=group, LK=lk, LK5=lk5,
                                    LV=lv, LV5=lv5, num_warps=N_WARPS)

@@ -18,7 +18,8 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from kvzoo.cache.kvquant import pack_sym_mask, quantize, quantize_unified  # noqa: E402
-from kvzoo.kernels.innerq_attention import innerq_decode_attention, innerq_decode_attention_ref, whole_waves  # noqa: E402,E501
+from kvzoo.kernels.innerq_attention import (combine, innerq_decode_attention, innerq_decode_attention_ref,  # noqa: E402
+                                            whole_waves)
 from kvzoo.kernels.quant_matvec import (pv_inner, pv_inner_ref, pv_outer, pv_outer_ref, qk_inner,  # noqa: E402
                                         qk_inner_ref, qk_outer, qk_outer_ref)
 from kvzoo.kernels.quantize_pack import quantize_inner, quantize_inner_ref  # noqa: E402
@@ -263,6 +264,32 @@ def test_fused_attention_scale_and_peaked_softmax():
     for splits in (1, 5):
         assert_close(innerq_decode_attention(*args, sm_scale=3.0, num_splits=splits),
                      innerq_decode_attention_ref(*args, sm_scale=3.0), torch.float32)
+
+
+@pytest.mark.parametrize("rep,columns,d,token", [(4, 3, 64, True), (4, 94, 128, True), (4, 300, 64, False),
+                                                   (5, 130, 128, True), (1, 70, 64, False)])
+def test_combine_merges_any_number_of_splits(rep, columns, d, token):
+    """The shared combine against a torch merge of the partials (base-2 online softmax), with empty splits (m = -inf,
+    l = 0), and the token given apart attended last: as many splits as 128K at batch 1 makes, where a program takes
+    fewer channels so that every split fits one step."""
+    torch.manual_seed(0)
+    H = 2
+    m = torch.randn(H * rep, columns, device=DEVICE) * 4
+    m[:, 1::7] = float("-inf")
+    l = torch.rand(H * rep, columns, device=DEVICE) * 8 + 1
+    l[m == float("-inf")] = 0
+    acc = torch.randn(H * rep, columns, d, device=DEVICE) * l[..., None]
+    out = torch.empty(1, H * rep, d, device=DEVICE)
+    q, k_t, v_t = torch.randn(1, H * rep, d, device=DEVICE), *torch.randn(2, 1, H, 1, d, device=DEVICE)
+    qk_scale = 0.2
+    combine(m, l, acc, out, H, rep, 4, (q, (k_t, k_t.stride(1)), (v_t, v_t.stride(1)), qk_scale) if token else None)
+    if token:                                          # the token as one more split: its score, weight 1, its value
+        s = (q[0] * k_t[0, :, 0].repeat_interleave(rep, 0)).sum(-1) * qk_scale
+        m, l = torch.cat([m, s[:, None]], 1), torch.cat([l, torch.ones_like(s)[:, None]], 1)
+        acc = torch.cat([acc, v_t[0, :, 0].repeat_interleave(rep, 0)[:, None]], 1)
+    w = torch.exp2(m - m.max(1, keepdim=True).values)
+    want = (w[..., None] * acc).sum(1) / (w * l).sum(1, keepdim=True)
+    assert_close(out[0], want, torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------

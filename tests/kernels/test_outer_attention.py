@@ -202,6 +202,20 @@ def test_peaked_softmax_and_many_splits():
                      outer_decode_attention_ref(*args, sm_scale=4.0), torch.float32)
 
 
+@pytest.mark.parametrize("k_bits,v_bits,group", [(8, 8, 128), (8, 4, 32)], ids=name)
+def test_no_window_and_every_slot_quantized(k_bits, v_bits, group):
+    """No window and no sink (KV Pareto's and int8's graph step): the quantized slots, then the token given apart."""
+    B, H, N, d, rep = 1, 2, 100, 64 if group == 32 else 128, 2
+    codes, _ = token_cache(B, H, N, d, k_bits, v_bits, group, torch.float32, seed=k_bits + v_bits)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, H * rep, d, generator=g).to(DEVICE)
+    k_tok, v_tok = (torch.randn(B, H, 1, d, generator=g).to(DEVICE) for _ in range(2))
+    args = (q, *codes, k_bits, None, None, (90, 90, 90, 0))
+    kw = dict(v_bits=v_bits, key_groups="token", group=group, k_token=k_tok, v_token=v_tok)
+    assert_close(outer_decode_attention(*args, num_splits=2, **kw), outer_decode_attention_ref(*args, **kw),
+                 torch.float32)
+
+
 def test_bad_inputs_name_the_problem():
     codes, (k_rec, v_rec), (k_sink, v_sink) = cache(1, 2, 64, 64, 64, 2, torch.float32)
     q = torch.randn(1, 4, 64, device=DEVICE)
@@ -218,6 +232,10 @@ def test_bad_inputs_name_the_problem():
         outer_decode_attention(q, *codes, 2, k_rec, v_rec, lens, k_sink=k_sink)
     with pytest.raises(ValueError, match="lengths must be"):
         outer_decode_attention(q, *codes, 2, k_rec, v_rec, (96, 32, 100, 0))
+    with pytest.raises(ValueError, match="the sink holds 4 rows"):
+        outer_decode_attention(q, *codes, 2, k_rec, v_rec, (32, 32, 40, 5), k_sink=k_sink, v_sink=v_sink)
+    with pytest.raises(ValueError, match="48 tail slots .* the larger window 40"):
+        outer_decode_attention(q, *codes, 2, k_rec, v_rec, (32, 32, 80, 0))
     with pytest.raises(ValueError, match="optionally \\[k_row, v_row\\]"):
         outer_decode_attention(q, *codes, 2, k_rec, v_rec, (32, 32, 40, 0, 1))
     with pytest.raises(ValueError, match=r"lengths has shape \(5,\), expected \(6,\)"):
@@ -230,6 +248,19 @@ def test_bad_inputs_name_the_problem():
         outer_decode_attention(q, *codes, 2, k_rec, v_rec, lens, group=48)
     with pytest.raises(ValueError, match="k_scale has shape"):                 # per-channel scales, token layout
         outer_decode_attention(q, *codes, 2, k_rec, v_rec, lens, key_groups="token")
+
+
+@pytest.mark.parametrize("dtype,rope", [(torch.float32, False), (torch.float16, False), (torch.float32, True),
+                                        (torch.bfloat16, True)], ids=name)
+def test_sink_and_tail_of_several_blocks(dtype, rope):
+    """A sink of 45 rows and a tail of 60 slots past the quantized ones, each more than one block of 32 (the last
+    program walks them block by block, the last block of each partial)."""
+    d, lengths = 64, (64, 40, 100, 45)                      # keys quantized past values: 60 tail slots, 36 keys'
+    codes, (k_rec, v_rec), (k_sink, v_sink) = cache(1, 2, 96, 64, d, 2, dtype, rows=70, sink=48, seed=3)
+    q = torch.randn(1, 6, d, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
+    kw = dict(k_sink=k_sink, v_sink=v_sink, rope=rope_tables(160, d, dtype) if rope else None)
+    args = (q, *codes, 2, k_rec, v_rec, lengths)
+    assert_close(outer_decode_attention(*args, **kw, num_splits=2), outer_decode_attention_ref(*args, **kw), dtype)
 
 
 def rope_tables(positions: int, d: int, dtype):
@@ -398,6 +429,33 @@ def test_token_kernel_matches_reference_and_triton_kernel(dtype, rep, B, N, leng
     args = (q, *codes, 8, k_rec, v_rec, torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
     kw = dict(k_sink=k_sink, v_sink=v_sink, key_groups="token", group=group)
     check_gluon_kernel(token_hopper, args, kw, splits, dtype, monkeypatch)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
+@pytest.mark.parametrize("group,dtype", [(32, torch.float16), (128, torch.bfloat16)], ids=name)
+def test_token_kernel_alone_where_every_slot_is_quantized(group, dtype, monkeypatch):
+    """KV Pareto's and int8's graph step: every stored slot quantized, no window and no sink, the token given apart.
+    The Gluon kernel's columns and the combine only (no Triton launch), equal to the reference, also replayed."""
+    from kvzoo.kernels import outer_attention
+    token_hopper = pytest.importorskip("kvzoo.kernels.token_hopper")
+    B, H, N, d, rep = 2, 2, 1024, 128, 4
+    codes, _ = token_cache(B, H, N, d, 8, 8, group, dtype, seed=group)
+    g = torch.Generator().manual_seed(group)
+    q = torch.randn(B, H * rep, d, generator=g).to(DEVICE, dtype)
+    k_tok, v_tok = (torch.randn(B, H, 1, d, generator=g).to(DEVICE, dtype) for _ in range(2))
+    args = (q, *codes, 8, None, None, torch.tensor((1000, 1000, 1000, 0, 0, 0), dtype=torch.int32, device=DEVICE))
+    kw = dict(key_groups="token", group=group, k_token=k_tok, v_token=v_tok)
+    launches = []
+
+    class Counted:                             # the Triton split kernel, its launches counted
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    kernel = outer_attention._split_kernel
+    monkeypatch.setattr(outer_attention, "_split_kernel", Counted())
+    check_gluon_kernel(token_hopper, args, kw, 4, dtype, monkeypatch)
+    assert len(launches) == 1                  # the Triton kernel only with the Gluon kernel disabled
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
