@@ -40,6 +40,14 @@ kernels whose name holds one of the given texts; --shapes replaces the four (bat
 tensor-core dots and the online softmax left out (the codes of both streams unpacked and scaled as the kernel does,
 summed into registers so nothing is dead), at 4 and 8 warps, against the whole kernel and the read floor.
 
+--timeline: where each --floors kernel's graph replay goes, kernel by kernel (--cases, --shapes as for --floors):
+the torch profiler over --runs replays, L2 flushed before each; per kernel launch (by name, and order among launches
+of that name: two streams' launches may come in either order), its median start after the replay's first kernel
+starts and its median duration, with the replay's median span (first start to last end) and its time by CUDA events
+(as --floors times it), in µs:
+
+    python scripts/bench_kernels.py --timeline --cases "KV Pareto" --shapes 1x32768 --out results/kernels/x
+
 --profile CASE: one --floors kernel at one --shapes shape, launched twice, then once between cudaProfilerStart and
 cudaProfilerStop, so that Nsight Compute profiles that launch's kernels alone (nothing is timed or written):
 
@@ -51,6 +59,10 @@ Writes OUT.json and OUT.md (GPU, versions, settings, tables); refuses to replace
 
 import argparse
 import json
+import statistics
+import tempfile
+from collections import Counter
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -112,12 +124,14 @@ def parse_args():
                        help="every fused attention at 32K/128K, batch 1 and 32, against its read floor")
     table.add_argument("--stages", action="store_true",
                        help="the 2-bit outer kernel's unpacking alone against the whole kernel and the floor")
+    table.add_argument("--timeline", action="store_true",
+                       help="each --floors kernel's graph replay, kernel by kernel: median start and duration")
     table.add_argument("--profile", metavar="CASE",
                        help="one --floors kernel (its whole name) at one --shapes shape, launched once for a profiler")
     parser.add_argument("--cases", nargs="+", metavar="TEXT",
-                        help="--floors: only the kernels whose name holds one of these (e.g. outer SDPA)")
+                        help="--floors, --timeline: only the kernels whose name holds one of these (e.g. outer SDPA)")
     parser.add_argument("--shapes", nargs="+", metavar="BxN", type=shape,
-                        help="--floors, --stages: batch x tokens of each table row (default "
+                        help="--floors, --stages, --timeline: batch x tokens of each table row (default "
                              f"{' '.join(f'{b}x{n}' for b, n in FLOOR_SHAPES)}; N a multiple of {SHAPE_TOKENS})")
     parser.add_argument("--runs", type=int, default=100, help="timed replays per latency (median; at least 100)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed replays first")
@@ -125,10 +139,10 @@ def parse_args():
     args = parser.parse_args()
     if args.runs < 100:
         parser.error("--runs must be at least 100")
-    if args.cases and not args.floors:
-        parser.error("--cases selects --floors kernels; add --floors")
-    if args.shapes and not (args.floors or args.stages or args.profile):
-        parser.error("--shapes sets the --floors and --stages tables' rows; add one of them")
+    if args.cases and not (args.floors or args.timeline):
+        parser.error("--cases selects --floors kernels; add --floors or --timeline")
+    if args.shapes and not (args.floors or args.stages or args.timeline or args.profile):
+        parser.error("--shapes sets the --floors, --stages and --timeline tables' rows; add one of them")
     if args.profile is not None and args.profile not in FLOOR_CASES:
         parser.error(f"--profile {args.profile!r} is not a kernel's whole name; the kernels: {'; '.join(FLOOR_CASES)}")
     if args.profile is not None and len(args.shapes or ()) != 1:
@@ -511,6 +525,94 @@ def measure_floors(timer: Timer, gen: torch.Generator, cases: list[str] | None,
     return rows
 
 
+def replay_kernels(timer: Timer, launch) -> list[list[dict]]:
+    """The kernels of timer.runs graph replays of launch, L2 flushed before each, under the torch profiler: each
+    replay's trace events (name, ts and dur in µs) in order of start."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = timer.graph(launch)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(timer.runs):
+            timer.flush.zero_()
+            graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        events = json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"]
+    return split_replays(sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"]))
+
+
+def split_replays(kernels: list[dict]) -> list[list[dict]]:
+    """Kernel events in order of start, grouped per replay: each replay's follow a launch of the flush (the first
+    event's name, at least half its duration; a short kernel of that name is the replay's own)."""
+    flush, replays = kernels[0], []
+    for e in kernels:
+        if e["name"] == flush["name"] and e["dur"] >= flush["dur"] / 2:
+            replays.append([])
+        elif replays:
+            replays[-1].append(e)
+    return [r for r in replays if r]
+
+
+def kernel_name(name: str) -> str:
+    """A trace's kernel name without its return type, template arguments and parameters."""
+    return name.removeprefix("void ").split("<")[0].split("(")[0]
+
+
+def timeline_rows(replays: list[list[dict]]) -> tuple[list[dict], float]:
+    """Per kernel launch of a replay (its name, and its order among that name's launches in the replay): the median
+    start after the replay's first kernel starts and the median duration, µs, in order of start; and the replays'
+    median span, first start to last end."""
+    starts, durations, spans = {}, {}, []
+    for kernels in replays:
+        t0, seen = kernels[0]["ts"], Counter()
+        for e in kernels:
+            name = kernel_name(e["name"])
+            key = (name, seen[name])
+            seen[name] += 1
+            starts.setdefault(key, []).append(e["ts"] - t0)
+            durations.setdefault(key, []).append(e["dur"])
+        spans.append(max(e["ts"] + e["dur"] for e in kernels) - t0)
+    rows = [{"kernel": name, "launch": i, "replays": len(starts[name, i]),
+             "start_us": statistics.median(starts[name, i]), "duration_us": statistics.median(durations[name, i])}
+            for name, i in starts]
+    return sorted(rows, key=lambda r: r["start_us"]), statistics.median(spans)
+
+
+def measure_timelines(timer: Timer, gen: torch.Generator, cases: list[str] | None,
+                      shapes: list[tuple[int, int]] = FLOOR_SHAPES) -> list[dict]:
+    rows = []
+    for B, N in tqdm(shapes, desc="shapes"):
+        for name, build in floor_cases(B, N, gen):
+            if not wanted(name, cases):
+                continue
+            launch, _ = build()
+            kernels, span = timeline_rows(replay_kernels(timer, launch))
+            rows.append({"batch": B, "N": N, "case": name, "replay_us": timer(launch) * 1e3, "span_us": span,
+                         "kernels": kernels})
+            print(f"batch {B}, N {N}, {name}: replay {rows[-1]['replay_us']:.1f} us, kernels {span:.1f} us", flush=True)
+            del launch
+            torch.cuda.empty_cache()
+    return rows
+
+
+def timelines_markdown(rows: list[dict], meta: dict) -> str:
+    out = header(meta, "Where each fused attention's graph replay goes",
+                 f"{WINDOW}-token exact window. Per kernel launch: median start after the replay's first kernel "
+                 f"starts, median duration (torch profiler, {meta['runs']} replays); replay: CUDA events around it, as "
+                 f"--floors times it") + [
+           "| batch | tokens | case | replay (µs) | first start to last end (µs) | kernel | start (µs) "
+           "| duration (µs) |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        case = [r["batch"], r["N"], r["case"], f"{r['replay_us']:.1f}", f"{r['span_us']:.1f}"]
+        for i, k in enumerate(r["kernels"]):        # the case's cells on its first kernel's row only
+            cells = [*(case if i == 0 else [""] * 5), f"`{k['kernel']}`", f"{k['start_us']:.1f}",
+                     f"{k['duration_us']:.1f}"]
+            out.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(out) + "\n"
+
+
 def header(meta: dict, title: str, setting: str) -> list[str]:
     """A table's title and the line of versions and settings above it."""
     return [f"# {title} ({meta['gpu']})", "",
@@ -644,6 +746,10 @@ def main() -> None:
     if args.stages:
         rows = measure_stages(timer, gen, args.shapes or FLOOR_SHAPES)
         write(paths, {**meta, "sanity_max_rel_error": sanity, "rows": rows}, stages_markdown(rows, meta))
+        return
+    if args.timeline:
+        rows = measure_timelines(timer, gen, args.cases, args.shapes or FLOOR_SHAPES)
+        write(paths, {**meta, "rows": rows}, timelines_markdown(rows, meta))
         return
     if args.floors:
         rows = measure_floors(timer, gen, args.cases, args.shapes or FLOOR_SHAPES)

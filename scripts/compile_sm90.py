@@ -118,9 +118,14 @@ def cases() -> dict:
         out[f"outer-triton-{name}"] = (outer_attention._split_kernel, dict(
             D=128, KB=kb, VB=vb, REP=4, REP_P=16, GS=gs, BLOCK=outer_attention.BLOCK_W, FAST=True,
             AK=unpack_asm(kb)[0], CK=unpack_asm(kb)[1], AV=unpack_asm(vb)[0], CV=unpack_asm(vb)[1], ROPE=rope, KT=kt,
-            CG=group), ASTSource, OUTER_POINTERS, dict(
+            CG=group, TAIL_ONLY=False), ASTSource, OUTER_POINTERS, dict(
                 num_warps=outer_attention.split_kernel_warps("token" if kt else "channel", group, 128, 4),
                 num_stages=stages, enable_fp_fusion=True))
+        # beside a Gluon kernel: the last program alone, slim enough to share an SM with the Gluon kernel's programs
+        tail = dict(num_warps=outer_attention.TAIL_WARPS, num_stages=1, maxnreg=outer_attention.TAIL_REGISTERS,
+                    enable_fp_fusion=True)
+        out[f"outer-tail-{name}"] = (outer_attention._split_kernel, dict(out[f"outer-triton-{name}"][1], TAIL_ONLY=True),
+                                     ASTSource, OUTER_POINTERS, tail)
     win = dict(POINTERS, q_ptr="*bf16", qs_ptr="*bf16", kw_ptr="*bf16", vw_ptr="*bf16", kw2_ptr="*bf16",
                vw2_ptr="*bf16", kr_ptr="*bf16", win_ptr="*bf16", out_ptr="*bf16", nk_ptr="*i64", nq_ptr="*i64",
                ks_ptr="*fp16")

@@ -28,10 +28,11 @@ class Timer:
         self.runs, self.warmup = runs, warmup
         self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
 
-    def __call__(self, fn) -> float:
+    def graph(self, fn) -> torch.cuda.CUDAGraph:
+        """fn run once outside the graph (compile / autotune), captured, and replayed `warmup` times."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):             # compile / autotune outside the graph
+        with torch.cuda.stream(stream):
             fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
@@ -39,6 +40,10 @@ class Timer:
             fn()
         for _ in range(self.warmup):
             graph.replay()
+        return graph
+
+    def __call__(self, fn) -> float:
+        graph = self.graph(fn)
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(self.runs)]
         for start, end in events:

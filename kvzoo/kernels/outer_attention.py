@@ -90,7 +90,7 @@ from kvzoo.cache.kvquant import QTensor, dequantize
 from kvzoo.kernels.innerq_attention import (BLOCK_W, LOG2E, _attend_window, _dot_dtype, _plan_splits, combine,
                                             softmax_step)
 from kvzoo.kernels.quant_matvec import (GROUP, check_head_dim, check_runnable, check_tensor,
-                                        dequant_outer, head_rows, join_codes, unpack_asm, unpack_codes,
+                                        dequant_outer, head_rows, join_codes, sm_count, unpack_asm, unpack_codes,
                                         unpacks_in_ptx)
 
 try:
@@ -107,6 +107,8 @@ ROPE_GROUPS_PER_STEP = 4     # the same two settings where the kernel rotates ke
 ROPE_STAGES = 2
 FAST_PATH = True             # fp16/bf16 models on a GPU: codes unpacked as half2 in inline PTX
 TAIL_BESIDE = True           # with the Gluon kernel: the tail's program runs on a second stream, beside it
+TAIL_WARPS, TAIL_REGISTERS = 4, 168     # beside the per-token kernel, a KV row an SM or more: the tail's program
+                                        # compiled alone, under a register cap that fits it beside two of its programs
 OUTER_BITS = (2, 4, 8)       # code widths of either stream
 
 
@@ -354,7 +356,8 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
                   s_kc, s_ks, s_kz, s_vc, s_vs, s_vz, s_kr, s_vr, s_kw, s_vw,
                   D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
                   GS: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, AK: tl.constexpr, CK: tl.constexpr,
-                  AV: tl.constexpr, CV: tl.constexpr, ROPE: tl.constexpr, KT: tl.constexpr, CG: tl.constexpr):
+                  AV: tl.constexpr, CV: tl.constexpr, ROPE: tl.constexpr, KT: tl.constexpr, CG: tl.constexpr,
+                  TAIL_ONLY: tl.constexpr):
     kv = tl.program_id(0)                        # b * H + h
     head = kv.to(tl.int64)
     kc_ptr += head * s_kc
@@ -373,7 +376,7 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
     m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((REP_P,), dtype=tl.float32)
     acc = tl.zeros((REP_P, D), dtype=tl.float32)
-    if split == n_cols - 1:                      # the last program: the sink and the tail
+    if TAIL_ONLY or split == n_cols - 1:        # the last program: the sink and the tail
         m, l, acc = _tail(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr + head * s_kr,
                           vr_ptr + head * s_vr, kw_ptr + head * s_kw, vw_ptr + head * s_vw, cos_ptr, sin_ptr, len_ptr,
                           KW, VW, m, l, acc, qk_scale, D, KB, VB, BLOCK, ROPE, KT, CG)
@@ -519,6 +522,9 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     gluon = bool(splits) and (by_token or outer_hopper is not None and outer_hopper.eligible(
         q, bits, v_bits, channel, rope, group, rep, gs, B * H * n_groups, qk_scale))
     split0 = splits if gluon else 0              # with the Gluon kernel, the Triton kernel runs the last column only
+    # ... and beside the per-token kernel with a KV row an SM or more, a program slim enough to share an SM with it:
+    # the whole kernel's (up to 255 registers, 104 KB of shared memory) took an SM of its own each (docs/decode.md)
+    slim = gluon and by_token and B * H >= sm_count(dev)
     # one partial per split over the quantized slots, and the last for the sink and the tail; with the Gluon kernel
     # and neither a sink nor a window (every stored slot quantized), no last column and no Triton launch
     tail = 0 if gluon and not (sink_rows or k_rows or v_rows) else 1
@@ -538,8 +544,9 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
             split0, qk_scale,
             *(s for _, s in buffers), D=d, KB=bits, VB=v_bits, REP=rep, REP_P=rep_p, GS=gs, BLOCK=BLOCK_W, FAST=fast,
             AK=unpack_asm(bits)[0], CK=unpack_asm(bits)[1], AV=unpack_asm(v_bits)[0], CV=unpack_asm(v_bits)[1],
-            ROPE=rope is not None, KT=not channel, CG=group,
-            num_warps=split_kernel_warps(key_groups, group, d, num_warps), num_stages=stages, enable_fp_fusion=True)
+            ROPE=rope is not None, KT=not channel, CG=group, TAIL_ONLY=slim, enable_fp_fusion=True,
+            **(dict(num_warps=TAIL_WARPS, num_stages=1, maxnreg=TAIL_REGISTERS) if slim else
+               dict(num_warps=split_kernel_warps(key_groups, group, d, num_warps), num_stages=stages)))
 
     def quantized_splits():
         if by_token:

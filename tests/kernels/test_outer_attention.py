@@ -432,6 +432,25 @@ def test_token_kernel_matches_reference_and_triton_kernel(dtype, rep, B, N, leng
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
+@pytest.mark.parametrize("dtype,rep,lengths,group", [(torch.float16, 4, (1000, 1024, 1030, 4), 32),
+                                                     (torch.bfloat16, 8, (608, 608, 620, 0), 128)], ids=name)
+def test_token_kernel_beside_the_slim_tail(dtype, rep, lengths, group, monkeypatch):
+    """A KV row an SM or more (here: one SM): the tail's program compiled alone under its register cap (TAIL_ONLY),
+    beside the per-token kernel, matches the reference, replayed too."""
+    from kvzoo.kernels import outer_attention
+    token_hopper = pytest.importorskip("kvzoo.kernels.token_hopper")
+    monkeypatch.setattr(outer_attention, "sm_count", lambda device: 1)
+    B, H, N, d = 2, 2, 1024, 128
+    codes, (k_rec, v_rec) = token_cache(B, H, N, d, 8, 8, group, dtype, rows=40, seed=rep)
+    g = torch.Generator().manual_seed(rep)
+    k_sink, v_sink = (torch.randn(B, H, 4, d, generator=g).to(DEVICE, dtype) for _ in range(2))
+    q = torch.randn(B, H * rep, d, generator=g).to(DEVICE, dtype)
+    args = (q, *codes, 8, k_rec, v_rec, torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
+    check_gluon_kernel(token_hopper, args, dict(k_sink=k_sink, v_sink=v_sink, key_groups="token", group=group), 2,
+                       dtype, monkeypatch)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
 @pytest.mark.parametrize("group,dtype", [(32, torch.float16), (128, torch.bfloat16)], ids=name)
 def test_token_kernel_alone_where_every_slot_is_quantized(group, dtype, monkeypatch):
     """KV Pareto's and int8's graph step: every stored slot quantized, no window and no sink, the token given apart.

@@ -72,7 +72,8 @@ def test_cases_select_kernels_by_name():
     (["--shapes", "1x1024"], "add one of them"), (["--floors", "--shapes", "79"], "'79' is not BxN"),
     (["--stages", "--shapes", "1x100"], "a multiple of 128"), (["--floors", "--shapes", "0x1024"], "B >= 1"),
     (["--profile", "InnerQ", "--shapes", "1x1024"], "'InnerQ' is not a kernel's whole name"),
-    (["--profile", "fp16 SDPA"], "takes one --shapes"), (["--profile", "fp16 SDPA", "--floors"], "not allowed")])
+    (["--profile", "fp16 SDPA"], "takes one --shapes"), (["--profile", "fp16 SDPA", "--floors"], "not allowed"),
+    (["--timeline", "--floors"], "not allowed"), (["--timeline", "--cases", "nope"], "['nope'] names no kernel")])
 def test_bad_cases_and_shapes_are_refused_by_name(argv, message, monkeypatch, capsys):
     bench = bench_module()
     monkeypatch.setattr(sys, "argv", ["bench_kernels.py", *argv])
@@ -85,6 +86,43 @@ def test_shapes_replace_the_table_rows(monkeypatch):
     bench = bench_module()
     monkeypatch.setattr(sys, "argv", ["bench_kernels.py", "--floors", "--shapes", "79x32768", "1x256"])
     assert bench.parse_args().shapes == [(79, 32768), (1, 256)]
+
+
+def test_timeline_takes_cases_and_shapes(monkeypatch):
+    bench = bench_module()
+    monkeypatch.setattr(sys, "argv", ["bench_kernels.py", "--timeline", "--cases", "Pareto", "--shapes", "1x32768"])
+    args = bench.parse_args()
+    assert args.timeline and args.cases == ["Pareto"] and args.shapes == [(1, 32768)]
+
+
+def test_timeline_groups_each_replays_kernels_by_name():
+    """Replays split at the flush's launches (a short launch of the flush's kernel is the replay's own); a kernel's
+    launches matched by name and order within the replay, whichever stream's launch came first."""
+    bench = bench_module()
+    fill = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<unsigned char> >(int, T)"
+
+    def replay(t, first, second):
+        return [{"name": fill, "ts": t, "dur": 100.0}, {"name": fill, "ts": t + 103, "dur": 1.0},
+                {"name": first, "ts": t + 105, "dur": 30.0 if first == "_token_kernel" else 10.0},
+                {"name": second, "ts": t + 106, "dur": 30.0 if second == "_token_kernel" else 12.0},
+                {"name": "combine_kernel", "ts": t + 140, "dur": 3.0}]
+
+    events = replay(0, "_token_kernel", "_split_kernel") + replay(1000, "_split_kernel", "_token_kernel") + \
+        replay(2000, "_token_kernel", "_split_kernel")
+    replays = bench.split_replays(events)
+    assert [len(r) for r in replays] == [4, 4, 4]
+    rows, span = bench.timeline_rows(replays)
+    assert [(r["kernel"], r["start_us"], r["duration_us"], r["replays"]) for r in rows] == [
+        ("at::native::vectorized_elementwise_kernel", 0, 1.0, 3), ("_token_kernel", 2, 30.0, 3),
+        ("_split_kernel", 3, 12.0, 3), ("combine_kernel", 37, 3.0, 3)]
+    assert span == 40
+    text = bench.timelines_markdown([{"batch": 1, "N": 32768, "case": "KV Pareto", "replay_us": 42.0, "span_us": span,
+                                      "kernels": rows}], {"gpu": "GPU", "torch": "t", "triton": "tr", "cuda": "c",
+                                                          "runs": 100, "warmup": 20})
+    assert text.splitlines()[-4:] == [
+        "| 1 | 32768 | KV Pareto | 42.0 | 40.0 | `at::native::vectorized_elementwise_kernel` | 0.0 | 1.0 |",
+        "|  |  |  |  |  | `_token_kernel` | 2.0 | 30.0 |", "|  |  |  |  |  | `_split_kernel` | 3.0 | 12.0 |",
+        "|  |  |  |  |  | `combine_kernel` | 37.0 | 3.0 |"]
 
 
 def test_profile_launches_its_case_once_inside_the_range(monkeypatch):
