@@ -587,9 +587,9 @@ def measure_timelines(timer: Timer, gen: torch.Generator, cases: list[str] | Non
             if not wanted(name, cases):
                 continue
             launch, _ = build()
+            replay_us = timer(launch) * 1e3                 # timed before its profile (see docs/decode.md)
             kernels, span = timeline_rows(replay_kernels(timer, launch))
-            rows.append({"batch": B, "N": N, "case": name, "replay_us": timer(launch) * 1e3, "span_us": span,
-                         "kernels": kernels})
+            rows.append({"batch": B, "N": N, "case": name, "replay_us": replay_us, "span_us": span, "kernels": kernels})
             print(f"batch {B}, N {N}, {name}: replay {rows[-1]['replay_us']:.1f} us, kernels {span:.1f} us", flush=True)
             del launch
             torch.cuda.empty_cache()

@@ -121,7 +121,9 @@ def cases() -> dict:
             CG=group, TAIL_ONLY=False), ASTSource, OUTER_POINTERS, dict(
                 num_warps=outer_attention.split_kernel_warps("token" if kt else "channel", group, 128, 4),
                 num_stages=stages, enable_fp_fusion=True))
-        # beside a Gluon kernel: the last program alone, slim enough to share an SM with the Gluon kernel's programs
+        if not kt:
+            continue
+        # beside the per-token Gluon kernel: the last program alone, slim enough to share an SM with its programs
         tail = dict(num_warps=outer_attention.TAIL_WARPS, num_stages=1, maxnreg=outer_attention.TAIL_REGISTERS,
                     enable_fp_fusion=True)
         out[f"outer-tail-{name}"] = (outer_attention._split_kernel, dict(out[f"outer-triton-{name}"][1], TAIL_ONLY=True),
