@@ -509,19 +509,22 @@ def wanted(name: str, cases: list[str] | None) -> bool:
     return not cases or any(c.lower() in name.lower() for c in cases)
 
 
+def selected_cases(gen: torch.Generator, cases: list[str] | None, shapes: list[tuple[int, int]]):
+    """(B, N, name, launch, read) of each --floors case --cases keeps, shape by shape; the cache's memory emptied after
+    each (the caller drops its launch first)."""
+    for B, N in tqdm(shapes, desc="shapes"):
+        for name, build in floor_cases(B, N, gen):
+            if wanted(name, cases):
+                yield B, N, name, *build()
+                torch.cuda.empty_cache()
+
+
 def measure_floors(timer: Timer, gen: torch.Generator, cases: list[str] | None,
                    shapes: list[tuple[int, int]] = FLOOR_SHAPES) -> list[dict]:
     rows = []
-    for B, N in tqdm(shapes, desc="shapes"):
-        for name, build in floor_cases(B, N, gen):
-            if not wanted(name, cases):
-                continue
-            launch, read = build()
-            ms, floor = timer(launch), timer(read_floor(read))
-            del launch
-            torch.cuda.empty_cache()
-            add_row(rows, B, N, "kernel", name, ms, floor, read)
-        torch.cuda.empty_cache()
+    for B, N, name, launch, read in selected_cases(gen, cases, shapes):
+        add_row(rows, B, N, "kernel", name, timer(launch), timer(read_floor(read)), read)
+        del launch                                          # its tensors freed before the next case is built
     return rows
 
 
@@ -582,17 +585,12 @@ def timeline_rows(replays: list[list[dict]]) -> tuple[list[dict], float]:
 def measure_timelines(timer: Timer, gen: torch.Generator, cases: list[str] | None,
                       shapes: list[tuple[int, int]] = FLOOR_SHAPES) -> list[dict]:
     rows = []
-    for B, N in tqdm(shapes, desc="shapes"):
-        for name, build in floor_cases(B, N, gen):
-            if not wanted(name, cases):
-                continue
-            launch, _ = build()
-            replay_us = timer(launch) * 1e3                 # timed before its profile (see docs/decode.md)
-            kernels, span = timeline_rows(replay_kernels(timer, launch))
-            rows.append({"batch": B, "N": N, "case": name, "replay_us": replay_us, "span_us": span, "kernels": kernels})
-            print(f"batch {B}, N {N}, {name}: replay {rows[-1]['replay_us']:.1f} us, kernels {span:.1f} us", flush=True)
-            del launch
-            torch.cuda.empty_cache()
+    for B, N, name, launch, _ in selected_cases(gen, cases, shapes):
+        replay_us = timer(launch) * 1e3                     # timed before its profile (see docs/decode.md)
+        kernels, span = timeline_rows(replay_kernels(timer, launch))
+        rows.append({"batch": B, "N": N, "case": name, "replay_us": replay_us, "span_us": span, "kernels": kernels})
+        print(f"batch {B}, N {N}, {name}: replay {replay_us:.1f} us, kernels {span:.1f} us", flush=True)
+        del launch
     return rows
 
 

@@ -52,7 +52,9 @@ Two kernels:
      work runs its quantized columns in the Gluon kernels of kvzoo/kernels/outer_hopper.py, and 8-bit per-token groups
      (int8's, KV Pareto k8v8's) in the one of kvzoo/kernels/token_hopper.py; this kernel then runs only the last
      program (SPLIT0: the first column this launch owns), on a second stream beside the Gluon kernel (TAIL_BESIDE), so
-     that it reads its windows while the Gluon kernel computes; the combine waits for both. With neither a sink nor
+     that it reads its windows while the Gluon kernel computes; the combine waits for both. Beside the per-token
+     kernel at a KV row an SM or more, that program is compiled alone (TAIL_ONLY) under a register cap
+     (TAIL_REGISTERS), so that it shares an SM with the Gluon kernel's programs. With neither a sink nor
      a window (every stored slot quantized: KV Pareto's and int8's graph step) there is no last program: the Gluon
      kernel and the combine are the whole attention.
   2. combine: grid (B*H, d/32). Merges the partials, attends the token given apart (k_token, v_token: its score and
@@ -522,8 +524,9 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     gluon = bool(splits) and (by_token or outer_hopper is not None and outer_hopper.eligible(
         q, bits, v_bits, channel, rope, group, rep, gs, B * H * n_groups, qk_scale))
     split0 = splits if gluon else 0              # with the Gluon kernel, the Triton kernel runs the last column only
-    # ... and beside the per-token kernel with a KV row an SM or more, a program slim enough to share an SM with it:
-    # the whole kernel's (up to 255 registers, 104 KB of shared memory) took an SM of its own each (docs/decode.md)
+    # ... and beside the per-token kernel with a KV row an SM or more, a program slim enough to share an SM with its
+    # programs: the whole kernel's (up to 255 registers, 104 KB of shared memory) left KV Pareto and int8 10% slower
+    # at batch 32; at batch 1, and beside the other Gluon kernels, the slim one was no faster or slower (docs/decode.md)
     slim = gluon and by_token and B * H >= sm_count(dev)
     # one partial per split over the quantized slots, and the last for the sink and the tail; with the Gluon kernel
     # and neither a sink nor a window (every stored slot quantized), no last column and no Triton launch

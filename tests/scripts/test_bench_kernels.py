@@ -95,6 +95,21 @@ def test_timeline_takes_cases_and_shapes(monkeypatch):
     assert args.timeline and args.cases == ["Pareto"] and args.shapes == [(1, 32768)]
 
 
+def test_floor_and_timeline_rows_come_from_the_selected_cases(monkeypatch):
+    """--floors and --timeline measure the cases --cases keeps, at each shape (the timer, the read floor and the
+    profile stood in: they need a GPU)."""
+    bench = bench_module()
+    monkeypatch.setattr(bench, "read_floor", lambda n_bytes: lambda: n_bytes)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    rows = bench.measure_floors(lambda fn: 0.004, gen, ["Pareto", "int8"], [(1, 1024)])
+    assert [(r["kernel"], r["share"]) for r in rows] == [("KV Pareto k8v8 (per-token groups of 32)", 1.0),
+                                                         ("int8 (per-token groups of d)", 1.0)]
+    monkeypatch.setattr(bench, "replay_kernels", lambda timer, launch: [[{"name": "k", "ts": 5.0, "dur": 3.0}]])
+    rows = bench.measure_timelines(lambda fn: 0.004, gen, ["SDPA"], [(1, 1024), (2, 1024)])
+    assert [(r["batch"], r["case"], r["replay_us"], r["span_us"]) for r in rows] == [
+        (1, "fp16 SDPA", 4.0, 3.0), (2, "fp16 SDPA", 4.0, 3.0)]
+
+
 def test_timeline_groups_each_replays_kernels_by_name():
     """Replays split at the flush's launches (a short launch of the flush's kernel is the replay's own); a kernel's
     launches matched by name and order within the replay, whichever stream's launch came first."""
