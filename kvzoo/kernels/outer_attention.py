@@ -524,9 +524,9 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     gluon = bool(splits) and (by_token or outer_hopper is not None and outer_hopper.eligible(
         q, bits, v_bits, channel, rope, group, rep, gs, B * H * n_groups, qk_scale))
     split0 = splits if gluon else 0              # with the Gluon kernel, the Triton kernel runs the last column only
-    # ... and beside the per-token kernel with a KV row an SM or more, a program slim enough to share an SM with its
-    # programs: the whole kernel's (up to 255 registers, 104 KB of shared memory) left KV Pareto and int8 10% slower
-    # at batch 32; at batch 1, and beside the other Gluon kernels, the slim one was no faster or slower (docs/decode.md)
+    # ... and beside the per-token kernel at a KV row an SM or more, compiled alone under a register cap so that it
+    # shares an SM with that kernel's programs (the whole kernel's, up to 255 registers and 104 KB of shared memory,
+    # was 10% slower at batch 32; at batch 1, and beside the other Gluon kernels, the slim one was no faster)
     slim = gluon and by_token and B * H >= sm_count(dev)
     # one partial per split over the quantized slots, and the last for the sink and the tail; with the Gluon kernel
     # and neither a sink nor a window (every stored slot quantized), no last column and no Triton launch
