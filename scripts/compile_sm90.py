@@ -126,8 +126,8 @@ def cases() -> dict:
         # beside the per-token Gluon kernel: the last program alone, slim enough to share an SM with its programs
         tail = dict(num_warps=outer_attention.TAIL_WARPS, num_stages=1, maxnreg=outer_attention.TAIL_REGISTERS,
                     enable_fp_fusion=True)
-        out[f"outer-tail-{name}"] = (outer_attention._split_kernel, dict(out[f"outer-triton-{name}"][1], TAIL_ONLY=True),
-                                     ASTSource, OUTER_POINTERS, tail)
+        constexprs = dict(out[f"outer-triton-{name}"][1], TAIL_ONLY=True)
+        out[f"outer-tail-{name}"] = (outer_attention._split_kernel, constexprs, ASTSource, OUTER_POINTERS, tail)
     win = dict(POINTERS, q_ptr="*bf16", qs_ptr="*bf16", kw_ptr="*bf16", vw_ptr="*bf16", kw2_ptr="*bf16",
                vw2_ptr="*bf16", kr_ptr="*bf16", win_ptr="*bf16", out_ptr="*bf16", nk_ptr="*i64", nq_ptr="*i64",
                ks_ptr="*fp16")

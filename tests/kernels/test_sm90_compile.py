@@ -116,7 +116,7 @@ def test_tail_program_fits_beside_two_gluon_programs(compiled, name):
 
     tail, gluon = compiled[f"outer-tail-{name}"], compiled[f"{name}-gluon-d128"]
     assert tail["registers"] <= TAIL_REGISTERS and gluon["registers"] <= 168
-    assert TAIL_REGISTERS * 32 * TAIL_WARPS + 2 * 168 * 32 * N_WARPS <= 65536
+    assert TAIL_REGISTERS * 32 * TAIL_WARPS + 2 * gluon["registers"] * 32 * N_WARPS <= 65536
     assert tail["shared"] + 2 * gluon["shared"] + 3 * 1024 <= SM_SHARED_MEMORY
 
 
