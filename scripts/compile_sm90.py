@@ -118,7 +118,7 @@ def cases() -> dict:
         out[f"outer-triton-{name}"] = (outer_attention._split_kernel, dict(
             D=128, KB=kb, VB=vb, REP=4, REP_P=16, GS=gs, BLOCK=outer_attention.BLOCK_W, FAST=True,
             AK=unpack_asm(kb)[0], CK=unpack_asm(kb)[1], AV=unpack_asm(vb)[0], CV=unpack_asm(vb)[1], ROPE=rope, KT=kt,
-            CG=group, TAIL_ONLY=False), ASTSource, OUTER_POINTERS, dict(
+            CG=group, TAIL_ONLY=False, EARLY=True), ASTSource, OUTER_POINTERS, dict(
                 num_warps=outer_attention.split_kernel_warps("token" if kt else "channel", group, 128, 4),
                 num_stages=stages, enable_fp_fusion=True))
         if not kt:

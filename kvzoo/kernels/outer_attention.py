@@ -51,8 +51,11 @@ Two kernels:
      On an H100, KIVI's and SQuat's 2-bit layout (per-channel keys, stored after RoPE or before it) with enough
      work runs its quantized columns in the Gluon kernels of kvzoo/kernels/outer_hopper.py, and 8-bit per-token groups
      (int8's, KV Pareto k8v8's) in the one of kvzoo/kernels/token_hopper.py; this kernel then runs only the last
-     program (SPLIT0: the first column this launch owns), on a second stream beside the Gluon kernel (TAIL_BESIDE), so
-     that it reads its windows while the Gluon kernel computes; the combine waits for both. Beside the per-token
+     program (SPLIT0: the first column this launch owns), beside the Gluon kernel, so that it reads its windows while
+     the Gluon kernel computes; the combine waits for both. On sm_90 both go on the current stream: this program
+     first, letting the Gluon kernel launch at its start, and the Gluon kernel's programs wait for it before they exit
+     (programmatic dependent launch, quant_matvec.launches_early), which a graph replays about 0.5-2.5 us faster than
+     a second stream's fork and join (docs/decode.md); else on a second stream (TAIL_BESIDE). Beside the per-token
      kernel at a KV row an SM or more, that program is compiled alone (TAIL_ONLY) under a register cap
      (TAIL_REGISTERS), so that it shares an SM with the Gluon kernel's programs. With neither a sink nor
      a window (every stored slot quantized: KV Pareto's and int8's graph step) there is no last program: the Gluon
@@ -92,8 +95,8 @@ from kvzoo.cache.kvquant import QTensor, dequantize
 from kvzoo.kernels.innerq_attention import (BLOCK_W, LOG2E, _attend_window, _dot_dtype, _plan_splits, combine,
                                             softmax_step)
 from kvzoo.kernels.quant_matvec import (GROUP, check_head_dim, check_runnable, check_tensor,
-                                        dequant_outer, head_rows, join_codes, sm_count, unpack_asm, unpack_codes,
-                                        unpacks_in_ptx)
+                                        dequant_outer, head_rows, join_codes, launches_early, sm_count, unpack_asm,
+                                        unpack_codes, unpacks_in_ptx)
 
 try:
     from kvzoo.kernels import outer_hopper, token_hopper
@@ -108,7 +111,7 @@ SPLIT_STAGES = 3             # software-pipelining depth of the split kernel's t
 ROPE_GROUPS_PER_STEP = 4     # the same two settings where the kernel rotates keys stored before RoPE (KIVI*)
 ROPE_STAGES = 2
 FAST_PATH = True             # fp16/bf16 models on a GPU: codes unpacked as half2 in inline PTX
-TAIL_BESIDE = True           # with the Gluon kernel: the tail's program runs on a second stream, beside it
+TAIL_BESIDE = True           # with the Gluon kernel and not launches_early: the tail's program on a second stream
 TAIL_WARPS, TAIL_REGISTERS = 4, 168     # beside the per-token kernel, a KV row an SM or more: the tail's program
                                         # compiled alone, under a register cap that fits it beside two of its programs
 OUTER_BITS = (2, 4, 8)       # code widths of either stream
@@ -359,7 +362,9 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
                   D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
                   GS: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, AK: tl.constexpr, CK: tl.constexpr,
                   AV: tl.constexpr, CV: tl.constexpr, ROPE: tl.constexpr, KT: tl.constexpr, CG: tl.constexpr,
-                  TAIL_ONLY: tl.constexpr):
+                  TAIL_ONLY: tl.constexpr, EARLY: tl.constexpr):
+    if EARLY:                                    # the split kernel after it may launch (launches_early)
+        tl.extra.cuda.gdc_launch_dependents()
     kv = tl.program_id(0)                        # b * H + h
     head = kv.to(tl.int64)
     kc_ptr += head * s_kc
@@ -541,26 +546,33 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
                for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_recent, v_recent, k_sink, v_sink)]
     cos, sin = (t.contiguous() for t in rope) if rope is not None else (q, q)       # q: never read
 
+    # the tail's program first and the Gluon kernel launched while it runs, on one stream (module docstring)
+    early = gluon and bool(tail) and launches_early(dev)
+
     def triton_columns():
         _split_kernel[(B * H, splits + 1 - split0)](
             q, *(t for t, _ in buffers), cos, sin, m, l, acc, lengths, max(k_rows, 1), max(v_rows, 1), per_split,
             split0, qk_scale,
             *(s for _, s in buffers), D=d, KB=bits, VB=v_bits, REP=rep, REP_P=rep_p, GS=gs, BLOCK=BLOCK_W, FAST=fast,
             AK=unpack_asm(bits)[0], CK=unpack_asm(bits)[1], AV=unpack_asm(v_bits)[0], CV=unpack_asm(v_bits)[1],
-            ROPE=rope is not None, KT=not channel, CG=group, TAIL_ONLY=slim, enable_fp_fusion=True,
+            ROPE=rope is not None, KT=not channel, CG=group, TAIL_ONLY=slim, EARLY=early, enable_fp_fusion=True,
             **(dict(num_warps=TAIL_WARPS, num_stages=1, maxnreg=TAIL_REGISTERS) if slim else
                dict(num_warps=split_kernel_warps(key_groups, group, d, num_warps), num_stages=stages)))
 
     def quantized_splits():
         if by_token:
-            token_hopper.quantized_splits(q, buffers[:6], m, l, acc, lengths, per_split, splits, qk_scale, group)
+            token_hopper.quantized_splits(q, buffers[:6], m, l, acc, lengths, per_split, splits, qk_scale, group,
+                                          early)
         else:
             outer_hopper.quantized_splits(q, buffers[:6], m, l, acc, lengths, per_split, splits, qk_scale, group,
-                                         rope)
+                                         rope, early)
 
     if not gluon:
         triton_columns()
     elif not tail:
+        quantized_splits()
+    elif early:
+        triton_columns()
         quantized_splits()
     elif TAIL_BESIDE:                            # the tail reads its windows while the Gluon kernel computes
         main, side = torch.cuda.current_stream(dev), side_stream(dev, TAIL)

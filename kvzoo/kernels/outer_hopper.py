@@ -454,6 +454,14 @@ def _padded(x, ROWS: gl.constexpr):
 
 
 @gluon.jit
+def await_tail():
+    """The last step of a Gluon kernel launched while the tail's program before it runs (quant_matvec.launches_early):
+    wait until that program has finished and its partial is visible, so that the combine after this kernel sees it.
+    A no-op where it was launched plainly."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _head_pointers(kv, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, s_kc, s_ks, s_kz, s_vc, s_vs, s_vz):
     """The six buffers' pointers at KV row kv (b * H + h), each moved by its head stride (int64 offsets)."""
     head = kv.to(gl.int64)
@@ -570,6 +578,7 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos
     acc = warpgroup_mma_wait(0, deps=[acc])
     l = gl.convert_layout(gl.sum(gl.sum(l, axis=0), axis=0), m.type.layout)
     _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, kv, split, N_COLS, REP, False)
+    await_tail()
 
 
 # The warp kernel (module docstring): keys stored after RoPE, head_dim 128
@@ -770,6 +779,7 @@ def _warp_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, l
     c = gl.arange(0, D, layout=gl.SliceLayout(1, out.type.layout))
     real = 16 * (c % 8) + c // 16 + 8 * ((c // 8) % 2)                                      # row c of Vᵀ
     warp_store(m_ptr, l_ptr, acc_ptr, m_all, l_all, out, real, kv, split, N_COLS, REP)
+    await_tail()
 
 
 @gluon.jit
@@ -900,6 +910,12 @@ def _layouts(d: int, rope: bool = False) -> tuple:
     return lp, ksl, lpk, lh
 
 
+def launch_options(early: bool) -> dict:
+    """A Gluon kernel's launch options: launched programmatically where the tail's program before it lets it (early;
+    its programs wait for that program before they exit: await_tail)."""
+    return dict(launch_pdl=True) if early else {}
+
+
 @functools.cache
 def _is_hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
@@ -957,22 +973,24 @@ def rope_tables(cos: Tensor, sin: Tensor) -> Tensor:
 
 def quantized_splits(q: Tensor, buffers: list[tuple[Tensor, int]], m: Tensor, l: Tensor, acc: Tensor,
                      lengths: Tensor, per_split: int, splits: int, qk_scale: float, group: int,
-                     rope: tuple[Tensor, Tensor] | None = None) -> None:
+                     rope: tuple[Tensor, Tensor] | None = None, early: bool = False) -> None:
     """Write the (m, l, acc) partials of columns [0, splits) of outer_decode_attention's buffers (splits columns,
     or splits + 1 with the sink's and the tail's) for q (B, Hq, d) contiguous; buffers: outer_decode_attention's
     (tensor, head stride) pairs of the key and value codes, scales and zeros, in that order; rope: the (cos, sin)
-    tables (positions, d) of keys stored before RoPE (outer_decode_attention's)."""
+    tables (positions, d) of keys stored before RoPE (outer_decode_attention's); early: launched while the tail's
+    program, just launched on this stream, runs (quant_matvec.launches_early)."""
     B, Hq, d = q.shape
     H = buffers[0][0].shape[1]
     if _serves_warp_kernel(d, rope, qk_scale):
         _warp_kernel[(B * H, splits)](q, *(t for t, _ in buffers), m, l, acc, lengths, per_split, m.shape[1], qk_scale,
                                       *(s for _, s in buffers), D=d, REP=Hq // H, ROWS=rows_for(Hq // H), CG=group,
                                       **dict(zip(("LKW", "KSL", "LVW", "XL", "VL"), _warp_layouts(d))),
-                                      num_warps=N_WARPS)
+                                      num_warps=N_WARPS, **launch_options(early))
         return
     lp, ksl, lpk, lh = _layouts(d, rope is not None)
     cos, sin, offsets = (*rope, rope_tables(*rope)) if rope is not None else (q, q, q)     # q: never read
     _quantized_kernel[(B * H, splits)](q, *(t for t, _ in buffers), cos, sin, offsets, m, l, acc, lengths, per_split,
                                        m.shape[1], qk_scale, *(s for _, s in buffers), D=d, REP=Hq // H,
                                        ROWS=rows_for(Hq // H), CG=group, LP=lp, KSL=ksl, LPK=lpk, LH=lh,
-                                       ROPE=rope is not None, QROWS=query_rows(Hq // H), num_warps=N_WARPS)
+                                       ROPE=rope is not None, QROWS=query_rows(Hq // H), num_warps=N_WARPS,
+                                       **launch_options(early))

@@ -166,6 +166,20 @@ def kernel_choice(variable: str) -> str:
     return choice
 
 
+EARLY_LAUNCH = os.environ.get("KVZOO_EARLY_LAUNCH", "1") != "0"     # "0": the tail's program on a second stream
+
+
+@functools.cache
+def launches_early(device: torch.device) -> bool:
+    """Whether outer_attention's Gluon kernel launches while the tail's program, launched before it on the same
+    stream, runs (programmatic dependent launch, sm_90 on): that program lets it launch at its start
+    (griddepcontrol.launch_dependents), and the Gluon kernel's programs wait for it to finish before they exit
+    (griddepcontrol.wait), so that the combine after them sees both. A compiled CUDA run only (the interpreter runs
+    no PTX)."""
+    return EARLY_LAUNCH and device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") \
+        and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def unpacks_in_ptx(t: Tensor) -> bool:
     """Whether kernels on t may take their inline-PTX fast path (unpack_asm): fp16/bf16 on a compiled CUDA run
     (the interpreter runs no PTX)."""

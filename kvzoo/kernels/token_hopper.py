@@ -55,7 +55,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from kvzoo.kernels.outer_hopper import (N_WARPS, WARP_MMA, WARPS, _head_pointers, _is_hopper, _load_moved, _run,
-                                        warp_query, warp_columns, warp_merge, warp_store)
+                                        await_tail, launch_options, warp_query, warp_columns, warp_merge,
+                                        warp_store)
 from kvzoo.kernels.quant_matvec import kernel_choice, unpacks_in_ptx
 
 CHOICE = kernel_choice("KVZOO_TOKEN_KERNEL")
@@ -347,6 +348,7 @@ def _token_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, 
         out = out + gl.expand_dims(gl.convert_layout(z_all, gl.SliceLayout(0, out.type.layout)), 0)
     c = gl.arange(0, D, layout=gl.SliceLayout(1, out.type.layout))
     warp_store(m_ptr, l_ptr, acc_ptr, m_all, l_all, out, _value_channel(c), kv, split, N_COLS, REP)
+    await_tail()
 
 
 @functools.cache
@@ -388,13 +390,15 @@ def eligible(q: Tensor, bits: int, v_bits: int, channel: bool, rope, group: int,
 
 
 def quantized_splits(q: Tensor, buffers: list[tuple[Tensor, int]], m: Tensor, l: Tensor, acc: Tensor,
-                     lengths: Tensor, per_split: int, splits: int, qk_scale: float, group: int) -> None:
+                     lengths: Tensor, per_split: int, splits: int, qk_scale: float, group: int,
+                     early: bool = False) -> None:
     """Write the (m, l, acc) partials of columns [0, splits) of outer_decode_attention's buffers (splits columns,
     or splits + 1 with the sink's and the tail's) for q (B, Hq, d) contiguous; buffers: outer_decode_attention's
-    (tensor, head stride) pairs of the key and value codes, scales and zeros, in that order."""
+    (tensor, head stride) pairs of the key and value codes, scales and zeros, in that order; early: launched while
+    the tail's program, just launched on this stream, runs (quant_matvec.launches_early)."""
     B, Hq, d = q.shape
     H = buffers[0][0].shape[1]
     lk, lk5, lv, lv5 = _layouts(d)
     _token_kernel[(B * H, splits)](q, *(t for t, _ in buffers), m, l, acc, lengths, per_split, m.shape[1], qk_scale,
                                    *(s for _, s in buffers), D=d, REP=Hq // H, ROWS=ROWS_MAX, CG=group, LK=lk, LK5=lk5,
-                                   LV=lv, LV5=lv5, num_warps=N_WARPS)
+                                   LV=lv, LV5=lv5, num_warps=N_WARPS, **launch_options(early))

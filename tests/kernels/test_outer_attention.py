@@ -372,7 +372,7 @@ def check_gluon_kernel(module, args, kw, splits, dtype, monkeypatch):
     got = outer_decode_attention(*args, num_splits=splits, **kw)
     assert calls, "the Gluon kernel was not taken"
     assert_close(got, outer_decode_attention_ref(*args, **kw), dtype)
-    graph = torch.cuda.CUDAGraph()             # the tail's program on its second stream, captured as a branch
+    graph = torch.cuda.CUDAGraph()             # the tail's program and the Gluon kernel captured as they launch
     with torch.cuda.graph(graph):
         replayed = outer_decode_attention(*args, num_splits=splits, **kw)
     graph.replay()
@@ -429,6 +429,36 @@ def test_token_kernel_matches_reference_and_triton_kernel(dtype, rep, B, N, leng
     args = (q, *codes, 8, k_rec, v_rec, torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
     kw = dict(k_sink=k_sink, v_sink=v_sink, key_groups="token", group=group)
     check_gluon_kernel(token_hopper, args, kw, splits, dtype, monkeypatch)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
+@pytest.mark.parametrize("early", [True, False])
+def test_tail_program_then_the_gluon_kernel_on_one_stream(early, monkeypatch):
+    """On an H100 the tail's program launches first and the Gluon kernel programmatically while it runs, on the
+    current stream (no second stream); with launches_early off, the tail's program runs on a second stream. Both
+    match the reference, replayed too."""
+    from kvzoo.kernels import outer_attention
+    token_hopper = pytest.importorskip("kvzoo.kernels.token_hopper")
+    monkeypatch.setattr(outer_attention, "launches_early", lambda device: early)
+    sides, launches = [], []
+    side_stream = outer_attention.side_stream
+    monkeypatch.setattr(outer_attention, "side_stream", lambda *a: sides.append(1) or side_stream(*a))
+    run = token_hopper.quantized_splits
+    monkeypatch.setattr(token_hopper, "quantized_splits", lambda *a: launches.append(a[-1]) or run(*a))
+    B, H, N, d, rep, dtype = 2, 2, 1024, 128, 4, torch.float16
+    codes, (k_rec, v_rec) = token_cache(B, H, N, d, 8, 8, 32, dtype, rows=40, seed=int(early))
+    q = torch.randn(B, H * rep, d, generator=torch.Generator().manual_seed(int(early))).to(DEVICE, dtype)
+    args = (q, *codes, 8, k_rec, v_rec, torch.tensor((1000, 1000, 1030, 0), dtype=torch.int32, device=DEVICE))
+    kw = dict(key_groups="token", group=32)
+    monkeypatch.setattr(token_hopper, "MIN_GROUP_ROWS", 0)
+    got = outer_decode_attention(*args, num_splits=4, **kw)
+    assert_close(got, outer_decode_attention_ref(*args, **kw), dtype)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = outer_decode_attention(*args, num_splits=4, **kw)
+    graph.replay()
+    assert torch.equal(replayed, got)
+    assert launches == [early, early] and (not sides) == early
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
