@@ -687,7 +687,7 @@ def measure_stages(timer: Timer, gen: torch.Generator, shapes: list[tuple[int, i
                                                                          num_stages=outer_attention.SPLIT_STAGES))
         for name, ms in times.items():
             add_row(rows, B, N, "stage", name, ms, times["read floor"], read)
-        del keys, values, args
+        keys = values = args = None             # the shape's tensors freed before the next shape
         torch.cuda.empty_cache()
     return rows
 
