@@ -52,14 +52,16 @@ Two kernels:
      work runs its quantized columns in the Gluon kernels of kvzoo/kernels/outer_hopper.py, and 8-bit per-token groups
      (int8's, KV Pareto k8v8's) in the one of kvzoo/kernels/token_hopper.py; this kernel then runs only the last
      program (SPLIT0: the first column this launch owns), beside the Gluon kernel, so that it reads its windows while
-     the Gluon kernel computes; the combine waits for both. On sm_90 both go on the current stream: this program
-     first, letting the Gluon kernel launch at its start, and the Gluon kernel's programs wait for it before they exit
-     (programmatic dependent launch, quant_matvec.launches_early), which a graph replays about 0.5-2.5 us faster than
-     a second stream's fork and join (docs/decode.md); else on a second stream (TAIL_BESIDE). Beside the per-token
-     kernel at a KV row an SM or more, that program is compiled alone (TAIL_ONLY) under a register cap
-     (TAIL_REGISTERS), so that it shares an SM with the Gluon kernel's programs. With neither a sink nor
-     a window (every stored slot quantized: KV Pareto's and int8's graph step) there is no last program: the Gluon
-     kernel and the combine are the whole attention.
+     the Gluon kernel computes; the combine waits for both. Both go on the current stream: this program first,
+     letting the Gluon kernel launch at its start, and the Gluon kernel's programs wait for it before they exit
+     (programmatic dependent launch, quant_matvec.launches_early), which a graph replays 0.4-2.6 us faster than a
+     second stream's fork and join (docs/decode.md). The Gluon kernel launches once the last of those programs (a KV
+     row each) has started, so this order is kept to KV rows that fit the GPU at once (TAIL_PROGRAMS_PER_SM); more
+     rows, or KVZOO_EARLY_LAUNCH=0, put this program on a second stream (TAIL_BESIDE). Beside the per-token kernel at
+     a KV row an SM or more, that program is compiled alone (TAIL_ONLY) under a register cap (TAIL_REGISTERS), so
+     that it shares an SM with the Gluon kernel's programs. With neither a sink nor a window (every stored slot
+     quantized: KV Pareto's and int8's graph step) there is no last program: the Gluon kernel and the combine are the
+     whole attention.
   2. combine: grid (B*H, d/32). Merges the partials, attends the token given apart (k_token, v_token: its score and
      weight in fp32), divides by l and writes (B, Hq, d) in q's dtype (innerq_attention.combine, shared with
      InnerQ's kernels). The token is the combine's, not the split kernel's last program's: a second pass there
@@ -112,6 +114,7 @@ ROPE_GROUPS_PER_STEP = 4     # the same two settings where the kernel rotates ke
 ROPE_STAGES = 2
 FAST_PATH = True             # fp16/bf16 models on a GPU: codes unpacked as half2 in inline PTX
 TAIL_BESIDE = True           # with the Gluon kernel and not launches_early: the tail's program on a second stream
+TAIL_PROGRAMS_PER_SM = 2     # the tail's programs an SM holds: two of the whole kernel's at up to 255 registers
 TAIL_WARPS, TAIL_REGISTERS = 4, 168     # beside the per-token kernel, a KV row an SM or more: the tail's program
                                         # compiled alone, under a register cap that fits it beside two of its programs
 OUTER_BITS = (2, 4, 8)       # code widths of either stream
@@ -546,8 +549,9 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
                for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_recent, v_recent, k_sink, v_sink)]
     cos, sin = (t.contiguous() for t in rope) if rope is not None else (q, q)       # q: never read
 
-    # the tail's program first and the Gluon kernel launched while it runs, on one stream (module docstring)
-    early = gluon and bool(tail) and launches_early(dev)
+    # the tail's program first and the Gluon kernel launched while it runs, on one stream (module docstring), where
+    # the tail's programs (a KV row each) fit the GPU at once: the Gluon kernel launches once the last has started
+    early = gluon and bool(tail) and B * H <= TAIL_PROGRAMS_PER_SM * sm_count(dev) and launches_early(dev)
 
     def triton_columns():
         _split_kernel[(B * H, splits + 1 - split0)](

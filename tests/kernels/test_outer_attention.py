@@ -432,14 +432,16 @@ def test_token_kernel_matches_reference_and_triton_kernel(dtype, rep, B, N, leng
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
-@pytest.mark.parametrize("early", [True, False])
-def test_tail_program_then_the_gluon_kernel_on_one_stream(early, monkeypatch):
+@pytest.mark.parametrize("early,sms,one_stream", [(True, None, True), (False, None, False), (True, 1, False)])
+def test_tail_program_then_the_gluon_kernel_on_one_stream(early, sms, one_stream, monkeypatch):
     """On an H100 the tail's program launches first and the Gluon kernel programmatically while it runs, on the
-    current stream (no second stream); with launches_early off, the tail's program runs on a second stream. Both
-    match the reference, replayed too."""
+    current stream (no second stream); with launches_early off, or more KV rows than TAIL_PROGRAMS_PER_SM an SM
+    (here: one SM), the tail's program runs on a second stream. Each matches the reference, replayed too."""
     from kvzoo.kernels import outer_attention
     token_hopper = pytest.importorskip("kvzoo.kernels.token_hopper")
     monkeypatch.setattr(outer_attention, "launches_early", lambda device: early)
+    if sms is not None:
+        monkeypatch.setattr(outer_attention, "sm_count", lambda device: sms)
     sides, launches = [], []
     side_stream = outer_attention.side_stream
     monkeypatch.setattr(outer_attention, "side_stream", lambda *a: sides.append(1) or side_stream(*a))
@@ -458,7 +460,7 @@ def test_tail_program_then_the_gluon_kernel_on_one_stream(early, monkeypatch):
         replayed = outer_decode_attention(*args, num_splits=4, **kw)
     graph.replay()
     assert torch.equal(replayed, got)
-    assert launches == [early, early] and (not sides) == early
+    assert launches == [one_stream, one_stream] and (not sides) == one_stream
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
