@@ -113,7 +113,7 @@ SPLIT_STAGES = 3             # software-pipelining depth of the split kernel's t
 ROPE_GROUPS_PER_STEP = 4     # the same two settings where the kernel rotates keys stored before RoPE (KIVI*)
 ROPE_STAGES = 2
 FAST_PATH = True             # fp16/bf16 models on a GPU: codes unpacked as half2 in inline PTX
-TAIL_BESIDE = True           # with the Gluon kernel and not launches_early: the tail's program on a second stream
+TAIL_BESIDE = True           # the tail's program on a second stream where it does not go first (module docstring)
 TAIL_PROGRAMS_PER_SM = 2     # the tail's programs an SM holds: two of the whole kernel's at up to 255 registers
 TAIL_WARPS, TAIL_REGISTERS = 4, 168     # beside the per-token kernel, a KV row an SM or more: the tail's program
                                         # compiled alone, under a register cap that fits it beside two of its programs
