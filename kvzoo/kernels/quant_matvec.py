@@ -166,7 +166,16 @@ def kernel_choice(variable: str) -> str:
     return choice
 
 
-EARLY_LAUNCH = os.environ.get("KVZOO_EARLY_LAUNCH", "1") != "0"     # "0": the tail's program on a second stream
+def early_launch_setting() -> bool:
+    """KVZOO_EARLY_LAUNCH, "1" (default) or "0": whether launches_early may hold (0: the tail's program always on a
+    second stream, for comparisons)."""
+    value = os.environ.get("KVZOO_EARLY_LAUNCH", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"KVZOO_EARLY_LAUNCH must be '0' or '1', got {value!r}")
+    return value == "1"
+
+
+EARLY_LAUNCH = early_launch_setting()
 
 
 @functools.cache

@@ -677,6 +677,19 @@ def test_kvzoo_token_kernel_picks_the_kernel(choice, enabled, least):
     assert run.stdout.split() == [enabled, least]
 
 
+@pytest.mark.parametrize("value,held", [("0", "False"), ("1", "True"), ("yes", None)])
+def test_early_launch_setting_takes_0_or_1(value, held):
+    """KVZOO_EARLY_LAUNCH, read when quant_matvec is imported: "0" keeps the tail's program on a second stream, "1"
+    (the default) lets it go first; anything else is refused by name."""
+    run = subprocess.run([sys.executable, "-c", "from kvzoo.kernels import quant_matvec as q; print(q.EARLY_LAUNCH)"],
+                         capture_output=True, text=True, env={**os.environ, "KVZOO_EARLY_LAUNCH": value})
+    if held is None:
+        assert run.returncode != 0 and "KVZOO_EARLY_LAUNCH must be '0' or '1', got 'yes'" in run.stderr
+    else:
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.split() == [held]
+
+
 @pytest.mark.parametrize("variable,module", [("KVZOO_INNERQ_KERNEL", "kvzoo.kernels.innerq_hopper"),
                                              ("KVZOO_OUTER_KERNEL", "kvzoo.kernels.outer_hopper"),
                                              ("KVZOO_TOKEN_KERNEL", "kvzoo.kernels.token_hopper"),
