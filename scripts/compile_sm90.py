@@ -87,11 +87,14 @@ def cases() -> dict:
                             maxnreg=innerq_hopper.register_cap(innerq_hopper.BUSY_PROGRAMS_PER_SM))
                 out[f"innerq-gluon-d{d}-{mode}-busy"] = (*out[f"innerq-gluon-d{d}-{mode}"][:4], busy)
         for name, rope in (("kivi", False), ("kivi-pre", True)):
-            if not rope and d == outer_hopper.WARP_HEAD_DIM:      # the warp kernel serves it
+            if d == outer_hopper.WARP_HEAD_DIM:      # the warp kernel serves it
                 out[f"{name}-gluon-d{d}"] = (outer_hopper._warp_kernel, dict(
-                    D=d, REP=rep, ROWS=rows, CG=32,
-                    **dict(zip(("LKW", "KSL", "LVW", "XL", "VL"), outer_hopper._warp_layouts(d)))), GluonASTSource,
-                    dict(POINTERS, kz_ptr="*fp16", vz_ptr="*fp16"), dict(gluon, divisible=STRIDES))
+                    D=d, REP=rep, ROWS=rows, CG=32, ROPE=rope, QROWS=outer_hopper.query_rows(rep),
+                    **dict(zip(("LKW", "KSL", "LVW", "XL", "VL"), outer_hopper._warp_layouts(d, rope))),
+                    **dict(zip(("LT", "LQC"), outer_hopper._warp_rope_layouts(outer_hopper.query_rows(rep))))),
+                    GluonASTSource,
+                    dict(POINTERS, kz_ptr="*fp16", vz_ptr="*fp16", cos_ptr="*bf16", sin_ptr="*bf16", off_ptr="*fp16"),
+                    dict(gluon, divisible=STRIDES))
                 continue
             lp, ksl, lpk, lh = outer_hopper._layouts(d, rope)
             out[f"{name}-gluon-d{d}"] = (outer_hopper._quantized_kernel, dict(

@@ -588,6 +588,12 @@ LOW_HALVES = gl.constexpr("prmt.b32 $0, $1, $2, 0x5410;")      # (a.lo, b.lo)
 HIGH_HALVES = gl.constexpr("prmt.b32 $0, $1, $2, 0x7632;")     # (a.hi, b.hi)
 # x (an fp16 pair) times a scale pair plus an offset pair, each pair an int32 entered twice (pack=2)
 FMA_PAIRS = gl.constexpr("fma.rn.f16x2 $0, $1, $2, $4;")
+# keys stored before RoPE: channels c and c + d/2 (lo, hi; half2 pairs) rotated by (cos, sin) in fp16, each product
+# rounded once: lo cos - hi sin, hi cos + lo sin
+ROTATE_PAIRS = gl.constexpr("{ .reg .b32 t; mul.rn.f16x2 t, $3, $5; neg.f16x2 t, t; fma.rn.f16x2 $0, $2, $4, t; "
+                            "mul.rn.f16x2 t, $2, $5; fma.rn.f16x2 $1, $3, $4, t; }")
+# two fp32 values as an fp16 pair, each saturated to fp16's finite range (a clamp to +-65504, then rounding)
+TO_HALF2 = gl.constexpr("cvt.rn.satfinite.f16x2.f32 $0, $2, $1;")
 # zero - M * scale for a pair of real channels (2 i, 2 i + 1), slots of parity 0 and 1: M = 4 and 16
 OFFSETS_HALF2 = gl.constexpr("{ .reg .b32 m; mov.b32 m, 0xCC00C400; fma.rn.f16x2 $0, $1, m, $2; }")
 
@@ -648,13 +654,17 @@ def _load_moved(ptr, offsets, REGS: gl.constexpr, CLAMP: gl.constexpr):
 
 
 @gluon.jit
-def _column_pairs(pairs, XL: gl.constexpr):
+def _column_pairs(pairs, XL: gl.constexpr, ROPE: gl.constexpr):
     """Key scales or offsets loaded as int32 half2 pairs of real channels (4, D/2) (a thread: its lane's 16 pairs,
-    real channels 32 t ..) -> (4, 32, D) int32 in XL, column c = b + 2 t + 8 a + 64 w0 holding the pair of real
-    channels 32 t + 16 w0 + a and + 8 (its slots a, a + 8), one prmt a pair, the same for b = 0 and 1."""
+    real channels 32 t .., or with ROPE 16 t .. and 64 + 16 t ..) -> (4, 32, D) int32 in XL, column
+    c = b + 2 t + 8 a + 64 w0 holding the pair of real channels (word 2 t + w0, or t + 4 w0) slots a and a + 8, one
+    prmt a pair, the same for b = 0 and 1."""
     D: gl.constexpr = 2 * pairs.shape[1]
-    x = gl.reshape(pairs, (4, 4, 2, 2, 4))                        # (4, t, w0, + 8 channels, a // 2)
-    first, second = gl.split(gl.permute(x, (0, 1, 2, 4, 3)))      # (4, t, w0, a // 2)
+    if ROPE:
+        x = gl.permute(gl.reshape(pairs, (4, 2, 4, 2, 4)), (0, 2, 1, 4, 3))     # (4, t, w0, a // 2, + 8 channels)
+    else:
+        x = gl.permute(gl.reshape(pairs, (4, 4, 2, 2, 4)), (0, 1, 2, 4, 3))     # (4, t, w0, a // 2, + 8 channels)
+    first, second = gl.split(x)                                   # (4, t, w0, a // 2)
     lo = gl.inline_asm_elementwise(LOW_HALVES, "=r,r,r", [first, second], dtype=gl.int32, is_pure=True, pack=1)
     hi = gl.inline_asm_elementwise(HIGH_HALVES, "=r,r,r", [first, second], dtype=gl.int32, is_pure=True, pack=1)
     x = gl.reshape(gl.join(lo, hi), (4, 4, 2, 8))                 # (4, t, w0, a): a even the low halves
@@ -664,25 +674,46 @@ def _column_pairs(pairs, XL: gl.constexpr):
 
 
 @gluon.jit
-def _warp_keys(kw, ks, kz, LKW: gl.constexpr, XL: gl.constexpr, KA: gl.constexpr):
+def _warp_keys(kw, ks, kz, LKW: gl.constexpr, XL: gl.constexpr, ROPE: gl.constexpr):
     """Key words (4, 32, W) and their group's scales and zeros (4, D/2), int32 pairs of real channels as stored ->
-    the scores' A operand (4, 32, D) in registers: column c = b + 2 t + 8 a + 64 w0 is slot a + 8 b of word
-    2 t + w0 (real channel 32 t + 16 w0 + 8 b + a; _place's order), read as M + c and dequantized by one fp16x2
-    FMA with the column's scale and offset zero - M * scale (the magic M by a's parity)."""
+    the scores' A operand (4, 32, D) in XL (A's registers, converted to A with no data moved): column
+    c = b + 2 t + 8 a + 64 w0 is slot a + 8 b of word 2 t + w0 (real channel 32 t + 16 w0 + 8 b + a; _place's
+    order), or with ROPE of word t + 4 w0 (real channel 16 t + 64 w0 + 8 b + a: a thread holds channels c and
+    c + d/2, which RoPE pairs), read as M + c and dequantized by one fp16x2 FMA with the column's scale and offset
+    zero - M * scale (the magic M by a's parity)."""
     D: gl.constexpr = 16 * kw.shape[2]
     pairs = gl.join(kw, kw)                                                        # (4, 32, W, 2): the word twice
     pairs = gl.convert_layout(pairs, LKW, assert_trivial=True)
     o = gl.inline_asm_elementwise(MAGIC_ASM, MAGIC_CON, [pairs], dtype=(gl.float16,) * 8, is_pure=True, pack=2)
-    x = gl.reshape(_join8(o), (4, 32, 4, 2, 2, 2, 2, 2))                           # (4, 32, t, w0, b, a2, a1, a0)
-    x = gl.convert_layout(gl.reshape(gl.permute(x, (0, 1, 3, 5, 6, 7, 2, 4)), (4, 32, D)), XL, assert_trivial=True)
+    if ROPE:
+        x = gl.reshape(_join8(o), (4, 32, 2, 4, 2, 2, 2, 2))                       # (4, 32, w0, t, b, a2, a1, a0)
+        x = gl.permute(x, (0, 1, 2, 5, 6, 7, 3, 4))
+    else:
+        x = gl.reshape(_join8(o), (4, 32, 4, 2, 2, 2, 2, 2))                       # (4, 32, t, w0, b, a2, a1, a0)
+        x = gl.permute(x, (0, 1, 3, 5, 6, 7, 2, 4))
+    x = gl.convert_layout(gl.reshape(x, (4, 32, D)), XL, assert_trivial=True)      # (w0, a2, a1, a0, t, b)
     # the scales and offsets as half2 pairs of A's registers, (slot a, a + 8) of a word, formed once: the loaded
     # pairs are real channels (2 i, 2 i + 1), whose offsets zero - M * scale take the magics (4, 16) as a half2
-    s_pairs = _column_pairs(ks, XL)
+    s_pairs = _column_pairs(ks, XL, ROPE)
     z_pairs = _column_pairs(gl.inline_asm_elementwise(OFFSETS_HALF2, "=r,r,r", [ks, kz], dtype=gl.int32,
-                                                      is_pure=True, pack=1), XL)
-    k = gl.inline_asm_elementwise(FMA_PAIRS, "=r,r,r,r,r,r", [x, s_pairs, z_pairs], dtype=gl.float16, is_pure=True,
-                                  pack=2)
-    return gl.convert_layout(k, KA, assert_trivial=True)
+                                                      is_pure=True, pack=1), XL, ROPE)
+    return gl.inline_asm_elementwise(FMA_PAIRS, "=r,r,r,r,r,r", [x, s_pairs, z_pairs], dtype=gl.float16, is_pure=True,
+                                     pack=2)
+
+
+@gluon.jit
+def _rotate_keys(k, cos, sin):
+    """Keys k (4, 32, D) in XL (_warp_keys' with ROPE: column c + 64 is channel c's RoPE partner, in the same
+    thread) rotated by their offsets' angles, cos and sin (4, 32, D/2) (_warp_rope_tables): each pair of
+    channels by one fp16x2 product and FMA a half (ROTATE_PAIRS)."""
+    D: gl.constexpr = k.shape[2]
+    lo, hi = gl.split(gl.permute(gl.reshape(k, (4, 32, 2, D // 2)), (0, 1, 3, 2)))           # (4, 32, D/2)
+    cos = gl.convert_layout(cos, lo.type.layout, assert_trivial=True)
+    sin = gl.convert_layout(sin, lo.type.layout, assert_trivial=True)
+    lo, hi = gl.inline_asm_elementwise(ROTATE_PAIRS, "=r,=r,r,r,r,r", [lo, hi, cos, sin],
+                                       dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
+    return gl.convert_layout(gl.reshape(gl.permute(gl.join(lo, hi), (0, 1, 3, 2)), (4, 32, D)), k.type.layout,
+                             assert_trivial=True)
 
 
 @gluon.jit
@@ -714,15 +745,20 @@ def _warp_values(vw, vs, vz, VL: gl.constexpr, VA: gl.constexpr):
 
 @gluon.jit
 def _warp_step(ops, q, m, l, acc, qk_scale, t, stop, n_both, LKW: gl.constexpr, XL: gl.constexpr, VL: gl.constexpr,
-               MASKED: gl.constexpr):
+               MASKED: gl.constexpr, rot=None):
     """Step t of the warp kernel: warp w attends key group t + w (ops: _warp_operands') with its own online softmax
     in base 2, on the state (m, l, acc) _warp_kernel holds. MASKED: slots past n_both and groups from `stop` on are
-    masked to -inf (a warp may then have no live token yet); else every slot is live."""
+    masked to -inf (a warp may then have no live token yet); else every slot is live. rot, for keys stored before
+    RoPE: (cos, sin), the angles of the slots' offsets in their group (_warp_rope_tables), q rotated back to the
+    group's first position (_warp_query_back)."""
     ROWS: gl.constexpr = q.shape[2]
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=WARP_MMA, k_width=2)
     B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=WARP_MMA, k_width=2)
     kw, ks, kz, vw, vs, vz = ops
-    s = mma_v2(_warp_keys(kw, ks, kz, LKW, XL, A), q, gl.zeros([WARPS, 32, ROWS], gl.float32, WARP_MMA))
+    k = _warp_keys(kw, ks, kz, LKW, XL, rot is not None)
+    if rot is not None:
+        k = _rotate_keys(k, rot[0], rot[1])
+    s = mma_v2(gl.convert_layout(k, A, assert_trivial=True), q, gl.zeros([WARPS, 32, ROWS], gl.float32, WARP_MMA))
     if MASKED:
         js = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, WARP_MMA)))
         ws = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, WARP_MMA)))
@@ -744,10 +780,70 @@ def _warp_step(ops, q, m, l, acc, qk_scale, t, stop, n_both, LKW: gl.constexpr, 
 
 
 @gluon.jit
-def _warp_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, l_ptr, acc_ptr, len_ptr, PER_SPLIT,
-                 N_COLS, qk_scale, s_kc, s_ks, s_kz, s_vc, s_vs, s_vz, D: gl.constexpr, REP: gl.constexpr,
-                 ROWS: gl.constexpr, CG: gl.constexpr, LKW: gl.constexpr, KSL: gl.constexpr, LVW: gl.constexpr,
-                 XL: gl.constexpr, VL: gl.constexpr):
+def _warp_rope_tables(off_ptr, LT: gl.constexpr):
+    """warp_rope_tables' cos and sin of RoPE's angles at offsets j < 32 in a key group -> two (4, 32, D/2) fp16
+    tiles, element (w, j, c) the angle at offset j of column c's real channel (columns c and c + D/2 of XL share
+    it: _rotate_keys). Loaded in LT (4, j // 8, j % 8, t, e), a thread's 16 values of a row in consecutive
+    registers (16-byte vectors)."""
+    L4: gl.constexpr = gl.SliceLayout(0, LT)
+    i = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+    g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4))))
+    e = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
+    at = ((i[:, None, None, None] * 8 + g[None, :, None, None]) * 4 + t[None, None, :, None]) * 16 \
+        + e[None, None, None, :]                                                  # (j // 8, j % 8, t, e)
+    at = gl.expand_dims(at, 0) + gl.zeros([WARPS, 4, 8, 4, 16], gl.int32, LT)
+    out = ()
+    for which in gl.static_range(2):
+        x = gl.reshape(gl.load(off_ptr + which * 32 * 64 + at), (WARPS, 4, 8, 4, 8, 2))     # e = 2 a + b
+        out = out + (gl.reshape(gl.permute(x, (0, 1, 2, 4, 3, 5)), (WARPS, 32, 64)),)     # column 8 a + 2 t + b
+    return out
+
+
+@gluon.jit
+def _warp_query_halves(q_ptr, kv, REP: gl.constexpr, QR: gl.constexpr, D: gl.constexpr, LQC: gl.constexpr):
+    """Keys stored before RoPE: KV head kv's query rows as (4, QR, D/2, 2) fp32 in LQC, element (w, r, f, h)
+    channel f + h D/2 of row r (every warp the same), rows past REP zero."""
+    L3: gl.constexpr = gl.SliceLayout(0, LQC)
+    r = gl.arange(0, QR, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    f = gl.arange(0, D // 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    at = (kv * REP + r[:, None, None]) * D + f[None, :, None] + h[None, None, :] * (D // 2)
+    live = gl.expand_dims((r < REP)[:, None, None], 0)
+    q = gl.load(q_ptr + gl.expand_dims(at, 0), mask=live, other=0).to(gl.float32)
+    return q + gl.zeros([WARPS, QR, D // 2, 2], gl.float32, LQC)
+
+
+@gluon.jit
+def _warp_query_back(q, cos_ptr, sin_ptr, p0, ROWS: gl.constexpr):
+    """Keys stored before RoPE: q (_warp_query_halves') rotated back to each warp's position p0 (4,) this step,
+    R(-p0) q = [q_lo cos + q_hi sin, q_hi cos - q_lo sin] in fp32 from the model's cos and sin rows at p0, as the
+    scores' B operand (4, D, ROWS) fp16 (saturated to its range as warp_query's clamp), column c real channel
+    16 t + 64 w0 + 8 b + a (c = b + 2 t + 8 a + 64 w0, _warp_keys' with ROPE), rows past q's zero."""
+    QR: gl.constexpr = q.shape[1]
+    D: gl.constexpr = 2 * q.shape[2]
+    B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=WARP_MMA, k_width=2)
+    L3: gl.constexpr = gl.SliceLayout(3, q.type.layout)
+    f = gl.arange(0, D // 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    at = gl.convert_layout(p0, gl.SliceLayout(1, gl.SliceLayout(1, L3)))[:, None] * D + f[None, :]    # (4, D/2)
+    c = gl.expand_dims(gl.load(cos_ptr + at).to(gl.float32), 1)
+    s = gl.expand_dims(gl.load(sin_ptr + at).to(gl.float32), 1)
+    lo, hi = gl.split(q)
+    x = gl.join(lo * c + hi * s, hi * c - lo * s)                                  # (4, QR, D/2, h)
+    x = gl.inline_asm_elementwise(TO_HALF2, "=r,r,r", [x], dtype=gl.float16, is_pure=True, pack=2)
+    x = gl.reshape(gl.permute(x, (0, 1, 3, 2)), (WARPS, QR, D))                   # real channel h D/2 + f
+    if ROWS != QR:
+        x = gl.reshape(gl.permute(gl.join(x, gl.zeros_like(x)), (0, 3, 1, 2)), (WARPS, ROWS, D))
+    x = gl.reshape(x, (WARPS, ROWS, 2, 4, 2, 8))                                  # (w0, t, b, a)
+    return gl.convert_layout(gl.reshape(gl.permute(x, (0, 2, 5, 3, 4, 1)), (WARPS, D, ROWS)), B)
+
+
+@gluon.jit
+def _warp_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos_ptr, sin_ptr, off_ptr, m_ptr, l_ptr,
+                 acc_ptr, len_ptr, PER_SPLIT, N_COLS, qk_scale, s_kc, s_ks, s_kz, s_vc, s_vs, s_vz, D: gl.constexpr,
+                 REP: gl.constexpr, ROWS: gl.constexpr, CG: gl.constexpr, LKW: gl.constexpr, KSL: gl.constexpr,
+                 LVW: gl.constexpr, XL: gl.constexpr, VL: gl.constexpr, ROPE: gl.constexpr, LT: gl.constexpr,
+                 LQC: gl.constexpr, QROWS: gl.constexpr):
     ROW: gl.constexpr = gl.SliceLayout(1, WARP_MMA)                  # (4, ROWS): each warp's rows
     kv = gl.program_id(0)                        # b * H + h
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr = _head_pointers(kv, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
@@ -755,7 +851,12 @@ def _warp_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, l
     split = gl.program_id(1)
     n_both, start, stop, last = _run(len_ptr, split, PER_SPLIT)
 
-    q = warp_query(q_ptr, kv, _place(warp_columns(D), D // 16), REP, ROWS)     # column c: channel _place(c)
+    if ROPE:    # the query's rows, rotated back to each warp's group every step (module docstring)
+        q = _warp_query_halves(q_ptr, kv, REP, QROWS, D, LQC)
+        n_sink = gl.load(len_ptr + 3)
+        w = gl.arange(0, WARPS, layout=gl.SliceLayout(1, ROW))
+    else:
+        q = warp_query(q_ptr, kv, _place(warp_columns(D), D // 16), REP, ROWS)     # column c: channel _place(c)
 
     m = gl.full([WARPS, ROWS], float("-inf"), gl.float32, layout=ROW)
     # each thread's share of the row sums: its own tokens' (4, 8 (token bits 0-2), ROWS)
@@ -768,12 +869,21 @@ def _warp_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, l
     for t in range(start, full, WARPS):
         nxt = _warp_operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, gl.minimum(t + WARPS, full - WARPS), last,
                              LKW, KSL, LVW, D, CG, False)
-        m, l, acc = _warp_step(ops, q, m, l, acc, qk_scale, t, stop, n_both, LKW, XL, VL, False)
+        if ROPE:
+            m, l, acc = _warp_step(ops, _warp_query_back(q, cos_ptr, sin_ptr, n_sink + (t + w) * 32, ROWS), m, l,
+                                   acc, qk_scale, t, stop, n_both, LKW, XL, VL, False, _warp_rope_tables(off_ptr, LT))
+        else:
+            m, l, acc = _warp_step(ops, q, m, l, acc, qk_scale, t, stop, n_both, LKW, XL, VL, False)
         ops = nxt
     # the rest (fewer than four groups, or a group not all live): loaded as they are attended, slots clamped
     for t in range(full, stop, WARPS):
         ops = _warp_operands(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, t, last, LKW, KSL, LVW, D, CG, True)
-        m, l, acc = _warp_step(ops, q, m, l, acc, qk_scale, t, stop, n_both, LKW, XL, VL, True)
+        if ROPE:    # a warp past the last group rotates to that group's position (its scores are masked)
+            qb = _warp_query_back(q, cos_ptr, sin_ptr, n_sink + gl.minimum(t + w, last // 32) * 32, ROWS)
+            m, l, acc = _warp_step(ops, qb, m, l, acc, qk_scale, t, stop, n_both, LKW, XL, VL, True,
+                                   _warp_rope_tables(off_ptr, LT))
+        else:
+            m, l, acc = _warp_step(ops, q, m, l, acc, qk_scale, t, stop, n_both, LKW, XL, VL, True)
 
     m_all, l_all, out, _ = warp_merge(m, l, acc)
     c = gl.arange(0, D, layout=gl.SliceLayout(1, out.type.layout))
@@ -794,13 +904,19 @@ def warp_query(q_ptr, kv, channels, REP: gl.constexpr, ROWS: gl.constexpr):
     """The query rows of KV head kv as qᵀ (4, D, ROWS), the scores' B operand in a warp kernel, the same in every
     warp: column c is channel channels[c] (warp_columns' layout); padded past REP with zeros; fp16 (a bf16 query
     clamped to the fp16 range, as the Triton kernels)."""
+    q = warp_query_rows(q_ptr, kv, channels, REP, ROWS)
+    return gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
+
+
+@gluon.jit
+def warp_query_rows(q_ptr, kv, channels, REP: gl.constexpr, ROWS: gl.constexpr):
+    """warp_query's rows in the query's dtype, not clamped."""
     D: gl.constexpr = channels.shape[0]
     B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=WARP_MMA, k_width=2)
     rq = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, B)))
     wq = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, B)))
-    q = gl.load(q_ptr + (kv * REP + rq[None, None, :]) * D + channels[None, :, None] + 0 * wq[:, None, None],
-                mask=(rq < REP)[None, None, :], other=0)
-    return gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
+    return gl.load(q_ptr + (kv * REP + rq[None, None, :]) * D + channels[None, :, None] + 0 * wq[:, None, None],
+                   mask=(rq < REP)[None, None, :], other=0)
 
 
 @gluon.jit
@@ -830,20 +946,24 @@ def warp_store(m_ptr, l_ptr, acc_ptr, m, l, out, channels, kv, split, N_COLS, RE
 
 
 @functools.cache
-def _warp_layouts(d: int) -> tuple:
+def _warp_layouts(d: int, rope: bool = False) -> tuple:
     """(LKW, KSL, LVW, XL, VL) of the warp kernel, head_dim 128 (W = 8 words a token), four warps, warp w on dim 0:
     LKW, the key words entering the unpack PTX (4, 32 tokens, W, 2): registers the pair axis, word + 1, token + 8,
-    + 16; lanes word + 2, + 4 (lane % 4 = t: words 2 t, 2 t + 1), token + 1, + 2, + 4;
-    KSL, the key scales' (4, d/2) load, int32 pairs: a thread its lane's 32 consecutive channels (16-byte vectors);
+    + 16; lanes word + 2, + 4 (lane % 4 = t: words 2 t, 2 t + 1), token + 1, + 2, + 4; with rope (keys stored
+    before RoPE) word + 4 in the registers and word + 1, + 2 in the lanes (words t, t + 4: channels c and c + d/2);
+    KSL, the key scales' (4, d/2) load, int32 pairs: a thread its lane's 32 consecutive channels (16-byte vectors),
+    with rope the 16 of each of its two words;
     LVW, the value words (4, 32, W): registers token + 1, + 8, + 16; lanes token + 2, + 4, word + 1, + 2, + 4;
     XL and VL, the A operands' own layouts (the scores' (4, 32, d) and Vᵀ's (4, d, 32)) with their registers in A's
     order, the half2 pairs first, so that an FMA's fp16x2 operands and A's registers are the same pairs."""
     assert d == 128
     warps = [[1, 0, 0], [2, 0, 0]]
-    lkw = gl.DistributedLinearLayout([[0, 0, 0, 1], [0, 0, 1, 0], [0, 8, 0, 0], [0, 16, 0, 0]],
-                                     [[0, 0, 2, 0], [0, 0, 4, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]],
+    word, words = ([0, 0, 4, 0], [[0, 0, 1, 0], [0, 0, 2, 0]]) if rope else ([0, 0, 1, 0], [[0, 0, 2, 0], [0, 0, 4, 0]])
+    lkw = gl.DistributedLinearLayout([[0, 0, 0, 1], word, [0, 8, 0, 0], [0, 16, 0, 0]],
+                                     words + [[0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]],
                                      [[1, 0, 0, 0], [2, 0, 0, 0]], [], [N_WARPS, 32, d // 16, 2])
-    ksl = gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8]], [[0, 16], [0, 32], [0, 0], [0, 0], [0, 0]],
+    pair, pairs = ([0, 32], [[0, 8], [0, 16]]) if rope else ([0, 8], [[0, 16], [0, 32]])
+    ksl = gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], pair], pairs + [[0, 0], [0, 0], [0, 0]],
                                      [[1, 0], [2, 0]], [], [N_WARPS, d // 2])
     lvw = gl.DistributedLinearLayout([[0, 1, 0], [0, 8, 0], [0, 16, 0]],
                                      [[0, 2, 0], [0, 4, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]], warps, [],
@@ -854,6 +974,44 @@ def _warp_layouts(d: int) -> tuple:
     vl = gl.DistributedLinearLayout([[0, 0, 1], [0, 8, 0], [0, 0, 8], [0, 0, 16], [0, 16, 0], [0, 32, 0], [0, 64, 0]],
                                     lanes, warps, [], [N_WARPS, d, 32])
     return lkw, ksl, lvw, xl, vl
+
+
+@functools.cache
+def _warp_rope_layouts(qrows: int) -> tuple:
+    """(LT, LQC) of the warp kernel for keys stored before RoPE (head_dim 128, four warps, warp w on dim 0):
+    LT, the offsets' tables (_warp_rope_tables) as (4, j // 8, j % 8, t, e): registers e (a thread's 16 values of
+    row j, consecutive), then j + 8, + 16; lanes t, then j + 1, + 2, + 4: XL's threads;
+    LQC, the query rows rotated back (_warp_query_back) as (4, qrows, 64 frequencies, 2 halves): registers the half
+    (channels f and f + 64, which share an angle), f + 1, + 2, + 4 (16-byte vectors of a table row), rows past 4;
+    lanes f + 8, + 16, + 32, rows + 1, + 2: each element of qrows' rows once in a warp."""
+    lt = gl.DistributedLinearLayout([[0, 0, 0, 0, 1 << i] for i in range(4)] + [[0, 1, 0, 0, 0], [0, 2, 0, 0, 0]],
+                                    [[0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 0, 1, 0, 0], [0, 0, 2, 0, 0],
+                                     [0, 0, 4, 0, 0]], [[1, 0, 0, 0, 0], [2, 0, 0, 0, 0]], [],
+                                    [N_WARPS, 4, 8, 4, 16])
+    rows = [[0, 1 << i, 0, 0] for i in range(2, qrows.bit_length() - 1)]
+    lqc = gl.DistributedLinearLayout([[0, 0, 0, 1], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]] + rows,
+                                     [[0, 0, 8, 0], [0, 0, 16, 0], [0, 0, 32, 0], [0, 1, 0, 0], [0, 2, 0, 0]],
+                                     [[1, 0, 0, 0], [2, 0, 0, 0]], [], [N_WARPS, qrows, 64, 2])
+    return lt, lqc
+
+
+_WARP_KEPT: dict = {}     # the last warp_rope_tables made, as _KEPT
+
+
+def warp_rope_tables(cos: Tensor, sin: Tensor) -> Tensor:
+    """The warp kernel's table of RoPE's rotations by offsets 0 .. 31 within a key group: (2, 32, 4, 16) fp16, cos
+    then sin, converted as the Triton kernel converts them; [., j, t, e] is the angle at offset j of frequency
+    16 t + 8 b + a for e = b + 2 a, the order a thread of XL holds its columns' real channels (_warp_rope_tables).
+    Kept as rope_tables keeps its table."""
+    kept = _WARP_KEPT.get("from")
+    if kept is not None and kept[0] is cos and kept[1] is sin:
+        return _WARP_KEPT["table"]
+    e = torch.arange(64, device=cos.device)
+    freq = 16 * (e // 16) + 8 * (e % 2) + (e % 16) // 2                                         # (t, e) flattened
+    table = torch.stack([cos[:32, freq], sin[:32, freq]]).to(torch.float16).reshape(2, 32, 4, 16).contiguous()
+    if not (cos.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _WARP_KEPT.update({"from": (cos, sin), "table": table})
+    return table
 
 
 @gluon.jit
@@ -938,17 +1096,18 @@ def eligible(q: Tensor, bits: int, v_bits: int, channel: bool, rope, group: int,
 
 def takes_warp_kernel(q: Tensor, bits: int, v_bits: int, channel: bool, rope, group: int, rep: int,
                       group_rows: int, qk_scale: float) -> bool:
-    """Whether eligible() takes the warp kernel (keys after RoPE, head_dim 128, a softmax scale above 0:
-    _serves_warp_kernel) with 8 rows (three programs an SM) at any split of the groups, so that the split-K plan may
-    size for its WARP_PROGRAMS_PER_SM."""
-    return _serves_warp_kernel(q.shape[-1], rope, qk_scale) and rows_for(rep) == 8 and eligible(
+    """Whether eligible() takes the warp kernel (head_dim 128, a softmax scale above 0: _serves_warp_kernel) with
+    keys stored after RoPE and 8 rows (three programs an SM) at any split of the groups, so that the split-K plan
+    may size for its WARP_PROGRAMS_PER_SM. Keys stored before RoPE hold two programs an SM (255 registers), the
+    Triton kernel's plan."""
+    return rope is None and _serves_warp_kernel(q.shape[-1], rope, qk_scale) and rows_for(rep) == 8 and eligible(
         q, bits, v_bits, channel, rope, group, rep, TOKENS // 32, group_rows, qk_scale)
 
 
 def _serves_warp_kernel(d: int, rope, qk_scale: float) -> bool:
-    """Whether quantized_splits launches the warp kernel: keys after RoPE at head_dim 128 and a softmax scale above 0
-    (its whole steps take the max before the scale); else the warpgroup kernel, whose splits are whole steps."""
-    return rope is None and d == WARP_HEAD_DIM and qk_scale > 0
+    """Whether quantized_splits launches the warp kernel: head_dim 128 and a softmax scale above 0 (its whole steps
+    take the max before the scale); else the warpgroup kernel, whose splits are whole steps."""
+    return d == WARP_HEAD_DIM and qk_scale > 0
 
 
 _KEPT: dict = {}      # the last rope_tables made: {"from": (cos, sin) given, "table": the table made}
@@ -982,9 +1141,13 @@ def quantized_splits(q: Tensor, buffers: list[tuple[Tensor, int]], m: Tensor, l:
     B, Hq, d = q.shape
     H = buffers[0][0].shape[1]
     if _serves_warp_kernel(d, rope, qk_scale):
-        _warp_kernel[(B * H, splits)](q, *(t for t, _ in buffers), m, l, acc, lengths, per_split, m.shape[1], qk_scale,
-                                      *(s for _, s in buffers), D=d, REP=Hq // H, ROWS=rows_for(Hq // H), CG=group,
-                                      **dict(zip(("LKW", "KSL", "LVW", "XL", "VL"), _warp_layouts(d))),
+        rep = Hq // H
+        cos, sin, offsets = (*rope, warp_rope_tables(*rope)) if rope is not None else (q, q, q)    # q: never read
+        _warp_kernel[(B * H, splits)](q, *(t for t, _ in buffers), cos, sin, offsets, m, l, acc, lengths, per_split,
+                                      m.shape[1], qk_scale, *(s for _, s in buffers), D=d, REP=rep, ROWS=rows_for(rep),
+                                      CG=group, **dict(zip(("LKW", "KSL", "LVW", "XL", "VL"), _warp_layouts(d, rope is not None))),
+                                      ROPE=rope is not None, QROWS=query_rows(rep),
+                                      **dict(zip(("LT", "LQC"), _warp_rope_layouts(query_rows(rep)))),
                                       num_warps=N_WARPS, **launch_options(early))
         return
     lp, ksl, lpk, lh = _layouts(d, rope is not None)

@@ -574,8 +574,10 @@ def test_hopper_kernel_is_not_taken_off_its_layout():
     tables = rope_tables(outer_hopper.TOKENS, 128, torch.float16)
     assert outer_hopper.eligible(q, 2, 2, True, tables, 32, 4, 4, big, 0.1) == HOPPER      # keys rotated in the kernel
     assert not outer_hopper.eligible(q, 2, 2, True, (tables[0][:-1], tables[1][:-1]), 32, 4, 4, big, 0.1)
-    assert not outer_hopper.eligible(q, 2, 2, True, tables, 32, 4, 2, big, 0.1)
-    assert not outer_hopper.takes_warp_kernel(q, 2, 2, True, tables, 32, 4, big, 0.1)
+    assert outer_hopper.eligible(q, 2, 2, True, tables, 32, 4, 2, big, 0.1) == HOPPER      # the warp kernel: any run
+    half = rope_tables(outer_hopper.TOKENS, 64, torch.float16)
+    assert not outer_hopper.eligible(q[..., :64], 2, 2, True, half, 32, 4, 2, big, 0.1)    # the warpgroup kernel's
+    assert not outer_hopper.takes_warp_kernel(q, 2, 2, True, tables, 32, 4, big, 0.1)      # two programs an SM
 
 
 def test_hopper_kernel_reads_rope_tables_in_its_channel_order():
@@ -592,6 +594,43 @@ def test_hopper_kernel_reads_rope_tables_in_its_channel_order():
         assert torch.equal(made[:, 16 + 2 * 3 + 1], table[:n, 16 + 3 + 8].half())
         assert torch.equal(made.view(n, 2, 8, 2).transpose(2, 3).reshape(n, 32), table[:n, :32].half())
     assert outer_hopper.rope_tables(cos.clone(), sin) is not got
+
+
+def test_warp_kernel_reads_rope_tables_in_its_registers_order():
+    """KIVI*'s rotations by the offsets within a key group, as the warp kernel reads them: the first 32 rows of the
+    model's cos and sin, fp16, row j's frequencies in the order a thread holds its key columns (16 t + 8 b + a at
+    [t, b + 2 a]); made once for the same tables."""
+    outer_hopper = pytest.importorskip("kvzoo.kernels.outer_hopper")
+    cos, sin = rope_tables(200, 128, torch.bfloat16)
+    got = outer_hopper.warp_rope_tables(cos, sin)
+    assert outer_hopper.warp_rope_tables(cos, sin) is got
+    assert got.dtype == torch.float16 and got.shape == (2, 32, 4, 16)
+    for made, table in zip(got, (cos, sin)):
+        assert torch.equal(made[:, 2, 2 * 5 + 1], table[:32, 16 * 2 + 8 + 5].half())
+        assert torch.equal(made.view(32, 4, 8, 2).transpose(2, 3).reshape(32, 64), table[:32, :64].half())
+    assert outer_hopper.warp_rope_tables(cos.clone(), sin) is not got
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
+@pytest.mark.parametrize("d", [128, 64])
+def test_keys_before_rope_take_the_warp_kernel_at_head_dim_128(d, monkeypatch):
+    """Keys stored before RoPE are rotated in the warp kernel at head_dim 128 (its launches counted) and in the
+    warpgroup kernel at 64, each matching the reference. Both round each rotated key to fp16 and take the query's
+    angle apart from the key's (the module docstring), 3-4e-3 of this output's largest magnitude in fp16 for both,
+    so the tolerance is 1e-2 of it, not TOL's 2e-3."""
+    outer_hopper = pytest.importorskip("kvzoo.kernels.outer_hopper")
+    monkeypatch.setattr(outer_hopper, "MIN_GROUP_ROWS", 0)
+    launches, warp = [], outer_hopper._warp_kernel
+    monkeypatch.setattr(outer_hopper, "_warp_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: launches.append(grid) or warp[grid]})())
+    codes, (k_rec, v_rec), (k_sink, v_sink) = cache(1, 2, 512, 512, d, 2, torch.float16, seed=5, group=32)
+    q = torch.randn(1, 8, d, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.float16)
+    args = (q, *codes, 2, k_rec, v_rec, torch.tensor((512, 500, 520, 4), dtype=torch.int32, device=DEVICE))
+    kw = dict(k_sink=k_sink, v_sink=v_sink, group=32, rope=rope_tables(540, d, torch.float16))
+    want = outer_decode_attention_ref(*args, **kw).float()
+    err = (outer_decode_attention(*args, num_splits=3, **kw).float() - want).abs().max().item()
+    assert err <= 1e-2 * max(1.0, want.abs().max().item()), err
+    assert bool(launches) == (d == 128)
 
 
 def test_hopper_kernels_pad_their_query_rows_to_8_or_16():

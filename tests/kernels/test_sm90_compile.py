@@ -96,13 +96,17 @@ def test_spills_are_read_from_the_sass():
     assert result["loops"] == [5]
 
 
-def test_kivi_warp_kernel_fits_its_programs_an_sm(compiled):
-    """The warp kernel's split-K plan sizes for WARP_PROGRAMS_PER_SM programs an SM: its registers must fit them,
-    with no spills in its loops (a register more, and an SM holds one program fewer)."""
+@pytest.mark.parametrize("name", ["kivi", "kivi-pre"])
+def test_kivi_warp_kernel_fits_its_programs_an_sm(compiled, name):
+    """The warp kernel's split-K plan sizes for WARP_PROGRAMS_PER_SM programs an SM (keys stored before RoPE, rotated
+    in it: the Triton kernel's PROGRAMS_PER_SM): its registers must fit them, with no spills (a register more, and
+    an SM holds one program fewer)."""
+    from kvzoo.kernels.outer_attention import PROGRAMS_PER_SM
     from kvzoo.kernels.outer_hopper import N_WARPS, WARP_PROGRAMS_PER_SM
 
-    result = compiled["kivi-gluon-d128"]
-    assert result["registers"] * 32 * N_WARPS * WARP_PROGRAMS_PER_SM <= 65536 and result["spills"] == 0, result
+    result = compiled[f"{name}-gluon-d128"]
+    programs = PROGRAMS_PER_SM if name == "kivi-pre" else WARP_PROGRAMS_PER_SM
+    assert result["registers"] * 32 * N_WARPS * programs <= 65536 and result["spills"] == 0, result
     assert len(result["loops"]) == 2, result            # the whole steps, then the rest of a split
 
 
