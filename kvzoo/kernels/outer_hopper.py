@@ -7,9 +7,9 @@ sink and the windows stay with the Triton split kernel, which runs the last prog
     grid (B*H, splits): program (kv head, split) attends its rep query rows (ROWS = 8 or 16, padding past rep)
     over the groups [split * PER_SPLIT, ...) of the slots quantized in both streams, 128 tokens a step.
 
-Two kernels. Keys stored after RoPE at head_dim 128 (KIVI and SQuat on Llama/Mistral) take the warp kernel; head_dim
-64 and keys stored before RoPE the warpgroup kernel. Bytes read are those of the Triton kernel (outer_attention's
-module docstring) in both; what differs is how the dequantized tiles reach the tensor cores.
+Two kernels. Head_dim 128 (KIVI and SQuat on Llama/Mistral, keys stored after RoPE or before it) takes the warp
+kernel; head_dim 64 the warpgroup kernel. Bytes read are those of the Triton kernel (outer_attention's module
+docstring) in both; what differs is how the dequantized tiles reach the tensor cores.
 
 The warp kernel (_warp_kernel): each of the four warps attends a key group of its own (32 tokens) a step, with its
 own online softmax, and the warps merge their (m, l, acc) once, after the loop; the products are mma.sync
@@ -34,6 +34,15 @@ memory:
     split (fewer than four groups, or a group not all live) runs after, one clamped, masked step at a time, in a loop
     of 711 instructions.
   - A split of fewer groups than warps masks the warps past its end.
+  - Keys stored before RoPE (ROPE): slot u sits at position n_sink + u = p0 + j, p0 the first position of its key
+    group and j < 32; rotations compose, so q · R(p0 + j) k = (R(-p0) q) · R(j) k. A thread holds key words t and
+    t + 4 (LKW with rope), so channels c and c + d/2, which RoPE pairs, lie in one thread, and each dequantized key
+    is rotated by its offset j in registers: lo cos - hi sin, hi cos + lo sin, one fp16x2 product and FMA a half2
+    of a half (_rotate_keys), from a table of the 32 offsets' angles in the order a thread holds them
+    (warp_rope_tables, 8 KB, read from L1 each step). Each step each warp rotates the query rows back to its group's
+    p0 (fp32, the model's cos and sin rows at p0, then fp16: _warp_query_back), only rep rows padded to a power of
+    two, then moved into the B operand. 255 registers, two programs an SM (the Triton kernel's split-K plan), a
+    loop of 977 instructions (Triton 3.6).
 
 The warpgroup kernel (_quantized_kernel); Gluon lets the kernel choose every layout (Triton chooses them itself):
   - The keys go to the wgmma as its A operand in registers, s (128 tokens, ROWS) = K · qᵀ: their code words are
@@ -68,24 +77,27 @@ Numerics are the Triton kernel's but for that offset (rounded within half an fp1
 Triton kernel rounds the zero itself) and the order the row sums add in: codes exact, one fp16 FMA a code, fp16
 tiles, fp32 products and softmax.
 
-Keys stored before RoPE (ROPE). Slot u sits at position n_sink + u = p0 + j, p0 the first position of its step
-and j < 128 its offset in the step; rotations compose, so q · R(p0 + j) k = (R(-p0) q) · R(j) k. Each step the
-query rows are rotated back to p0 (fp32, from the model's cos and sin rows at p0, then fp16), and each key by its
-offset j, whose cos and sin every step shares: 128 rows of half tables (fp16, 16 KB each, rope_tables) held in
-shared memory for the whole run, where the Triton kernel reads each key's own row from global memory. The scores
-are two products, (R(-p0) q) · (k cos_j)ᵀ + (its rotate-half partner) · (k sin_j)ᵀ, each key product rounded once
-in fp16 as the Triton kernel's four dots take them; the query's angle is rounded apart from the key's (fp16 each,
-where the Triton kernel rounds the model's table at p0 + j once). Its keys go through a shared tile in token order
-(the rotations' tables are read per token), in the logical channel order of the values (_real), dequantized after
-the unpack PTX; a thread holds channels c and c + d/2 of its key words (LPK), which share a table value.
+Keys stored before RoPE at head_dim 64 (ROPE). Slot u sits at position n_sink + u = p0 + j, p0 the first
+position of its step and j < 128 its offset in the step; rotations compose, so q · R(p0 + j) k = (R(-p0) q) ·
+R(j) k. Each step the query rows are rotated back to p0 (fp32, from the model's cos and sin rows at p0, then fp16),
+and each key by its offset j, whose cos and sin every step shares: 128 rows of half tables (fp16, 16 KB each,
+rope_tables) held in shared memory for the whole run, where the Triton kernel reads each key's own row from global
+memory. The scores are two products, (R(-p0) q) · (k cos_j)ᵀ + (its rotate-half partner) · (k sin_j)ᵀ, each key
+product rounded once in fp16 as the Triton kernel's four dots take them; the query's angle is rounded apart from
+the key's (fp16 each, where the Triton kernel rounds the model's table at p0 + j once). Its keys go through a shared
+tile in token order (the rotations' tables are read per token), in the logical channel order of the values
+(_real), dequantized after the unpack PTX; a thread holds channels c and c + d/2 of its key words (LPK), which share
+a table value.
 
 Speed (Llama-3.1-8B heads, rep 4, one H200, L2 flushed, with the tail beside it; docs/decode.md, "KIVI's warp kernel
 in whole steps"): the warp kernel 34.2 us at 32K, batch 1, 76.4 at 128K, batch 1, 351.3 at 32K, batch 32 and 1,253.7
 at 128K, batch 32 (`python scripts/bench_kernels.py --floors --cases "SQuat (outer)" --shapes 1x32768 1x131072
 32x32768 32x131072`, results/kernels/h200/kivi-full-steps-same). On another H200 (results/kernels/h200/kivi-warp) the
 warpgroup kernel took 29.9, 81.2, 482.3 and 1,844.6 and the Triton kernel alone 40.7 and 119.4 at batch 1. Keys
-stored before RoPE: 45-46 us at 32K, batch 1, 936 at 32K, batch 32 (`--cases "KIVI*"`,
-results/kernels/h200/two-magics). Below MIN_GROUP_ROWS of work (KV rows x groups) the Triton kernel runs alone.
+stored before RoPE, in the warp kernel: 31.6 us at 32K, batch 1, 88.2 at 128K, 523.4 at 32K, batch 32 and 1,952.1
+at 128K, batch 32, where the warpgroup kernel took 43.7, 135.6, 939.6 and 3,643.3 (`--cases "KIVI*"`,
+results/kernels/h200/kivi-pre-warp, kivi-pre-warp-before). Below MIN_GROUP_ROWS of work (KV rows x groups) the
+Triton kernel runs alone.
 KVZOO_OUTER_KERNEL=triton|gluon|auto (default) overrides the choice: triton never takes this kernel, gluon takes it
 wherever the layout allows.
 """
@@ -904,19 +916,13 @@ def warp_query(q_ptr, kv, channels, REP: gl.constexpr, ROWS: gl.constexpr):
     """The query rows of KV head kv as qᵀ (4, D, ROWS), the scores' B operand in a warp kernel, the same in every
     warp: column c is channel channels[c] (warp_columns' layout); padded past REP with zeros; fp16 (a bf16 query
     clamped to the fp16 range, as the Triton kernels)."""
-    q = warp_query_rows(q_ptr, kv, channels, REP, ROWS)
-    return gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
-
-
-@gluon.jit
-def warp_query_rows(q_ptr, kv, channels, REP: gl.constexpr, ROWS: gl.constexpr):
-    """warp_query's rows in the query's dtype, not clamped."""
     D: gl.constexpr = channels.shape[0]
     B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=WARP_MMA, k_width=2)
     rq = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, B)))
     wq = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, B)))
-    return gl.load(q_ptr + (kv * REP + rq[None, None, :]) * D + channels[None, :, None] + 0 * wq[:, None, None],
-                   mask=(rq < REP)[None, None, :], other=0)
+    q = gl.load(q_ptr + (kv * REP + rq[None, None, :]) * D + channels[None, :, None] + 0 * wq[:, None, None],
+                mask=(rq < REP)[None, None, :], other=0)
+    return gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
 
 
 @gluon.jit
@@ -1143,11 +1149,11 @@ def quantized_splits(q: Tensor, buffers: list[tuple[Tensor, int]], m: Tensor, l:
     if _serves_warp_kernel(d, rope, qk_scale):
         rep = Hq // H
         cos, sin, offsets = (*rope, warp_rope_tables(*rope)) if rope is not None else (q, q, q)    # q: never read
+        layouts = dict(zip(("LKW", "KSL", "LVW", "XL", "VL"), _warp_layouts(d, rope is not None)),
+                       **dict(zip(("LT", "LQC"), _warp_rope_layouts(query_rows(rep)))))
         _warp_kernel[(B * H, splits)](q, *(t for t, _ in buffers), cos, sin, offsets, m, l, acc, lengths, per_split,
                                       m.shape[1], qk_scale, *(s for _, s in buffers), D=d, REP=rep, ROWS=rows_for(rep),
-                                      CG=group, **dict(zip(("LKW", "KSL", "LVW", "XL", "VL"), _warp_layouts(d, rope is not None))),
-                                      ROPE=rope is not None, QROWS=query_rows(rep),
-                                      **dict(zip(("LT", "LQC"), _warp_rope_layouts(query_rows(rep)))),
+                                      CG=group, ROPE=rope is not None, QROWS=query_rows(rep), **layouts,
                                       num_warps=N_WARPS, **launch_options(early))
         return
     lp, ksl, lpk, lh = _layouts(d, rope is not None)
