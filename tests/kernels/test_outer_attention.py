@@ -334,7 +334,8 @@ HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 # with and without a sink, splits of two groups (fewer than a step of the warp kernel's four warps); value groups of
 # one word, two and a whole token;
 # keys stored before RoPE (KIVI*), rotated in the kernel: with and without a sink, bf16 tables and fp16, query rows
-# in half the padded rows (4 of 8) and in all of them (8, 16)
+# in half the padded rows (4 of 8), fewer (3) and all of them (8, 16); at head_dim 128 (the warp kernel) also value
+# groups of one word and splits of two groups
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
 @pytest.mark.parametrize("d,dtype,rep,B,N,lengths,group,rope,splits", [
     (128, torch.float16, 4, 2, 1024, (1024, 1000, 1030, 4), 32, False, 2),
@@ -350,7 +351,10 @@ HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
     (128, torch.bfloat16, 4, 2, 1024, (1024, 1000, 1030, 4), 32, True, 2),
     (64, torch.float16, 3, 3, 800, (800, 777, 810, 0), 32, True, 2),
     (128, torch.float16, 16, 1, 4096, (4096, 4095, 4100, 4), 32, True, 2),
-    (128, torch.bfloat16, 8, 1, 640, (608, 630, 640, 0), 32, True, 2)], ids=name)
+    (128, torch.bfloat16, 8, 1, 640, (608, 630, 640, 0), 32, True, 2),
+    (128, torch.float16, 3, 3, 800, (800, 777, 810, 0), 32, True, 2),
+    (128, torch.float16, 4, 1, 640, (640, 616, 650, 4), 16, True, 2),
+    (128, torch.float16, 4, 2, 1024, (1024, 1000, 1030, 4), 32, True, 16)], ids=name)
 def test_hopper_kernel_matches_reference_and_triton_kernel(d, dtype, rep, B, N, lengths, group, rope, splits,
                                                           monkeypatch):
     outer_hopper = pytest.importorskip("kvzoo.kernels.outer_hopper")
