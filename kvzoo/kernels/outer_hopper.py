@@ -600,8 +600,8 @@ LOW_HALVES = gl.constexpr("prmt.b32 $0, $1, $2, 0x5410;")      # (a.lo, b.lo)
 HIGH_HALVES = gl.constexpr("prmt.b32 $0, $1, $2, 0x7632;")     # (a.hi, b.hi)
 # x (an fp16 pair) times a scale pair plus an offset pair, each pair an int32 entered twice (pack=2)
 FMA_PAIRS = gl.constexpr("fma.rn.f16x2 $0, $1, $2, $4;")
-# keys stored before RoPE: channels c and c + d/2 (lo, hi; half2 pairs) rotated by (cos, sin) in fp16, each product
-# rounded once: lo cos - hi sin, hi cos + lo sin
+# keys stored before RoPE: channels c and c + d/2 (lo, hi; half2 pairs) rotated by (cos, sin) in fp16, lo cos - hi sin
+# and hi cos + lo sin, each an fp16x2 product (rounded) and an FMA
 ROTATE_PAIRS = gl.constexpr("{ .reg .b32 t; mul.rn.f16x2 t, $3, $5; neg.f16x2 t, t; fma.rn.f16x2 $0, $2, $4, t; "
                             "mul.rn.f16x2 t, $2, $5; fma.rn.f16x2 $1, $3, $4, t; }")
 # two fp32 values as an fp16 pair, each saturated to fp16's finite range (a clamp to +-65504, then rounding)
