@@ -807,7 +807,10 @@ def write(args, paths: list[Path], rows: list[dict], gpu: str, torch_version: st
     lines = [f"device: {gpu}; {how}; torch {torch_version}", "",
              "| model | cache | step | context | batch | filled by | prefill (s) | decode (ms/token) | tokens/s | "
              "vs fp16 | read (GB/s) | peak (GiB) | KV (GiB) | KV ratio |", "|" + "---|" * 14]
-    cell = lambda r: (r["model"], r.get("step"), r["context"], r["batch"])          # noqa: E731
+
+    def cell(r):        # vs fp16: fp16's row of the same cell; a largest-batch row fp16's at its own largest batch
+        return r["model"], r.get("step"), r["context"], "largest" if "max_batch" in r else r["batch"]
+
     fp16 = {cell(r): r["tokens_per_s"] for r in rows if r.get("cache") == "fp16" and "tokens_per_s" in r}
     for r in rows:
         if "max_context" in r:
@@ -824,6 +827,9 @@ def write(args, paths: list[Path], rows: list[dict], gpu: str, torch_version: st
                      f"{format(r['read_GBps'], '.0f') if 'read_GBps' in r else ''} | "
                      f"{'' if r['peak_gib'] is None else format(r['peak_gib'], '.1f')} | "
                      f"{r['kv_bytes'] / 2 ** 30:.2f} | {r['kv_ratio']:.3f} |")
+    if any("max_batch" in r for r in rows):
+        lines += ["", "vs fp16: tokens/s against fp16's in the same cell; a largest-batch row against fp16's at its "
+                  "own largest batch."]
     found = [r for r in rows if "max_context" in r]
     if found:
         lines += ["", "| model | cache | step | largest context at batch 1 |", "|---|---|---|---|"]

@@ -459,6 +459,27 @@ def test_bench_decode_targets_compare_each_named_cache_with_fp16():
     assert "4-bit weights + InnerQ-2 >= 3x faster than 16-bit weights + fp16 | | | | no row measures it |" in text
 
 
+def test_bench_decode_table_compares_largest_batches_with_fp16s(tmp_path):
+    """The table's vs fp16: a row against fp16's of the same cell, and a largest-batch row against fp16's largest
+    batch (each at its own batch), as the 32K largest-batch target compares them."""
+    bench = bench_module()
+
+    def row(cache, batch, ms, largest=False):
+        r = {"model": "m", "impl": "kvzoo", "cache": cache, "context": 32768, "batch": batch, "step": "graph",
+             "filled": "row copies", "prefill_s": None, "decode_ms": ms, "tokens_per_s": batch / ms * 1e3,
+             "peak_gib": None, "kv_bytes": 2 ** 30, "kv_ratio": 1.0}
+        return {**r, "max_batch": batch} if largest else r
+
+    rows = [row("fp16", 1, 10.0), row("kivi:bits=2", 1, 9.0), row("fp16", 14, 35.0, True),
+            row("kivi:bits=2", 70, 50.0, True)]
+    args = type("Args", (), {"targets": False, "plot": False})()
+    bench.write(args, [tmp_path / "r.json", tmp_path / "r.md"], rows, "gpu", "torch", "how")
+    text = (tmp_path / "r.md").read_text()
+    assert "| m | `kivi:bits=2` | graph | 32768 | 1 | row copies |  | 9.00 | 111.1 | 1.11x |" in text
+    assert "| m | `kivi:bits=2` | graph | 32768 | 70 (largest) | row copies |  | 50.00 | 1400.0 | 3.50x |" in text
+    assert "a largest-batch row against fp16's at its own largest batch" in text
+
+
 def test_bench_decode_w4_target_holds_4bit_rows_to_the_16bit_fp16_row():
     """The 4-bit-weights target: a `NAME w4` InnerQ-2 row against fp16's row of NAME at its own weights (rows
     merged from two runs); the w4 rows' own fp16 row serves the other targets."""
