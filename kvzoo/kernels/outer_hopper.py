@@ -1001,23 +1001,14 @@ def _warp_rope_layouts(qrows: int) -> tuple:
     return lt, lqc
 
 
-_WARP_KEPT: dict = {}     # the last warp_rope_tables made, as _KEPT
-
-
 def warp_rope_tables(cos: Tensor, sin: Tensor) -> Tensor:
     """The warp kernel's table of RoPE's rotations by offsets 0 .. 31 within a key group: (2, 32, 4, 16) fp16, cos
     then sin, converted as the Triton kernel converts them; [., j, t, e] is the angle at offset j of frequency
     16 t + 8 b + a for e = b + 2 a, the order a thread of XL holds its columns' real channels (_warp_rope_tables).
     Kept as rope_tables keeps its table."""
-    kept = _WARP_KEPT.get("from")
-    if kept is not None and kept[0] is cos and kept[1] is sin:
-        return _WARP_KEPT["table"]
     e = torch.arange(64, device=cos.device)
     freq = 16 * (e // 16) + 8 * (e % 2) + (e % 16) // 2                                         # (t, e) flattened
-    table = torch.stack([cos[:32, freq], sin[:32, freq]]).to(torch.float16).reshape(2, 32, 4, 16).contiguous()
-    if not (cos.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _WARP_KEPT.update({"from": (cos, sin), "table": table})
-    return table
+    return _kept_table(_WARP_KEPT, cos, sin, 32, freq, (2, 32, 4, 16))
 
 
 @gluon.jit
@@ -1116,24 +1107,32 @@ def _serves_warp_kernel(d: int, rope, qk_scale: float) -> bool:
     return d == WARP_HEAD_DIM and qk_scale > 0
 
 
-_KEPT: dict = {}      # the last rope_tables made: {"from": (cos, sin) given, "table": the table made}
+# the last table each of rope_tables and warp_rope_tables made: {"from": (cos, sin) given, "table": the table made}
+_KEPT: dict = {}
+_WARP_KEPT: dict = {}
+
+
+def _kept_table(kept: dict, cos: Tensor, sin: Tensor, rows: int, columns: Tensor, shape: tuple) -> Tensor:
+    """The model's rotate-half tables' first `rows` rows at `columns`, cos then sin, fp16 as the Triton kernel
+    converts them, as `shape`; the table made last is kept in `kept` (a model's decode passes the same tables every
+    step), except while a CUDA graph is being captured, where making it is part of the graph."""
+    given = kept.get("from")
+    if given is not None and given[0] is cos and given[1] is sin:
+        return kept["table"]
+    table = torch.stack([cos[:rows, columns], sin[:rows, columns]]).to(torch.float16).reshape(shape).contiguous()
+    if not (cos.is_cuda and torch.cuda.is_current_stream_capturing()):
+        kept.update({"from": (cos, sin), "table": table})
+    return table
 
 
 def rope_tables(cos: Tensor, sin: Tensor) -> Tensor:
-    """The kernel's table of RoPE's rotations by offsets 0 .. TOKENS - 1 within a step: (2, TOKENS, d/2) fp16, cos
-    then sin, the first TOKENS rows of the model's rotate-half tables (positions, d) converted as the Triton kernel
-    converts them, their first halves (a rotate-half table repeats its frequencies), each row's channels in the
-    keys' logical order (_real). The table made last is kept (a model's decode passes the same tables every
-    step), except while a CUDA graph is being captured, where making it is part of the graph."""
-    kept = _KEPT.get("from")
-    if kept is not None and kept[0] is cos and kept[1] is sin:
-        return _KEPT["table"]
+    """The warpgroup kernel's table of RoPE's rotations by offsets 0 .. TOKENS - 1 within a step: (2, TOKENS, d/2)
+    fp16, cos then sin, the first TOKENS rows of the model's rotate-half tables (positions, d), their first halves (a
+    rotate-half table repeats its frequencies), each row's channels in the keys' logical order (_real). Kept
+    (_kept_table)."""
     c = torch.arange(cos.shape[1] // 2, device=cos.device)
     real = (c // 16) * 16 + (c % 16) // 2 + 8 * (c % 2)                                  # _real(c)
-    table = torch.stack([cos[:TOKENS, real], sin[:TOKENS, real]]).to(torch.float16).contiguous()
-    if not (cos.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _KEPT.update({"from": (cos, sin), "table": table})
-    return table
+    return _kept_table(_KEPT, cos, sin, TOKENS, real, (2, TOKENS, cos.shape[1] // 2))
 
 
 def quantized_splits(q: Tensor, buffers: list[tuple[Tensor, int]], m: Tensor, l: Tensor, acc: Tensor,

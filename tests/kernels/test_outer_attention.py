@@ -386,6 +386,14 @@ def check_gluon_kernel(module, args, kw, splits, dtype, monkeypatch):
     assert len(calls) == 2                     # eager and captured; none with the kernel disabled
 
 
+def warp_launches(outer_hopper, monkeypatch) -> list:
+    """The grids the warp kernel is launched with from here on, listed as they launch."""
+    launches, warp = [], outer_hopper._warp_kernel
+    monkeypatch.setattr(outer_hopper, "_warp_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: launches.append(grid) or warp[grid]})())
+    return launches
+
+
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
 def test_hopper_kernel_with_a_negative_softmax_scale(monkeypatch):
     """The warp kernel takes its whole steps' max before the softmax scale; a scale <= 0 takes the other kernel
@@ -395,9 +403,7 @@ def test_hopper_kernel_with_a_negative_softmax_scale(monkeypatch):
     the positive scale, so the tolerance is 4e-3 of it, not TOL's 2e-3."""
     outer_hopper = pytest.importorskip("kvzoo.kernels.outer_hopper")
     monkeypatch.setattr(outer_hopper, "MIN_GROUP_ROWS", 0)
-    launches, warp = [], outer_hopper._warp_kernel
-    monkeypatch.setattr(outer_hopper, "_warp_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: launches.append(grid) or warp[grid]})())
+    launches = warp_launches(outer_hopper, monkeypatch)
     codes, (k_rec, v_rec), (k_sink, v_sink) = cache(1, 2, 512, 512, 128, 2, torch.float16, seed=3, group=32)
     q = torch.randn(1, 8, 128, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.float16)
     args = (q, *codes, 2, k_rec, v_rec, torch.tensor((512, 500, 520, 4), dtype=torch.int32, device=DEVICE))
@@ -624,9 +630,7 @@ def test_keys_before_rope_take_the_warp_kernel_at_head_dim_128(d, monkeypatch):
     so the tolerance is 1e-2 of it, not TOL's 2e-3."""
     outer_hopper = pytest.importorskip("kvzoo.kernels.outer_hopper")
     monkeypatch.setattr(outer_hopper, "MIN_GROUP_ROWS", 0)
-    launches, warp = [], outer_hopper._warp_kernel
-    monkeypatch.setattr(outer_hopper, "_warp_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: launches.append(grid) or warp[grid]})())
+    launches = warp_launches(outer_hopper, monkeypatch)
     codes, (k_rec, v_rec), (k_sink, v_sink) = cache(1, 2, 512, 512, d, 2, torch.float16, seed=5, group=32)
     q = torch.randn(1, 8, d, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.float16)
     args = (q, *codes, 2, k_rec, v_rec, torch.tensor((512, 500, 520, 4), dtype=torch.int32, device=DEVICE))
