@@ -1006,8 +1006,7 @@ def warp_rope_tables(cos: Tensor, sin: Tensor) -> Tensor:
     then sin, converted as the Triton kernel converts them; [., j, t, e] is the angle at offset j of frequency
     16 t + 8 b + a for e = b + 2 a, the order a thread of XL holds its columns' real channels (_warp_rope_tables).
     Kept as rope_tables keeps its table."""
-    e = torch.arange(64, device=cos.device)
-    freq = 16 * (e // 16) + 8 * (e % 2) + (e % 16) // 2                                         # (t, e) flattened
+    freq = [16 * (e // 16) + 8 * (e % 2) + (e % 16) // 2 for e in range(64)]                   # (t, e) flattened
     return _kept_table(_WARP_KEPT, cos, sin, 32, freq, (2, 32, 4, 16))
 
 
@@ -1112,13 +1111,15 @@ _KEPT: dict = {}
 _WARP_KEPT: dict = {}
 
 
-def _kept_table(kept: dict, cos: Tensor, sin: Tensor, rows: int, columns: Tensor, shape: tuple) -> Tensor:
+def _kept_table(kept: dict, cos: Tensor, sin: Tensor, rows: int, columns: list[int], shape: tuple) -> Tensor:
     """The model's rotate-half tables' first `rows` rows at `columns`, cos then sin, fp16 as the Triton kernel
     converts them, as `shape`; the table made last is kept in `kept` (a model's decode passes the same tables every
-    step), except while a CUDA graph is being captured, where making it is part of the graph."""
+    step: a kept table costs no device work, so none is captured into a step's graph), except while a CUDA graph is
+    being captured, where making it is part of the graph."""
     given = kept.get("from")
     if given is not None and given[0] is cos and given[1] is sin:
         return kept["table"]
+    columns = torch.tensor(columns, device=cos.device)
     table = torch.stack([cos[:rows, columns], sin[:rows, columns]]).to(torch.float16).reshape(shape).contiguous()
     if not (cos.is_cuda and torch.cuda.is_current_stream_capturing()):
         kept.update({"from": (cos, sin), "table": table})
@@ -1130,8 +1131,7 @@ def rope_tables(cos: Tensor, sin: Tensor) -> Tensor:
     fp16, cos then sin, the first TOKENS rows of the model's rotate-half tables (positions, d), their first halves (a
     rotate-half table repeats its frequencies), each row's channels in the keys' logical order (_real). Kept
     (_kept_table)."""
-    c = torch.arange(cos.shape[1] // 2, device=cos.device)
-    real = (c // 16) * 16 + (c % 16) // 2 + 8 * (c % 2)                                  # _real(c)
+    real = [(c // 16) * 16 + (c % 16) // 2 + 8 * (c % 2) for c in range(cos.shape[1] // 2)]      # _real(c)
     return _kept_table(_KEPT, cos, sin, TOKENS, real, (2, TOKENS, cos.shape[1] // 2))
 
 

@@ -621,6 +621,28 @@ def test_warp_kernel_reads_rope_tables_in_its_registers_order():
     assert outer_hopper.warp_rope_tables(cos.clone(), sin) is not got
 
 
+@pytest.mark.parametrize("which,d", [("rope_tables", 64), ("warp_rope_tables", 128)])
+def test_kept_rope_tables_cost_no_device_work(which, d):
+    """A table kept for the same cos and sin is returned without a single torch operation: a graph step captured
+    with it launches nothing for it (each operation there would be a kernel in every layer's replay)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    outer_hopper = pytest.importorskip("kvzoo.kernels.outer_hopper")
+    make = getattr(outer_hopper, which)
+    cos, sin = rope_tables(200, d, torch.float16)
+    made = make(cos, sin)
+
+    class Count(TorchDispatchMode):
+        ops: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Count() as count:
+        assert make(cos, sin) is made
+    assert count.ops == []
+
+
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
 @pytest.mark.parametrize("d", [128, 64])
 def test_keys_before_rope_take_the_warp_kernel_at_head_dim_128(d, monkeypatch):
