@@ -17,8 +17,9 @@ gives it), int8's Gluon kernel, XQuant's scores over its rotated keys and its we
 wide, groups of 128), and the 4-bit weight kernels (groups of 128, bf16 activations) for one row, the group kernel's 16 rows and the
 Gluon kernel's 8 and 16 rows, split over K or not; the InnerQ Gluon kernel at 8B also under the register cap of
 three programs an SM (innerq_hopper.register_cap, "-busy"); InnerQ's window kernel, the combine kernel its split
-kernels and the outer ones share, InnerQ's two key kernels of the graph step at the paper's windows, and AlignedKV's
-static step (its two products over 64-token blocks, its first top-k pass, and its estimate over the candidates of
+kernels and the outer ones share, the outer ones' combine with the sink and the tail in it (capped as the tail's
+program), InnerQ's two key kernels of the graph step at the paper's windows, and AlignedKV's static step (its two
+products over 64-token blocks, its first top-k pass, and its estimate over the candidates of
 128 chunks, 128K tokens). Each with its launcher's settings."""
 
 from __future__ import annotations
@@ -121,9 +122,16 @@ def cases() -> dict:
         out[f"outer-triton-{name}"] = (outer_attention._split_kernel, dict(
             D=128, KB=kb, VB=vb, REP=4, REP_P=16, GS=gs, BLOCK=outer_attention.BLOCK_W, FAST=True,
             AK=unpack_asm(kb)[0], CK=unpack_asm(kb)[1], AV=unpack_asm(vb)[0], CV=unpack_asm(vb)[1], ROPE=rope, KT=kt,
-            CG=group, TAIL_ONLY=False, EARLY=True), ASTSource, OUTER_POINTERS, dict(
+            CG=group, TAIL=True, TAIL_ONLY=False, EARLY=True), ASTSource, OUTER_POINTERS, dict(
                 num_warps=outer_attention.split_kernel_warps("token" if kt else "channel", group, 128, 4),
                 num_stages=stages, enable_fp_fusion=True))
+        # the combine with the sink and the tail attended in it, launched while a Gluon kernel runs
+        out[f"outer-tail-combine-{name}"] = (outer_attention._tail_combine_kernel, dict(
+            D=128, KB=kb, VB=vb, REP=4, REP_P=16, ROWS=4, BLOCK=outer_attention.BLOCK_W, ROPE=rope, KT=kt, CG=group,
+            DC=32, CHUNK=64, TOKEN=True, WAIT=True), ASTSource, dict(OUTER_POINTERS, out_ptr="*fp16", kt_ptr="*fp16",
+                                                                    vt_ptr="*fp16"),
+            dict(num_warps=outer_attention.TAIL_WARPS, num_stages=1, maxnreg=outer_attention.TAIL_REGISTERS,
+                 enable_fp_fusion=True))
         if not kt:
             continue
         # beside the per-token Gluon kernel: the last program alone, slim enough to share an SM with its programs

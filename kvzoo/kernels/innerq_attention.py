@@ -485,6 +485,14 @@ def combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, q_ptr, kt_ptr, vt_ptr, SPLITS
     d = tl.program_id(1) * DC + tl.arange(0, DC)
     heads = kv * REP + r
     m, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, heads, live_r, SPLITS, d, D, CHUNK)
+    combine_output(m, l, acc, out_ptr, q_ptr, kt_ptr, vt_ptr, kv, heads, live_r, d, qk_scale, s_kt, s_vt, D, TOKEN)
+
+
+@triton.jit
+def combine_output(m, l, acc, out_ptr, q_ptr, kt_ptr, vt_ptr, kv, heads, live_r, d, qk_scale, s_kt, s_vt,
+                   D: tl.constexpr, TOKEN: tl.constexpr):
+    """The end of a combine: the merged state (m, l, acc) of query rows `heads`, channels d, with TOKEN then the
+    token given apart attended (combine_kernel's docstring), divided by l and written to out."""
     if TOKEN:
         head = kv.to(tl.int64)
         e = tl.arange(0, D)                                            # the token's score takes every channel
@@ -498,6 +506,16 @@ def combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, q_ptr, kt_ptr, vt_ptr, SPLITS
     tl.store(out_ptr + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live_r[:, None])
 
 
+def combine_plan(columns: int, rows: int, d: int) -> tuple[int, int]:
+    """(channels a combine program takes, columns a step of its merge loads) for `columns` partials of `rows`
+    (a power of two) query rows: every split in one step (one memory round trip) where its acc tile fits
+    COMBINE_TILE elements, with fewer channels a program (more programs) for many splits."""
+    columns, dc = triton.next_power_of_2(columns), min(d, COMBINE_CHANNELS)
+    while dc > MIN_COMBINE_CHANNELS and rows * columns * dc > COMBINE_TILE:
+        dc //= 2
+    return dc, max(1, min(columns, COMBINE_TILE // (rows * dc)))
+
+
 def combine(m: Tensor, l: Tensor, acc: Tensor, out: Tensor, kv_rows: int, rep: int, num_warps: int,
             token: tuple | None = None) -> None:
     """out (B, Hq, d) from the partials m, l (B*Hq, columns), acc (B*Hq, columns, d): every split's, and the tail's or
@@ -506,12 +524,7 @@ def combine(m: Tensor, l: Tensor, acc: Tensor, out: Tensor, kv_rows: int, rep: i
     rows = triton.next_power_of_2(rep)                             # no dots: rows pad to a power of two only
     q, (kt, s_kt), (vt, s_vt), qk_scale = token if token is not None else (out, (out, 0), (out, 0), 1.0)
     d = out.shape[-1]
-    # every split in one step (one memory round trip) where its acc tile fits COMBINE_TILE elements: fewer channels a
-    # program (more programs) for many splits
-    columns, dc = triton.next_power_of_2(m.shape[1]), min(d, COMBINE_CHANNELS)
-    while dc > MIN_COMBINE_CHANNELS and rows * columns * dc > COMBINE_TILE:
-        dc //= 2
-    chunk = max(1, min(columns, COMBINE_TILE // (rows * dc)))
+    dc, chunk = combine_plan(m.shape[1], rows, d)
     combine_kernel[(kv_rows, d // dc)](m, l, acc, out, q, kt, vt, m.shape[1], qk_scale, s_kt, s_vt, D=d, DC=dc,
                                        REP=rep, REP_P=rows, CHUNK=chunk, TOKEN=token is not None, num_warps=num_warps)
 

@@ -61,10 +61,16 @@ Two kernels:
      a KV row an SM or more, that program is compiled alone (TAIL_ONLY) under a register cap (TAIL_REGISTERS), so
      that it shares an SM with the Gluon kernel's programs. With neither a sink nor a window (every stored slot
      quantized: KV Pareto's and int8's graph step) there is no last program: the Gluon kernel and the combine are the
-     whole attention.
+     whole attention. Where the combine's programs (one an SM at most) find room beside the Gluon kernel's (its
+     programs an SM, outer_hopper.programs_an_sm, times the SMs, less the programs it launches: small batches),
+     there is no last program either: the Gluon kernel goes first and lets the combine launch at its start
+     (griddepcontrol.launch_dependents), and the combine attends the sink and the tail (below).
   2. combine: grid (B*H, d/32). Merges the partials, attends the token given apart (k_token, v_token: its score and
      weight in fp32), divides by l and writes (B, Hq, d) in q's dtype (innerq_attention.combine, shared with
-     InnerQ's kernels). The token is the combine's, not the split kernel's last program's: a second pass there
+     InnerQ's kernels). With the sink and the tail in it (_tail_combine_kernel), each program first attends them as
+     the last program would (every channel, the same in each of a KV head's programs) while the Gluon kernel runs,
+     then waits for that kernel (griddepcontrol.wait) and merges its partials: at 32K, batch 1 of the 8B heads, 2.1
+     us less a call for KV Pareto k8v8 and 0.5 for KIVI-2, 0.5 more for int8 (H200, docs/decode.md). The token is the combine's, not the split kernel's last program's: a second pass there
      made the whole split kernel slower at 8 warps (docs/decode.md, "int8's kernel at 8 warps"), and int8 on
      Llama's heads runs it at 8 (split_kernel_warps).
 Keys stored before RoPE (KIVI*, `rope=(cos, sin)`): every key, quantized or exact (the sink, the key window), is
@@ -95,10 +101,10 @@ from torch import Tensor
 from kvzoo.cache.base import TAIL, side_stream
 from kvzoo.cache.kvquant import QTensor, dequantize
 from kvzoo.kernels.innerq_attention import (BLOCK_W, LOG2E, _attend_window, _dot_dtype, _plan_splits, combine,
-                                            softmax_step)
+                                            combine_output, combine_plan, merge_splits, softmax_step)
 from kvzoo.kernels.quant_matvec import (GROUP, check_head_dim, check_runnable, check_tensor,
-                                        dequant_outer, head_rows, join_codes, launches_early, sm_count, unpack_asm,
-                                        unpack_codes, unpacks_in_ptx)
+                                        dequant_outer, head_rows, join_codes, launches_early, setting, sm_count,
+                                        unpack_asm, unpack_codes, unpacks_in_ptx)
 
 try:
     from kvzoo.kernels import outer_hopper, token_hopper
@@ -118,6 +124,10 @@ TAIL_PROGRAMS_PER_SM = 2     # the tail's programs an SM holds: two of the whole
 TAIL_WARPS, TAIL_REGISTERS = 4, 168     # beside the per-token kernel, a KV row an SM or more: the tail's program
                                         # compiled alone, under a register cap that fits it beside two of its programs
 OUTER_BITS = (2, 4, 8)       # code widths of either stream
+# KVZOO_TAIL_IN_COMBINE: where the sink and the tail are attended in the combine (module docstring). auto: beside a
+# Gluon kernel whose KV rows' combine programs fit the SMs, one an SM; never: always in the split kernel's last program
+# (comparisons); always: also after the Triton kernel (tests)
+TAIL_IN_COMBINE = setting("KVZOO_TAIL_IN_COMBINE", ("auto", "never", "always"))
 
 
 @triton.jit
@@ -365,7 +375,7 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
                   D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr,
                   GS: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, AK: tl.constexpr, CK: tl.constexpr,
                   AV: tl.constexpr, CV: tl.constexpr, ROPE: tl.constexpr, KT: tl.constexpr, CG: tl.constexpr,
-                  TAIL_ONLY: tl.constexpr, EARLY: tl.constexpr):
+                  TAIL: tl.constexpr, TAIL_ONLY: tl.constexpr, EARLY: tl.constexpr):
     if EARLY:                                    # the split kernel after it may launch (launches_early)
         tl.extra.cuda.gdc_launch_dependents()
     kv = tl.program_id(0)                        # b * H + h
@@ -386,7 +396,7 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
     m = tl.full((REP_P,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((REP_P,), dtype=tl.float32)
     acc = tl.zeros((REP_P, D), dtype=tl.float32)
-    if TAIL_ONLY or split == n_cols - 1:        # the last program: the sink and the tail
+    if TAIL_ONLY or TAIL and split == n_cols - 1:     # the last program: the sink and the tail
         m, l, acc = _tail(q, q_lo, q_hi, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr + head * s_kr,
                           vr_ptr + head * s_vr, kw_ptr + head * s_kw, vw_ptr + head * s_vw, cos_ptr, sin_ptr, len_ptr,
                           KW, VW, m, l, acc, qk_scale, D, KB, VB, BLOCK, ROPE, KT, CG)
@@ -398,6 +408,59 @@ def _split_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr,
     tl.store(m_ptr + rows, m, mask=live_r)
     tl.store(l_ptr + rows, l, mask=live_r)
     tl.store(acc_ptr + rows[:, None] * D + d[None, :], acc, mask=live_r[:, None])
+
+
+@triton.jit
+def _first_rows(x, ROWS: tl.constexpr):
+    """x (REP_P, C) -> its first ROWS rows (ROWS a power of two dividing REP_P)."""
+    REP_P: tl.constexpr = x.shape[0]
+    i = tl.arange(0, REP_P // ROWS)
+    return tl.sum(tl.where(i[:, None, None] == 0, tl.reshape(x, (REP_P // ROWS, ROWS, x.shape[1])), 0.0), 0)
+
+
+@triton.jit
+def _tail_combine_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, kw_ptr, vw_ptr,
+                         cos_ptr, sin_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, kt_ptr, vt_ptr, len_ptr, KW, VW, SPLITS,
+                         qk_scale, s_kc, s_ks, s_kz, s_vc, s_vs, s_vz, s_kr, s_vr, s_kw, s_vw, s_kt, s_vt,
+                         D: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, REP: tl.constexpr,
+                         REP_P: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr,
+                         KT: tl.constexpr, CG: tl.constexpr, DC: tl.constexpr, CHUNK: tl.constexpr,
+                         TOKEN: tl.constexpr, WAIT: tl.constexpr):
+    """grid (B*H, D/DC): the combine with the sink and the tail attended in it. A program first attends its KV
+    head's sink and tail (_tail: every channel, the same in each of the head's programs), then, WAIT, waits for the
+    quantized columns' kernel launched before it (it was launched while that kernel runs: griddepcontrol), merges
+    that kernel's SPLITS partials over channels [j DC, (j + 1) DC), the tail's last as combine_kernel merges the
+    tail's column, and ends as combine_kernel (the token given apart, out)."""
+    kv = tl.program_id(0)
+    head = kv.to(tl.int64)
+    r = tl.arange(0, REP_P)
+    e = tl.arange(0, D)
+    q = _dot_dtype(tl.load(q_ptr + (kv * REP + r[:, None]) * D + e[None, :], mask=(r < REP)[:, None], other=0))
+    q_lo, q_hi = _halves(q, D)                   # read only by ROPE's rotated scores
+    m_t, l_t, acc_t = _tail(q, q_lo, q_hi, kc_ptr + head * s_kc, ks_ptr + head * s_ks, kz_ptr + head * s_kz,
+                            vc_ptr + head * s_vc, vs_ptr + head * s_vs, vz_ptr + head * s_vz, kr_ptr + head * s_kr,
+                            vr_ptr + head * s_vr, kw_ptr + head * s_kw, vw_ptr + head * s_vw, cos_ptr, sin_ptr,
+                            len_ptr, KW, VW, tl.full((REP_P,), float("-inf"), dtype=tl.float32),
+                            tl.zeros((REP_P,), dtype=tl.float32), tl.zeros((REP_P, D), dtype=tl.float32), qk_scale,
+                            D, KB, VB, BLOCK, ROPE, KT, CG)
+    j = tl.program_id(1)
+    c = tl.arange(0, D // DC)
+    acc_t = tl.sum(tl.where(c[None, :, None] == j, tl.reshape(_first_rows(acc_t, ROWS), (ROWS, D // DC, DC)), 0.0), 1)
+    m_t = tl.reshape(_first_rows(m_t[:, None], ROWS), (ROWS,))
+    l_t = tl.reshape(_first_rows(l_t[:, None], ROWS), (ROWS,))
+    if WAIT:
+        tl.extra.cuda.gdc_wait()
+    rows = tl.arange(0, ROWS)
+    live_r = rows < REP
+    heads = kv * REP + rows
+    d = j * DC + tl.arange(0, DC)
+    m, l, acc = merge_splits(m_ptr, l_ptr, acc_ptr, heads, live_r, SPLITS, d, D, CHUNK)
+    m_new = tl.maximum(m, m_t)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m - m_ref)
+    beta = tl.math.exp2(m_t - m_ref)
+    combine_output(m_new, l * alpha + l_t * beta, acc * alpha[:, None] + acc_t * beta[:, None], out_ptr, q_ptr, kt_ptr,
+                   vt_ptr, kv, heads, live_r, d, qk_scale, s_kt, s_vt, D, TOKEN)
 
 
 def split_kernel_warps(key_groups: str, group: int, d: int, num_warps: int) -> int:
@@ -538,7 +601,16 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     slim = gluon and by_token and B * H >= sm_count(dev)
     # one partial per split over the quantized slots, and the last for the sink and the tail; with the Gluon kernel
     # and neither a sink nor a window (every stored slot quantized), no last column and no Triton launch
-    tail = 0 if gluon and not (sink_rows or k_rows or v_rows) else 1
+    windows = bool(sink_rows or k_rows or v_rows)
+    # the sink and the tail attended in the combine, launched while the Gluon kernel runs, where the combine's
+    # programs, one an SM at most, find room beside that kernel's (module docstring)
+    rows = triton.next_power_of_2(rep)
+    dc, chunk = combine_plan(splits, rows, d)
+    in_combine = windows and (TAIL_IN_COMBINE == "always" or TAIL_IN_COMBINE == "auto" and gluon and launches_early(dev)
+                              and B * H * (d // dc) <= min(sm_count(dev), sm_count(dev) * (
+                                  token_hopper.PROGRAMS_PER_SM if by_token else
+                                  outer_hopper.programs_an_sm(d, rep, rope, qk_scale)) - B * H * splits))
+    tail = 0 if in_combine or gluon and not windows else 1
     m = torch.empty(B * Hq, splits + tail, dtype=torch.float32, device=dev)
     l = torch.empty_like(m)
     acc = torch.empty(B * Hq, splits + tail, d, dtype=torch.float32, device=dev)
@@ -554,12 +626,13 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     early = gluon and bool(tail) and B * H <= TAIL_PROGRAMS_PER_SM * sm_count(dev) and launches_early(dev)
 
     def triton_columns():
-        _split_kernel[(B * H, splits + 1 - split0)](
+        _split_kernel[(B * H, splits + tail - split0)](
             q, *(t for t, _ in buffers), cos, sin, m, l, acc, lengths, max(k_rows, 1), max(v_rows, 1), per_split,
             split0, qk_scale,
             *(s for _, s in buffers), D=d, KB=bits, VB=v_bits, REP=rep, REP_P=rep_p, GS=gs, BLOCK=BLOCK_W, FAST=fast,
             AK=unpack_asm(bits)[0], CK=unpack_asm(bits)[1], AV=unpack_asm(v_bits)[0], CV=unpack_asm(v_bits)[1],
-            ROPE=rope is not None, KT=not channel, CG=group, TAIL_ONLY=slim, EARLY=early, enable_fp_fusion=True,
+            ROPE=rope is not None, KT=not channel, CG=group, TAIL=bool(tail), TAIL_ONLY=slim, EARLY=early,
+            enable_fp_fusion=True,
             **(dict(num_warps=TAIL_WARPS, num_stages=1, maxnreg=TAIL_REGISTERS) if slim else
                dict(num_warps=split_kernel_warps(key_groups, group, d, num_warps), num_stages=stages)))
 
@@ -572,7 +645,8 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
                                          rope, early)
 
     if not gluon:
-        triton_columns()
+        if splits + tail:
+            triton_columns()
     elif not tail:
         quantized_splits()
     elif early:
@@ -589,7 +663,15 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
         quantized_splits()
         triton_columns()
     token = (q, head_rows(k_token), head_rows(v_token), qk_scale) if k_token is not None else None
-    combine(m, l, acc, out, B * H, rep, num_warps, token)
+    if not in_combine:
+        combine(m, l, acc, out, B * H, rep, num_warps, token)
+        return out
+    (kt, s_kt), (vt, s_vt) = token[1:3] if token is not None else ((out, 0), (out, 0))
+    _tail_combine_kernel[(B * H, d // dc)](
+        q, *(t for t, _ in buffers), cos, sin, m, l, acc, out, kt, vt, lengths, max(k_rows, 1), max(v_rows, 1), splits,
+        qk_scale, *(s for _, s in buffers), s_kt, s_vt, D=d, KB=bits, VB=v_bits, REP=rep, REP_P=rep_p, ROWS=rows,
+        BLOCK=BLOCK_W, ROPE=rope is not None, KT=not channel, CG=group, DC=dc, CHUNK=chunk, TOKEN=token is not None,
+        WAIT=gluon, num_warps=TAIL_WARPS, num_stages=1, maxnreg=TAIL_REGISTERS, **(dict(launch_pdl=True) if gluon else {}))
     return out
 
 

@@ -474,6 +474,14 @@ def await_tail():
 
 
 @gluon.jit
+def let_next_launch():
+    """The first step of a Gluon kernel: the kernel after it, where launched programmatically (outer_attention's
+    combine with the tail in it), may launch now, while this one runs. A no-op where it is launched plainly."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
 def _head_pointers(kv, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, s_kc, s_ks, s_kz, s_vc, s_vs, s_vz):
     """The six buffers' pointers at KV row kv (b * H + h), each moved by its head stride (int64 offsets)."""
     head = kv.to(gl.int64)
@@ -543,6 +551,7 @@ def _quantized_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos
     else:
         red_s = None
 
+    let_next_launch()
     n_both, start, stop, last = _run(len_ptr, split, PER_SPLIT)
     # each row's token in the step: in order with ROPE, else the key operand's (_row_token), values and scores alike
     n = _tokens(gl.arange(0, BLOCK, layout=gl.SliceLayout(1, LW)), ROPE)
@@ -861,6 +870,7 @@ def _warp_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, cos_ptr,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr = _head_pointers(kv, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                                                                     s_kc, s_ks, s_kz, s_vc, s_vs, s_vz)
     split = gl.program_id(1)
+    let_next_launch()
     n_both, start, stop, last = _run(len_ptr, split, PER_SPLIT)
 
     if ROPE:    # the query's rows, rotated back to each warp's group every step (module docstring)
@@ -1096,8 +1106,15 @@ def takes_warp_kernel(q: Tensor, bits: int, v_bits: int, channel: bool, rope, gr
     keys stored after RoPE and 8 rows (three programs an SM) at any split of the groups, so that the split-K plan
     may size for its WARP_PROGRAMS_PER_SM. Keys stored before RoPE hold two programs an SM (255 registers), the
     Triton kernel's plan."""
-    return rope is None and _serves_warp_kernel(q.shape[-1], rope, qk_scale) and rows_for(rep) == 8 and eligible(
+    return programs_an_sm(q.shape[-1], rep, rope, qk_scale) == WARP_PROGRAMS_PER_SM and eligible(
         q, bits, v_bits, channel, rope, group, rep, TOKENS // 32, group_rows, qk_scale)
+
+
+def programs_an_sm(d: int, rep: int, rope, qk_scale: float) -> int:
+    """How many programs of quantized_splits' kernel an SM holds (its registers): the warp kernel's three with keys
+    after RoPE and 8 rows, else two."""
+    return WARP_PROGRAMS_PER_SM if rope is None and _serves_warp_kernel(d, rope, qk_scale) and rows_for(rep) == 8 \
+        else 2
 
 
 def _serves_warp_kernel(d: int, rope, qk_scale: float) -> bool:

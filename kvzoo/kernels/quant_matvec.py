@@ -156,23 +156,25 @@ def unpack_codes(words, shifts, BITS: tl.constexpr):
 KERNELS = ("auto", "triton", "gluon")
 
 
+def setting(variable: str, accepted: tuple[str, ...]) -> str:
+    """An environment variable's value, the first of `accepted` where unset; any other value is refused."""
+    value = os.environ.get(variable, accepted[0])
+    if value not in accepted:
+        raise ValueError(f"{variable} must be one of {accepted}, got {value!r}")
+    return value
+
+
 def kernel_choice(variable: str) -> str:
     """The Gluon kernel choice an environment variable (KVZOO_OUTER_KERNEL, KVZOO_INNERQ_KERNEL, KVZOO_TOKEN_KERNEL,
     KVZOO_W4A16_KERNEL) holds, default auto: triton never takes the Gluon kernel, gluon takes it wherever its layout
     allows."""
-    choice = os.environ.get(variable, "auto")
-    if choice not in KERNELS:
-        raise ValueError(f"{variable} must be one of {KERNELS}, got {choice!r}")
-    return choice
+    return setting(variable, KERNELS)
 
 
 def early_launch_setting() -> bool:
     """KVZOO_EARLY_LAUNCH, "1" (default) or "0": whether launches_early may hold (0: the tail's program always on a
     second stream, for comparisons)."""
-    value = os.environ.get("KVZOO_EARLY_LAUNCH", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"KVZOO_EARLY_LAUNCH must be '0' or '1', got {value!r}")
-    return value == "1"
+    return setting("KVZOO_EARLY_LAUNCH", ("1", "0")) == "1"
 
 
 EARLY_LAUNCH = early_launch_setting()

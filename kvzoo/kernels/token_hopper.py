@@ -55,8 +55,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from kvzoo.kernels.outer_hopper import (N_WARPS, WARP_MMA, WARPS, _head_pointers, _is_hopper, _load_moved, _run,
-                                        await_tail, launch_options, warp_query, warp_columns, warp_merge,
-                                        warp_store)
+                                        await_tail, launch_options, let_next_launch, warp_query, warp_columns,
+                                        warp_merge, warp_store)
 from kvzoo.kernels.quant_matvec import kernel_choice, unpacks_in_ptx
 
 CHOICE = kernel_choice("KVZOO_TOKEN_KERNEL")
@@ -304,6 +304,7 @@ def _token_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, m_ptr, 
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr = _head_pointers(kv, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                                                                     s_kc, s_ks, s_kz, s_vc, s_vs, s_vz)
     split = gl.program_id(1)
+    let_next_launch()
     n_both, start, stop, last = _run(len_ptr, split, PER_SPLIT)
 
     # the query qᵀ (4, D, ROWS), column c channel _key_channel(c); its sum over the channels (fp32, of the fp16 query

@@ -684,7 +684,7 @@ def test_early_launch_setting_takes_0_or_1(value, held):
     run = subprocess.run([sys.executable, "-c", "from kvzoo.kernels import quant_matvec as q; print(q.EARLY_LAUNCH)"],
                          capture_output=True, text=True, env={**os.environ, "KVZOO_EARLY_LAUNCH": value})
     if held is None:
-        assert run.returncode != 0 and "KVZOO_EARLY_LAUNCH must be '0' or '1', got 'yes'" in run.stderr
+        assert run.returncode != 0 and "KVZOO_EARLY_LAUNCH must be one of ('1', '0'), got 'yes'" in run.stderr
     else:
         assert run.returncode == 0, run.stderr
         assert run.stdout.split() == [held]

@@ -449,6 +449,7 @@ def test_tail_program_then_the_gluon_kernel_on_one_stream(early, sms, one_stream
     (here: one SM), the tail's program runs on a second stream. Each matches the reference, replayed too."""
     from kvzoo.kernels import outer_attention
     token_hopper = pytest.importorskip("kvzoo.kernels.token_hopper")
+    monkeypatch.setattr(outer_attention, "TAIL_IN_COMBINE", "never")
     monkeypatch.setattr(outer_attention, "launches_early", lambda device: early)
     if sms is not None:
         monkeypatch.setattr(outer_attention, "sm_count", lambda device: sms)
@@ -471,6 +472,94 @@ def test_tail_program_then_the_gluon_kernel_on_one_stream(early, sms, one_stream
     graph.replay()
     assert torch.equal(replayed, got)
     assert launches == [one_stream, one_stream] and (not sides) == one_stream
+
+
+def tail_combines(outer_attention, monkeypatch) -> list:
+    """The grids of the combine with the tail in it (_tail_combine_kernel) from here on, listed as they launch."""
+    launches, kernel = [], outer_attention._tail_combine_kernel
+    monkeypatch.setattr(outer_attention, "_tail_combine_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: launches.append(grid) or kernel[grid]})())
+    return launches
+
+
+# KIVI's windows with a sink, KIVI* (keys rotated in the kernel), values quantized past keys, nothing quantized but
+# the sink, the token given apart, keys grouped per token (KV Pareto's k8v4, k4v2), 16 query rows, a tail of several
+# blocks
+@pytest.mark.parametrize("bits,d,dtype,rep,lengths,rope,apart,token_keys", [
+    (2, 64, torch.float16, 4, (128, 90, 130, 4), False, False, False),
+    (2, 128, torch.float32, 3, (96, 90, 120, 2), True, False, False),
+    (4, 64, torch.bfloat16, 1, (64, 95, 96, 0), False, True, False),
+    (2, 64, torch.float32, 16, (0, 0, 30, 4), False, True, False),
+    (8, 64, torch.float16, 4, (96, 96, 120, 0), False, False, True),
+    (4, 128, torch.float32, 2, (32, 32, 100, 0), False, True, True)], ids=name)
+def test_tail_attended_in_the_combine(bits, d, dtype, rep, lengths, rope, apart, token_keys, monkeypatch):
+    """The sink and the tail attended in the combine (its program's first part, before it merges the quantized
+    columns), here after the Triton kernel's quantized columns (KVZOO_TAIL_IN_COMBINE=always), equal the reference
+    and the tail in the split kernel's last program."""
+    from kvzoo.kernels import outer_attention
+    B, H = 2, 2
+    if token_keys:
+        codes, (k_rec, v_rec) = token_cache(B, H, 128, d, bits, bits // 2, 32, dtype, rows=90, seed=bits)
+        k_sink = v_sink = None
+        kw = dict(key_groups="token", group=32, v_bits=bits // 2)
+    else:
+        codes, (k_rec, v_rec), (k_sink, v_sink) = cache(B, H, 128, 96, d, bits, dtype, seed=bits + d)
+        kw = dict(k_sink=k_sink, v_sink=v_sink, rope=rope_tables(256, d, dtype) if rope else None)
+    q = torch.randn(B, H * rep, d, generator=torch.Generator().manual_seed(rep)).to(DEVICE, dtype)
+    if apart:
+        kw.update(k_token=torch.randn(B, H, 1, d).to(DEVICE, dtype), v_token=torch.randn(B, H, 1, d).to(DEVICE, dtype))
+    args = (q, *codes, bits, k_rec, v_rec, torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
+    monkeypatch.setattr(outer_attention, "TAIL_IN_COMBINE", "never")
+    in_program = outer_decode_attention(*args, num_splits=2, **kw)
+    launches = tail_combines(outer_attention, monkeypatch)
+    monkeypatch.setattr(outer_attention, "TAIL_IN_COMBINE", "always")
+    got = outer_decode_attention(*args, num_splits=2, **kw)
+    assert launches == [(B * H, d // 32)]
+    assert_close(got, outer_decode_attention_ref(*args, **kw), dtype)
+    assert_close(got, in_program, dtype)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
+@pytest.mark.parametrize("token_keys,sms", [(True, None), (False, None), (True, 3), (False, 3)])
+def test_gluon_kernel_then_the_tail_in_the_combine(token_keys, sms, monkeypatch):
+    """On an H100 the Gluon kernel goes first and the combine launches programmatically while it runs, attends the
+    sink and the tail, then waits for it and merges (no Triton split kernel), where the combine's programs find room
+    beside the Gluon kernel's; with too few SMs for them (sms) the tail's program goes first as before. Each matches
+    the tail's program first (the reference within 1e-2 of its largest magnitude: the warp kernels' fp16 rounding
+    reaches 3-4e-3 on some of these random caches, test_keys_before_rope_take_the_warp_kernel_at_head_dim_128),
+    and replays the same in a CUDA graph."""
+    from kvzoo.kernels import outer_attention
+    module = pytest.importorskip("kvzoo.kernels.token_hopper" if token_keys else "kvzoo.kernels.outer_hopper")
+    monkeypatch.setattr(module, "MIN_GROUP_ROWS", 0)
+    if sms is not None:
+        monkeypatch.setattr(outer_attention, "sm_count", lambda device: sms)
+    B, H, N, d, rep, dtype = 2, 2, 1024, 128, 4, torch.float16
+    if token_keys:
+        codes, (k_rec, v_rec) = token_cache(B, H, N, d, 8, 8, 32, dtype, rows=40, seed=5)
+        k_sink = v_sink = None
+        kw, bits, lengths = dict(key_groups="token", group=32), 8, (1000, 1000, 1030, 0)
+    else:
+        codes, (k_rec, v_rec), (k_sink, v_sink) = cache(B, H, N, N, d, 2, dtype, seed=5)
+        kw, bits, lengths = dict(k_sink=k_sink, v_sink=v_sink), 2, (1024, 1000, 1030, 4)
+    q = torch.randn(B, H * rep, d, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
+    args = (q, *codes, bits, k_rec, v_rec, torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
+    combines = tail_combines(outer_attention, monkeypatch)
+    splits = []
+    run = outer_attention._split_kernel
+    monkeypatch.setattr(outer_attention, "_split_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: splits.append(grid) or run[grid]})())
+    got = outer_decode_attention(*args, num_splits=4, **kw)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = outer_decode_attention(*args, num_splits=4, **kw)
+    graph.replay()
+    assert torch.equal(replayed, got)
+    in_combine = sms is None
+    assert (combines, splits) == (([(B * H, d // 32)] * 2, []) if in_combine else ([], [(B * H, 1)] * 2))
+    want = outer_decode_attention_ref(*args, **kw).float()
+    assert (got.float() - want).abs().max() <= 1e-2 * want.abs().max()
+    monkeypatch.setattr(outer_attention, "TAIL_IN_COMBINE", "never")
+    assert_close(got, outer_decode_attention(*args, num_splits=4, **kw), dtype)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")

@@ -26,6 +26,7 @@ NAMES = [f"innerq-gluon-d{d}-{g}" for d in (128, 64) for g in MODES] + \
     [f"innerq-triton-{b}bit-{g}" for b in (2, 4) for g in MODES] + \
     [f"outer-triton-{name}" for name in ("kivi", "kivi-pre", "int8", "kvpareto")] + \
     [f"outer-tail-{name}" for name in ("int8", "kvpareto")] + \
+    [f"outer-tail-combine-{name}" for name in ("kivi", "kivi-pre", "int8", "kvpareto")] + \
     ["xquant-weigh", "xquant-scores", "w4a16-one-row", "w4a16-group-16-rows"] + \
     [f"w4a16-gluon-{rows}-rows-split-{split}" for rows in (8, 16) for split in (1, 4)]
 NAMES += ["innerq-window", "combine", "innerq-aligned-keys", "innerq-key-flush"]
@@ -57,7 +58,10 @@ SPILLING = {"innerq-triton-2bit-asym": "256 tokens a step, 2 stages (128 tokens,
             **{f"outer-tail-{name}": "capped at TAIL_REGISTERS to share an SM with the per-token kernel's programs; "
                "uncapped (the whole kernel: up to 255 registers, 104 KB of shared memory), KV Pareto and int8 ran "
                "10% slower at batch 32 (docs/decode.md)"
-               for name in ("int8", "kvpareto")}}
+               for name in ("int8", "kvpareto")},
+            **{f"outer-tail-combine-{name}": "capped at TAIL_REGISTERS to share an SM with a Gluon kernel's programs "
+               "while it attends the sink and the tail (test_tail_combine_fits_beside_the_gluon_kernels)"
+               for name in ("kivi", "kivi-pre", "int8", "kvpareto")}}
 
 
 def test_every_case_is_checked(compiled):
@@ -154,3 +158,19 @@ def test_compile_sm90_refuses_the_interpreter_and_unknown_cases():
         run = subprocess.run([sys.executable, "scripts/compile_sm90.py", *argv], cwd=ROOT, env=dict(os.environ, **env),
                              capture_output=True, text=True, timeout=300)
         assert run.returncode != 0 and message in run.stderr
+
+
+@pytest.mark.parametrize("name,gluon", [("kivi", "kivi-gluon-d128"), ("int8", "int8-gluon-d128"),
+                                        ("kvpareto", "kvpareto-gluon-d128")])
+def test_tail_combine_fits_beside_the_gluon_kernels(compiled, name, gluon):
+    """The combine with the sink and the tail in it launches while a Gluon kernel runs, where it finds room: one
+    program of it and one fewer of that kernel's than an SM holds (outer_hopper.programs_an_sm) must fit an SM's
+    registers and shared memory together."""
+    from kvzoo.kernels.outer_attention import TAIL_WARPS
+    from kvzoo.kernels.outer_hopper import N_WARPS, WARP_PROGRAMS_PER_SM
+    from kvzoo.kernels.token_hopper import PROGRAMS_PER_SM
+
+    tail, main = compiled[f"outer-tail-combine-{name}"], compiled[gluon]
+    others = (WARP_PROGRAMS_PER_SM if name == "kivi" else PROGRAMS_PER_SM) - 1
+    assert tail["registers"] * 32 * TAIL_WARPS + others * main["registers"] * 32 * N_WARPS <= 65536, (tail, main)
+    assert tail["shared"] + 1024 + others * (main["shared"] + 1024) <= SM_SHARED_MEMORY
