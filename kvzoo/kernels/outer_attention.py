@@ -62,15 +62,15 @@ Two kernels:
      that it shares an SM with the Gluon kernel's programs. With neither a sink nor a window (every stored slot
      quantized: KV Pareto's and int8's graph step) there is no last program: the Gluon kernel and the combine are the
      whole attention. Where the combine's programs (one an SM at most) find room beside the Gluon kernel's (its
-     programs an SM, outer_hopper.programs_an_sm, times the SMs, less the programs it launches: small batches),
-     there is no last program either: the Gluon kernel goes first and lets the combine launch at its start
+     programs an SM, outer_hopper.programs_an_sm, times the SMs, less the programs it launches: small batches), and
+     the last program would run at TAIL_WARPS (not int8's 8), there is no last program either: the Gluon kernel goes first and lets the combine launch at its start
      (griddepcontrol.launch_dependents), and the combine attends the sink and the tail (below).
   2. combine: grid (B*H, d/32). Merges the partials, attends the token given apart (k_token, v_token: its score and
      weight in fp32), divides by l and writes (B, Hq, d) in q's dtype (innerq_attention.combine, shared with
      InnerQ's kernels). With the sink and the tail in it (_tail_combine_kernel), each program first attends them as
      the last program would (every channel, the same in each of a KV head's programs) while the Gluon kernel runs,
      then waits for that kernel (griddepcontrol.wait) and merges its partials: at 32K, batch 1 of the 8B heads, 2.1
-     us less a call for KV Pareto k8v8 and 0.5 for KIVI-2, 0.5 more for int8 (H200, docs/decode.md). The token is the combine's, not the split kernel's last program's: a second pass there
+     us less a call for KV Pareto k8v8 and 0.5 for KIVI-2 (H200, docs/decode.md). The token is the combine's, not the split kernel's last program's: a second pass there
      made the whole split kernel slower at 8 warps (docs/decode.md, "int8's kernel at 8 warps"), and int8 on
      Llama's heads runs it at 8 (split_kernel_warps).
 Keys stored before RoPE (KIVI*, `rope=(cos, sin)`): every key, quantized or exact (the sink, the key window), is
@@ -603,10 +603,12 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     # and neither a sink nor a window (every stored slot quantized), no last column and no Triton launch
     windows = bool(sink_rows or k_rows or v_rows)
     # the sink and the tail attended in the combine, launched while the Gluon kernel runs, where the combine's
-    # programs, one an SM at most, find room beside that kernel's (module docstring)
+    # programs, one an SM at most, find room beside that kernel's and the tail's program would take the combine's
+    # TAIL_WARPS (int8's, at 8 warps, was 0.5 us slower there: docs/decode.md) (module docstring)
     rows = triton.next_power_of_2(rep)
     dc, chunk = combine_plan(splits, rows, d)
     in_combine = windows and (TAIL_IN_COMBINE == "always" or TAIL_IN_COMBINE == "auto" and gluon and launches_early(dev)
+                              and split_kernel_warps(key_groups, group, d, num_warps) == TAIL_WARPS
                               and B * H * (d // dc) <= min(sm_count(dev), sm_count(dev) * (
                                   token_hopper.PROGRAMS_PER_SM if by_token else
                                   outer_hopper.programs_an_sm(d, rep, rope, qk_scale)) - B * H * splits))

@@ -520,24 +520,26 @@ def test_tail_attended_in_the_combine(bits, d, dtype, rep, lengths, rope, apart,
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
-@pytest.mark.parametrize("token_keys,sms", [(True, None), (False, None), (True, 3), (False, 3)])
-def test_gluon_kernel_then_the_tail_in_the_combine(token_keys, sms, monkeypatch):
+@pytest.mark.parametrize("group,sms", [(32, None), (None, None), (32, 3), (None, 3), (128, None)])
+def test_gluon_kernel_then_the_tail_in_the_combine(group, sms, monkeypatch):
     """On an H100 the Gluon kernel goes first and the combine launches programmatically while it runs, attends the
     sink and the tail, then waits for it and merges (no Triton split kernel), where the combine's programs find room
-    beside the Gluon kernel's; with too few SMs for them (sms) the tail's program goes first as before. Each matches
+    beside the Gluon kernel's (KV Pareto's groups of 32, KIVI's layout: group None); with too few SMs for them (sms),
+    or int8's whole-head groups (their last program at 8 warps), the tail's program goes first as before. Each matches
     the tail's program first (the reference within 1e-2 of its largest magnitude: the warp kernels' fp16 rounding
     reaches 3-4e-3 on some of these random caches, test_keys_before_rope_take_the_warp_kernel_at_head_dim_128),
     and replays the same in a CUDA graph."""
     from kvzoo.kernels import outer_attention
+    token_keys = group is not None
     module = pytest.importorskip("kvzoo.kernels.token_hopper" if token_keys else "kvzoo.kernels.outer_hopper")
     monkeypatch.setattr(module, "MIN_GROUP_ROWS", 0)
     if sms is not None:
         monkeypatch.setattr(outer_attention, "sm_count", lambda device: sms)
     B, H, N, d, rep, dtype = 2, 2, 1024, 128, 4, torch.float16
     if token_keys:
-        codes, (k_rec, v_rec) = token_cache(B, H, N, d, 8, 8, 32, dtype, rows=40, seed=5)
+        codes, (k_rec, v_rec) = token_cache(B, H, N, d, 8, 8, group, dtype, rows=40, seed=5)
         k_sink = v_sink = None
-        kw, bits, lengths = dict(key_groups="token", group=32), 8, (1000, 1000, 1030, 0)
+        kw, bits, lengths = dict(key_groups="token", group=group), 8, (1000, 1000, 1030, 0)
     else:
         codes, (k_rec, v_rec), (k_sink, v_sink) = cache(B, H, N, N, d, 2, dtype, seed=5)
         kw, bits, lengths = dict(k_sink=k_sink, v_sink=v_sink), 2, (1024, 1000, 1030, 4)
@@ -554,7 +556,7 @@ def test_gluon_kernel_then_the_tail_in_the_combine(token_keys, sms, monkeypatch)
         replayed = outer_decode_attention(*args, num_splits=4, **kw)
     graph.replay()
     assert torch.equal(replayed, got)
-    in_combine = sms is None
+    in_combine = sms is None and group != d
     assert (combines, splits) == (([(B * H, d // 32)] * 2, []) if in_combine else ([], [(B * H, 1)] * 2))
     want = outer_decode_attention_ref(*args, **kw).float()
     assert (got.float() - want).abs().max() <= 1e-2 * want.abs().max()
