@@ -63,16 +63,17 @@ Two kernels:
      quantized: KV Pareto's and int8's graph step) there is no last program: the Gluon kernel and the combine are the
      whole attention. Where the combine's programs (one an SM at most) find room beside the Gluon kernel's (its
      programs an SM, outer_hopper.programs_an_sm, times the SMs, less the programs it launches: small batches), and
-     the last program would run at TAIL_WARPS (not int8's 8), there is no last program either: the Gluon kernel goes first and lets the combine launch at its start
-     (griddepcontrol.launch_dependents), and the combine attends the sink and the tail (below).
+     the last program would run at TAIL_WARPS (not int8's 8), there is no last program either: the Gluon kernel
+     goes first and lets the combine launch at its start (griddepcontrol.launch_dependents), and the combine
+     attends the sink and the tail (below).
   2. combine: grid (B*H, d/32). Merges the partials, attends the token given apart (k_token, v_token: its score and
      weight in fp32), divides by l and writes (B, Hq, d) in q's dtype (innerq_attention.combine, shared with
      InnerQ's kernels). With the sink and the tail in it (_tail_combine_kernel), each program first attends them as
      the last program would (every channel, the same in each of a KV head's programs) while the Gluon kernel runs,
      then waits for that kernel (griddepcontrol.wait) and merges its partials: at 32K, batch 1 of the 8B heads, 2.1
-     us less a call for KV Pareto k8v8 and 0.5 for KIVI-2 (H200, docs/decode.md). The token is the combine's, not the split kernel's last program's: a second pass there
-     made the whole split kernel slower at 8 warps (docs/decode.md, "int8's kernel at 8 warps"), and int8 on
-     Llama's heads runs it at 8 (split_kernel_warps).
+     us less a call for KV Pareto k8v8 and 0.5 for KIVI-2 (H200, docs/decode.md). The token is the combine's, not
+     the split kernel's last program's: a second pass there made the whole split kernel slower at 8 warps
+     (docs/decode.md, "int8's kernel at 8 warps"), and int8 on Llama's heads runs it at 8 (split_kernel_warps).
 Keys stored before RoPE (KIVI*, `rope=(cos, sin)`): every key, quantized or exact (the sink, the key window), is
 rotated to its position in the kernel: sink row i to position i, tail slot u to n_sink + u. The kernel unpacks
 each key's two channel halves as separate tiles and never forms the rotated key [lo cos - hi sin, hi cos + lo sin]
@@ -599,8 +600,9 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
     # shares an SM with that kernel's programs (the whole kernel's, up to 255 registers and 104 KB of shared memory,
     # was 10% slower at batch 32; at batch 1, and beside the other Gluon kernels, the slim one was no faster)
     slim = gluon and by_token and B * H >= sm_count(dev)
-    # one partial per split over the quantized slots, and the last for the sink and the tail; with the Gluon kernel
-    # and neither a sink nor a window (every stored slot quantized), no last column and no Triton launch
+    # one partial per split over the quantized slots, and the last for the sink and the tail; no last column with
+    # the tail in the combine, or with the Gluon kernel and neither a sink nor a window (every stored slot
+    # quantized: no Triton launch)
     windows = bool(sink_rows or k_rows or v_rows)
     # the sink and the tail attended in the combine, launched while the Gluon kernel runs, where the combine's
     # programs, one an SM at most, find room beside that kernel's and the tail's program would take the combine's
@@ -673,7 +675,8 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
         q, *(t for t, _ in buffers), cos, sin, m, l, acc, out, kt, vt, lengths, max(k_rows, 1), max(v_rows, 1), splits,
         qk_scale, *(s for _, s in buffers), s_kt, s_vt, D=d, KB=bits, VB=v_bits, REP=rep, REP_P=rep_p, ROWS=rows,
         BLOCK=BLOCK_W, ROPE=rope is not None, KT=not channel, CG=group, DC=dc, CHUNK=chunk, TOKEN=token is not None,
-        WAIT=gluon, num_warps=TAIL_WARPS, num_stages=1, maxnreg=TAIL_REGISTERS, **(dict(launch_pdl=True) if gluon else {}))
+        WAIT=gluon, num_warps=TAIL_WARPS, num_stages=1, maxnreg=TAIL_REGISTERS,
+        **(dict(launch_pdl=True) if gluon else {}))
     return out
 
 
