@@ -482,6 +482,21 @@ def tail_combines(outer_attention, monkeypatch) -> list:
     return launches
 
 
+@pytest.mark.parametrize("value,held", [("never", "never"), ("always", "always"), ("sometimes", None)])
+def test_tail_in_combine_setting_refuses_other_values(value, held):
+    """KVZOO_TAIL_IN_COMBINE, read when outer_attention is imported: auto (the default), never or always; anything
+    else is refused by name, with the values accepted."""
+    code = "from kvzoo.kernels import outer_attention as o; print(o.TAIL_IN_COMBINE)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "KVZOO_TAIL_IN_COMBINE": value})
+    if held is None:
+        assert run.returncode != 0
+        assert "KVZOO_TAIL_IN_COMBINE must be one of ('auto', 'never', 'always'), got 'sometimes'" in run.stderr
+    else:
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.split() == [held]
+
+
 # KIVI's windows with a sink, KIVI* (keys rotated in the kernel), values quantized past keys, nothing quantized but
 # the sink, the token given apart, keys grouped per token (KV Pareto's k8v4, k4v2), 16 query rows, a tail of several
 # blocks
