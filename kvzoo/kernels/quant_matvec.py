@@ -231,16 +231,18 @@ def unpack_asm(bits: int, bf16: bool = False, centered: bool = False) -> tuple[s
 
 
 @functools.lru_cache
-def pair_asm(bits: int) -> tuple[str, str]:
+def pair_asm(bits: int, centered: bool = False) -> tuple[str, str]:
     """PTX for inline_asm_elementwise (pack=2, one int32 code word entered twice; the Gluon kernels'): output a
     (0 .. 16/bits - 1) holds codes a and a + 16/bits of the word (its bits a*bits and 16 + a*bits) as an exact
-    half2, masked into the mantissa of 1024.0 (fp16 0x6400), which is then subtracted."""
+    half2, masked into the mantissa of 1024.0 (fp16 0x6400), which is then subtracted. centered: code -
+    2^(bits-1), the subtraction taking 1024 + 2^(bits-1) instead."""
     half = 16 // bits
     mask = ((1 << bits) - 1) * 0x00010001
-    lines = ["{", ".reg .b32 t, magic;", "mov.b32 magic, 0x64006400;"]
+    base = (0x6400 + (1 << (bits - 1)) if centered else 0x6400) * 0x10001
+    lines = ["{", ".reg .b32 t, magic, base;", "mov.b32 magic, 0x64006400;", f"mov.b32 base, {base:#010x};"]
     for a in range(half):
         lines += [f"shr.b32 t, ${half}, {a * bits};" if a else f"mov.b32 t, ${half};",
-                  f"lop3.b32 t, t, {mask:#010x}, magic, 0xEA;", f"sub.f16x2 ${a}, t, magic;"]
+                  f"lop3.b32 t, t, {mask:#010x}, magic, 0xEA;", f"sub.f16x2 ${a}, t, base;"]
     lines.append("}")
     return "\n".join(lines), ",".join(["=r"] * half + ["r"] * 2)
 

@@ -46,6 +46,7 @@ from triton.runtime.errors import OutOfResources
 from triton.runtime.interpreter import InterpretedFunction
 
 from kvzoo.cache.kvquant import QTensor, dequantize
+from kvzoo.kernels import xquant_hopper
 from kvzoo.kernels.quant_matvec import check_runnable, join_codes, sm_count, unpack_asm, unpack_codes, unpacks_in_ptx
 
 REMAT_BITS = (2, 3, 4, 8)
@@ -408,9 +409,11 @@ def weigh_gather(q: QTensor, window: Tensor, src: Tensor, p: Tensor, block_t: in
     fold_k = min(block_k, q.group_size & -q.group_size)            # the largest power of two dividing a group
     fold = q.axis == -1 and 32 % q.bits == 0 and fold_k >= 16      # a channel block inside one per-token group
     block_k = fold_k if fold else block_k
+    gluon = fold and xquant_hopper.eligible(q.bits, q.axis, q.group_size, r, Hq, window)
+    block_k, block_t = (xquant_hopper.CHANNELS, xquant_hopper.STEP) if gluon else (block_k, block_t)
     columns = triton.cdiv(r, block_k)
     if programs is None:
-        programs = 2 * sm_count(device)
+        programs = (xquant_hopper.PROGRAMS_PER_SM if gluon else 2) * sm_count(device)
     per_split = triton.cdiv(triton.cdiv(S, max(1, programs // max(1, columns * B))), block_t) * block_t
     splits = max(1, triton.cdiv(S, per_split))
     if not (B and S and r and Hq):
@@ -423,7 +426,10 @@ def weigh_gather(q: QTensor, window: Tensor, src: Tensor, p: Tensor, block_t: in
             window.stride(0), window.stride(1), p.stride(0), p.stride(1))
     common = dict(GROUP=q.group_size, BITS=q.bits, HAS_ZERO=q.zero is not None, BLOCK_H=block_h, BLOCK_T=block_t,
                   BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
-    if fold:
+    if gluon:
+        xquant_hopper.weigh_splits(codes, q.scale.contiguous(), zero if q.zero is not None else None, args[3],
+                                   args[4], p, partials, N, r, q.group_size, per_split)
+    elif fold:
         fast = unpacks_in_ptx(window)
         asm, con = unpack_asm(q.bits, centered=True) if fast else ("", "")
         _weigh_fold_kernel[(columns, splits, B)](

@@ -110,10 +110,12 @@ WORDS = RNG.integers(0, 2**32, LANES, dtype=np.uint64).astype(np.uint32)
 
 
 @pytest.mark.parametrize("bits", [2, 4])
-def test_pair_asm_gives_codes_a_and_a_plus_half(bits):
+@pytest.mark.parametrize("centered", [False, True])
+def test_pair_asm_gives_codes_a_and_a_plus_half(bits, centered):
+    """Output a: codes a and a + 16/bits of a word; centered (XQuant's Gluon weighing), less 2^(bits-1)."""
     half = 16 // bits
-    out = run_ptx(pair_asm(bits)[0], half, [WORDS, WORDS])
-    codes = codes_of(WORDS, bits)
+    out = run_ptx(pair_asm(bits, centered)[0], half, [WORDS, WORDS])
+    codes = codes_of(WORDS, bits).astype(np.int64) - ((1 << (bits - 1)) if centered else 0)
     for a in range(half):
         assert np.array_equal(unpair(out[a]), codes[:, [a, a + half]])
 
