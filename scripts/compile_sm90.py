@@ -164,11 +164,11 @@ def cases() -> dict:
     out["xquant-weigh"] = (xquant_remat._weigh_fold_kernel, dict(
         GROUP=128, BITS=4, HAS_ZERO=True, FAST=True, ASM=asm, CON=con, EXACT_DOT=False, ALL_H=True,
         BLOCK_H=32, BLOCK_T=64, BLOCK_K=128), ASTSource, xq, dict(num_warps=4, num_stages=2))
-    for ch in (64, 128):
-        out[f"xquant-weigh-gluon-{ch}"] = (xquant_hopper._weigh_kernel, dict(
-            GROUP=128, HAS_ZERO=True, ALL_H=True, BLOCK_H=32, CH=ch, LW=xquant_hopper._layouts(32, ch)[0],
-            LP=xquant_hopper._layouts(32, ch)[1]), GluonASTSource, xq,
-            dict(num_warps=xquant_hopper.N_WARPS, divisible=("WORDS", "PER_SPLIT", "s_ph", "s_pb")))
+    out["xquant-weigh-gluon"] = (xquant_hopper._weigh_kernel, dict(
+        GROUP=128, HAS_ZERO=True, ALL_H=True, BLOCK_H=32, STAGES=xquant_hopper.STAGES,
+        **dict(zip(("LW", "LP", "LPT", "LPC", "LSRC"), xquant_hopper._layouts(32)))), GluonASTSource, xq,
+        dict(num_warps=xquant_hopper.N_WARPS, maxnreg=xquant_hopper.REGISTERS,
+             divisible=("WORDS", "PER_SPLIT", "s_ph", "s_pb")))
     out["xquant-scores"] = (scores._scores_kernel, dict(
         H=8, REP=4, REP_P=16, D=128, BLOCK=scores.BLOCK, PRECISION="tf32", UPCAST=False, ROPE=True, Q_ROPE=True),
         ASTSource, dict(xq, qcos_ptr="*bf16", qsin_ptr="*bf16"), dict(num_warps=4, num_stages=3))

@@ -166,8 +166,8 @@ def setting(variable: str, accepted: tuple[str, ...]) -> str:
 
 def kernel_choice(variable: str) -> str:
     """The Gluon kernel choice an environment variable (KVZOO_OUTER_KERNEL, KVZOO_INNERQ_KERNEL, KVZOO_TOKEN_KERNEL,
-    KVZOO_W4A16_KERNEL) holds, default auto: triton never takes the Gluon kernel, gluon takes it wherever its layout
-    allows."""
+    KVZOO_W4A16_KERNEL, KVZOO_WEIGH_KERNEL) holds, default auto: triton never takes the Gluon kernel, gluon takes it
+    wherever its layout allows."""
     return setting(variable, KERNELS)
 
 

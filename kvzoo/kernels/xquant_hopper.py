@@ -1,32 +1,38 @@
 """XQuant's weighing of its value latents (xquant_remat.weigh_gather) on Hopper (sm_90), in Gluon: 4-bit codes in
-per-token groups of a multiple of 128 channels, the model fp16 or bf16, at most 32 query heads.
+per-token groups of a multiple of 64 channels (whole int32 pairs of scales a row), the model fp16 or bf16, at most
+32 query heads.
 
     partials[split, b] (BLOCK_H, r) = Σ_i p[b, :, i] · row src[i] of [dequant(codes[b]) ; window[b]]
 
 over the rows i of one split, the same partials as xquant_remat._weigh_fold_kernel, summed by its _sum_splits_kernel.
 
-    grid (r / 128, splits, B): program (channel block, split, batch row) weighs 128 channels (one group of a row:
-    16 code words) over the split's rows, 64 a step, each of its four warps 16 of them.
+    grid (r / 256, splits, B): program (channel block, split, batch row) weighs 256 channels, 64 a warp (8 code
+    words a row), over the split's rows, 64 a step in four chunks of 16.
 
-Each warp runs its own mma.sync (m16n8k16) products, accᵀ (128 channels, BLOCK_H heads) += Cᵀ (128, 16 rows) ·
-Wᵀ (16 rows, BLOCK_H), both operands in registers, no shared memory and no barrier in the loop (outer_hopper's
-warp kernel, the output half of KIVI's attention):
-  - C holds the codes centered, c - 8, exact fp16 values: a thread loads two adjacent code words (16 channels) of
-    each of its four rows, the words of rows 2 p and 2 p + 1 are interleaved by halves (two prmt), and one shr, lop3
-    and sub give an A register, code a of both rows (quant_matvec.pair_asm, centered). A's rows are the channels in
-    a fixed order (_real), written back to their places at the end.
-  - W is p · scale, rounded to fp16 once (the fold path's weight): with the codes centered, a row's
-    Σ_t p_t (c_t s_t + z_t) = Σ_t (p_t s_t)(c_t - 8) + Σ_t p_t (z_t + 8 s_t), the second term summed in fp32 by
-    each thread over its own rows and reduced once, after the loop.
-  - Each step's code words, scales, zeros and p are loaded a step ahead and its src two ahead (the fold path's
-    pipelining). Window rows (src in [N, N + W)) weigh nothing there (their scale and zero read 0); the loop notes
-    the first and last step holding any, and a second loop weighs those steps' window rows from their exact values
-    (fp16; bf16 rows converted, as the fold path does).
+Each warp runs mma.sync (m16n8k16) products on its own channels, accᵀ (64, BLOCK_H) += Cᵀ (64, 16 rows) · Wᵀ (16
+rows, BLOCK_H), both operands in registers:
+  - C holds the codes centered, c - 8, exact fp16 values: a thread holds one code word (8 channels) of four rows,
+    the words of rows 2 p and 2 p + 1 are interleaved by halves (two prmt), and one shr, lop3 and sub give an A
+    register, code a of both rows (quant_matvec.pair_asm, centered). A's rows are the warp's channels in a fixed
+    order (_real), written back to their places at the end.
+  - W is p · scale, rounded to fp16 once (the fold path's weight), each warp with its own group's scales: with the
+    codes centered, a row's Σ_t p_t (c_t s_t + z_t) = Σ_t (p_t s_t)(c_t - 8) + Σ_t p_t (z_t + 8 s_t), the second
+    term summed in fp32 by each thread over its own rows and reduced once, after the loop.
+  - Operands go through shared memory, copied asynchronously (cp.async) STAGES - 1 steps ahead, and each step's src
+    (the rows it gathers) 2 (STAGES - 1) steps ahead, read from shared memory to address its rows' copies: no
+    register holds a load in flight, so none waits where ptxas schedules it. A step's p is copied once and read by
+    every warp (a barrier a step).
+  - Window rows (src in [N, N + W)) weigh nothing there (their scale and zero read 0); each thread notes the first
+    and last step holding any of its rows, and a second loop weighs those steps' window rows from their exact
+    values (fp16; bf16 rows converted, as the fold path does).
 Numerics are the fold path's: the same operands rounded the same way, fp32 products, summed in another order.
+At most 168 registers a thread and three steps of 58 KB in shared memory (32 heads): three programs an SM.
 
-Per step and thread: 8 words, 16 values of p, 4 scales and zeros; 64 codes unpacked into 32 registers and 32 mma.sync
-(8 channel tiles x 4 head tiles at 32 heads). KVZOO_WEIGH_KERNEL=triton|gluon|auto (default) overrides the choice:
-triton never takes this kernel; gluon and auto take it wherever its layout allows.
+Speed (XQuant's 8B value latents, 1,024 wide, groups of 128, 32 query heads, one H200, L2 flushed; docs/decode.md,
+"XQuant's weighing in Gluon"): 596.4 us at 32K, batch 32 against the fold path's 708.2, 163.9 against 182.3 at
+batch 8, 93.6 against 96.8 at 128K, batch 1; at 32K, batch 1 38.4 against 33.3, so fewer than MIN_ROWS rows
+(batch x S) stay with the fold path. KVZOO_WEIGH_KERNEL=triton|gluon|auto (default) overrides the choice: triton
+never takes this kernel, gluon takes it at any number of rows.
 """
 
 from __future__ import annotations
@@ -37,46 +43,61 @@ import torch
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from kvzoo.kernels.outer_hopper import HIGH_HALVES, LOW_HALVES
+from kvzoo.kernels.outer_hopper import HIGH_HALVES, LOW_HALVES, barrier
 from kvzoo.kernels.quant_matvec import kernel_choice, pair_asm, unpacks_in_ptx
 
 CHOICE = kernel_choice("KVZOO_WEIGH_KERNEL")
 ENABLED = CHOICE != "triton"
-import os
-N_WARPS, ROWS, MAX_HEADS = 4, 16, 32
-CHANNELS = int(os.environ.get("KVZOO_WEIGH_CH", "64"))
-REGISTERS = int(os.environ.get("KVZOO_WEIGH_REGS", "0"))
-PROGRAMS_PER_SM = int(os.environ.get("KVZOO_WEIGH_PROGRAMS", "2"))
-STEP = N_WARPS * ROWS                 # rows a program weighs a step
+# fewer rows (batch x S) stay with the Triton fold path, faster there ("gluon": none fewer): at 32K rows, batch 1
+# 38.4 us against 33.3, at 2 x 32K 55.6 against 54.2; at 4 x 32K 92.9 against 95.8 (docs/decode.md)
+MIN_ROWS = 0 if CHOICE == "gluon" else 131072
+N_WARPS, ROWS, CHUNKS, MAX_HEADS = 4, 16, 4, 32
+WARP_CHANNELS = 64
+CHANNELS = N_WARPS * WARP_CHANNELS            # a program's channels
+STEP = CHUNKS * ROWS                          # rows a program weighs a step
+STAGES = 3                                    # steps in shared memory: 58 KB a program at 32 heads
+PROGRAMS_PER_SM = 3                           # at REGISTERS a thread and STAGES, three programs fit an SM
+REGISTERS = 168
 WARPS = gl.constexpr(N_WARPS)
+NCHUNK = gl.constexpr(CHUNKS)
 BLOCK = gl.constexpr(STEP)
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[N_WARPS, 1, 1], instr_shape=[1, 16, 8]))
+# Triton 3.9 names it async_load, 3.6 async_copy_global_to_shared
+async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 CENTERED_ASM, CENTERED_CON = (gl.constexpr(part) for part in pair_asm(4, centered=True))
 
 
 @gluon.jit
 def _codes(words):
-    """Code words (4, 16 rows, 16 words) in _layouts' LW -> Cᵀ (4, 128, 16), the product's A operand: row
-    m = g + 8 h + 16 a of A is code a of word 2 g + h (_real), column k row _row(k) of the warp's 16. Rows 2 p and
-    2 p + 1 share A's half2 registers, so their words are interleaved by halves first: slots 0-3 of both, then 4-7."""
+    """Code words (4 warps, 16 rows, 8 words) in _layouts' LW -> Cᵀ (4, 64, 16), the product's A operand: row
+    m = g + 8 s + 16 a of warp w's A is code 4 s + a of its word g (_real), column k row _row(k) of the chunk. Rows
+    2 p and 2 p + 1 share A's half2 registers, so their words are interleaved by halves first: slots 0-3 of both,
+    then 4-7."""
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    W: gl.constexpr = words.shape[2]
-    even, odd = gl.split(gl.permute(gl.reshape(words, (4, 8, 2, W)), (0, 1, 3, 2)))    # (4, 8 p, W u): rows 2p, +1
+    even, odd = gl.split(gl.permute(gl.reshape(words, (4, 8, 2, 8)), (0, 1, 3, 2)))     # (4, 8 p, 8 g): rows 2p, +1
     lo = gl.inline_asm_elementwise(LOW_HALVES, "=r,r,r", [even, odd], dtype=gl.int32, is_pure=True, pack=1)
     hi = gl.inline_asm_elementwise(HIGH_HALVES, "=r,r,r", [even, odd], dtype=gl.int32, is_pure=True, pack=1)
-    x = gl.join(lo, hi)                                                            # (4, 8, W, s): slots 4 s + a
+    x = gl.join(lo, hi)                                                            # (4, 8, 8, s): slots 4 s + a
     o = gl.inline_asm_elementwise(CENTERED_ASM, CENTERED_CON, [gl.join(x, x)], dtype=(gl.float16,) * 4,
-                                  is_pure=True, pack=2)                            # each (4, 8, W, s, parity)
+                                  is_pure=True, pack=2)                            # each (4, 8, 8, s, parity)
     y = gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3]))                           # (..., a0, a1)
-    if W == 16:
-        y = gl.reshape(y, (4, 2, 2, 2, 8, 2, 2, 2, 2, 2))         # (4, p2, p1, p0, g, h, s, par, a0, a1)
-        y = gl.reshape(gl.permute(y, (0, 6, 9, 8, 5, 4, 3, 1, 2, 7)), (4, 128, 16))    # (4, s a1 a0 h g, p0 p2 p1 par)
-    else:
-        y = gl.reshape(y, (4, 2, 2, 2, 8, 2, 2, 2, 2))            # (4, p2, p1, p0, g, s, par, a0, a1)
-        y = gl.reshape(gl.permute(y, (0, 8, 7, 5, 4, 3, 1, 2, 6)), (4, 64, 16))        # (4, a1 a0 s g, p0 p2 p1 par)
+    y = gl.reshape(y, (4, 2, 2, 2, 8, 2, 2, 2, 2))                # (4, p2, p1, p0, g, s, par, a0, a1)
+    y = gl.reshape(gl.permute(y, (0, 8, 7, 5, 4, 3, 1, 2, 6)), (4, 64, 16))        # (4, a1 a0 s g, p0 p2 p1 par)
     return gl.convert_layout(y, A, assert_trivial=True)
+
+
+@gluon.jit
+def _real(m):
+    """A's row m -> its channel in the warp's 64: code 4 ((m // 8) % 2) + m // 16 of word m % 8."""
+    return 8 * (m % 8) + 4 * ((m // 8) % 2) + m // 16
+
+
+@gluon.jit
+def _row(k):
+    """A's and B's column k -> the row of the chunk's 16 it holds (_codes' and _weights' permutation)."""
+    return (k % 2) + 2 * ((k // 8) % 2) + 4 * ((k // 2) % 2) + 8 * ((k // 4) % 2)
 
 
 @gluon.jit
@@ -89,190 +110,242 @@ def _weights(x):
 
 
 @gluon.jit
-def _real(m, CH: gl.constexpr):
-    """A's row m -> its channel in a block of CH: code m // 16 of word 2 (m % 8) + (m // 8) % 2 (CH = 128), code
-    4 ((m // 8) % 2) + m // 16 of word m % 8 (CH = 64)."""
-    if CH == 128:
-        return 16 * (m % 8) + 8 * ((m // 8) % 2) + m // 16
-    return 8 * (m % 8) + 4 * ((m // 8) % 2) + m // 16
-
-
-@gluon.jit
 def _rows(t, L2: gl.constexpr):
-    """Rows t + 16 w + j of a step, (4, 16) in L2."""
-    w = gl.arange(0, WARPS, layout=gl.SliceLayout(1, L2))
+    """Rows t + 16 c + j of a step, (4 chunks, 16) in L2."""
+    c = gl.arange(0, NCHUNK, layout=gl.SliceLayout(1, L2))
     j = gl.arange(0, 16, layout=gl.SliceLayout(0, L2))
-    return t + w[:, None] * 16 + j[None, :]
+    return t + c[:, None] * 16 + j[None, :]
 
 
 @gluon.jit
-def _src(src_ptr, t, stop, L2: gl.constexpr, MASKED: gl.constexpr):
-    """A step's indices into [codes ; window] (4, 16) int32 in L2; MASKED: rows past stop read N + W's stand-in
-    0 (never weighed: their p is 0)."""
-    i = _rows(t, L2)
-    if MASKED:
-        return gl.load(src_ptr + i, mask=i < stop, other=0).to(gl.int32)
-    return gl.load(src_ptr + i).to(gl.int32)
+def _half(pairs, half):
+    """The fp16 in half `half` (0: low) of each int32 pair."""
+    return (pairs >> (16 * half)).to(gl.int16).to(gl.float16, bitcast=True)
 
 
 @gluon.jit
-def _operands(codes_ptr, scale_ptr, zero_ptr, p_ptr, t, src, stop, N, W, R, WORDS, HQ, k0, s_ph,
-              GROUP: gl.constexpr, HAS_ZERO: gl.constexpr, ALL_H: gl.constexpr, BLOCK_H: gl.constexpr,
-              LW: gl.constexpr, LP: gl.constexpr, MASKED: gl.constexpr):
-    """Step t's operands as loaded (converted where they are used, so that no instruction of the step that loads
-    them waits for them): code words (4, 16, 16) in LW, each row's scale and zero (4, 16) (0 where the row is not
-    coded), p (4, 16, BLOCK_H) in LP, and each thread's rows that are window rows (4, 16, as a count). codes_ptr,
-    scale_ptr, zero_ptr and p_ptr point at the program's batch row and channel block."""
-    LR: gl.constexpr = gl.SliceLayout(2, LP)
-    coded = src < N
-    live = _rows(t, LR) < stop
+def _copy_src(src_ptr, t, stop, dst, LC: gl.constexpr, MASKED: gl.constexpr):
+    """Copy step t's src (4 chunks, 16) into dst, asynchronously (past stop: 0)."""
+    i = _rows(t, LC)
     if MASKED:
-        coded = coded & live
-    src_w = gl.convert_layout(gl.where(coded, src, 0), gl.SliceLayout(2, LW), assert_trivial=True)
-    u = gl.arange(0, LW.shape[2], layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
-    words = gl.load(codes_ptr + (src_w * WORDS)[:, :, None] + u[None, None, :])    # row 0 stands in: never weighed
-    meta = gl.where(coded, src, 0) * (R // GROUP)
-    scale = gl.load(scale_ptr + meta, mask=coded, other=0)
-    zero = gl.load(zero_ptr + meta, mask=coded, other=0) if HAS_ZERO else scale
-    windowed = (src >= N) & (src < N + W)
-    if MASKED:
-        windowed = windowed & live
-    h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, gl.SliceLayout(1, LP)))
-    at = (p_ptr + t) + (h[None, None, :] * s_ph + _rows(0, LR)[:, :, None])
-    if MASKED:
-        p = gl.load(at, mask=live[:, :, None] & (h < HQ)[None, None, :], other=0)
-    elif ALL_H:
-        p = gl.load(at)
+        async_load(dst, src_ptr + i, mask=i < stop)
     else:
-        p = gl.load(at, mask=(h < HQ)[None, None, :], other=0)
-    return words, scale, zero, p, windowed.to(gl.int32)
+        async_load(dst, src_ptr + i)
 
 
 @gluon.jit
-def _step(ops, acc, zacc, HAS_ZERO: gl.constexpr):
-    """One step's products: accᵀ += Cᵀ · (p s)ᵀ, and each thread's Σ p (z + 8 s) over its own rows."""
-    words, scale, zero, p, _ = ops
-    BLOCK_H: gl.constexpr = p.shape[2]
-    p = p.to(gl.float32)
-    scale = scale.to(gl.float32)
+def _chunks(src, LS: gl.constexpr):
+    """A step's src (4 chunks, 16) in _layouts' LSRC (the chunks in registers) -> its four chunks (16,) in LS."""
+    x = gl.permute(gl.reshape(src, (2, 2, 16)), (2, 0, 1))                         # (16, c1, c0)
+    even, odd = gl.split(x)                                                        # c0 = 0, 1: (16, c1)
+    c0, c2 = gl.split(even)
+    c1, c3 = gl.split(odd)
+    return (gl.convert_layout(c0.to(gl.int32), LS, assert_trivial=True),
+            gl.convert_layout(c1.to(gl.int32), LS, assert_trivial=True),
+            gl.convert_layout(c2.to(gl.int32), LS, assert_trivial=True),
+            gl.convert_layout(c3.to(gl.int32), LS, assert_trivial=True))
+
+
+@gluon.jit
+def _copy_step(codes_ptr, sc_ptr, ze_ptr, p_ptr, t, stop, src, words_d, p_d, sc_d, ze_d, slot, N, R, WORDS, HQ, k0,
+               s_ph, GROUP: gl.constexpr, HAS_ZERO: gl.constexpr, ALL_H: gl.constexpr, LW: gl.constexpr,
+               LPC: gl.constexpr, LSRC: gl.constexpr, MASKED: gl.constexpr):
+    """Copy step t's operands into shared memory at chunk slot * 4 + c, asynchronously, given its src (4 chunks, 16)
+    as loaded in LSRC: each chunk's code words (4 warps, 16 rows, 8 words) as LW holds them, the int32 pairs holding
+    each warp's scales and zeros (0 where a row is not coded), and p (BLOCK_H, 16), a thread's four rows of a head
+    contiguous (a 16-byte copy). MASKED: rows past stop copy p as 0."""
+    LR: gl.constexpr = gl.SliceLayout(2, LW)
+    BLOCK_H: gl.constexpr = LPC.shape[0]
+    w = gl.arange(0, WARPS, layout=gl.SliceLayout(1, LR))
+    group = (k0 + w * (8 * LW.shape[2])) // GROUP                                  # each warp's group
+    u = gl.arange(0, LW.shape[2], layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
+    h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LPC))
+    r = gl.arange(0, 16, layout=gl.SliceLayout(0, LPC))
+    rows = _chunks(src, gl.SliceLayout(0, LR))
+    for c in gl.static_range(NCHUNK):
+        row = gl.expand_dims(rows[c], 0)                                           # (1, 16)
+        coded = row < N
+        row = gl.where(coded, row, 0)                                              # row 0 stands in: never weighed
+        at = (row * WORDS)[:, :, None] + (w * LW.shape[2])[:, None, None] + u[None, None, :]
+        async_load(words_d.index(slot * NCHUNK + c), codes_ptr + at)
+        pair = row * (R // GROUP // 2) + (group // 2)[:, None]
+        async_load(sc_d.index(slot * NCHUNK + c), sc_ptr + pair, mask=coded & (w >= 0)[:, None])
+        if HAS_ZERO:
+            async_load(ze_d.index(slot * NCHUNK + c), ze_ptr + pair, mask=coded & (w >= 0)[:, None])
+        i = t + c * 16 + r
+        at = p_ptr + (h[:, None] * s_ph + i[None, :])
+        if MASKED:
+            async_load(p_d.index(slot * NCHUNK + c), at, mask=(h < HQ)[:, None] & (i < stop)[None, :])
+        elif ALL_H:
+            async_load(p_d.index(slot * NCHUNK + c), at)
+        else:
+            async_load(p_d.index(slot * NCHUNK + c), at, mask=(h < HQ)[:, None] & (i >= 0)[None, :])
+
+
+@gluon.jit
+def _chunk(words, sc, ze, p, half, acc, zacc, HAS_ZERO: gl.constexpr, LP: gl.constexpr):
+    """One chunk's products: accᵀ += Cᵀ · (p s)ᵀ, each warp with its group's scales (sc, ze: (4, 16) int32 pairs,
+    half (4, 1) which half is the warp's), p (BLOCK_H, 16) the same in every warp; and each thread's Σ p (z + 8 s)
+    over its own rows."""
+    H: gl.constexpr = p.shape[0]
+    scale = gl.expand_dims(_half(sc, half).to(gl.float32), 1)                      # (4, 1, 16)
+    p = gl.expand_dims(p, 0)                                                       # (1, H, 16)
     if HAS_ZERO:
-        z = gl.expand_dims(zero.to(gl.float32) + 8.0 * scale, 2)
-        zacc += gl.sum(gl.reshape(p * z, (WARPS, 4, 4, BLOCK_H)), axis=2)
-    return mma_v2(_codes(words), _weights((p * gl.expand_dims(scale, 2)).to(gl.float16)), acc), zacc
-
-
-@gluon.jit
-def _found(ops, t, stop, win_lo, win_hi):
-    """The first and last step (each row's own) that held a window row, given step t's operands."""
-    return gl.where(ops[4] > 0, gl.minimum(win_lo, t), win_lo), gl.where(ops[4] > 0, gl.minimum(t + BLOCK, stop),
-                                                                           win_hi)
+        z = gl.expand_dims(_half(ze, half).to(gl.float32), 1) + 8.0 * scale
+        zacc += gl.sum(gl.reshape(p * z, (WARPS, H, 4, 4)), axis=3)
+    w = gl.convert_layout(gl.permute((p * scale).to(gl.float16), (0, 2, 1)), LP, assert_trivial=True)
+    return mma_v2(_codes(words), _weights(w), acc), zacc
 
 
 @gluon.jit
 def _weigh_kernel(codes_ptr, scale_ptr, zero_ptr, win_ptr, src_ptr, p_ptr, out_ptr, N, W, S, R, WORDS, HQ, PER_SPLIT,
                   s_wb, s_wn, s_pb, s_ph, GROUP: gl.constexpr, HAS_ZERO: gl.constexpr, ALL_H: gl.constexpr,
-                  BLOCK_H: gl.constexpr, CH: gl.constexpr, LW: gl.constexpr, LP: gl.constexpr):
+                  BLOCK_H: gl.constexpr, STAGES: gl.constexpr, LW: gl.constexpr, LP: gl.constexpr,
+                  LPT: gl.constexpr, LPC: gl.constexpr, LSRC: gl.constexpr):
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    LR: gl.constexpr = gl.SliceLayout(2, LP)
-    k0 = gl.program_id(0) * CH
+    LC: gl.constexpr = gl.SliceLayout(2, LP)                                       # (4 chunks, 16 rows)
+    S3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    S4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    D: gl.constexpr = STAGES - 1
+    SRC_STAGES: gl.constexpr = 2 * STAGES                        # at least 2 D + 1, a power of two
+    k0 = gl.program_id(0) * (WARPS * 8 * LW.shape[2])
     split = gl.program_id(1)
     b = gl.program_id(2).to(gl.int64)
     start = split * PER_SPLIT
     stop = gl.minimum(start + PER_SPLIT, S)
-    # the program's batch row and channel block; rows are then int32 offsets (a row's codes below 2^31 words)
+    # the program's batch row and channel block; rows are then int32 offsets (a row's codes below 2^31 words); the
+    # scales and zeros are copied as the int32 pairs holding them (R / GROUP even: a row's pairs are whole)
     codes_ptr += b * N * WORDS + k0 // 8
-    scale_ptr += b * N * (R // GROUP) + k0 // GROUP
-    zero_ptr += b * N * (R // GROUP) + k0 // GROUP
+    sc_ptr = (scale_ptr + b * N * (R // GROUP)).to(gl.pointer_type(gl.int32), bitcast=True)
+    ze_ptr = (zero_ptr + b * N * (R // GROUP)).to(gl.pointer_type(gl.int32), bitcast=True)
     p_ptr += b * s_pb
+    LH: gl.constexpr = gl.SliceLayout(1, LPT)                                      # (4 warps, 16 rows)
+    wh = gl.arange(0, WARPS, layout=gl.SliceLayout(1, LH))
+    half = gl.expand_dims((k0 + wh * (8 * LW.shape[2])) // GROUP % 2, 1)           # (4, 1): each warp's half
 
-    acc = gl.zeros([WARPS, CH, BLOCK_H], gl.float32, MMA)                          # accᵀ, each warp its rows'
-    zacc = gl.zeros([WARPS, 4, BLOCK_H], gl.float32, gl.SliceLayout(2, gl.reshape(
-        gl.zeros([WARPS, 16, BLOCK_H], gl.float32, LP), (WARPS, 4, 4, BLOCK_H)).type.layout))
-    win_lo = gl.zeros([WARPS, 16], gl.int32, LR) + stop     # the first and last step that held a window row
-    win_hi = gl.zeros([WARPS, 16], gl.int32, LR) + start
-    # whole steps, three a loop (each step's operands in registers of their own, so that none is copied, which would
-    # wait for its load): no row past stop; a step's operands are loaded two steps ahead, its src three ahead (the
-    # last three load themselves again, hits in the caches)
-    pairs = start + (stop - start) // (3 * BLOCK) * (3 * BLOCK)
-    if pairs > start:
-        last = pairs - 3 * BLOCK
-        ops_a = _operands(codes_ptr, scale_ptr, zero_ptr, p_ptr, start, _src(src_ptr, start, stop, LR, False), stop,
-                          N, W, R, WORDS, HQ, k0, s_ph, GROUP, HAS_ZERO, ALL_H, BLOCK_H, LW, LP, False)
-        ops_b = _operands(codes_ptr, scale_ptr, zero_ptr, p_ptr, start + BLOCK,
-                          _src(src_ptr, start + BLOCK, stop, LR, False), stop, N, W, R, WORDS, HQ, k0, s_ph, GROUP,
-                          HAS_ZERO, ALL_H, BLOCK_H, LW, LP, False)
-        src_c = _src(src_ptr, start + 2 * BLOCK, stop, LR, False)
-        for t in range(start, pairs, 3 * BLOCK):
-            ops_c = _operands(codes_ptr, scale_ptr, zero_ptr, p_ptr, t + 2 * BLOCK, src_c, stop, N, W, R, WORDS, HQ,
-                              k0, s_ph, GROUP, HAS_ZERO, ALL_H, BLOCK_H, LW, LP, False)
-            src_a = _src(src_ptr, gl.minimum(t + 3 * BLOCK, last), stop, LR, False)
-            win_lo, win_hi = _found(ops_a, t, stop, win_lo, win_hi)
-            acc, zacc = _step(ops_a, acc, zacc, HAS_ZERO)
-            ops_a = _operands(codes_ptr, scale_ptr, zero_ptr, p_ptr, gl.minimum(t + 3 * BLOCK, last), src_a, stop,
-                              N, W, R, WORDS, HQ, k0, s_ph, GROUP, HAS_ZERO, ALL_H, BLOCK_H, LW, LP, False)
-            src_b = _src(src_ptr, gl.minimum(t + 4 * BLOCK, last + BLOCK), stop, LR, False)
-            win_lo, win_hi = _found(ops_b, t + BLOCK, stop, win_lo, win_hi)
-            acc, zacc = _step(ops_b, acc, zacc, HAS_ZERO)
-            ops_b = _operands(codes_ptr, scale_ptr, zero_ptr, p_ptr, gl.minimum(t + 4 * BLOCK, last + BLOCK), src_b,
-                              stop, N, W, R, WORDS, HQ, k0, s_ph, GROUP, HAS_ZERO, ALL_H, BLOCK_H, LW, LP, False)
-            src_c = _src(src_ptr, gl.minimum(t + 5 * BLOCK, last + 2 * BLOCK), stop, LR, False)
-            win_lo, win_hi = _found(ops_c, t + 2 * BLOCK, stop, win_lo, win_hi)
-            acc, zacc = _step(ops_c, acc, zacc, HAS_ZERO)
-    for t in range(pairs, stop, BLOCK):        # the split's last rows (at most three steps), masked
-        ops = _operands(codes_ptr, scale_ptr, zero_ptr, p_ptr, t, _src(src_ptr, t, stop, LR, True), stop, N, W, R,
-                        WORDS, HQ, k0, s_ph, GROUP, HAS_ZERO, ALL_H, BLOCK_H, LW, LP, True)
-        win_lo, win_hi = _found(ops, t, stop, win_lo, win_hi)
-        acc, zacc = _step(ops, acc, zacc, HAS_ZERO)
-    # the window rows of the steps that hold any, from their exact values
-    m = gl.arange(0, CH, layout=gl.SliceLayout(0, gl.SliceLayout(2, A)))
+    # chunk c of stage s at s * 4 + c; the src of a whole step at a time
+    words_s = gl.allocate_shared_memory(gl.int32, [STAGES * NCHUNK, WARPS, 16, LW.shape[2]], S4)
+    sc_s = gl.allocate_shared_memory(gl.int32, [STAGES * NCHUNK, WARPS, 16], S3)
+    ze_s = gl.allocate_shared_memory(gl.int32, [STAGES * NCHUNK, WARPS, 16], S3)
+    p_s = gl.allocate_shared_memory(gl.float32, [STAGES * NCHUNK, BLOCK_H, 16], S3)
+    src_s = gl.allocate_shared_memory(gl.int64, [SRC_STAGES, NCHUNK, 16], S3)
+
+    acc = gl.zeros([WARPS, 64, BLOCK_H], gl.float32, MMA)                          # accᵀ, each warp its channels
+    LZ: gl.constexpr = gl.SliceLayout(3, gl.reshape(gl.zeros([WARPS, BLOCK_H, 16], gl.float32, LPT),
+                                                    (WARPS, BLOCK_H, 4, 4)).type.layout)
+    zacc = gl.zeros([WARPS, BLOCK_H, 4], gl.float32, LZ)
+    win_lo = gl.zeros([NCHUNK, 16], gl.int32, LC) + stop    # each row's first and last step that held a window row
+    win_hi = gl.zeros([NCHUNK, 16], gl.int32, LC) + start
+    steps = gl.cdiv(stop - start, BLOCK)
+    full = (stop - start) // BLOCK                          # steps with no row past stop
+    # the first D steps' operands (their src copied first, waited for), and the src of steps D .. 2 D - 1
+    for k in gl.static_range(D):
+        if k < steps:
+            _copy_src(src_ptr, start + k * BLOCK, stop, src_s.index(k % SRC_STAGES), LC, True)
+    async_copy.commit_group()
+    async_copy.wait_group(0)
+    barrier()
+    for k in gl.static_range(D):
+        if k < steps:
+            slot = k % STAGES
+            _copy_step(codes_ptr, sc_ptr, ze_ptr, p_ptr, start + k * BLOCK, stop,
+                       src_s.index(k % SRC_STAGES).load(LSRC), words_s, p_s, sc_s, ze_s, slot, N, R, WORDS, HQ, k0,
+                       s_ph, GROUP, HAS_ZERO, ALL_H, LW, LPC, LSRC, True)
+        if k + D < steps:
+            _copy_src(src_ptr, start + (k + D) * BLOCK, stop, src_s.index((k + D) % SRC_STAGES), LC, True)
+        async_copy.commit_group()
+    for j in range(steps):
+        async_copy.wait_group(D - 1)                    # step j's operands and step j + D's src are in place
+        barrier()                                       # and every warp is done with step j - 1's buffers
+        n = j + D
+        if n < steps:
+            slot = n % STAGES
+            if n < full:
+                _copy_step(codes_ptr, sc_ptr, ze_ptr, p_ptr, start + n * BLOCK, stop,
+                           src_s.index(n % SRC_STAGES).load(LSRC), words_s, p_s, sc_s, ze_s, slot, N, R, WORDS, HQ, k0,
+                           s_ph, GROUP, HAS_ZERO, ALL_H, LW, LPC, LSRC, False)
+            else:
+                _copy_step(codes_ptr, sc_ptr, ze_ptr, p_ptr, start + n * BLOCK, stop,
+                           src_s.index(n % SRC_STAGES).load(LSRC), words_s, p_s, sc_s, ze_s, slot, N, R, WORDS, HQ, k0,
+                           s_ph, GROUP, HAS_ZERO, ALL_H, LW, LPC, LSRC, True)
+        n = j + 2 * D
+        if n < steps:
+            _copy_src(src_ptr, start + n * BLOCK, stop, src_s.index(n % SRC_STAGES), LC, n >= full)
+        async_copy.commit_group()
+        slot = j % STAGES
+        t = start + j * BLOCK
+        src = src_s.index(j % SRC_STAGES).load(LC).to(gl.int32)
+        i = _rows(t, LC)
+        windowed = (i < stop) & (src >= N) & (src < N + W)
+        win_lo = gl.where(windowed, gl.minimum(win_lo, t), win_lo)
+        win_hi = gl.where(windowed, gl.minimum(t + BLOCK, stop), win_hi)
+        for c in gl.static_range(NCHUNK):
+            at = slot * NCHUNK + c
+            acc, zacc = _chunk(words_s.index(at).load(LW), sc_s.index(at).load(LH), ze_s.index(at).load(LH),
+                               p_s.index(at).load(gl.SliceLayout(0, LPT)), half, acc, zacc, HAS_ZERO, LP)
+    async_copy.wait_group(0)
+
+    # the window rows of the steps that hold any, from their exact values, a chunk of 16 rows at a time
+    m = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(2, A)))
+    wa = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, A)))
+    channel = k0 + wa[:, None] * 64 + _real(m)[None, :]                          # (4, 64)
     LA: gl.constexpr = gl.SliceLayout(1, A)
-    for t in range(gl.min(gl.min(win_lo, axis=1), axis=0), gl.max(gl.max(win_hi, axis=1), axis=0), BLOCK):
-        ia = _rows(t, LA)
-        ka = gl.arange(0, 16, layout=gl.SliceLayout(0, LA))
-        ia = ia - ka[None, :] + _row(ka)[None, :]                   # A's column k is row _row(k)
+    ka = gl.arange(0, 16, layout=gl.SliceLayout(0, LA))
+    hp = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, gl.SliceLayout(0, LPT)))
+    rp = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(0, LPT)))
+    for t in range(gl.min(gl.min(win_lo, axis=1), axis=0), gl.max(gl.max(win_hi, axis=1), axis=0), 16):
+        ia = gl.expand_dims(t + _row(ka), 0)                                       # (1, 16): A's column k
         at = gl.load(src_ptr + ia, mask=ia < stop, other=0).to(gl.int32)
-        wa = (ia < stop) & (at >= N) & (at < N + W)
-        exact = gl.load(win_ptr + b * s_wb + gl.where(wa, at - N, 0)[:, None, :] * s_wn
-                        + (k0 + _real(m, CH))[None, :, None], mask=wa[:, None, :], other=0).to(gl.float16)
-        src = _src(src_ptr, t, stop, LR, True)
-        live = _rows(t, LR) < stop
-        wp = live & (src >= N) & (src < N + W)
-        h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, gl.SliceLayout(1, LP)))
-        w = gl.load(p_ptr + h[None, None, :] * s_ph + _rows(t, LR)[:, :, None],
-                    mask=wp[:, :, None] & (h < HQ)[None, None, :], other=0).to(gl.float16)
-        acc = mma_v2(exact, _weights(w), acc)
+        live = (ia < stop) & (at >= N) & (at < N + W)
+        exact = gl.load(win_ptr + b * s_wb + gl.where(live, at - N, 0)[:, None, :] * s_wn + channel[:, :, None],
+                        mask=live[:, None, :] & (channel < R)[:, :, None], other=0).to(gl.float16)
+        ip = t + rp
+        sp = gl.load(src_ptr + ip, mask=ip < stop, other=0)
+        lp = (ip < stop) & (sp >= N) & (sp < N + W)
+        w = gl.load(p_ptr + hp[:, None] * s_ph + ip[None, :], mask=(hp < HQ)[:, None] & lp[None, :], other=0)
+        w = gl.expand_dims(w.to(gl.float16), 0) + gl.zeros([WARPS, BLOCK_H, 16], gl.float16, LPT)
+        acc = mma_v2(exact, _weights(gl.convert_layout(gl.permute(w, (0, 2, 1)), LP, assert_trivial=True)), acc)
 
-    out = gl.sum(acc, axis=0)                                                      # (CH, BLOCK_H)
-    OL: gl.constexpr = out.type.layout
-    out = out + gl.expand_dims(gl.convert_layout(gl.sum(gl.sum(zacc, axis=1), axis=0), gl.SliceLayout(0, OL)), 0)
-    mo = gl.arange(0, CH, layout=gl.SliceLayout(1, OL))
-    ho = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, OL))
+    OL: gl.constexpr = acc.type.layout
+    z = gl.convert_layout(gl.sum(zacc, axis=2), gl.SliceLayout(1, OL))             # (4, BLOCK_H)
+    out = acc + gl.expand_dims(z, 1)
+    # rows in channel order (a relabelling: _real's bits), then 16-byte stores along the channels
+    out = gl.reshape(gl.permute(gl.reshape(out, (WARPS, 2, 2, 2, 8, BLOCK_H)), (0, 4, 3, 1, 2, 5)),
+                     (WARPS, 64, BLOCK_H))                                         # (4, g s a1 a0, H)
+    LO: gl.constexpr = gl.BlockedLayout([1, 4, 1], [1, 16, 2], [WARPS, 1, 1], [1, 2, 0])
+    out = gl.convert_layout(out, LO)
+    wo = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, LO)))
+    co = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(2, LO)))
+    ho = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, gl.SliceLayout(1, LO)))
     rows = (split * gl.num_programs(2) + b) * BLOCK_H + ho
-    gl.store(out_ptr + rows[None, :] * R + (k0 + _real(mo, CH))[:, None], out)
-
-
-@gluon.jit
-def _row(k):
-    """B's and A's column k -> the row of the warp's 16 it holds (_weights' and _codes' permutation)."""
-    return (k % 2) + 2 * ((k // 8) % 2) + 4 * ((k // 2) % 2) + 8 * ((k // 4) % 2)
+    at = rows[None, None, :] * R + (k0 + wo[:, None] * 64 + co[None, :])[:, :, None]
+    gl.store(out_ptr + at, out)
 
 
 @functools.cache
-def _layouts(block_h: int, channels: int) -> tuple:
-    """(LW, LP): the code words' (4, 16 rows, channels / 8 words) layout, lanes 4 g + q holding word g (64 channels),
-    or words 2 g, 2 g + 1 (128; registers: word + 1, so an 8-byte load), of rows 4 q .. 4 q + 3 (registers row + 1,
-    + 2; lanes row + 4, + 8), warps w the rows 16 w ..; and p's (4, 16 rows, block_h), lanes 4 g + q holding heads
-    g + 8 n (registers) of the same rows (a 16-byte load a head). Unpacked and permuted (_codes, _weights), they are
-    A's and B's registers."""
+def _layouts(block_h: int) -> tuple:
+    """(LW, LP, LPT, LPC, LSRC): the code words' (4 warps, 16 rows, 8 words) layout, lanes 4 g + q holding word g
+    of rows 4 q .. 4 q + 3 (registers row + 1, + 2; lanes row + 4, + 8), warp w its 8 words of a row; p's (4, 16
+    rows, block_h), lanes 4 g + q holding heads g + 8 n (registers) of the same rows; p's transposed (4, block_h,
+    16), a thread's four rows of a head in consecutive registers (16-byte reads); p's chunk copies (block_h, 16),
+    16 bytes a thread, every warp a share; and a step's src (4 chunks, 16), the chunks in registers and each
+    thread's rows as LW holds them (_chunks). Unpacked and permuted (_codes, _weights), LW and LP are A's and B's
+    registers."""
     heads = [[0, 0, 8 << i] for i in range(block_h.bit_length() - 4)]
-    pair, words = ([[0, 0, 1]], [[0, 0, 2], [0, 0, 4], [0, 0, 8]]) if channels == 128 else \
-        ([], [[0, 0, 1], [0, 0, 2], [0, 0, 4]])
-    lw = gl.DistributedLinearLayout(pair + [[0, 1, 0], [0, 2, 0]], [[0, 4, 0], [0, 8, 0]] + words,
-                                    [[1, 0, 0], [2, 0, 0]], [], [N_WARPS, ROWS, channels // 8])
+    lw = gl.DistributedLinearLayout([[0, 1, 0], [0, 2, 0]], [[0, 4, 0], [0, 8, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
+                                    [[1, 0, 0], [2, 0, 0]], [], [N_WARPS, ROWS, WARP_CHANNELS // 8])
     lp = gl.DistributedLinearLayout([[0, 1, 0], [0, 2, 0]] + heads,
                                     [[0, 4, 0], [0, 8, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
                                     [[1, 0, 0], [2, 0, 0]], [], [N_WARPS, ROWS, block_h])
-    return lw, lp
+    lpt = gl.DistributedLinearLayout([[0, 0, 1], [0, 0, 2]] + [[0, h, 0] for _, _, h in heads],
+                                     [[0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+                                     [[1, 0, 0], [2, 0, 0]], [], [N_WARPS, block_h, ROWS])
+    warp_heads = [[8 << i, 0] for i in range(block_h.bit_length() - 4)]
+    lpc = gl.DistributedLinearLayout([[0, 1], [0, 2]], [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+                                     (warp_heads + [[0, 0], [0, 0]])[:2], [], [block_h, ROWS])
+    lsrc = gl.DistributedLinearLayout([[1, 0], [2, 0], [0, 1], [0, 2]], [[0, 4], [0, 8], [0, 0], [0, 0], [0, 0]],
+                                      [[0, 0], [0, 0]], [], [CHUNKS, ROWS])
+    return lw, lp, lpt, lpc, lsrc
 
 
 @functools.cache
@@ -280,22 +353,25 @@ def _is_hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
-def eligible(bits: int, axis: int, group: int, r: int, heads: int, window: Tensor) -> bool:
+def eligible(bits: int, axis: int, group: int, r: int, heads: int, rows: int, window: Tensor) -> bool:
     """Whether weigh_gather takes this kernel: enabled, an sm_90 GPU with the inline-PTX path (fp16/bf16 rows,
-    compiled), 4-bit codes in per-token groups of a multiple of 128 channels, at most 32 query heads."""
+    compiled), 4-bit codes in per-token groups of a multiple of 64 channels, an even number of them a row, r a
+    multiple of 256, at most 32 query heads, and at least MIN_ROWS rows (batch x S) to weigh."""
     return (ENABLED and unpacks_in_ptx(window) and _is_hopper(window.device.index or 0) and bits == 4
-            and axis == -1 and group % CHANNELS == 0 and r % CHANNELS == 0 and 0 < heads <= MAX_HEADS)
+            and axis == -1 and group % WARP_CHANNELS == 0 and r % CHANNELS == 0 and (r // group) % 2 == 0
+            and 0 < heads <= MAX_HEADS and rows >= MIN_ROWS)
 
 
-def weigh_splits(codes: Tensor, scale: Tensor, zero: Tensor | None, window: Tensor, src: Tensor, p: Tensor,
+def weigh_splits(codes: Tensor, scale: Tensor, zero: Tensor | None, window: Tensor, W: int, src: Tensor, p: Tensor,
                  partials: Tensor, N: int, r: int, group: int, per_split: int) -> None:
-    """Launch the kernel into partials (splits, B, BLOCK_H, r) fp32, BLOCK_H = partials.shape[2] (16 or 32 at
-    least the heads); per_split a multiple of BLOCK."""
+    """Launch the kernel into partials (splits, B, BLOCK_H, r) fp32, BLOCK_H = partials.shape[2] (16 or 32, at
+    least the heads), over N coded rows and the W window rows of `window` (at least one row, as allocated);
+    per_split a multiple of STEP."""
     splits, B, block_h, _ = partials.shape
-    lw, lp = _layouts(block_h, CHANNELS)
+    lw, lp, lpt, lpc, lsrc = _layouts(block_h)
     heads = p.shape[1]
     _weigh_kernel[(r // CHANNELS, splits, B)](
-        codes, scale, zero if zero is not None else scale, window, src, p, partials, N, window.shape[1], src.numel(),
+        codes, scale, zero if zero is not None else scale, window, src, p, partials, N, W, src.numel(),
         r, codes.shape[-1], heads, per_split, window.stride(0), window.stride(1), p.stride(0), p.stride(1),
-        GROUP=group, HAS_ZERO=zero is not None, ALL_H=heads == block_h, BLOCK_H=block_h, CH=CHANNELS, LW=lw, LP=lp,
-        num_warps=N_WARPS, **({"maxnreg": REGISTERS} if REGISTERS else {}))
+        GROUP=group, HAS_ZERO=zero is not None, ALL_H=heads == block_h, BLOCK_H=block_h, STAGES=STAGES, LW=lw, LP=lp,
+        LPT=lpt, LPC=lpc, LSRC=lsrc, num_warps=N_WARPS, maxnreg=REGISTERS)

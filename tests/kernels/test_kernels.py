@@ -693,7 +693,8 @@ def test_early_launch_setting_takes_0_or_1(value, held):
 @pytest.mark.parametrize("variable,module", [("KVZOO_INNERQ_KERNEL", "kvzoo.kernels.innerq_hopper"),
                                              ("KVZOO_OUTER_KERNEL", "kvzoo.kernels.outer_hopper"),
                                              ("KVZOO_TOKEN_KERNEL", "kvzoo.kernels.token_hopper"),
-                                             ("KVZOO_W4A16_KERNEL", "kvzoo.kernels.w4a16")])
+                                             ("KVZOO_W4A16_KERNEL", "kvzoo.kernels.w4a16"),
+                                             ("KVZOO_WEIGH_KERNEL", "kvzoo.kernels.xquant_remat")])
 def test_kvzoo_kernel_choices_refuse_other_values(variable, module):
     pytest.importorskip("kvzoo.kernels.outer_hopper")            # a Triton with Gluon
     run = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True,

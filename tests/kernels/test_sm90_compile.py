@@ -27,7 +27,7 @@ NAMES = [f"innerq-gluon-d{d}-{g}" for d in (128, 64) for g in MODES] + \
     [f"outer-triton-{name}" for name in ("kivi", "kivi-pre", "int8", "kvpareto")] + \
     [f"outer-tail-{name}" for name in ("int8", "kvpareto")] + \
     [f"outer-tail-combine-{name}" for name in ("kivi", "kivi-pre", "int8", "kvpareto")] + \
-    ["xquant-weigh", "xquant-scores", "w4a16-one-row", "w4a16-group-16-rows"] + \
+    ["xquant-weigh", "xquant-weigh-gluon", "xquant-scores", "w4a16-one-row", "w4a16-group-16-rows"] + \
     [f"w4a16-gluon-{rows}-rows-split-{split}" for rows in (8, 16) for split in (1, 4)]
 NAMES += ["innerq-window", "combine", "innerq-aligned-keys", "innerq-key-flush"]
 NAMES += ["alignedkv-qk", "alignedkv-pv", "alignedkv-topk", "alignedkv-estimate"]
@@ -59,6 +59,8 @@ SPILLING = {"innerq-triton-2bit-asym": "256 tokens a step, 2 stages (128 tokens,
                "uncapped (the whole kernel: up to 255 registers, 104 KB of shared memory), KV Pareto and int8 ran "
                "10% slower at batch 32 (docs/decode.md)"
                for name in ("int8", "kvpareto")},
+            "xquant-weigh-gluon": "Triton 3.9: 7 reloads in the loop under the 168-register cap of three programs an "
+                                  "SM; none on Triton 3.6, where it runs and was measured (docs/decode.md)",
             **{f"outer-tail-combine-{name}": "capped at TAIL_REGISTERS to share an SM with a Gluon kernel's programs "
                "while it attends the sink and the tail (test_tail_combine_fits_beside_the_gluon_kernels)"
                for name in ("kivi", "kivi-pre", "int8", "kvpareto")}}
@@ -174,3 +176,13 @@ def test_tail_combine_fits_beside_the_gluon_kernels(compiled, name, gluon):
     others = (WARP_PROGRAMS_PER_SM if name == "kivi" else PROGRAMS_PER_SM) - 1
     assert tail["registers"] * 32 * TAIL_WARPS + others * main["registers"] * 32 * N_WARPS <= 65536, (tail, main)
     assert tail["shared"] + 1024 + others * (main["shared"] + 1024) <= SM_SHARED_MEMORY
+
+
+def test_xquant_gluon_weighing_fits_its_programs_an_sm(compiled):
+    """XQuant's Gluon weighing sizes its split for PROGRAMS_PER_SM programs an SM: its registers (the cap) and its
+    shared memory (STAGES steps of operands) must fit them."""
+    from kvzoo.kernels.xquant_hopper import N_WARPS, PROGRAMS_PER_SM
+
+    result = compiled["xquant-weigh-gluon"]
+    assert result["registers"] * 32 * N_WARPS * PROGRAMS_PER_SM <= 65536, result
+    assert (result["shared"] + 1024) * PROGRAMS_PER_SM <= SM_SHARED_MEMORY, result

@@ -159,19 +159,21 @@ def test_weigh_gather_at_the_model_shapes(B, Hq, r, group, dtype):
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability() != (9, 0), reason="an sm_90 GPU's kernel")
-@pytest.mark.parametrize("B,Hq,r,group,N,W,S", [(1, 32, 1024, 128, 32768, 40, 32816), (3, 20, 256, 256, 1000, 7, 1203),
-                                                (2, 9, 384, 128, 3000, 130, 3131), (1, 16, 128, 128, 64, 0, 64)])
+@pytest.mark.parametrize("B,Hq,r,group,N,W,S", [(1, 32, 1024, 128, 32768, 40, 32816), (3, 20, 512, 256, 1000, 7, 1203),
+                                                (2, 9, 768, 128, 3000, 130, 3131), (1, 16, 256, 128, 64, 0, 64),
+                                                (2, 32, 1024, 64, 200, 3, 203)])
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("programs", [1, 7, None])
 def test_gluon_weighing_equals_the_fold_path(monkeypatch, B, Hq, r, group, N, W, S, symmetric, programs):
-    """xquant_hopper's weighing (4-bit per-token groups of whole 128-channel blocks, at most 32 heads): against
+    """xquant_hopper's weighing (4-bit per-token groups of 64, 128 or 256 channels, at most 32 heads): against
     bmm over the gathered rows, and against the Triton fold path (the same operands, summed in another order), with
     window rows at both ends and between, zero rows, whole and partial steps, masked heads (20 of 32, 9 of 16), an
     odd row count (p's rows unaligned) and one split or several."""
     from kvzoo.kernels import xquant_hopper
     from kvzoo.kernels.xquant_remat import dequant_gather, weigh_gather
 
-    assert xquant_hopper.eligible(4, -1, group, r, Hq, torch.zeros(1, device="cuda", dtype=torch.float16))
+    monkeypatch.setattr(xquant_hopper, "MIN_ROWS", 0)                  # every size takes it
+    assert xquant_hopper.eligible(4, -1, group, r, Hq, B * S, torch.zeros(1, device="cuda", dtype=torch.float16))
     g = torch.Generator(device="cuda").manual_seed(N + Hq)
     q = quantize(torch.randn(B, N, r, generator=g, device="cuda") * 3, 4, group, axis=-1, symmetric=symmetric)
     src = torch.randint(0, N + W + 1, (S,), generator=g, device="cuda")
