@@ -124,13 +124,10 @@ def _half(pairs, half):
 
 
 @gluon.jit
-def _copy_src(src_ptr, t, stop, dst, LC: gl.constexpr, MASKED: gl.constexpr):
+def _copy_src(src_ptr, t, stop, dst, LC: gl.constexpr):
     """Copy step t's src (4 chunks, 16) into dst, asynchronously (past stop: 0)."""
     i = _rows(t, LC)
-    if MASKED:
-        async_load(dst, src_ptr + i, mask=i < stop)
-    else:
-        async_load(dst, src_ptr + i)
+    async_load(dst, src_ptr + i, mask=i < stop)
 
 
 @gluon.jit
@@ -168,10 +165,11 @@ def _copy_step(codes_ptr, sc_ptr, ze_ptr, p_ptr, t, stop, src, words_d, p_d, sc_
         row = gl.where(coded, row, 0)                                              # row 0 stands in: never weighed
         at = (row * WORDS)[:, :, None] + (w * LW.shape[2])[:, None, None] + u[None, None, :]
         async_load(words_d.index(slot * NCHUNK + c), codes_ptr + at)
-        pair = row * (R // GROUP // 2) + (group // 2)[:, None]
-        async_load(sc_d.index(slot * NCHUNK + c), sc_ptr + pair, mask=coded & (w >= 0)[:, None])
+        pair = row * (R // GROUP // 2) + (group // 2)[:, None]                    # (4 warps, 16)
+        coded = coded & (w >= 0)[:, None]                                          # broadcast to the warps
+        async_load(sc_d.index(slot * NCHUNK + c), sc_ptr + pair, mask=coded)
         if HAS_ZERO:
-            async_load(ze_d.index(slot * NCHUNK + c), ze_ptr + pair, mask=coded & (w >= 0)[:, None])
+            async_load(ze_d.index(slot * NCHUNK + c), ze_ptr + pair, mask=coded)
         i = t + c * 16 + r
         at = p_ptr + (h[:, None] * s_ph + i[None, :])
         if MASKED:
@@ -241,7 +239,7 @@ def _weigh_kernel(codes_ptr, scale_ptr, zero_ptr, win_ptr, src_ptr, p_ptr, out_p
     # the first D steps' operands (their src copied first, waited for), and the src of steps D .. 2 D - 1
     for k in gl.static_range(D):
         if k < steps:
-            _copy_src(src_ptr, start + k * BLOCK, stop, src_s.index(k % SRC_STAGES), LC, True)
+            _copy_src(src_ptr, start + k * BLOCK, stop, src_s.index(k % SRC_STAGES), LC)
     async_copy.commit_group()
     async_copy.wait_group(0)
     barrier()
@@ -252,7 +250,7 @@ def _weigh_kernel(codes_ptr, scale_ptr, zero_ptr, win_ptr, src_ptr, p_ptr, out_p
                        src_s.index(k % SRC_STAGES).load(LSRC), words_s, p_s, sc_s, ze_s, slot, N, R, WORDS, HQ, k0,
                        s_ph, GROUP, HAS_ZERO, ALL_H, LW, LPC, LSRC, True)
         if k + D < steps:
-            _copy_src(src_ptr, start + (k + D) * BLOCK, stop, src_s.index((k + D) % SRC_STAGES), LC, True)
+            _copy_src(src_ptr, start + (k + D) * BLOCK, stop, src_s.index((k + D) % SRC_STAGES), LC)
         async_copy.commit_group()
     for j in range(steps):
         async_copy.wait_group(D - 1)                    # step j's operands and step j + D's src are in place
@@ -270,7 +268,7 @@ def _weigh_kernel(codes_ptr, scale_ptr, zero_ptr, win_ptr, src_ptr, p_ptr, out_p
                            s_ph, GROUP, HAS_ZERO, ALL_H, LW, LPC, LSRC, True)
         n = j + 2 * D
         if n < steps:
-            _copy_src(src_ptr, start + n * BLOCK, stop, src_s.index(n % SRC_STAGES), LC, n >= full)
+            _copy_src(src_ptr, start + n * BLOCK, stop, src_s.index(n % SRC_STAGES), LC)
         async_copy.commit_group()
         slot = j % STAGES
         t = start + j * BLOCK
