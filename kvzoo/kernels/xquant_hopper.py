@@ -39,13 +39,12 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from kvzoo.kernels.outer_hopper import HIGH_HALVES, LOW_HALVES, barrier
+from kvzoo.kernels.outer_hopper import HIGH_HALVES, LOW_HALVES, _is_hopper, barrier
 from kvzoo.kernels.quant_matvec import kernel_choice, pair_asm, unpacks_in_ptx
 
 CHOICE = kernel_choice("KVZOO_WEIGH_KERNEL")
@@ -344,11 +343,6 @@ def _layouts(block_h: int) -> tuple:
     lsrc = gl.DistributedLinearLayout([[1, 0], [2, 0], [0, 1], [0, 2]], [[0, 4], [0, 8], [0, 0], [0, 0], [0, 0]],
                                       [[0, 0], [0, 0]], [], [CHUNKS, ROWS])
     return lw, lp, lpt, lpc, lsrc
-
-
-@functools.cache
-def _is_hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 def eligible(bits: int, axis: int, group: int, r: int, heads: int, rows: int, window: Tensor) -> bool:

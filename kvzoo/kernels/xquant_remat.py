@@ -422,15 +422,15 @@ def weigh_gather(q: QTensor, window: Tensor, src: Tensor, p: Tensor, block_t: in
     partials = torch.empty(splits, B, block_h, r, dtype=torch.float32, device=device)
     zero = q.zero.contiguous() if q.zero is not None else q.scale    # never read when symmetric
     codes = q.codes.contiguous() if N else q.codes.new_zeros(1, 1, q.codes.shape[-1])    # row 0 is read unmasked
-    window_rows = window if window.shape[1] else window.new_empty(1, 1, r)
-    args = (codes, q.scale.contiguous(), zero, window_rows, src.contiguous(), p, partials, N, window.shape[1], S, r,
-            q.codes.shape[-1], Hq, per_split, window.stride(0), window.stride(1), p.stride(0), p.stride(1))
+    scale, window_rows, src = q.scale.contiguous(), window if window.shape[1] else window.new_empty(1, 1, r), \
+        src.contiguous()
+    args = (codes, scale, zero, window_rows, src, p, partials, N, window.shape[1], S, r, q.codes.shape[-1], Hq,
+            per_split, window.stride(0), window.stride(1), p.stride(0), p.stride(1))
     common = dict(GROUP=q.group_size, BITS=q.bits, HAS_ZERO=q.zero is not None, BLOCK_H=block_h, BLOCK_T=block_t,
                   BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     if gluon:
-        xquant_hopper.weigh_splits(codes, q.scale.contiguous(), q.zero.contiguous() if q.zero is not None else None,
-                                   window_rows, window.shape[1], src.contiguous(), p, partials, N, r, q.group_size,
-                                   per_split)
+        xquant_hopper.weigh_splits(codes, scale, zero if q.zero is not None else None, window_rows, window.shape[1],
+                                   src, p, partials, N, r, q.group_size, per_split)
     elif fold:
         fast = unpacks_in_ptx(window)
         asm, con = unpack_asm(q.bits, centered=True) if fast else ("", "")

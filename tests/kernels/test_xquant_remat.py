@@ -173,7 +173,8 @@ def test_gluon_weighing_equals_the_fold_path(monkeypatch, B, Hq, r, group, N, W,
     from kvzoo.kernels.xquant_remat import dequant_gather, weigh_gather
 
     monkeypatch.setattr(xquant_hopper, "MIN_ROWS", 0)                  # every size takes it
-    assert xquant_hopper.eligible(4, -1, group, r, Hq, B * S, torch.zeros(1, device="cuda", dtype=torch.float16))
+    launches, launch = [], xquant_hopper.weigh_splits
+    monkeypatch.setattr(xquant_hopper, "weigh_splits", lambda *args: launches.append(1) or launch(*args))
     g = torch.Generator(device="cuda").manual_seed(N + Hq)
     q = quantize(torch.randn(B, N, r, generator=g, device="cuda") * 3, 4, group, axis=-1, symmetric=symmetric)
     src = torch.randint(0, N + W + 1, (S,), generator=g, device="cuda")
@@ -185,9 +186,11 @@ def test_gluon_weighing_equals_the_fold_path(monkeypatch, B, Hq, r, group, N, W,
         window = torch.randn(B, W, r, generator=g, device="cuda").to(dtype)
         want = torch.bmm(p.to(dtype).float(), dequant_gather(q, window, src, dtype).float())
         got = weigh_gather(q, window, src, p, programs=programs)
+        assert len(launches) == 1                                        # the Gluon kernel, not the fold path
         monkeypatch.setattr(xquant_hopper, "ENABLED", False)
         fold = weigh_gather(q, window, src, p, programs=programs)
         monkeypatch.setattr(xquant_hopper, "ENABLED", True)
+        launches.clear()
         assert got.dtype == dtype and got.shape == (B, Hq, r)
         scale = want.abs().max().item()
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * scale)
