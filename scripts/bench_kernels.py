@@ -28,11 +28,11 @@ kernel), KV Pareto's per-token groups (8-bit, groups of 32) and int8's (groups o
 window, and AlignedKV's planes (aligned_decode: its two kernels and the torch softmax, top-k and estimate between
 them), whose bytes are those its levels read (from random Gaussian keys and values: the bits read depend on the
 data), XQuant's two (the scores over its rematerialized keys, rotated as they are read, their fp32 scores counted
-with the bytes; the weighing of its 4-bit value latents by the probabilities), and fp16 SDPA for scale. On an
-H100 the InnerQ rows take the Gluon split kernel of kvzoo/kernels/innerq_hopper.py and KIVI-2's the one of
-kvzoo/kernels/outer_hopper.py for its quantized runs; a second row of InnerQ-2 hybrid and of KIVI-2 times the
-Triton kernel alone, in the same run. --cases keeps the
-kernels whose name holds one of the given texts; --shapes replaces the four (batch, tokens) rows, for --stages too:
+with the bytes; the weighing of its 4-bit value latents by the probabilities, its rows shuffled or in order as the
+graph step reads them), and fp16 SDPA for scale. On an H100 the InnerQ rows take the Gluon split kernel of
+kvzoo/kernels/innerq_hopper.py and KIVI-2's the one of kvzoo/kernels/outer_hopper.py for its quantized runs; a second
+row of InnerQ-2 hybrid and of KIVI-2 times the Triton kernel alone, in the same run. --cases keeps the kernels whose
+name holds one of the given texts; --shapes replaces the four (batch, tokens) rows, for --stages too:
 
     python scripts/bench_kernels.py --floors --cases "outer" --shapes 79x32768 1x8192 --out results/kernels/x
 
@@ -311,7 +311,8 @@ FLOOR_CASES = ("InnerQ-2 asymmetric", "InnerQ-2 hybrid", "InnerQ-2 hybrid (Trito
                "KIVI-2, SQuat (outer)", "KIVI-2, SQuat (outer, Triton kernel only)",
                "KIVI*-2 (keys rotated in the kernel)", "KV Pareto k8v8 (per-token groups of 32)",
                "int8 (per-token groups of d)", "AlignedKV (planes; aligned_decode)",
-               "XQuant scores (keys rotated in the kernel)", "XQuant weigh (4-bit value latents)", "fp16 SDPA")
+               "XQuant scores (keys rotated in the kernel)", "XQuant weigh (4-bit value latents)",
+               "XQuant weigh (4-bit value latents, rows in order)", "fp16 SDPA")
 
 
 def shape(text: str) -> tuple[int, int]:
@@ -441,15 +442,16 @@ def floor_cases(B: int, N: int, gen: torch.Generator):
         tables = tuple((torch.rand(B, 1, N, d, device=DEVICE, generator=gen) * 2 - 1).half() for _ in range(2))
         return lambda: gqa_scores(q, keys, d ** -0.5, tables), nbytes(q, keys, *tables) + B * Hq * N * 4
 
-    def xquant_weigh():
+    def xquant_weigh(shuffled: bool):
         """XQuant's value latents (B, N, H*d) of 4-bit codes in per-token groups of 128 weighed by fp32
-        probabilities (B, Hq, N) in a shuffled row order (weigh_gather); no window rows."""
+        probabilities (B, Hq, N) (weigh_gather), the rows in a shuffled order or in order (as the graph step reads
+        them: value rows by slot, the key rows' order); no window rows."""
         r = H * d
         latent = QTensor(torch.randint(-2 ** 31, 2 ** 31, (B, N, r // 8), dtype=torch.int32, device=DEVICE,
                                        generator=gen), halves((B, N, r // 128)), halves((B, N, r // 128)), 4, 128,
                          -1, (B, N, r))
         p = torch.rand(B, Hq, N, device=DEVICE, generator=gen)
-        src = torch.randperm(N, device=DEVICE, generator=gen)
+        src = torch.randperm(N, device=DEVICE, generator=gen) if shuffled else torch.arange(N, device=DEVICE)
         window = torch.zeros(B, 0, r, dtype=torch.float16, device=DEVICE)
         return lambda: weigh_gather(latent, window, src, p), nbytes(latent.codes, latent.scale, latent.zero, p, src)
 
@@ -459,7 +461,8 @@ def floor_cases(B: int, N: int, gen: torch.Generator):
 
     builders = (lambda: innerq(False), lambda: innerq(True), lambda: innerq(True, hopper=False), lambda: outer(False),
                 lambda: outer(False, hopper=False),
-                lambda: outer(True), lambda: token(32), lambda: token(d), aligned, xquant_scores, xquant_weigh, sdpa)
+                lambda: outer(True), lambda: token(32), lambda: token(d), aligned, xquant_scores,
+                lambda: xquant_weigh(True), lambda: xquant_weigh(False), sdpa)
     yield from zip(FLOOR_CASES, builders)                                # in FLOOR_CASES' order
 
 

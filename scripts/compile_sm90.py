@@ -165,7 +165,7 @@ def cases() -> dict:
         GROUP=128, BITS=4, HAS_ZERO=True, FAST=True, ASM=asm, CON=con, EXACT_DOT=False, ALL_H=True,
         BLOCK_H=32, BLOCK_T=64, BLOCK_K=128), ASTSource, xq, dict(num_warps=4, num_stages=2))
     out["xquant-weigh-gluon"] = (xquant_hopper._weigh_kernel, dict(
-        GROUP=128, HAS_ZERO=True, ALL_H=True, BLOCK_H=32, STAGES=xquant_hopper.STAGES,
+        GROUP=128, PAIRS=xquant_hopper.pairs(128), HAS_ZERO=True, ALL_H=True, BLOCK_H=32, STAGES=xquant_hopper.STAGES,
         **dict(zip(("LW", "LP", "LPT", "LPC", "LSRC"), xquant_hopper._layouts(32)))), GluonASTSource, xq,
         dict(num_warps=xquant_hopper.N_WARPS, maxnreg=xquant_hopper.REGISTERS,
              divisible=("WORDS", "PER_SPLIT", "s_ph", "s_pb")))

@@ -15,9 +15,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 skip_repeated_patching()
 
-# under pytest-xdist (-n N) each worker gets its share of the cores, so N workers do not oversubscribe them
+# under pytest-xdist (-n N) each worker gets its share of the cores, and so do the scripts its tests run in
+# subprocesses (OMP_NUM_THREADS), so N workers do not oversubscribe them
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    THREADS = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(THREADS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 from kvzoo.eval.datasets import data_dir  # noqa: E402
 

@@ -21,18 +21,21 @@ rows, BLOCK_H), both operands in registers:
   - Operands go through shared memory, copied asynchronously (cp.async) STAGES - 1 steps ahead, and each step's src
     (the rows it gathers) 2 (STAGES - 1) steps ahead, read from shared memory to address its rows' copies: no
     register holds a load in flight, so none waits where ptxas schedules it. A step's p is copied once and read by
-    every warp (a barrier a step).
+    every warp, and so are a row's scale and zero pairs (PAIRS of them over the program's channels). The code words
+    are copied 4 bytes a lane, a row's 32 bytes by 8 lanes, into a ring whose swizzle gives each copy 32 banks and
+    each thread its 4 rows of a word in one 16-byte read. Each chunk's words and p have buffers of their own, so
+    Triton's barrier analysis places none between a step's chunk copies: two barriers a step beside the loop's own.
   - Window rows (src in [N, N + W)) weigh nothing there (their scale and zero read 0); each thread notes the first
     and last step holding any of its rows, and a second loop weighs those steps' window rows from their exact
     values (fp16; bf16 rows converted, as the fold path does).
 Numerics are the fold path's: the same operands rounded the same way, fp32 products, summed in another order.
-At most 168 registers a thread and three steps of 58 KB in shared memory (32 heads): three programs an SM.
+At most 168 registers a thread and three steps of 54 KB in shared memory (32 heads): three programs an SM.
 
-Speed (XQuant's 8B value latents, 1,024 wide, groups of 128, 32 query heads, one H200, L2 flushed; docs/decode.md,
-"XQuant's weighing in Gluon"): 596.4 us at 32K, batch 32 against the fold path's 708.2, 163.9 against 182.3 at
-batch 8, 93.6 against 96.8 at 128K, batch 1; at 32K, batch 1 38.4 against 33.3, so fewer than MIN_ROWS rows
-(batch x S) stay with the fold path. KVZOO_WEIGH_KERNEL=triton|gluon|auto (default) overrides the choice: triton
-never takes this kernel, gluon takes it at any number of rows.
+Speed (XQuant's 8B value latents, 1,024 wide, groups of 128, 32 query heads, rows in order as the graph step reads
+them, one H200, L2 flushed; docs/decode.md, "XQuant's weighing: its copies, and the step's row order"): 464.3 us at
+32K, batch 32 against the fold path's 676.9, 74.6 against 96.1 at 128K, batch 1, 48.5 against 54.7 at 64K; at 32K,
+batch 1 33.1 against 32.8, so fewer than MIN_ROWS rows (batch x S) stay with the fold path. KVZOO_WEIGH_KERNEL=triton|gluon|auto
+(default) overrides the choice: triton never takes this kernel, gluon takes it at any number of rows.
 """
 
 from __future__ import annotations
@@ -44,19 +47,20 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from kvzoo.kernels.innerq_hopper import _reinterpret
 from kvzoo.kernels.outer_hopper import HIGH_HALVES, LOW_HALVES, _is_hopper, barrier
 from kvzoo.kernels.quant_matvec import kernel_choice, pair_asm, unpacks_in_ptx
 
 CHOICE = kernel_choice("KVZOO_WEIGH_KERNEL")
 ENABLED = CHOICE != "triton"
-# fewer rows (batch x S) stay with the Triton fold path, faster there ("gluon": none fewer): at 32K rows, batch 1
-# 38.4 us against 33.3, at 2 x 32K 55.6 against 54.2; at 4 x 32K 92.9 against 95.8 (docs/decode.md)
-MIN_ROWS = 0 if CHOICE == "gluon" else 131072
+# fewer rows (batch x S) stay with the Triton fold path ("gluon": none fewer). In the graph step's row order (in
+# order): at 32K rows 33.1 us against 32.8, at 64K 48.5 against 54.7 (docs/decode.md)
+MIN_ROWS = 0 if CHOICE == "gluon" else 65536
 N_WARPS, ROWS, CHUNKS, MAX_HEADS = 4, 16, 4, 32
 WARP_CHANNELS = 64
 CHANNELS = N_WARPS * WARP_CHANNELS            # a program's channels
 STEP = CHUNKS * ROWS                          # rows a program weighs a step
-STAGES = 3                                    # steps in shared memory: 58 KB a program at 32 heads
+STAGES = 3                                    # steps in shared memory: 54 KB a program at 32 heads
 PROGRAMS_PER_SM = 3                           # at REGISTERS a thread and STAGES, three programs fit an SM
 REGISTERS = 168
 WARPS = gl.constexpr(N_WARPS)
@@ -66,6 +70,16 @@ MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[N_WA
 # Triton 3.9 names it async_load, 3.6 async_copy_global_to_shared
 async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 CENTERED_ASM, CENTERED_CON = (gl.constexpr(part) for part in pair_asm(4, centered=True))
+# a step's scale (or zero) pair copies, (4 chunks, PAIRS, 16 rows): one an element at PAIRS = 2, twice at 1
+PAIR_COPY = gl.constexpr(gl.BlockedLayout([1, 1, 1], [2, 1, 16], [2, 2, 1], [2, 1, 0]))
+# the code words' copies (4 warps, 16 rows, 8 words): lanes 8 q + g copy word g of rows q, 4 + q, 8 + q, 12 + q (a
+# copy reads a row's 32 bytes in 8 lanes); with WORD_RING's swizzle each copy writes 32 banks
+WORD_COPY = gl.constexpr(gl.DistributedLinearLayout([[0, 4, 0], [0, 8, 0]],
+                                                    [[0, 1, 0], [0, 2, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
+                                                    [[1, 0, 0], [2, 0, 0]], [], [N_WARPS, ROWS, WARP_CHANNELS // 8]))
+# words in shared memory, rows fastest, each word's four groups of 4 rows permuted by (word // 2) % 4: a thread's
+# 4 rows of a word (LW) are one 16-byte read, and no two lanes of a copy share a bank
+WORD_RING = gl.constexpr(gl.SwizzledSharedLayout(4, 2, 4, [1, 2, 0]))
 
 
 @gluon.jit
@@ -143,40 +157,56 @@ def _chunks(src, LS: gl.constexpr):
 
 
 @gluon.jit
-def _copy_step(codes_ptr, sc_ptr, ze_ptr, p_ptr, t, stop, src, words_d, p_d, sc_d, ze_d, slot, N, R, WORDS, HQ, k0,
-               s_ph, GROUP: gl.constexpr, HAS_ZERO: gl.constexpr, ALL_H: gl.constexpr, LW: gl.constexpr,
-               LPC: gl.constexpr, LSRC: gl.constexpr, MASKED: gl.constexpr):
-    """Copy step t's operands into shared memory at chunk slot * 4 + c, asynchronously, given its src (4 chunks, 16)
-    as loaded in LSRC: each chunk's code words (4 warps, 16 rows, 8 words) as LW holds them, the int32 pairs holding
-    each warp's scales and zeros (0 where a row is not coded), and p (BLOCK_H, 16), a thread's four rows of a head
-    contiguous (a 16-byte copy). MASKED: rows past stop copy p as 0."""
-    LR: gl.constexpr = gl.SliceLayout(2, LW)
+def _copy_step(codes_ptr, sc_ptr, ze_ptr, p_ptr, t, stop, src_d, words_d, p_d, sc_d, ze_d, slot, N, R, WORDS, HQ, k0,
+               s_ph, GROUP: gl.constexpr, PAIRS: gl.constexpr, HAS_ZERO: gl.constexpr, ALL_H: gl.constexpr,
+               LW: gl.constexpr, LPC: gl.constexpr, LSRC: gl.constexpr, MASKED: gl.constexpr):
+    """Copy step t's operands into shared memory, asynchronously, given its src (4 chunks, 16) in src_d: each
+    chunk's code words (4 warps, 16 rows, 8 words) as LW holds them, at chunk slot * 4 + c; the PAIRS int32 pairs
+    holding a row's scales and zeros over the program's channels (0 where a row is not coded), stage slot's
+    (4 chunks, PAIRS, 16 rows), one copy each; and p (BLOCK_H, 16), a thread's four rows of a head contiguous (a
+    16-byte copy). MASKED: rows past stop copy p as 0."""
+    LR: gl.constexpr = gl.SliceLayout(2, WORD_COPY)
     BLOCK_H: gl.constexpr = LPC.shape[0]
     w = gl.arange(0, WARPS, layout=gl.SliceLayout(1, LR))
-    group = (k0 + w * (8 * LW.shape[2])) // GROUP                                  # each warp's group
-    u = gl.arange(0, LW.shape[2], layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
+    u = gl.arange(0, LW.shape[2], layout=gl.SliceLayout(0, gl.SliceLayout(1, WORD_COPY)))
     h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LPC))
     r = gl.arange(0, 16, layout=gl.SliceLayout(0, LPC))
-    rows = _chunks(src, gl.SliceLayout(0, LR))
+    rows = _chunks(src_d.load(LSRC), gl.SliceLayout(0, LR))
     for c in gl.static_range(NCHUNK):
         row = gl.expand_dims(rows[c], 0)                                           # (1, 16)
-        coded = row < N
-        row = gl.where(coded, row, 0)                                              # row 0 stands in: never weighed
+        row = gl.where(row < N, row, 0)                                            # row 0 stands in: never weighed
         at = (row * WORDS)[:, :, None] + (w * LW.shape[2])[:, None, None] + u[None, None, :]
-        async_load(words_d.index(slot * NCHUNK + c), codes_ptr + at)
-        pair = row * (R // GROUP // 2) + (group // 2)[:, None]                    # (4 warps, 16)
-        coded = coded & (w >= 0)[:, None]                                          # broadcast to the warps
-        async_load(sc_d.index(slot * NCHUNK + c), sc_ptr + pair, mask=coded)
-        if HAS_ZERO:
-            async_load(ze_d.index(slot * NCHUNK + c), ze_ptr + pair, mask=coded)
+        async_load(words_d[c].index(slot), codes_ptr + at)
         i = t + c * 16 + r
         at = p_ptr + (h[:, None] * s_ph + i[None, :])
         if MASKED:
-            async_load(p_d.index(slot * NCHUNK + c), at, mask=(h < HQ)[:, None] & (i < stop)[None, :])
+            async_load(p_d[c].index(slot), at, mask=(h < HQ)[:, None] & (i < stop)[None, :])
         elif ALL_H:
-            async_load(p_d.index(slot * NCHUNK + c), at)
+            async_load(p_d[c].index(slot), at)
         else:
-            async_load(p_d.index(slot * NCHUNK + c), at, mask=(h < HQ)[:, None] & (i >= 0)[None, :])
+            async_load(p_d[c].index(slot), at, mask=(h < HQ)[:, None] & (i >= 0)[None, :])
+    # the scale and zero pairs: one copy an element (a row's pairs are the same for every warp that reads them)
+    row = gl.expand_dims(src_d.load(gl.SliceLayout(1, PAIR_COPY)).to(gl.int32), 1)   # (4 chunks, 1, 16)
+    coded = row < N
+    pair = gl.arange(0, PAIRS, layout=gl.SliceLayout(0, gl.SliceLayout(2, PAIR_COPY)))[None, :, None]
+    pair = (k0 // GROUP) // 2 + pair
+    at = gl.where(coded, row, 0) * (R // GROUP // 2) + pair                       # (4, PAIRS, 16)
+    coded = gl.reshape(coded & (pair < R // GROUP // 2), [NCHUNK * PAIRS * 16])   # a pair past the row: unread
+    async_load(sc_d.index(slot), gl.reshape(sc_ptr + at, [NCHUNK * PAIRS * 16]), mask=coded)
+    if HAS_ZERO:
+        async_load(ze_d.index(slot), gl.reshape(ze_ptr + at, [NCHUNK * PAIRS * 16]), mask=coded)
+
+
+@gluon.jit
+def _pairs(buf, at, pair, PAIRS: gl.constexpr, LH: gl.constexpr):
+    """Chunk `at`'s scale or zero pairs as the warps read them, (4 warps, 16 rows) in LH, from buf's rows at * PAIRS
+    + p (16 rows each); pair (4, 1): each warp's p."""
+    x = gl.expand_dims(buf.index(at * PAIRS).load(gl.SliceLayout(0, LH)), 0)     # (1, 16)
+    if PAIRS == 2:
+        y = gl.expand_dims(buf.index(at * PAIRS + 1).load(gl.SliceLayout(0, LH)), 0)
+        return gl.where(pair == 1, y, x)
+    else:
+        return x + gl.zeros_like(pair)
 
 
 @gluon.jit
@@ -196,13 +226,13 @@ def _chunk(words, sc, ze, p, half, acc, zacc, HAS_ZERO: gl.constexpr, LP: gl.con
 
 @gluon.jit
 def _weigh_kernel(codes_ptr, scale_ptr, zero_ptr, win_ptr, src_ptr, p_ptr, out_ptr, N, W, S, R, WORDS, HQ, PER_SPLIT,
-                  s_wb, s_wn, s_pb, s_ph, GROUP: gl.constexpr, HAS_ZERO: gl.constexpr, ALL_H: gl.constexpr,
-                  BLOCK_H: gl.constexpr, STAGES: gl.constexpr, LW: gl.constexpr, LP: gl.constexpr,
+                  s_wb, s_wn, s_pb, s_ph, GROUP: gl.constexpr, PAIRS: gl.constexpr, HAS_ZERO: gl.constexpr,
+                  ALL_H: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr, LW: gl.constexpr, LP: gl.constexpr,
                   LPT: gl.constexpr, LPC: gl.constexpr, LSRC: gl.constexpr):
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     LC: gl.constexpr = gl.SliceLayout(2, LP)                                       # (4 chunks, 16 rows)
     S3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    S4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    S1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     D: gl.constexpr = STAGES - 1
     SRC_STAGES: gl.constexpr = 2 * STAGES                        # at least 2 D + 1, a power of two
     k0 = gl.program_id(0) * (WARPS * 8 * LW.shape[2])
@@ -218,13 +248,24 @@ def _weigh_kernel(codes_ptr, scale_ptr, zero_ptr, win_ptr, src_ptr, p_ptr, out_p
     p_ptr += b * s_pb
     LH: gl.constexpr = gl.SliceLayout(1, LPT)                                      # (4 warps, 16 rows)
     wh = gl.arange(0, WARPS, layout=gl.SliceLayout(1, LH))
-    half = gl.expand_dims((k0 + wh * (8 * LW.shape[2])) // GROUP % 2, 1)           # (4, 1): each warp's half
+    group = (k0 + wh * (8 * LW.shape[2])) // GROUP
+    half = gl.expand_dims(group % 2, 1)                                            # (4, 1): each warp's half
+    pair = gl.expand_dims(group // 2 - (k0 // GROUP) // 2, 1)                      # and its pair of the PAIRS
 
-    # chunk c of stage s at s * 4 + c; the src of a whole step at a time
-    words_s = gl.allocate_shared_memory(gl.int32, [STAGES * NCHUNK, WARPS, 16, LW.shape[2]], S4)
-    sc_s = gl.allocate_shared_memory(gl.int32, [STAGES * NCHUNK, WARPS, 16], S3)
-    ze_s = gl.allocate_shared_memory(gl.int32, [STAGES * NCHUNK, WARPS, 16], S3)
-    p_s = gl.allocate_shared_memory(gl.float32, [STAGES * NCHUNK, BLOCK_H, 16], S3)
+    # each chunk's words and p in buffers of their own (stage s at s), which Triton's barrier analysis tells apart:
+    # no barrier between a step's chunk copies; the src of a whole step at a time
+    words_s = (gl.allocate_shared_memory(gl.int32, [STAGES, WARPS, 16, LW.shape[2]], WORD_RING),
+               gl.allocate_shared_memory(gl.int32, [STAGES, WARPS, 16, LW.shape[2]], WORD_RING),
+               gl.allocate_shared_memory(gl.int32, [STAGES, WARPS, 16, LW.shape[2]], WORD_RING),
+               gl.allocate_shared_memory(gl.int32, [STAGES, WARPS, 16, LW.shape[2]], WORD_RING))
+    sc_s = gl.allocate_shared_memory(gl.int32, [STAGES, NCHUNK * PAIRS * 16], S1)   # stage s: (4 chunks, PAIRS, 16)
+    ze_s = gl.allocate_shared_memory(gl.int32, [STAGES, NCHUNK * PAIRS * 16], S1)
+    sc_r = _reinterpret(sc_s, gl.int32, [STAGES * NCHUNK * PAIRS, 16], S1)         # read 16 rows at a time
+    ze_r = _reinterpret(ze_s, gl.int32, [STAGES * NCHUNK * PAIRS, 16], S1)
+    p_s = (gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_H, 16], S3),
+           gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_H, 16], S3),
+           gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_H, 16], S3),
+           gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_H, 16], S3))
     src_s = gl.allocate_shared_memory(gl.int64, [SRC_STAGES, NCHUNK, 16], S3)
 
     acc = gl.zeros([WARPS, 64, BLOCK_H], gl.float32, MMA)                          # accᵀ, each warp its channels
@@ -244,42 +285,40 @@ def _weigh_kernel(codes_ptr, scale_ptr, zero_ptr, win_ptr, src_ptr, p_ptr, out_p
     barrier()
     for k in gl.static_range(D):
         if k < steps:
-            slot = k % STAGES
-            _copy_step(codes_ptr, sc_ptr, ze_ptr, p_ptr, start + k * BLOCK, stop,
-                       src_s.index(k % SRC_STAGES).load(LSRC), words_s, p_s, sc_s, ze_s, slot, N, R, WORDS, HQ, k0,
-                       s_ph, GROUP, HAS_ZERO, ALL_H, LW, LPC, LSRC, True)
+            _copy_step(codes_ptr, sc_ptr, ze_ptr, p_ptr, start + k * BLOCK, stop, src_s.index(k % SRC_STAGES),
+                       words_s, p_s, sc_s, ze_s, k % STAGES, N, R, WORDS, HQ, k0, s_ph, GROUP, PAIRS, HAS_ZERO, ALL_H,
+                       LW, LPC, LSRC, True)
         if k + D < steps:
             _copy_src(src_ptr, start + (k + D) * BLOCK, stop, src_s.index((k + D) % SRC_STAGES), LC)
         async_copy.commit_group()
     for j in range(steps):
         async_copy.wait_group(D - 1)                    # step j's operands and step j + D's src are in place
         barrier()                                       # and every warp is done with step j - 1's buffers
+        t = start + j * BLOCK
+        src = src_s.index(j % SRC_STAGES).load(LC).to(gl.int32)
+        windowed = (_rows(t, LC) < stop) & (src >= N) & (src < N + W)
+        win_lo = gl.where(windowed, gl.minimum(win_lo, t), win_lo)
+        win_hi = gl.where(windowed, gl.minimum(t + BLOCK, stop), win_hi)
         n = j + D
         if n < steps:
-            slot = n % STAGES
             if n < full:
-                _copy_step(codes_ptr, sc_ptr, ze_ptr, p_ptr, start + n * BLOCK, stop,
-                           src_s.index(n % SRC_STAGES).load(LSRC), words_s, p_s, sc_s, ze_s, slot, N, R, WORDS, HQ, k0,
-                           s_ph, GROUP, HAS_ZERO, ALL_H, LW, LPC, LSRC, False)
+                _copy_step(codes_ptr, sc_ptr, ze_ptr, p_ptr, start + n * BLOCK, stop, src_s.index(n % SRC_STAGES),
+                           words_s, p_s, sc_s, ze_s, n % STAGES, N, R, WORDS, HQ, k0, s_ph, GROUP, PAIRS, HAS_ZERO,
+                           ALL_H, LW, LPC, LSRC, False)
             else:
-                _copy_step(codes_ptr, sc_ptr, ze_ptr, p_ptr, start + n * BLOCK, stop,
-                           src_s.index(n % SRC_STAGES).load(LSRC), words_s, p_s, sc_s, ze_s, slot, N, R, WORDS, HQ, k0,
-                           s_ph, GROUP, HAS_ZERO, ALL_H, LW, LPC, LSRC, True)
+                _copy_step(codes_ptr, sc_ptr, ze_ptr, p_ptr, start + n * BLOCK, stop, src_s.index(n % SRC_STAGES),
+                           words_s, p_s, sc_s, ze_s, n % STAGES, N, R, WORDS, HQ, k0, s_ph, GROUP, PAIRS, HAS_ZERO,
+                           ALL_H, LW, LPC, LSRC, True)
         n = j + 2 * D
         if n < steps:
             _copy_src(src_ptr, start + n * BLOCK, stop, src_s.index(n % SRC_STAGES), LC)
         async_copy.commit_group()
         slot = j % STAGES
-        t = start + j * BLOCK
-        src = src_s.index(j % SRC_STAGES).load(LC).to(gl.int32)
-        i = _rows(t, LC)
-        windowed = (i < stop) & (src >= N) & (src < N + W)
-        win_lo = gl.where(windowed, gl.minimum(win_lo, t), win_lo)
-        win_hi = gl.where(windowed, gl.minimum(t + BLOCK, stop), win_hi)
         for c in gl.static_range(NCHUNK):
             at = slot * NCHUNK + c
-            acc, zacc = _chunk(words_s.index(at).load(LW), sc_s.index(at).load(LH), ze_s.index(at).load(LH),
-                               p_s.index(at).load(gl.SliceLayout(0, LPT)), half, acc, zacc, HAS_ZERO, LP)
+            acc, zacc = _chunk(words_s[c].index(slot).load(LW), _pairs(sc_r, at, pair, PAIRS, LH),
+                               _pairs(ze_r, at, pair, PAIRS, LH), p_s[c].index(slot).load(gl.SliceLayout(0, LPT)),
+                               half, acc, zacc, HAS_ZERO, LP)
     async_copy.wait_group(0)
 
     # the window rows of the steps that hold any, from their exact values, a chunk of 16 rows at a time
@@ -326,8 +365,8 @@ def _layouts(block_h: int) -> tuple:
     rows, block_h), lanes 4 g + q holding heads g + 8 n (registers) of the same rows; p's transposed (4, block_h,
     16), a thread's four rows of a head in consecutive registers (16-byte reads); p's chunk copies (block_h, 16),
     16 bytes a thread, every warp a share; and a step's src (4 chunks, 16), the chunks in registers and each
-    thread's rows as LW holds them (_chunks). Unpacked and permuted (_codes, _weights), LW and LP are A's and B's
-    registers."""
+    thread's rows as WORD_COPY copies them (_chunks). Unpacked and permuted (_codes, _weights), LW and LP are A's
+    and B's registers."""
     heads = [[0, 0, 8 << i] for i in range(block_h.bit_length() - 4)]
     lw = gl.DistributedLinearLayout([[0, 1, 0], [0, 2, 0]], [[0, 4, 0], [0, 8, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
                                     [[1, 0, 0], [2, 0, 0]], [], [N_WARPS, ROWS, WARP_CHANNELS // 8])
@@ -340,9 +379,15 @@ def _layouts(block_h: int) -> tuple:
     warp_heads = [[8 << i, 0] for i in range(block_h.bit_length() - 4)]
     lpc = gl.DistributedLinearLayout([[0, 1], [0, 2]], [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
                                      (warp_heads + [[0, 0], [0, 0]])[:2], [], [block_h, ROWS])
-    lsrc = gl.DistributedLinearLayout([[1, 0], [2, 0], [0, 1], [0, 2]], [[0, 4], [0, 8], [0, 0], [0, 0], [0, 0]],
+    lsrc = gl.DistributedLinearLayout([[1, 0], [2, 0], [0, 4], [0, 8]], [[0, 1], [0, 2], [0, 0], [0, 0], [0, 0]],
                                       [[0, 0], [0, 0]], [], [CHUNKS, ROWS])
     return lw, lp, lpt, lpc, lsrc
+
+
+def pairs(group: int) -> int:
+    """The int32 pairs of a row's scales (or zeros) a program's CHANNELS channels reach at most: one where the
+    program's channel blocks align with the pairs' 2 * group channels, else two."""
+    return 1 if (2 * group) % CHANNELS == 0 else 2
 
 
 def eligible(bits: int, axis: int, group: int, r: int, heads: int, rows: int, window: Tensor) -> bool:
@@ -365,5 +410,5 @@ def weigh_splits(codes: Tensor, scale: Tensor, zero: Tensor | None, window: Tens
     _weigh_kernel[(r // CHANNELS, splits, B)](
         codes, scale, zero if zero is not None else scale, window, src, p, partials, N, W, src.numel(),
         r, codes.shape[-1], heads, per_split, window.stride(0), window.stride(1), p.stride(0), p.stride(1),
-        GROUP=group, HAS_ZERO=zero is not None, ALL_H=heads == block_h, BLOCK_H=block_h, STAGES=STAGES, LW=lw, LP=lp,
-        LPT=lpt, LPC=lpc, LSRC=lsrc, num_warps=N_WARPS, maxnreg=REGISTERS)
+        GROUP=group, PAIRS=pairs(group), HAS_ZERO=zero is not None, ALL_H=heads == block_h, BLOCK_H=block_h,
+        STAGES=STAGES, LW=lw, LP=lp, LPT=lpt, LPC=lpc, LSRC=lsrc, num_warps=N_WARPS, maxnreg=REGISTERS)

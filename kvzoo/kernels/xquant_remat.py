@@ -33,8 +33,9 @@ XQuant's static step does not rematerialize V: it weighs the value latents by th
 in one pass, split over the rows (flash-decoding), so the 16-bit rows are never written. H200, XQuant's 8B value
 latents (32K x 1,024, 4-bit, per-token groups of 128), 32 query heads, batch 1: 23 us a layer in a profile of the
 decode step, 33 us alone with L2 flushed, 38% of its read floor (docs/decode.md, "XQuant's weighing pipelined by
-hand"). On an sm_90 GPU, from 128K rows (batch x S) up, 4-bit per-token groups take kvzoo.kernels.xquant_hopper's
-Gluon kernel instead (596 against 708 us at 32K, batch 32), which writes the same partials.
+hand"). On an sm_90 GPU, from 64K rows (batch x S) up, 4-bit per-token groups take kvzoo.kernels.xquant_hopper's
+Gluon kernel instead (464 against 677 us at 32K, batch 32, rows in the step's order), which writes the same
+partials.
 """
 
 from __future__ import annotations

@@ -59,8 +59,8 @@ SPILLING = {"innerq-triton-2bit-asym": "256 tokens a step, 2 stages (128 tokens,
                "uncapped (the whole kernel: up to 255 registers, 104 KB of shared memory), KV Pareto and int8 ran "
                "10% slower at batch 32 (docs/decode.md)"
                for name in ("int8", "kvpareto")},
-            "xquant-weigh-gluon": "Triton 3.9: 7 reloads in the loop under the 168-register cap of three programs an "
-                                  "SM; none on Triton 3.6, where it runs and was measured (docs/decode.md)",
+            "xquant-weigh-gluon": "Triton 3.9: 3 reloads a step, in its copies, of values set before the loop; none on "
+                                  "Triton 3.6, where it runs and was measured (docs/decode.md)",
             **{f"outer-tail-combine-{name}": "capped at TAIL_REGISTERS to share an SM with a Gluon kernel's programs "
                "while it attends the sink and the tail (test_tail_combine_fits_beside_the_gluon_kernels)"
                for name in ("kivi", "kivi-pre", "int8", "kvpareto")}}

@@ -161,11 +161,11 @@ def test_weigh_gather_at_the_model_shapes(B, Hq, r, group, dtype):
 @pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability() != (9, 0), reason="an sm_90 GPU's kernel")
 @pytest.mark.parametrize("B,Hq,r,group,N,W,S", [(1, 32, 1024, 128, 32768, 40, 32816), (3, 20, 512, 256, 1000, 7, 1203),
                                                 (2, 9, 768, 128, 3000, 130, 3131), (1, 16, 256, 128, 64, 0, 64),
-                                                (2, 32, 1024, 64, 200, 3, 203)])
+                                                (2, 32, 1024, 64, 200, 3, 203), (2, 16, 768, 192, 500, 5, 505)])
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("programs", [1, 7, None])
 def test_gluon_weighing_equals_the_fold_path(monkeypatch, B, Hq, r, group, N, W, S, symmetric, programs):
-    """xquant_hopper's weighing (4-bit per-token groups of 64, 128 or 256 channels, at most 32 heads): against
+    """xquant_hopper's weighing (4-bit per-token groups of 64, 128, 192 or 256 channels, at most 32 heads): against
     bmm over the gathered rows, and against the Triton fold path (the same operands, summed in another order), with
     window rows at both ends and between, zero rows, whole and partial steps, masked heads (20 of 32, 9 of 16), an
     odd row count (p's rows unaligned) and one split or several."""
@@ -195,6 +195,21 @@ def test_gluon_weighing_equals_the_fold_path(monkeypatch, B, Hq, r, group, N, W,
         scale = want.abs().max().item()
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * scale)
         torch.testing.assert_close(got.float(), fold.float(), rtol=1e-2, atol=2e-3 * scale)
+
+
+@pytest.mark.parametrize("group", [64, 128, 192, 256, 320, 384, 512])
+def test_gluon_weighing_copies_the_scale_pairs_its_warps_read(group):
+    """xquant_hopper copies PAIRS int32 pairs of a row's scales a program: every pair its four warps' groups lie
+    in, for every program of every eligible row width."""
+    from kvzoo.kernels import xquant_hopper as xh
+
+    for r in range(xh.CHANNELS, 8 * 1024 + 1, xh.CHANNELS):
+        if r % group or (r // group) % 2:
+            continue
+        for k0 in range(0, r, xh.CHANNELS):
+            first = (k0 // group) // 2
+            reached = {(k0 + w * xh.WARP_CHANNELS) // group // 2 - first for w in range(xh.N_WARPS)}
+            assert reached <= set(range(xh.pairs(group))), (r, k0, reached)
 
 
 @pytest.mark.parametrize("axis,group", [(-1, 32), (-2, 16)])

@@ -27,7 +27,8 @@ def test_every_floor_case_runs():
         "KIVI-2, SQuat (outer, Triton kernel only)",
         "KIVI*-2 (keys rotated in the kernel)", "KV Pareto k8v8 (per-token groups of 32)",
         "int8 (per-token groups of d)", "AlignedKV (planes; aligned_decode)",
-        "XQuant scores (keys rotated in the kernel)", "XQuant weigh (4-bit value latents)", "fp16 SDPA"]
+        "XQuant scores (keys rotated in the kernel)", "XQuant weigh (4-bit value latents)",
+        "XQuant weigh (4-bit value latents, rows in order)", "fp16 SDPA"]
     read = {}
     for name, build in cases:
         launch, n_bytes = build()
@@ -40,6 +41,7 @@ def test_every_floor_case_runs():
     assert read["XQuant scores (keys rotated in the kernel)"] == q + kv + 2 * 1024 * 128 * 2 + 32 * 1024 * 4
     codes, groups = 1024 * 1024 // 2, 1024 * 8 * 2 * 2          # 4-bit codes; an fp16 scale and zero a group
     assert read["XQuant weigh (4-bit value latents)"] == codes + groups + 32 * 1024 * 4 + 1024 * 8
+    assert read["XQuant weigh (4-bit value latents, rows in order)"] == read["XQuant weigh (4-bit value latents)"]
     assert read["KIVI-2, SQuat (outer)"] < read["InnerQ-2 asymmetric"] < read["int8 (per-token groups of d)"]
     assert read["InnerQ-2 hybrid (Triton kernel only)"] == read["InnerQ-2 hybrid"]
     slots, window, token = 8 * 896, 2 * 8 * 128 * 128 * 2, 2 * 8 * 128 * 2   # 896 quantized slots a head; fp16 rows
