@@ -22,9 +22,10 @@ rows, BLOCK_H), both operands in registers:
     (the rows it gathers) 2 (STAGES - 1) steps ahead, read from shared memory to address its rows' copies: no
     register holds a load in flight, so none waits where ptxas schedules it. A step's p is copied once and read by
     every warp, and so are a row's scale and zero pairs (PAIRS of them over the program's channels). The code words
-    are copied 4 bytes a lane, a row's 32 bytes by 8 lanes, into a ring whose swizzle gives each copy 32 banks and
-    each thread its 4 rows of a word in one 16-byte read. Each chunk's words and p have buffers of their own, so
-    Triton's barrier analysis places none between a step's chunk copies: two barriers a step beside the loop's own.
+    are copied 4 bytes a lane, a row's 32 bytes by 8 lanes, into a swizzled ring that gives each thread its 4 rows
+    of a word in one 16-byte read, with no bank conflict on the reads or (by Triton's count) the copies' stores.
+    Each chunk's words and p have buffers of their own, so Triton's barrier analysis places none between a step's
+    chunk copies: two barriers a step beside the loop's own.
   - Window rows (src in [N, N + W)) weigh nothing there (their scale and zero read 0); each thread notes the first
     and last step holding any of its rows, and a second loop weighs those steps' window rows from their exact
     values (fp16; bf16 rows converted, as the fold path does).
@@ -34,8 +35,9 @@ At most 168 registers a thread and three steps of 54 KB in shared memory (32 hea
 Speed (XQuant's 8B value latents, 1,024 wide, groups of 128, 32 query heads, rows in order as the graph step reads
 them, one H200, L2 flushed; docs/decode.md, "XQuant's weighing: its copies, and the step's row order"): 464.3 us at
 32K, batch 32 against the fold path's 676.9, 74.6 against 96.1 at 128K, batch 1, 48.5 against 54.7 at 64K; at 32K,
-batch 1 33.1 against 32.8, so fewer than MIN_ROWS rows (batch x S) stay with the fold path. KVZOO_WEIGH_KERNEL=triton|gluon|auto
-(default) overrides the choice: triton never takes this kernel, gluon takes it at any number of rows.
+batch 1 33.1 against 32.8, so fewer than MIN_ROWS rows (batch x S) stay with the fold path.
+KVZOO_WEIGH_KERNEL=triton|gluon|auto (default) overrides the choice: triton never takes this kernel, gluon takes it
+at any number of rows.
 """
 
 from __future__ import annotations
@@ -72,8 +74,9 @@ async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_gl
 CENTERED_ASM, CENTERED_CON = (gl.constexpr(part) for part in pair_asm(4, centered=True))
 # a step's scale (or zero) pair copies, (4 chunks, PAIRS, 16 rows): one an element at PAIRS = 2, twice at 1
 PAIR_COPY = gl.constexpr(gl.BlockedLayout([1, 1, 1], [2, 1, 16], [2, 2, 1], [2, 1, 0]))
-# the code words' copies (4 warps, 16 rows, 8 words): lanes 8 q + g copy word g of rows q, 4 + q, 8 + q, 12 + q (a
-# copy reads a row's 32 bytes in 8 lanes); with WORD_RING's swizzle each copy writes 32 banks
+# the code words' copies (4 warps, 16 rows, 8 words): lanes 4 g + q copy word g of rows q, 4 + q, 8 + q, 12 + q (a
+# copy reads a row's 32 bytes in 8 lanes); with WORD_RING's swizzle a copy's stores meet 32 banks (gl.bank_conflicts;
+# Nsight still counts 4 wavefronts a copy, one a row it reads, it seems: docs/decode.md)
 WORD_COPY = gl.constexpr(gl.DistributedLinearLayout([[0, 4, 0], [0, 8, 0]],
                                                     [[0, 1, 0], [0, 2, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
                                                     [[1, 0, 0], [2, 0, 0]], [], [N_WARPS, ROWS, WARP_CHANNELS // 8]))
