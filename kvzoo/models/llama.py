@@ -48,31 +48,58 @@ def layer_ops():
     return ops
 
 
-def join_weights(*linears: nn.Linear) -> None:
+def join_weights(*linears: nn.Module) -> None:
     """Make the weights of bias-free linears with one input size consecutive rows of one tensor, each module's
-    weight a view of it, so that their products can run as one (`joined_weight`)."""
+    weight a view of it, so that their products can run as one (`joined_product`). Layers of another kind that
+    join themselves (a `join` of their class, e.g. kvzoo.weightquant.awq.W4Linear's 4-bit codes) do so."""
+    if not all(isinstance(lin, nn.Linear) for lin in linears):
+        join = getattr(type(linears[0]), "join", None)
+        if join is not None and all(type(lin) is type(linears[0]) for lin in linears):
+            join(*linears)
+        return
     joined = torch.cat([lin.weight.detach() for lin in linears])              # (sum of out_features, in_features)
     for lin, part in zip(linears, joined.split([lin.out_features for lin in linears])):
         lin.weight = nn.Parameter(part, requires_grad=lin.weight.requires_grad)
 
 
-def joined_weight(*linears: nn.Module) -> Tensor | None:
-    """The (sum of out_features, in_features) tensor whose consecutive rows are the linears' weights, where
-    join_weights made them so and nothing has replaced a module or its weight since; else None. None too where a
-    module has hooks (a calibration that reads its inputs), which one product would skip."""
-    first = linears[0].weight if isinstance(linears[0], nn.Linear) else None
-    if first is None:
-        return None
+def consecutive_rows(parts: list[Tensor]) -> Tensor | None:
+    """The 2-D tensor whose consecutive rows are `parts` (contiguous, one dtype and width), where they lie so in one
+    storage (views that a join made and nothing has replaced since); else None."""
+    first = parts[0]
     at = first.data_ptr()
-    for lin in linears:
-        w = lin.weight if isinstance(lin, nn.Linear) else None
-        if (w is None or lin.bias is not None or lin._forward_hooks or lin._forward_pre_hooks or w.data_ptr() != at
-                or not w.is_contiguous() or w.dtype != first.dtype or w.shape[1] != first.shape[1]
+    for w in parts:
+        if (w.data_ptr() != at or not w.is_contiguous() or w.dtype != first.dtype or w.shape[1] != first.shape[1]
                 or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
             return None
         at += w.numel() * w.element_size()
-    rows = sum(lin.weight.shape[0] for lin in linears)
+    rows = sum(w.shape[0] for w in parts)
     return first.detach().new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, first.shape[1]))
+
+
+def _hooked(linears: tuple[nn.Module, ...]) -> bool:
+    """Whether a module has hooks (a calibration that reads its inputs), which one joined product would skip."""
+    return any(lin._forward_hooks or lin._forward_pre_hooks for lin in linears)
+
+
+def joined_weight(*linears: nn.Module) -> Tensor | None:
+    """The (sum of out_features, in_features) tensor whose consecutive rows are the linears' weights, where
+    join_weights made them so and nothing has replaced a module or its weight since; else None. None too where a
+    module has hooks or a bias."""
+    if _hooked(linears) or not all(isinstance(lin, nn.Linear) and lin.bias is None for lin in linears):
+        return None
+    return consecutive_rows([lin.weight for lin in linears])
+
+
+def joined_product(x: Tensor, *linears: nn.Module) -> Tensor | None:
+    """x times the linears' weights in one product, their outputs side by side, where join_weights made them one
+    (joined_weight; layers of another kind through their class's `joined_product`); else None."""
+    if isinstance(linears[0], nn.Linear):
+        w = joined_weight(*linears)
+        return None if w is None else F.linear(x, w)
+    product = getattr(type(linears[0]), "joined_product", None)
+    if product is None or _hooked(linears) or not all(type(lin) is type(linears[0]) for lin in linears):
+        return None
+    return product(x, *linears)
 
 
 class RMSNorm(nn.Module):
@@ -209,10 +236,10 @@ class Attention(nn.Module):
     def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Project x (B, T, hidden) to q (B, Hq, T, d) and k, v (B, Hkv, T, d), before RoPE."""
         B, T, _ = x.shape
-        joined = joined_weight(self.q_proj, self.k_proj, self.v_proj) if _fused(x) else None
+        joined = joined_product(x, self.q_proj, self.k_proj, self.v_proj) if _fused(x) else None
         if joined is not None:                      # one product; q, k and v are views of its rows
             kv = self.n_kv_heads * self.head_dim
-            q, k, v = F.linear(x, joined).split([self.n_heads * self.head_dim, kv, kv], dim=-1)
+            q, k, v = joined.split([self.n_heads * self.head_dim, kv, kv], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
@@ -248,8 +275,8 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if _fused(x):
-            both = joined_weight(self.gate_proj, self.up_proj)
-            gate, up = F.linear(x, both).chunk(2, dim=-1) if both is not None else (self.gate_proj(x), self.up_proj(x))
+            both = joined_product(x, self.gate_proj, self.up_proj)
+            gate, up = both.chunk(2, dim=-1) if both is not None else (self.gate_proj(x), self.up_proj(x))
             return self.down_proj(layer_ops().silu_mul(gate, up))
         return self.down_proj(self.reference(self.gate_proj(x), self.up_proj(x)))
 
@@ -286,7 +313,7 @@ class Transformer(nn.Module):
 
     def join_projections(self) -> "Transformer":
         """Every layer's q, k, v weights as one tensor and its MLP's gate and up as another (join_weights): on a
-        GPU each group's products run as one GEMM. The loaders call this; moving the model to another device or
+        GPU each group's products run as one GEMM (4-bit layers too, kvzoo.weightquant.awq.quantize_rtn). The loaders call this; moving the model to another device or
         dtype undoes it (the products still run, one each)."""
         for block in self.layers:
             join_weights(block.attn.q_proj, block.attn.k_proj, block.attn.v_proj)

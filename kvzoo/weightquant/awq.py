@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from kvzoo.cache.kvquant import fake_quantize
 from kvzoo.kernels.w4a16 import BITS, W4Weight, quantize_weight, w4a16_matmul, w4a16_matmul_ref
+from kvzoo.models.llama import consecutive_rows, join_weights
 
 ALPHAS = [i / 20 for i in range(21)]
 METHODS = ("w16", "w4-rtn", "w4-awq")
@@ -57,10 +58,42 @@ class W4Linear(nn.Module):
         return self.w4.dequantize(self.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        interpret = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-        if x.is_cuda and not interpret:
-            return w4a16_matmul(x, self.w4)
-        return w4a16_matmul_ref(x, self.w4)
+        return _product(x, self.w4)
+
+    @staticmethod
+    def join(*layers: "W4Linear") -> None:
+        """Make the codes, scales and zeros of layers with one input size and group size consecutive rows of one
+        tensor each, each layer's buffers views of them, so that their products can run as one (joined_product;
+        kvzoo.models.llama.join_weights calls this)."""
+        if any((lin.in_features, lin.group_size) != (layers[0].in_features, layers[0].group_size) for lin in layers):
+            raise ValueError("4-bit layers join only with one input size and group size, got "
+                             f"{[(lin.in_features, lin.group_size) for lin in layers]}")
+        for name in ("codes", "scale", "zero"):
+            joined = torch.cat([getattr(lin, name) for lin in layers])
+            for lin, part in zip(layers, joined.split([lin.out_features for lin in layers])):
+                setattr(lin, name, part)
+
+    @staticmethod
+    def joined_product(x: Tensor, *layers: "W4Linear") -> Tensor | None:
+        """x times the layers' weights in one W4A16 product, their outputs side by side, where join made their
+        buffers one tensor each and nothing has replaced them since; else None."""
+        first = layers[0]
+        if any((lin.in_features, lin.group_size) != (first.in_features, first.group_size) for lin in layers):
+            return None
+        codes, scale, zero = (consecutive_rows([getattr(lin, name) for lin in layers])
+                              for name in ("codes", "scale", "zero"))
+        if codes is None or scale is None or zero is None:
+            return None
+        rows = sum(lin.out_features for lin in layers)
+        return _product(x, W4Weight(codes, scale, zero, first.group_size, (rows, first.in_features)))
+
+
+def _product(x: Tensor, w: W4Weight) -> Tensor:
+    """x @ dequant(w)ᵀ: the W4A16 kernel on a GPU, the reference elsewhere (and under Triton's interpreter)."""
+    interpret = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    if x.is_cuda and not interpret:
+        return w4a16_matmul(x, w)
+    return w4a16_matmul_ref(x, w)
 
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -71,11 +104,14 @@ def _owner(block: nn.Module, name: str) -> nn.Module:
 
 
 def quantize_rtn(model: nn.Module, group_size: int = 128) -> nn.Module:
-    """Replace every linear layer of every block by its 4-bit RTN W4Linear (in place)."""
+    """Replace every linear layer of every block by its 4-bit RTN W4Linear (in place); q, k, v and gate, up are
+    joined (join_weights), so that on a GPU each group's products run as one."""
     for block in model.layers:
         for name in LINEARS:
             owner = _owner(block, name)
             setattr(owner, name, W4Linear(getattr(owner, name).weight.data, group_size))
+        join_weights(block.attn.q_proj, block.attn.k_proj, block.attn.v_proj)
+        join_weights(block.mlp.gate_proj, block.mlp.up_proj)
     return model
 
 

@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("triton")       # kvzoo.kernels.w4a16 (W4Weight, the reference quantizer) imports it
 
 from kvzoo.kernels.w4a16 import quantize_weight  # noqa: E402
+from kvzoo.models.llama import consecutive_rows, joined_product  # noqa: E402
 from kvzoo.weightquant.awq import (ALPHAS, W4Linear, _best_scale, _inputs, group_for, quantize_awq,  # noqa: E402
                                    quantize_rtn, quantize_weights)
 from tests.cache.test_cache_contract import model, tokens  # noqa: E402, F401  (the tiny model fixture)
@@ -30,6 +31,57 @@ def test_rtn_replaces_every_block_linear(model):  # noqa: F811
     assert isinstance(m.layers[0].mlp.down_proj, W4Linear) and not isinstance(m.lm_head, W4Linear)
     x = tokens(seed=30)
     assert (m(x) - model(x)).abs().max() < 1.0 and torch.isfinite(m(x)).all()
+
+
+@torch.no_grad()
+def test_rtn_joins_the_projections_that_share_an_input(model):  # noqa: F811
+    """quantize_rtn joins q, k, v and gate, up: their codes, scales and zeros are views of one tensor each, and the
+    joined product is the separate products side by side, until a buffer is replaced or a hook reads an input."""
+    m = quantize_rtn(copy.deepcopy(model), 16)
+    attn, mlp = m.layers[0].attn, m.layers[0].mlp
+    x = torch.randn(2, 3, attn.q_proj.in_features, generator=torch.Generator().manual_seed(34))
+    for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+        for name in ("codes", "scale", "zero"):
+            assert consecutive_rows([getattr(lin, name) for lin in group]) is not None
+        torch.testing.assert_close(joined_product(x, *group), torch.cat([lin(x) for lin in group], dim=-1))
+    hook = attn.k_proj.register_forward_pre_hook(lambda *args: None)
+    assert joined_product(x, attn.q_proj, attn.k_proj, attn.v_proj) is None
+    hook.remove()
+    attn.k_proj.zero = attn.k_proj.zero.clone()                            # no longer a view of the joined zeros
+    assert joined_product(x, attn.q_proj, attn.k_proj, attn.v_proj) is None
+    assert joined_product(x, attn.o_proj, mlp.down_proj) is None           # never joined
+    assert joined_product(x, mlp.gate_proj, mlp.up_proj) is not None
+
+
+def test_w4linear_join_refuses_layers_of_other_inputs():
+    a, b = W4Linear(torch.randn(8, 64), 32), W4Linear(torch.randn(8, 32), 32)
+    with pytest.raises(ValueError, match="one input size and group size"):
+        W4Linear.join(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the joined products run on a GPU (llama._fused)")
+@torch.no_grad()
+def test_joined_4bit_products_keep_the_logits_on_a_gpu(model):  # noqa: F811
+    """On a GPU the blocks take the joined 4-bit products (one W4A16 call for q, k, v and one for gate, up): the
+    logits equal those of the same model with its layers unjoined."""
+    import kvzoo.weightquant.awq as awq
+
+    joined = quantize_rtn(copy.deepcopy(model).cuda().half(), 16)      # quantized where it runs: moving splits it
+    apart = copy.deepcopy(joined)
+    for block in apart.layers:
+        for lin in (block.attn.k_proj, block.mlp.up_proj):
+            lin.codes = lin.codes.clone()
+    calls = []
+    run = awq.w4a16_matmul
+    awq.w4a16_matmul = lambda x, w: calls.append(w.shape) or run(x, w)
+    try:
+        x = tokens(seed=35).cuda()
+        got, want = joined(x), apart(x)
+    finally:
+        awq.w4a16_matmul = run
+    n = len(model.layers)
+    assert len(calls) == 4 * n + 7 * n                     # joined: q/k/v, o, gate/up, down; apart: seven a block
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
 @torch.no_grad()
