@@ -1,30 +1,41 @@
-"""W4A16 for 2-16 rows of x on Hopper (sm_90), in Gluon: the 4-bit codes are unpacked in registers straight into the
-A operand of the warpgroup MMA, so a weight goes from DRAM to the tensor cores through registers only (the group
+"""W4A16 for 1-16 rows of x on Hopper (sm_90), in Gluon: the 4-bit codes are unpacked in registers straight into the
+A operand of the tensor cores, so a weight goes from DRAM to the tensor cores through registers only (the group
 kernel of kvzoo/kernels/w4a16.py stores its unpacked tile to shared memory for tl.dot). Same layout (W4Weight) and
-split-K; the module docstring of w4a16.py has both.
+split-K; the module docstring of w4a16.py has both. Two kernels:
 
     out (M, N) = x (M, K) @ dequant(w)ᵀ, computed transposed: outᵀ (TILE_N, NP) per program
-    grid (N / TILE_N, splits): program (tile, split) owns TILE_N = 64 output features (16 per warp, the wgmma's M)
-    and the steps [split * STEPS_PER_SPLIT, ...) of 128 input channels (one group at G = 128); NP = 8 or 16
-    columns (rows of x, padded).
+    grid (N / TILE_N, splits): program (tile, split) owns TILE_N = 64 output features (16 per warp, the MMA's M) and the
+    steps [split * STEPS_PER_SPLIT, ...) of 128 input channels (one group at G = 128); NP = 8 or 16 columns (rows
+    of x, padded).
 
-A step: the (64, 16) code words of its 64 features (a thread's four words of a feature adjacent, 16 bytes) become
-(64, 128) exact fp16 codes in the registers of the A operand (DotOperandLayout, checked trivial at compile time):
-one shr, lop3 and sub per two codes (codes j and j + 4 of a word as one half2), in a logical channel order chosen so
-that no unpacked value moves between threads. A reduction's channel order is free as long as x takes the same one,
-so the step's x tile (NP, 128) is permuted to it in registers (a relabelling of its layout) before it is stored to
-shared memory, the wgmma's B operand. The group's scale and zero are applied to the codes by one fp16 FMA per half2,
-so the weight the tensor cores see is code * scale + zero rounded once to fp16 (the reference rounds it to x's
-dtype), and the products accumulate in fp32 across steps. A bf16 x is converted to fp16 (clamped to its range) as
-its tile is stored. The operands of the next two steps are loaded before a step's work. Split-K: each split stores
-its fp32 partials; the last split of a tile to finish (a per-tile counter) adds them in split order and rounds once.
+2-16 rows (_w4_kernel), the warpgroup MMA: a step's (64, 16) code words (a thread's four words of a feature
+adjacent, 16 bytes) become (64, 128) exact fp16 codes in the registers of the A operand (DotOperandLayout, checked
+trivial at compile time): one shr, lop3 and sub per two codes (codes j and j + 4 of a word as one half2), in a logical
+channel order chosen so that no unpacked value moves between threads. A reduction's channel order is free as long as
+x takes the same one, so the step's x tile (NP, 128) is permuted to it in registers (a relabelling of its layout)
+before it is stored to shared memory, the wgmma's B operand. The group's scale and zero are applied to the codes by
+one fp16 FMA per half2, so the weight the tensor cores see is code * scale + zero rounded once to fp16 (the reference
+rounds it to x's dtype), and the products accumulate in fp32 across steps. A bf16 x is converted to fp16 (clamped to
+its range) as its tile is stored. The operands of the next two steps are loaded before a step's work.
 
-Speed (Llama-3.1-8B layers, one H100, fp16 x; docs/kvpareto.md): 1.67-1.87x fp16's product at 2-16 rows on gate/up
-and down, 58-66% of the read floor of their codes (`python -m repro.kvpareto.bench`).
+One row (_w4_row_kernel), mma.sync (m16n8k16) with both operands in registers: the same codes, order and rounding, but
+each warp's 16 features are a product of their own, so the loop holds no shared memory and no barrier; at 128
+registers four programs (16 warps) share an SM. x is loaded with the codes, two steps ahead (a thread: 32 contiguous
+channels of its row, 64 bytes), and moved into the B operand's logical order within the thread; seven of the MMA's
+eight columns are zero padding. The unpack PTX reads each code pair under the magic 16.0 (SCALED_ASM: a shift, a
+lop3, an exact subtraction and the FMA with the feature's scale and zero). Three steps an iteration, each with a
+register set of its own, so that no set is copied to another (a ring rotated each step added about 80 moves).
 
-Groups must be a multiple of 128 channels (AWQ's 128). One row of x stays with w4a16.py's one-row kernel, faster there
-with an fp16 x (results/kvpareto/w4a16-8b-gluon.md). KVZOO_W4A16_KERNEL=triton|gluon|auto (default) overrides the
-choice: triton never takes this kernel, gluon takes it for one row and for fewer than MIN_FEATURES outputs too.
+Split-K (both): each split stores its fp32 partials; the last split of a tile to finish (a per-tile counter) adds
+them in split order and rounds once.
+
+Speed (Llama-3.1-8B layers; docs/kvpareto.md): 2-16 rows, one H100, fp16 x: 1.67-1.87x fp16's product on gate/up
+and down, 58-66% of the read floor of their codes (`python -m repro.kvpareto.bench`). One row, one H200, bf16 x, the
+4-bit step's layers in one CUDA graph: 73.2 us a layer against 86.8 for w4a16.py's one-row kernel (docs/decode.md,
+"4-bit projections joined, and one row on the tensor cores").
+
+Groups must be a multiple of 128 channels (AWQ's 128). KVZOO_W4A16_KERNEL=triton|gluon|auto (default) overrides the
+choice: triton never takes these kernels, gluon takes them for fewer than MIN_FEATURES outputs too.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import torch
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from kvzoo.kernels.outer_hopper import barrier
@@ -42,14 +54,15 @@ from kvzoo.kernels.quant_matvec import kernel_choice, pair_asm, unpacks_in_ptx
 
 CHOICE = kernel_choice("KVZOO_W4A16_KERNEL")
 ENABLED = CHOICE != "triton"
-MIN_ROWS = 1 if CHOICE == "gluon" else 2
-MAX_ROWS = 16                        # rows of x this kernel serves (the wgmma's N: 8 or 16)
+MAX_ROWS = 16                        # rows of x these kernels serve (the wgmma's N: 8 or 16)
 # fewer output features stay with the group kernel: Llama-3.1-8B's k/v (1,024) gains nothing at 2-4 rows and loses
-# at 8-16 (results/kvpareto/w4a16-8b-gluon.md)
+# at 8-16 (results/kvpareto/w4a16-8b-gluon.md); the model joins it with q and v (kvzoo.models.llama.joined_product)
 MIN_FEATURES = 0 if CHOICE == "gluon" else 2048
 STEP = 128                           # input channels a step (16 words of codes per feature)
 TILE_N, N_WARPS = 64, 4
-PROGRAMS_PER_SM = 4                  # split-K sizing: programs a multiprocessor keeps busy, of at least 2 steps
+# split-K sizing: programs a multiprocessor keeps busy, of at least 2 steps (the one-row kernel's 128 registers fit
+# four; six were slower, docs/decode.md)
+PROGRAMS_PER_SM = 4
 _TILE = gl.constexpr(TILE_N)
 
 
@@ -141,21 +154,132 @@ def _w4_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr, count_p
         acc = warpgroup_mma(gl.convert_layout(w, LA, assert_trivial=True), x_s.permute((1, 0)), acc)
         cur, n1 = n1, n2
 
-    cols = gl.arange(0, NP, layout=gl.SliceLayout(0, MMA))
-    f_mma = tile * _TILE + gl.arange(0, _TILE, layout=gl.SliceLayout(1, MMA))
-    at = cols[None, :] * N + f_mma[:, None]                                          # out (M, N) holds outᵀ
-    live = (f_mma < N)[:, None] & (cols < M)[None, :]
+    _store_out(acc, out_ptr, part_ptr, count_ptr, tile, split, M, N, SPLIT)
+
+
+@gluon.jit
+def _store_out(acc, out_ptr, part_ptr, count_ptr, tile, split, M, N, SPLIT: gl.constexpr):
+    """Store a program's outᵀ (TILE_N, NP) fp32 sums into out (M, N) in its dtype; split over K, each split stores
+    its partials and the last split of the tile to finish adds them in split order, rounds once and resets the
+    tile's counter."""
+    NP: gl.constexpr = acc.shape[1]
+    L: gl.constexpr = acc.type.layout
+    cols = gl.arange(0, NP, layout=gl.SliceLayout(0, L))
+    f = tile * _TILE + gl.arange(0, _TILE, layout=gl.SliceLayout(1, L))
+    at = cols[None, :] * N + f[:, None]                                              # out (M, N) holds outᵀ
+    live = (f < N)[:, None] & (cols < M)[None, :]
     if SPLIT == 1:
-        gl.store(out_ptr + at, acc.to(DT), mask=live)
+        gl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=live)
     else:
         gl.store(part_ptr + split * M * N + at, acc, mask=live)
         barrier()                                            # every thread's partial is written before the count
         if gl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
-            total = gl.zeros([_TILE, NP], gl.float32, MMA)
+            total = gl.zeros([_TILE, NP], gl.float32, L)
             for other in range(SPLIT):
                 total += gl.load(part_ptr + other * M * N + at, mask=live, other=0, cache_modifier=".cg")
-            gl.store(out_ptr + at, total.to(DT), mask=live)
+            gl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=live)
             gl.atomic_xchg(count_ptr + tile, 0)
+
+
+# x (bf16 pairs) -> fp16 pairs, saturated to fp16's range: a bf16 pair's halves widened to fp32 (shift, and)
+BF16_TO_HALF2 = gl.constexpr("{ .reg .b32 lo, hi; shl.b32 lo, $1, 16; and.b32 hi, $1, 0xFFFF0000; "
+                             "cvt.rn.satfinite.f16x2.f32 $0, hi, lo; }")
+# output j (0-3): codes j and j + 4 of word $4 (its bits 4 j and 16 + 4 j) shifted to mantissa bits 6-9 of each half,
+# read as 16 + c under the magic 16.0 (0x4C00), 16 subtracted (exact), times the scale pair $6 plus the zero pair $7
+SCALED_ASM = gl.constexpr("{ .reg .b32 t, m; mov.b32 m, 0x4C004C00; " + " ".join(
+    f"{'shl' if j < 2 else 'shr'}.b32 t, $4, {abs(6 - 4 * j)}; lop3.b32 t, t, 0x03C003C0, m, 0xEA; "
+    f"sub.f16x2 t, t, m; fma.rn.f16x2 ${j}, t, $6, $7;" for j in range(4)) + " }")
+SCALED_CON = gl.constexpr("=r,=r,=r,=r,r,r,r,r")
+ROW_NP = gl.constexpr(8)             # the one-row kernel's columns (the MMA's N): one row of x, seven zero
+
+
+@gluon.jit
+def _unpack_scaled(words, s, z, LP: gl.constexpr):
+    """(R, 16) code words and their features' scales and zeros (R,) -> (R, 128) dequantized codes in _unpack's
+    logical order, code * scale + zero rounded once to fp16 (SCALED_ASM)."""
+    R: gl.constexpr = words.shape[0]
+    W: gl.constexpr = words.shape[1]
+    pairs = gl.expand_dims(words, 2) + gl.zeros([R, W, 2], gl.int32, LP)             # (R, W, 2): the word twice
+    s2 = gl.broadcast(gl.expand_dims(gl.expand_dims(s, 1), 2), pairs.to(gl.float16))[0]     # (R, W, 2)
+    z2 = gl.broadcast(gl.expand_dims(gl.expand_dims(z, 1), 2), pairs.to(gl.float16))[0]
+    o = gl.inline_asm_elementwise(SCALED_ASM, SCALED_CON, [pairs, s2, z2], dtype=(gl.float16,) * 4, is_pure=True,
+                                  pack=2)
+    x = gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3]))                            # (R, W, e, j0, j1)
+    x = gl.permute(gl.reshape(x, (R, 4, W // 4, 2, 2, 2)), (0, 2, 5, 4, 1, 3))        # (R, i, j1, j0, q, e)
+    return gl.reshape(x, (R, 8 * W))
+
+
+@gluon.jit
+def _row_operands(codes_ptr, scale_ptr, zero_ptr, x_ptr, t, words_at, meta_at, x_at, x_live, W: gl.constexpr,
+                  GROUP: gl.constexpr):
+    """Step t's (TILE_N, W) code words, its features' (TILE_N,) scales and zeros, and its (ROW_NP, 8W) x tile (real
+    channel order, rows past M zero)."""
+    g = t * (8 * W) // GROUP
+    return (gl.load(codes_ptr + words_at + t * W), gl.load(scale_ptr + meta_at + g),
+            gl.load(zero_ptr + meta_at + g), gl.load(x_ptr + x_at + t * (8 * W), mask=x_live, other=0))
+
+
+@gluon.jit
+def _row_step(ops, acc, LP: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr):
+    """acc (TILE_N, ROW_NP) += a step's dequantized codes times its x tile (ops: _row_operands'), the x tile moved
+    into the B operand's logical order within each thread (fp16, a bf16 x saturated to its range)."""
+    words, s, z, xt = ops
+    if xt.dtype == gl.bfloat16:
+        xt = gl.inline_asm_elementwise(BF16_TO_HALF2, "=r,r", [xt.to(gl.int16, bitcast=True)], dtype=gl.float16,
+                                       is_pure=True, pack=2)
+    w = gl.convert_layout(_unpack_scaled(words, s, z, LP), LA, assert_trivial=True)
+    return mma_v2(w, gl.convert_layout(gl.permute(_logical(xt), (1, 0)), LB), acc)
+
+
+@gluon.jit
+def _w4_row_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr, count_ptr, M, N, K, STEPS_PER_SPLIT,
+                   GROUP: gl.constexpr, SPLIT: gl.constexpr, LP: gl.constexpr, LX: gl.constexpr):
+    W: gl.constexpr = 16                                                             # words a feature and step
+    C: gl.constexpr = 8 * W                                                          # channels a step
+    LW: gl.constexpr = gl.SliceLayout(2, LP)                                         # words (TILE_N, W)
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+    LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+
+    tile = gl.program_id(0)
+    split = gl.program_id(1)
+    feats = gl.minimum(tile * _TILE + gl.arange(0, _TILE, layout=gl.SliceLayout(1, LW)), N - 1).to(gl.int64)
+    words_at = feats[:, None] * (K // 8) + gl.arange(0, W, layout=gl.SliceLayout(0, LW))[None, :]
+    meta_at = feats * (K // GROUP)                                                   # (TILE_N,): a step, a group
+    xm = gl.arange(0, ROW_NP, layout=gl.SliceLayout(1, LX))
+    x_at = xm.to(gl.int64)[:, None] * K + gl.arange(0, C, layout=gl.SliceLayout(0, LX))[None, :]
+    x_live = (xm < M)[:, None]
+
+    acc = gl.zeros([_TILE, ROW_NP], gl.float32, MMA)                                 # outᵀ
+    t0 = split * STEPS_PER_SPLIT
+    t_end = gl.minimum(t0 + STEPS_PER_SPLIT, K // C)
+    last = t_end - 1
+    # three steps an iteration, each step's operands loaded two steps ahead into one of three register sets (past
+    # the last step, its own again), so that no set is copied to another
+    a = _row_operands(codes_ptr, scale_ptr, zero_ptr, x_ptr, t0, words_at, meta_at, x_at, x_live, W, GROUP)
+    b = _row_operands(codes_ptr, scale_ptr, zero_ptr, x_ptr, gl.minimum(t0 + 1, last), words_at, meta_at, x_at,
+                      x_live, W, GROUP)
+    for t in range(t0, t_end, 3):
+        c = _row_operands(codes_ptr, scale_ptr, zero_ptr, x_ptr, gl.minimum(t + 2, last), words_at, meta_at, x_at,
+                          x_live, W, GROUP)
+        acc = _row_step(a, acc, LP, LA, LB)
+        a = _row_operands(codes_ptr, scale_ptr, zero_ptr, x_ptr, gl.minimum(t + 3, last), words_at, meta_at, x_at,
+                          x_live, W, GROUP)
+        if t + 1 < t_end:
+            acc = _row_step(b, acc, LP, LA, LB)
+        b = _row_operands(codes_ptr, scale_ptr, zero_ptr, x_ptr, gl.minimum(t + 4, last), words_at, meta_at, x_at,
+                          x_live, W, GROUP)
+        if t + 2 < t_end:
+            acc = _row_step(c, acc, LP, LA, LB)
+    _store_out(acc, out_ptr, part_ptr, count_ptr, tile, split, M, N, SPLIT)
+
+
+@functools.cache
+def _x_layout() -> gl.DistributedLinearLayout:
+    """The one-row kernel's x tile (ROW_NP, 128) as loaded: lane 4 g + q holds row g at real channels 32 q .. 32 q +
+    31, contiguous in its registers (four 16-byte loads); every warp the same (the B operand is each warp's)."""
+    return gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]], [[0, 32], [0, 64], [1, 0], [2, 0],
+                                      [4, 0]], [[0, 0], [0, 0]], [], [ROW_NP, 128])
 
 
 @functools.cache
@@ -174,10 +298,10 @@ def _is_hopper(index: int) -> bool:
 
 
 def eligible(x2: Tensor, group_size: int, N: int, K: int) -> bool:
-    """Whether w4a16_matmul takes this kernel for x2 (M, K) and an (N, K) weight: enabled, a compiled fp16/bf16 run
-    on an sm_90 GPU, MIN_ROWS-16 rows, at least MIN_FEATURES outputs, groups a multiple of 128 channels."""
+    """Whether w4a16_matmul takes these kernels for x2 (M, K) and an (N, K) weight: enabled, a compiled fp16/bf16 run
+    on an sm_90 GPU, 1-16 rows, at least MIN_FEATURES outputs, groups a multiple of 128 channels."""
     return (ENABLED and unpacks_in_ptx(x2) and _is_hopper(x2.device.index or 0)
-            and MIN_ROWS <= x2.shape[0] <= MAX_ROWS and N >= MIN_FEATURES and group_size % STEP == 0
+            and 1 <= x2.shape[0] <= MAX_ROWS and N >= MIN_FEATURES and group_size % STEP == 0
             and K % STEP == 0)
 
 
@@ -194,6 +318,11 @@ def w4a16_hopper(x2: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, group_s
     split = -(-steps // per_split)                                      # no empty splits
     out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     part = torch.empty(split, M, N, dtype=torch.float32, device=x2.device) if split > 1 else out
-    _w4_kernel[(tiles, split)](x2, codes, scale, zero, out, part, counters, M, N, K, per_split, GROUP=group_size,
-                               NP=8 if M <= 8 else 16, SPLIT=split, LP=_words_layout(), num_warps=N_WARPS)
+    if M == 1:
+        _w4_row_kernel[(tiles, split)](x2, codes, scale, zero, out, part, counters, M, N, K, per_split,
+                                       GROUP=group_size, SPLIT=split, LP=_words_layout(), LX=_x_layout(),
+                                       num_warps=N_WARPS)
+    else:
+        _w4_kernel[(tiles, split)](x2, codes, scale, zero, out, part, counters, M, N, K, per_split, GROUP=group_size,
+                                   NP=8 if M <= 8 else 16, SPLIT=split, LP=_words_layout(), num_warps=N_WARPS)
     return out

@@ -28,12 +28,16 @@ NAMES = [f"innerq-gluon-d{d}-{g}" for d in (128, 64) for g in MODES] + \
     [f"outer-tail-{name}" for name in ("int8", "kvpareto")] + \
     [f"outer-tail-combine-{name}" for name in ("kivi", "kivi-pre", "int8", "kvpareto")] + \
     ["xquant-weigh", "xquant-weigh-gluon", "xquant-scores", "w4a16-one-row", "w4a16-group-16-rows"] + \
-    [f"w4a16-gluon-{rows}-rows-split-{split}" for rows in (8, 16) for split in (1, 4)]
+    [f"w4a16-gluon-{rows}-rows-split-{split}" for rows in (8, 16) for split in (1, 4)] + \
+    [f"w4a16-gluon-one-row-split-{split}" for split in (1, 4)]
 NAMES += ["innerq-window", "combine", "innerq-aligned-keys", "innerq-key-flush"]
 NAMES += ["alignedkv-qk", "alignedkv-pv", "alignedkv-topk", "alignedkv-estimate"]
 # no loop: a block of 32 rows a program (the window's 32 tokens, the 32 lagging keys), the flush's one row, or
 # AlignedKV's top-k passes (one sorting network a program)
 LOOPLESS = {"innerq-window", "innerq-aligned-keys", "innerq-key-flush", "alignedkv-topk", "alignedkv-estimate"}
+# kernels that hold no shared memory at all: the one-row W4A16 kernel keeps its operands in registers, and with one
+# split it needs no barrier before a split counter
+UNSHARED = {"w4a16-gluon-one-row-split-1"}
 
 
 def _compile_all() -> dict:
@@ -79,7 +83,8 @@ def test_kernel_compiles_for_an_h100_and_fits_it(compiled, name):
     if name not in SPILLING:
         assert result["loop_spills"] == 0, f"{name} spills in its loop: {result}"
     if name not in LOOPLESS:
-        assert result["shared"] > 0 and result["loop"] > 0         # its main loop was found in the SASS
+        assert result["loop"] > 0                                  # its main loop was found in the SASS
+        assert (result["shared"] == 0) == (name in UNSHARED)
 
 
 def test_spills_are_read_from_the_sass():
@@ -114,6 +119,16 @@ def test_kivi_warp_kernel_fits_its_programs_an_sm(compiled, name):
     programs = PROGRAMS_PER_SM if name == "kivi-pre" else WARP_PROGRAMS_PER_SM
     assert result["registers"] * 32 * N_WARPS * programs <= 65536 and result["spills"] == 0, result
     assert len(result["loops"]) == 2, result            # the whole steps, then the rest of a split
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_w4a16_one_row_kernel_fits_its_programs_an_sm(compiled, split):
+    """The one-row W4A16 kernel's split-K plan sizes for PROGRAMS_PER_SM programs an SM: its registers must fit
+    them, with no spills."""
+    from kvzoo.kernels.w4a16_hopper import N_WARPS, PROGRAMS_PER_SM
+
+    result = compiled[f"w4a16-gluon-one-row-split-{split}"]
+    assert result["registers"] * 32 * N_WARPS * PROGRAMS_PER_SM <= 65536 and result["spills"] == 0, result
 
 
 @pytest.mark.parametrize("name", ["int8", "kvpareto"])

@@ -196,19 +196,20 @@ def test_bad_input_is_named():
 HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 
 
-# (m, n, k, group, split): one row and the two column widths (8 and 16), features past the last whole tile of 64,
-# groups of one and two steps, split-K uneven (5 steps over 2), one split, and one step a split
+# (m, n, k, group, split): one row (the one-row kernel) and the two column widths (8 and 16), features past the last
+# whole tile of 64, groups of one and two steps, split-K uneven (5 steps over 2), one split, one step a split, and
+# one row at the 8B joined q/k/v and down shapes
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k,group,split", [(1, 200, 640, 128, 2), (3, 64, 256, 128, 1), (8, 130, 512, 256, 0),
-                                               (9, 256, 1024, 128, 8), (16, 96, 640, 128, 5), (16, 4096, 4096, 128, 0)])
+                                               (9, 256, 1024, 128, 8), (16, 96, 640, 128, 5), (16, 4096, 4096, 128, 0),
+                                               (1, 6144, 4096, 128, 0), (1, 4096, 14336, 128, 0), (1, 64, 896, 128, 1)])
 def test_hopper_kernel_matches_reference(m, n, k, group, split, dtype, monkeypatch):
     w4a16_hopper = pytest.importorskip("kvzoo.kernels.w4a16_hopper")
     w = weight(n, k, group, seed=m + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
     calls = []
-    monkeypatch.setattr(w4a16_hopper, "MIN_ROWS", 1)         # one row and small layers too (by default the
-    monkeypatch.setattr(w4a16_hopper, "MIN_FEATURES", 0)     # one-row and group kernels take them)
+    monkeypatch.setattr(w4a16_hopper, "MIN_FEATURES", 0)     # small layers too (by default the group kernel's)
     run = w4a16_hopper.w4a16_hopper
     monkeypatch.setattr(w4a16_hopper, "w4a16_hopper", lambda *a: calls.append(1) or run(*a, split_k=split))
     got = w4a16_matmul(x, w)
@@ -226,12 +227,12 @@ def test_hopper_kernel_matches_reference(m, n, k, group, split, dtype, monkeypat
 
 
 def test_hopper_kernel_is_not_taken_off_its_shapes():
-    """One row, rows past 16, fewer than MIN_FEATURES outputs, groups that are not whole steps of 128 channels, fp32
-    x and other devices take the Triton kernels."""
+    """Rows past 16, fewer than MIN_FEATURES outputs, groups that are not whole steps of 128 channels, fp32 x and
+    other devices take the Triton kernels; one row to 16 on an H100/H200 take the Gluon kernels."""
     w4a16_hopper = pytest.importorskip("kvzoo.kernels.w4a16_hopper")
     x = torch.zeros(4, 256, device=DEVICE, dtype=torch.float16)
     n = w4a16_hopper.MIN_FEATURES
-    assert not w4a16_hopper.eligible(x[:1], 128, n, 256)
+    assert w4a16_hopper.eligible(x[:1], 128, n, 256) == HOPPER
     assert not w4a16_hopper.eligible(torch.zeros(17, 256, device=DEVICE, dtype=torch.float16), 128, n, 256)
     assert not w4a16_hopper.eligible(x, 128, n - 1, 256)
     assert not w4a16_hopper.eligible(x, 64, n, 256)
@@ -239,13 +240,13 @@ def test_hopper_kernel_is_not_taken_off_its_shapes():
     assert w4a16_hopper.eligible(x, 128, n, 256) == HOPPER
 
 
-@pytest.mark.parametrize("choice,enabled,rows,features", [("triton", False, 2, 2048), ("gluon", True, 1, 0),
-                                                          ("auto", True, 2, 2048)])
-def test_kvzoo_w4a16_kernel_picks_the_kernel(choice, enabled, rows, features):
-    """KVZOO_W4A16_KERNEL, read when w4a16_hopper is imported: triton never takes the Gluon kernel, gluon drops its
-    floors of rows and outputs, auto keeps them."""
+@pytest.mark.parametrize("choice,enabled,features", [("triton", False, 2048), ("gluon", True, 0),
+                                                     ("auto", True, 2048)])
+def test_kvzoo_w4a16_kernel_picks_the_kernel(choice, enabled, features):
+    """KVZOO_W4A16_KERNEL, read when w4a16_hopper is imported: triton never takes the Gluon kernels, gluon drops
+    their floor of outputs, auto keeps it."""
     pytest.importorskip("kvzoo.kernels.w4a16_hopper")
-    code = "from kvzoo.kernels import w4a16_hopper as h; print(h.ENABLED, h.MIN_ROWS, h.MIN_FEATURES)"
+    code = "from kvzoo.kernels import w4a16_hopper as h; print(h.ENABLED, h.MIN_FEATURES)"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KVZOO_W4A16_KERNEL": choice},
                          capture_output=True, text=True, check=True).stdout.split()
-    assert out == [str(enabled), str(rows), str(features)]
+    assert out == [str(enabled), str(features)]
