@@ -19,6 +19,13 @@ they are; the fastest of splits 1-16), under the same timer: no W4A16 product ca
 what any of them can gain over fp16 (a graph replay of one launch costs a few µs whatever it reads, which weighs
 on the small layers).
 
+--step times what a decode step runs instead: the 4-bit products of STEP_BLOCKS transformer blocks (q, k, v, o, gate,
+up, down; each block's weights its own, so a step finds them cold) in one CUDA graph, with q, k, v and gate, up
+apart (seven products a block) and joined (four: kvzoo.weightquant.awq.W4Linear.join, what the model runs), against
+the 16-bit products joined (cuBLAS), x in bf16 as the Llama-3.1-8B model runs it; µs a block:
+
+    python -m repro.kvpareto.bench --step --models Llama-3.1-8B --rows 1 4 16 --out results/kvpareto/w4a16-step
+
 Writes OUT.json and OUT.md; refuses to replace them without --overwrite.
 """
 
@@ -34,12 +41,25 @@ from kvzoo.kernels.w4a16 import GROUP_ROWS, Tiles, quantize_weight, w4a16_matmul
 
 from scripts.timing import Timer, output_paths, require_compiled_gpu
 
-LAYERS = {            # model: (group, [(name, N, K)])
-    "SmolLM2-135M": (64, [("q/o", 576, 576), ("k/v", 192, 576), ("gate/up", 1536, 576), ("down", 576, 1536)]),
-    "Llama-2-7B": (128, [("q/k/v/o", 4096, 4096), ("gate/up", 11008, 4096), ("down", 4096, 11008)]),
-    "Llama-3.1-8B": (128, [("q/o", 4096, 4096), ("k/v", 1024, 4096), ("gate/up", 14336, 4096),
-                           ("down", 4096, 14336)]),
-}
+# a block's products: (group, hidden, q outputs, k/v outputs, MLP width)
+BLOCKS = {"SmolLM2-135M": (64, 576, 576, 192, 1536), "Llama-2-7B": (128, 4096, 4096, 4096, 11008),
+          "Llama-3.1-8B": (128, 4096, 4096, 1024, 14336)}
+STEP_BLOCKS = 8                  # --step's blocks in one graph
+
+
+def block_products(model: str) -> list[tuple[str, int, int]]:
+    """A block's seven products (name, N, K), in the order the block runs them."""
+    _, hidden, q_out, kv_out, inter = BLOCKS[model]
+    return [("q", q_out, hidden), ("k", kv_out, hidden), ("v", kv_out, hidden), ("o", hidden, q_out),
+            ("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter)]
+
+
+def layer_shapes(model: str) -> list[tuple[str, int, int]]:
+    """A block's distinct product shapes, named by the products that share one (e.g. q/o 4096x4096)."""
+    names: dict[tuple[int, int], list[str]] = {}
+    for name, N, K in block_products(model):
+        names.setdefault((N, K), []).append(name)
+    return [("/".join(n), N, K) for (N, K), n in names.items()]
 
 
 def candidates(M: int) -> list[Tiles]:
@@ -93,10 +113,13 @@ def parse_args():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/kvpareto/bench_w4a16", help="output path without suffix")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256, 4096], help="rows M of x")
-    parser.add_argument("--models", nargs="+", default=list(LAYERS), choices=list(LAYERS), help="layer sets")
+    parser.add_argument("--models", nargs="+", default=list(BLOCKS), choices=list(BLOCKS), help="layer sets")
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--overwrite", action="store_true", help="replace existing OUT.json / OUT.md")
+    parser.add_argument("--step", action="store_true",
+                        help=f"time a decode step's 4-bit products: {STEP_BLOCKS} blocks in one CUDA graph, their "
+                             "projections apart and joined, against 16-bit weights")
     args = parser.parse_args()
     if min(args.rows) < 1 or args.runs < 1 or args.warmup < 0:
         raise SystemExit("--rows and --runs must be >= 1 and --warmup >= 0")
@@ -111,14 +134,58 @@ def copy_bandwidth(timer: Timer) -> float:
     return 2 * src.numel() / ms / 1e6
 
 
+def step_rows(args, timer: Timer) -> tuple[list[dict], list[str]]:
+    """--step: µs a block of STEP_BLOCKS blocks' products in one CUDA graph, 4-bit apart and joined, 16-bit
+    joined; rows and table lines."""
+    rows = []
+    for model in args.models:
+        group, hidden, q_out, _, inter = BLOCKS[model]
+        g = torch.Generator(device="cuda").manual_seed(hidden + inter)
+        shapes = [(N, K) for _, N, K in block_products(model)]
+        joins = [(0, 1, 2), (3,), (4, 5), (6,)]                                     # q/k/v, o, gate/up, down
+        blocks16 = [[torch.randn(N, K, device="cuda", generator=g, dtype=torch.bfloat16) / K ** 0.5
+                     for N, K in shapes] for _ in range(STEP_BLOCKS)]
+        apart = [[quantize_weight(w, group) for w in block] for block in blocks16]
+        joined = [[quantize_weight(torch.cat([block[i] for i in part]), group) for part in joins]
+                  for block in blocks16]
+        joined16 = [[torch.cat([block[i] for i in part]) for part in joins] for block in blocks16]
+        bytes4 = sum(w.nbytes() for w in joined[0])
+        for M in tqdm(args.rows, desc=f"{model} rows"):
+            x = {K: torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16) for K in (hidden, q_out, inter)}
+
+            def run(blocks, product):
+                return lambda: [product(x[w.shape[1]], w) for block in blocks for w in block]
+
+            ms = {"w4_apart": timer(run(apart, w4a16_matmul)), "w4_joined": timer(run(joined, w4a16_matmul)),
+                  "w16_joined": timer(run(joined16, torch.nn.functional.linear))}
+            us = {k: v * 1e3 / STEP_BLOCKS for k, v in ms.items()}
+            rows.append({"model": model, "M": M, "group": group, **{f"{k}_us_per_block": v for k, v in us.items()},
+                         "joined_vs_w16": us["w16_joined"] / us["w4_joined"],
+                         "w4_joined_gbs": bytes4 / us["w4_joined"] / 1e3})
+        del blocks16, apart, joined, joined16
+    lines = [f"GPU: {torch.cuda.get_device_name()}; {STEP_BLOCKS} blocks' products in one CUDA graph, bf16 x, median "
+             f"of {args.runs} replays, L2 flushed; µs a block", "",
+             "| model | M | 4-bit, seven products | 4-bit, joined | 16-bit, joined | 4-bit joined vs 16-bit | "
+             "4-bit joined GB/s |", "|" + "---|" * 7]
+    lines += [f"| {r['model']} | {r['M']} | {r['w4_apart_us_per_block']:.1f} | {r['w4_joined_us_per_block']:.1f} | "
+              f"{r['w16_joined_us_per_block']:.1f} | {r['joined_vs_w16']:.2f}x | {r['w4_joined_gbs']:.0f} |"
+              for r in rows]
+    return rows, lines
+
+
 def main() -> None:
     args = parse_args()
     require_compiled_gpu("repro.kvpareto.bench", "TRITON_INTERPRET=1 pytest tests/kernels/test_w4a16.py")
     paths = output_paths(args.out, args.overwrite)
     timer = Timer(args.runs, args.warmup)
     copy_gbs = copy_bandwidth(timer)
-    cells = [(model, group, name, N, K, M) for model, (group, layers) in LAYERS.items() if model in args.models
-             for name, N, K in layers for M in args.rows]
+    if args.step:
+        rows, lines = step_rows(args, timer)
+        write(paths, lines, {"gpu": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "runs": args.runs,
+                             "blocks": STEP_BLOCKS, "rows": rows})
+        return
+    cells = [(model, BLOCKS[model][0], name, N, K, M) for model in BLOCKS if model in args.models
+             for name, N, K in layer_shapes(model) for M in args.rows]
     rows = []
     for model, group, name, N, K, M in tqdm(cells, desc="layers x rows"):
         g = torch.Generator(device="cuda").manual_seed(N + K + M)
@@ -148,10 +215,14 @@ def main() -> None:
                      f"{r['reference_ms'] * 1e3:.1f} | {r['w4a16_default_ms'] * 1e3:.1f} | "
                      f"{r['w4a16_best_ms'] * 1e3:.1f} | {r['speedup_vs_fp16']:.2f}x | {r['weight_gbs']:.0f} | "
                      f"{r['read_floor_ms'] * 1e3:.1f} | {r['floor_vs_fp16']:.2f}x | {r['best_tiles']} |")
+    write(paths, lines, {"gpu": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "runs": args.runs, "rows": rows})
+
+
+def write(paths, lines: list[str], payload: dict) -> None:
+    """Print the table and write OUT.json (payload) and OUT.md (the table)."""
     print("\n".join(lines))
     paths[1].parent.mkdir(parents=True, exist_ok=True)
-    paths[0].write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "runs": args.runs,
-                                    "rows": rows}, indent=2))
+    paths[0].write_text(json.dumps(payload, indent=2))
     paths[1].write_text("\n".join(lines) + "\n")
 
 

@@ -333,6 +333,7 @@ def test_new_script_options_refuse_bad_values(monkeypatch, capsys, script, args,
     ("bench_decode.py", ["--fill", "all"], "argument --fill: invalid choice: 'all'"),
     ("bench_decode.py", ["--trace"], "--trace writes the timelines of --profile's steps: add --profile N"),
     ("repro.kvpareto.bench", ["--rows", "0"], "--rows and --runs must be >= 1"),
+    ("repro.kvpareto.bench", ["--step", "--runs", "0"], "--rows and --runs must be >= 1"),
     ("bench_kernels.py", ["--floors", "--stages"], "argument --stages: not allowed with argument --floors"),
 ])
 def test_gpu_benchmarks_refuse_bad_values_before_looking_for_a_gpu(monkeypatch, capsys, script, args, message):

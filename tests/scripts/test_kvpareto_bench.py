@@ -11,7 +11,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from kvzoo.kernels.w4a16 import quantize_weight  # noqa: E402
-from repro.kvpareto.bench import _read_kernel  # noqa: E402
+from repro.kvpareto.bench import _read_kernel, block_products, layer_shapes  # noqa: E402
 
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on", "yes") else "cuda"
 
@@ -29,3 +29,14 @@ def test_read_kernel_reads_every_code_word_of_its_split_once(split, per):
         for word in steps[:, s * per:(s + 1) * per].reshape(100, -1).unbind(1):
             want ^= word
         assert torch.equal(out[s], want)
+
+
+def test_layer_shapes_name_the_products_that_share_one():
+    """The per-layer table's shapes are a block's seven products, each shape once, named by the products that share
+    it (--step runs the seven, the module docstring lists these)."""
+    assert layer_shapes("Llama-3.1-8B") == [("q/o", 4096, 4096), ("k/v", 1024, 4096), ("gate/up", 14336, 4096),
+                                            ("down", 4096, 14336)]
+    assert layer_shapes("Llama-2-7B") == [("q/k/v/o", 4096, 4096), ("gate/up", 11008, 4096), ("down", 4096, 11008)]
+    assert [name for name, _, _ in block_products("SmolLM2-135M")] == ["q", "k", "v", "o", "gate", "up", "down"]
+    assert layer_shapes("SmolLM2-135M") == [("q/o", 576, 576), ("k/v", 192, 576), ("gate/up", 1536, 576),
+                                            ("down", 576, 1536)]
