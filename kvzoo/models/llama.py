@@ -313,8 +313,9 @@ class Transformer(nn.Module):
 
     def join_projections(self) -> "Transformer":
         """Every layer's q, k, v weights as one tensor and its MLP's gate and up as another (join_weights): on a
-        GPU each group's products run as one GEMM (4-bit layers too, kvzoo.weightquant.awq.quantize_rtn). The loaders call this; moving the model to another device or
-        dtype undoes it (the products still run, one each)."""
+        GPU each group's products run as one GEMM (4-bit layers too: kvzoo.weightquant.awq.quantize_rtn joins them).
+        The loaders call this; moving the model to another device or dtype undoes it (the products still run, one
+        each)."""
         for block in self.layers:
             join_weights(block.attn.q_proj, block.attn.k_proj, block.attn.v_proj)
             join_weights(block.mlp.gate_proj, block.mlp.up_proj)
