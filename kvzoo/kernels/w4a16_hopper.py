@@ -78,7 +78,16 @@ def _unpack(words, LP: gl.constexpr):
     R: gl.constexpr = words.shape[0]
     W: gl.constexpr = words.shape[1]
     pairs = gl.expand_dims(words, 2) + gl.zeros([R, W, 2], gl.int32, LP)             # (R, W, 2): the word twice
-    o = gl.inline_asm_elementwise(PAIR_ASM, PAIR_CON, [pairs], dtype=(gl.float16,) * 4, is_pure=True, pack=2)
+    return _in_order(gl.inline_asm_elementwise(PAIR_ASM, PAIR_CON, [pairs], dtype=(gl.float16,) * 4, is_pure=True,
+                                               pack=2))
+
+
+@gluon.jit
+def _in_order(o):
+    """The unpack PTX's four outputs, each (R, W, 2) (output j: codes j and j + 4 of each word), as (R, 8 W) in
+    _unpack's logical channel order."""
+    R: gl.constexpr = o[0].shape[0]
+    W: gl.constexpr = o[0].shape[1]
     x = gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3]))                            # (R, W, e, j0, j1)
     x = gl.permute(gl.reshape(x, (R, 4, W // 4, 2, 2, 2)), (0, 2, 5, 4, 1, 3))        # (R, i, j1, j0, q, e)
     return gl.reshape(x, (R, 8 * W))
@@ -202,11 +211,8 @@ def _unpack_scaled(words, s, z, LP: gl.constexpr):
     pairs = gl.expand_dims(words, 2) + gl.zeros([R, W, 2], gl.int32, LP)             # (R, W, 2): the word twice
     s2 = gl.broadcast(gl.expand_dims(gl.expand_dims(s, 1), 2), pairs.to(gl.float16))[0]     # (R, W, 2)
     z2 = gl.broadcast(gl.expand_dims(gl.expand_dims(z, 1), 2), pairs.to(gl.float16))[0]
-    o = gl.inline_asm_elementwise(SCALED_ASM, SCALED_CON, [pairs, s2, z2], dtype=(gl.float16,) * 4, is_pure=True,
-                                  pack=2)
-    x = gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3]))                            # (R, W, e, j0, j1)
-    x = gl.permute(gl.reshape(x, (R, 4, W // 4, 2, 2, 2)), (0, 2, 5, 4, 1, 3))        # (R, i, j1, j0, q, e)
-    return gl.reshape(x, (R, 8 * W))
+    return _in_order(gl.inline_asm_elementwise(SCALED_ASM, SCALED_CON, [pairs, s2, z2], dtype=(gl.float16,) * 4,
+                                               is_pure=True, pack=2))
 
 
 @gluon.jit

@@ -65,7 +65,7 @@ class W4Linear(nn.Module):
         """Make the codes, scales and zeros of layers with one input size and group size consecutive rows of one
         tensor each, each layer's buffers views of them, so that their products can run as one (joined_product;
         kvzoo.models.llama.join_weights calls this)."""
-        if any((lin.in_features, lin.group_size) != (layers[0].in_features, layers[0].group_size) for lin in layers):
+        if not _one_input(layers):
             raise ValueError("4-bit layers join only with one input size and group size, got "
                              f"{[(lin.in_features, lin.group_size) for lin in layers]}")
         for name in ("codes", "scale", "zero"):
@@ -78,7 +78,7 @@ class W4Linear(nn.Module):
         """x times the layers' weights in one W4A16 product, their outputs side by side, where join made their
         buffers one tensor each and nothing has replaced them since; else None."""
         first = layers[0]
-        if any((lin.in_features, lin.group_size) != (first.in_features, first.group_size) for lin in layers):
+        if not _one_input(layers):
             return None
         codes, scale, zero = (consecutive_rows([getattr(lin, name) for lin in layers])
                               for name in ("codes", "scale", "zero"))
@@ -86,6 +86,11 @@ class W4Linear(nn.Module):
             return None
         rows = sum(lin.out_features for lin in layers)
         return _product(x, W4Weight(codes, scale, zero, first.group_size, (rows, first.in_features)))
+
+
+def _one_input(layers: tuple[W4Linear, ...]) -> bool:
+    """Whether the layers share one input size and group size (what joining their codes needs)."""
+    return len({(lin.in_features, lin.group_size) for lin in layers}) == 1
 
 
 def _product(x: Tensor, w: W4Weight) -> Tensor:
