@@ -19,20 +19,22 @@ rounds it to x's dtype), and the products accumulate in fp32 across steps. A bf1
 its range) as its tile is stored. The operands of the next two steps are loaded before a step's work.
 
 One row (_w4_row_kernel), mma.sync (m16n8k16) with both operands in registers: the same codes, order and rounding, but
-each warp's 16 features are a product of their own, so the loop holds no shared memory and no barrier; at 128
-registers four programs (16 warps) share an SM. x is loaded with the codes, two steps ahead (a thread: 32 contiguous
-channels of its row, 64 bytes), and moved into the B operand's logical order within the thread; seven of the MMA's
-eight columns are zero padding. The unpack PTX reads each code pair under the magic 16.0 (SCALED_ASM: a shift, a
-lop3, an exact subtraction and the FMA with the feature's scale and zero). Three steps an iteration, each with a
-register set of its own, so that no set is copied to another (a ring rotated each step added about 80 moves).
+each warp's 16 features are a product of their own, so the loop holds no barrier. A program first converts its
+split's x to fp16 once and stores it to shared memory in the B operand's fragment order (a lane's operand for a step:
+64 contiguous bytes, four 16-byte shared loads); every column of the B operand is that row (only column 0 is stored),
+so no thread converts, moves or zeroes x in the loop. The unpack PTX reads each code pair under the magic 16.0
+(SCALED_ASM: a shift, a lop3, an exact subtraction and the FMA with the feature's scale and zero). Codes, scales and
+zeros are loaded two steps ahead, three steps an iteration, each with a register set of its own, so that no set is
+copied to another; the loop has no branch (with one, the compiler moved the loads down to their step): the steps an
+iteration runs past the split's end (at most two) multiply the split's last codes by x's zero rows. 96 registers.
 
 Split-K (both): each split stores its fp32 partials; the last split of a tile to finish (a per-tile counter) adds
 them in split order and rounds once.
 
 Speed (Llama-3.1-8B layers; docs/kvpareto.md): 2-16 rows, one H100, fp16 x: 1.67-1.87x fp16's product on gate/up
-and down, 58-66% of the read floor of their codes (`python -m repro.kvpareto.bench`). One row, one H200, bf16 x, the
-4-bit step's layers in one CUDA graph: 73.2 us a layer against 86.8 for w4a16.py's one-row kernel (docs/decode.md,
-"4-bit projections joined, and one row on the tensor cores").
+and down, 58-66% of the read floor of their codes (`python -m repro.kvpareto.bench`). One row, one H200, bf16 x, a
+block's joined 4-bit products in one CUDA graph: 59.5 us against bf16's 120.1 (2.02x; docs/decode.md, "x in shared
+memory for one row").
 
 Groups must be a multiple of 128 channels (AWQ's 128). KVZOO_W4A16_KERNEL=triton|gluon|auto (default) overrides the
 choice: triton never takes these kernels, gluon takes them for fewer than MIN_FEATURES outputs too.
@@ -43,12 +45,14 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
+from kvzoo.kernels.innerq_hopper import _reinterpret
 from kvzoo.kernels.outer_hopper import barrier
 from kvzoo.kernels.quant_matvec import kernel_choice, pair_asm, unpacks_in_ptx
 
@@ -60,9 +64,12 @@ MAX_ROWS = 16                        # rows of x these kernels serve (the wgmma'
 MIN_FEATURES = 0 if CHOICE == "gluon" else 2048
 STEP = 128                           # input channels a step (16 words of codes per feature)
 TILE_N, N_WARPS = 64, 4
-# split-K sizing: programs a multiprocessor keeps busy, of at least 2 steps (the one-row kernel's 128 registers fit
-# four; six were slower, docs/decode.md)
+# split-K sizing: programs a multiprocessor keeps busy, of at least 2 steps (five, which the one-row kernel's
+# registers fit, took the same time; six were slower, docs/decode.md)
 PROGRAMS_PER_SM = 4
+MAX_X_STEPS = 63                     # the one-row kernel's x in shared memory and a zero row: 64 rows (16 KB) at most
+ROW_REGISTERS = 96                   # the one-row kernel's register cap (ptxas maxnreg, which Triton 3.6 needs to keep
+                                     # its loop free of spills)
 _TILE = gl.constexpr(TILE_N)
 
 
@@ -190,16 +197,13 @@ def _store_out(acc, out_ptr, part_ptr, count_ptr, tile, split, M, N, SPLIT: gl.c
             gl.atomic_xchg(count_ptr + tile, 0)
 
 
-# x (bf16 pairs) -> fp16 pairs, saturated to fp16's range: a bf16 pair's halves widened to fp32 (shift, and)
-BF16_TO_HALF2 = gl.constexpr("{ .reg .b32 lo, hi; shl.b32 lo, $1, 16; and.b32 hi, $1, 0xFFFF0000; "
-                             "cvt.rn.satfinite.f16x2.f32 $0, hi, lo; }")
 # output j (0-3): codes j and j + 4 of word $4 (its bits 4 j and 16 + 4 j) shifted to mantissa bits 6-9 of each half,
 # read as 16 + c under the magic 16.0 (0x4C00), 16 subtracted (exact), times the scale pair $6 plus the zero pair $7
 SCALED_ASM = gl.constexpr("{ .reg .b32 t, m; mov.b32 m, 0x4C004C00; " + " ".join(
     f"{'shl' if j < 2 else 'shr'}.b32 t, $4, {abs(6 - 4 * j)}; lop3.b32 t, t, 0x03C003C0, m, 0xEA; "
     f"sub.f16x2 t, t, m; fma.rn.f16x2 ${j}, t, $6, $7;" for j in range(4)) + " }")
 SCALED_CON = gl.constexpr("=r,=r,=r,=r,r,r,r,r")
-ROW_NP = gl.constexpr(8)             # the one-row kernel's columns (the MMA's N): one row of x, seven zero
+ROW_NP = gl.constexpr(8)             # the one-row kernel's columns (the MMA's N): x's row in each
 
 
 @gluon.jit
@@ -216,76 +220,77 @@ def _unpack_scaled(words, s, z, LP: gl.constexpr):
 
 
 @gluon.jit
-def _row_operands(codes_ptr, scale_ptr, zero_ptr, x_ptr, t, words_at, meta_at, x_at, x_live, W: gl.constexpr,
-                  GROUP: gl.constexpr):
-    """Step t's (TILE_N, W) code words, its features' (TILE_N,) scales and zeros, and its (ROW_NP, 8W) x tile (real
-    channel order, rows past M zero)."""
+def _row_operands(codes_ptr, scale_ptr, zero_ptr, t, words_at, meta_at, W: gl.constexpr, GROUP: gl.constexpr):
+    """Step t's (TILE_N, W) code words and its features' (TILE_N,) scales and zeros."""
     g = t * (8 * W) // GROUP
-    return (gl.load(codes_ptr + words_at + t * W), gl.load(scale_ptr + meta_at + g),
-            gl.load(zero_ptr + meta_at + g), gl.load(x_ptr + x_at + t * (8 * W), mask=x_live, other=0))
+    return gl.load(codes_ptr + words_at + t * W), gl.load(scale_ptr + meta_at + g), gl.load(zero_ptr + meta_at + g)
 
 
 @gluon.jit
-def _row_step(ops, acc, LP: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr):
-    """acc (TILE_N, ROW_NP) += a step's dequantized codes times its x tile (ops: _row_operands'), the x tile moved
-    into the B operand's logical order within each thread (fp16, a bf16 x saturated to its range)."""
-    words, s, z, xt = ops
-    if xt.dtype == gl.bfloat16:
-        xt = gl.inline_asm_elementwise(BF16_TO_HALF2, "=r,r", [xt.to(gl.int16, bitcast=True)], dtype=gl.float16,
-                                       is_pure=True, pack=2)
+def _row_step(ops, x_step, acc, LP: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr):
+    """acc (TILE_N, ROW_NP) += a step's dequantized codes (ops: _row_operands') times its x (x_step: the (128,) fp16
+    row in shared memory, fragment order), every column of the B operand the same row (only column 0 is stored)."""
+    words, s, z = ops
     w = gl.convert_layout(_unpack_scaled(words, s, z, LP), LA, assert_trivial=True)
-    return mma_v2(w, gl.convert_layout(gl.permute(_logical(xt), (1, 0)), LB), acc)
+    xf = x_step.load(LF)                                                             # (128,): 4 x 16 bytes a thread
+    xk = gl.reshape(gl.permute(gl.reshape(xf, (4, 8, 2, 2)), (1, 2, 0, 3)), (128,))     # (c, h, q, e): logical order
+    xk = gl.convert_layout(xk, gl.SliceLayout(1, LB), assert_trivial=True)
+    xb = gl.broadcast(gl.expand_dims(xk, 1), gl.zeros([128, ROW_NP], gl.float16, LB))[0]
+    return mma_v2(w, xb, acc)
 
 
 @gluon.jit
 def _w4_row_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr, count_ptr, M, N, K, STEPS_PER_SPLIT,
-                   GROUP: gl.constexpr, SPLIT: gl.constexpr, LP: gl.constexpr, LX: gl.constexpr):
+                   GROUP: gl.constexpr, SPLIT: gl.constexpr, XS: gl.constexpr, LP: gl.constexpr,
+                   LF: gl.constexpr):
     W: gl.constexpr = 16                                                             # words a feature and step
     C: gl.constexpr = 8 * W                                                          # channels a step
     LW: gl.constexpr = gl.SliceLayout(2, LP)                                         # words (TILE_N, W)
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    LX: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])              # x as loaded, 16 bytes a thread
 
     tile = gl.program_id(0)
     split = gl.program_id(1)
-    feats = gl.minimum(tile * _TILE + gl.arange(0, _TILE, layout=gl.SliceLayout(1, LW)), N - 1).to(gl.int64)
-    words_at = feats[:, None] * (K // 8) + gl.arange(0, W, layout=gl.SliceLayout(0, LW))[None, :]
-    meta_at = feats * (K // GROUP)                                                   # (TILE_N,): a step, a group
-    xm = gl.arange(0, ROW_NP, layout=gl.SliceLayout(1, LX))
-    x_at = xm.to(gl.int64)[:, None] * K + gl.arange(0, C, layout=gl.SliceLayout(0, LX))[None, :]
-    x_live = (xm < M)[:, None]
-
-    acc = gl.zeros([_TILE, ROW_NP], gl.float32, MMA)                                 # outᵀ
     t0 = split * STEPS_PER_SPLIT
     t_end = gl.minimum(t0 + STEPS_PER_SPLIT, K // C)
+    # the split's x (XS rows, zero past its steps) once into shared memory, fp16 in fragment order (_x_frag_layout)
+    xi = gl.arange(0, XS, layout=gl.SliceLayout(1, LX))
+    x_at = (t0 + xi)[:, None] * C + gl.arange(0, C, layout=gl.SliceLayout(0, LX))[None, :]
+    FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    x_s = gl.allocate_shared_memory(gl.float16, [XS, C], FLAT)
+    xk = _fp16_logical(gl.load(x_ptr + x_at, mask=(t0 + xi < t_end)[:, None], other=0), x_ptr.dtype.element_ty)
+    xf = gl.permute(gl.reshape(xk, (XS, 8, 2, 4, 2)), (0, 3, 1, 2, 4))               # (XS, q, c, h, e)
+    _reinterpret(x_s, gl.float16, [XS * C], FLAT).store(gl.reshape(xf, (XS * C,)))
+    barrier()
+
+    feats = gl.minimum(tile * _TILE + gl.arange(0, _TILE, layout=gl.SliceLayout(1, LW)), N - 1).to(gl.int64)
+    words_at = (feats[:, None] * (K // C)) * W + gl.arange(0, W, layout=gl.SliceLayout(0, LW))[None, :]
+    meta_at = feats * (K // GROUP)                                                   # (TILE_N,): a step, a group
+    acc = gl.zeros([_TILE, ROW_NP], gl.float32, MMA)                                 # outᵀ
     last = t_end - 1
     # three steps an iteration, each step's operands loaded two steps ahead into one of three register sets (past
-    # the last step, its own again), so that no set is copied to another
-    a = _row_operands(codes_ptr, scale_ptr, zero_ptr, x_ptr, t0, words_at, meta_at, x_at, x_live, W, GROUP)
-    b = _row_operands(codes_ptr, scale_ptr, zero_ptr, x_ptr, gl.minimum(t0 + 1, last), words_at, meta_at, x_at,
-                      x_live, W, GROUP)
+    # the last step, its own again), so that no set is copied to another; no branch in the loop (a branch let the
+    # compiler move the loads down to their step): the steps past the split's end read x's zero rows
+    a = _row_operands(codes_ptr, scale_ptr, zero_ptr, t0, words_at, meta_at, W, GROUP)
+    b = _row_operands(codes_ptr, scale_ptr, zero_ptr, gl.minimum(t0 + 1, last), words_at, meta_at, W, GROUP)
     for t in range(t0, t_end, 3):
-        c = _row_operands(codes_ptr, scale_ptr, zero_ptr, x_ptr, gl.minimum(t + 2, last), words_at, meta_at, x_at,
-                          x_live, W, GROUP)
-        acc = _row_step(a, acc, LP, LA, LB)
-        a = _row_operands(codes_ptr, scale_ptr, zero_ptr, x_ptr, gl.minimum(t + 3, last), words_at, meta_at, x_at,
-                          x_live, W, GROUP)
-        if t + 1 < t_end:
-            acc = _row_step(b, acc, LP, LA, LB)
-        b = _row_operands(codes_ptr, scale_ptr, zero_ptr, x_ptr, gl.minimum(t + 4, last), words_at, meta_at, x_at,
-                          x_live, W, GROUP)
-        if t + 2 < t_end:
-            acc = _row_step(c, acc, LP, LA, LB)
+        c = _row_operands(codes_ptr, scale_ptr, zero_ptr, gl.minimum(t + 2, last), words_at, meta_at, W, GROUP)
+        acc = _row_step(a, x_s.index(t - t0), acc, LP, LA, LB, LF)
+        a = _row_operands(codes_ptr, scale_ptr, zero_ptr, gl.minimum(t + 3, last), words_at, meta_at, W, GROUP)
+        acc = _row_step(b, x_s.index(gl.minimum(t + 1 - t0, XS - 1)), acc, LP, LA, LB, LF)
+        b = _row_operands(codes_ptr, scale_ptr, zero_ptr, gl.minimum(t + 4, last), words_at, meta_at, W, GROUP)
+        acc = _row_step(c, x_s.index(gl.minimum(t + 2 - t0, XS - 1)), acc, LP, LA, LB, LF)
     _store_out(acc, out_ptr, part_ptr, count_ptr, tile, split, M, N, SPLIT)
 
 
 @functools.cache
-def _x_layout() -> gl.DistributedLinearLayout:
-    """The one-row kernel's x tile (ROW_NP, 128) as loaded: lane 4 g + q holds row g at real channels 32 q .. 32 q +
-    31, contiguous in its registers (four 16-byte loads); every warp the same (the B operand is each warp's)."""
-    return gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]], [[0, 32], [0, 64], [1, 0], [2, 0],
-                                      [4, 0]], [[0, 0], [0, 0]], [], [ROW_NP, 128])
+def _x_frag_layout() -> gl.DistributedLinearLayout:
+    """A step's x (128,) in shared memory's fragment order j = 32 q + 4 c + 2 h + e as the one-row kernel loads it:
+    lane 4 g + q holds j = 32 q .. 32 q + 31 (logical channels 16 c + 8 h + 2 q + e, its B operand), every g and
+    every warp the same."""
+    return gl.DistributedLinearLayout([[1], [2], [4], [8], [16]], [[32], [64], [0], [0], [0]], [[0], [0]], [], [128])
 
 
 @functools.cache
@@ -320,14 +325,17 @@ def w4a16_hopper(x2: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, group_s
     tiles = -(-N // TILE_N)
     steps = K // STEP
     split = split_k or max(1, min(steps // 2, PROGRAMS_PER_SM * sm_count // tiles))
+    if M == 1:
+        split = max(split, -(-steps // MAX_X_STEPS))
     per_split = -(-steps // split)
     split = -(-steps // per_split)                                      # no empty splits
     out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     part = torch.empty(split, M, N, dtype=torch.float32, device=x2.device) if split > 1 else out
     if M == 1:
         _w4_row_kernel[(tiles, split)](x2, codes, scale, zero, out, part, counters, M, N, K, per_split,
-                                       GROUP=group_size, SPLIT=split, LP=_words_layout(), LX=_x_layout(),
-                                       num_warps=N_WARPS)
+                                       GROUP=group_size, SPLIT=split, XS=triton.next_power_of_2(per_split + 1),
+                                       LP=_words_layout(), LF=_x_frag_layout(), num_warps=N_WARPS,
+                                       maxnreg=ROW_REGISTERS)
     else:
         _w4_kernel[(tiles, split)](x2, codes, scale, zero, out, part, counters, M, N, K, per_split, GROUP=group_size,
                                    NP=8 if M <= 8 else 16, SPLIT=split, LP=_words_layout(), num_warps=N_WARPS)

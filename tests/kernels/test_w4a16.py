@@ -197,13 +197,15 @@ HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 
 
 # (m, n, k, group, split): one row (the one-row kernel) and the two column widths (8 and 16), features past the last
-# whole tile of 64, groups of one and two steps, split-K uneven (5 steps over 2), one split, one step a split, and
-# one row at the 8B joined q/k/v and down shapes
+# whole tile of 64, groups of one and two steps, split-K uneven (5 steps over 2), one split, one step a split, one
+# row at the 8B joined q/k/v and down shapes, and one row over more steps than its x in shared memory holds (70 steps
+# asked in one split run in two)
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k,group,split", [(1, 200, 640, 128, 2), (3, 64, 256, 128, 1), (8, 130, 512, 256, 0),
                                                (9, 256, 1024, 128, 8), (16, 96, 640, 128, 5), (16, 4096, 4096, 128, 0),
-                                               (1, 6144, 4096, 128, 0), (1, 4096, 14336, 128, 0), (1, 64, 896, 128, 1)])
+                                               (1, 6144, 4096, 128, 0), (1, 4096, 14336, 128, 0), (1, 64, 896, 128, 1),
+                                               (1, 64, 8960, 128, 1)])
 def test_hopper_kernel_matches_reference(m, n, k, group, split, dtype, monkeypatch):
     w4a16_hopper = pytest.importorskip("kvzoo.kernels.w4a16_hopper")
     w = weight(n, k, group, seed=m + n)
