@@ -33,7 +33,7 @@ them in split order and rounds once.
 
 Speed (Llama-3.1-8B layers; docs/kvpareto.md): 2-16 rows, one H100, fp16 x: 1.67-1.87x fp16's product on gate/up
 and down, 58-66% of the read floor of their codes (`python -m repro.kvpareto.bench`). One row, one H200, bf16 x, a
-block's joined 4-bit products in one CUDA graph: 59.5 us against bf16's 120.1 (2.02x; docs/decode.md, "x in shared
+block's joined 4-bit products in one CUDA graph: 59.5 us against bf16's 120.0 (2.02x; docs/decode.md, "x in shared
 memory for one row").
 
 Groups must be a multiple of 128 channels (AWQ's 128). KVZOO_W4A16_KERNEL=triton|gluon|auto (default) overrides the
