@@ -190,8 +190,8 @@ def cases() -> dict:
     for split, rows in ((1, 64), (4, 16)):        # rows of x in shared memory: 8B gate/up (32 steps), down (14)
         out[f"w4a16-gluon-one-row-split-{split}"] = (w4a16_hopper._w4_row_kernel, dict(
             GROUP=128, SPLIT=split, XS=rows, LP=w4a16_hopper._words_layout(), LF=w4a16_hopper._x_frag_layout()),
-            GluonASTSource,
-            w4, dict(num_warps=w4a16_hopper.N_WARPS, divisible=("K", "N"), maxnreg=w4a16_hopper.ROW_REGISTERS))
+            GluonASTSource, w4, dict(num_warps=w4a16_hopper.N_WARPS, divisible=("K", "N"),
+                                     maxnreg=w4a16_hopper.ROW_REGISTERS))
     aligned = dict(q_ptr="*bf16", hi_ptr="*u16", mid_ptr="*u8", lo_ptr="*u8", exp_ptr="*i8", out_ptr="*fp32",
                    len_ptr="*i64", tk_ptr="*bf16", mask_ptr="*i1", p_ptr="*fp32", o_ptr="*fp32", part_ptr="*fp32",
                    tv_ptr="*bf16", cand_ptr="*i64", vhi_ptr="*u8", vmid_ptr="*u8", vlo_ptr="*u8", tail_ptr="*bf16",
