@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from kvzoo.cache.kvquant import fake_quantize
 from kvzoo.kernels.w4a16 import BITS, W4Weight, quantize_weight, w4a16_matmul, w4a16_matmul_ref
-from kvzoo.models.llama import consecutive_rows, join_weights
+from kvzoo.models.llama import consecutive_rows
 
 ALPHAS = [i / 20 for i in range(21)]
 METHODS = ("w16", "w4-rtn", "w4-awq")
@@ -110,14 +110,12 @@ def _owner(block: nn.Module, name: str) -> nn.Module:
 
 def quantize_rtn(model: nn.Module, group_size: int = 128) -> nn.Module:
     """Replace every linear layer of every block by its 4-bit RTN W4Linear (in place); q, k, v and gate, up are
-    joined (join_weights), so that on a GPU each group's products run as one."""
+    joined (Transformer.join_projections), so that on a GPU each group's products run as one."""
     for block in model.layers:
         for name in LINEARS:
             owner = _owner(block, name)
             setattr(owner, name, W4Linear(getattr(owner, name).weight.data, group_size))
-        join_weights(block.attn.q_proj, block.attn.k_proj, block.attn.v_proj)
-        join_weights(block.mlp.gate_proj, block.mlp.up_proj)
-    return model
+    return model.join_projections()
 
 
 @torch.no_grad()
