@@ -14,8 +14,8 @@ split kernels at the head shapes the benchmarks run (Llama-3.1-8B's head_dim 128
 and at the 8B shape the Triton InnerQ split kernel's fp16 fast path, the outer-layout split kernel as KIVI-2,
 KIVI*-2 (keys rotated in the kernel), int8 and KV Pareto's k8v8 take it (the token given apart, as the graph step
 gives it), int8's Gluon kernel, XQuant's scores over its rotated keys and its weighing of 4-bit value latents (1,024
-wide, groups of 128), and the 4-bit weight kernels (groups of 128, bf16 activations) for one row, the group kernel's 16 rows and the
-Gluon kernel's 8 and 16 rows, split over K or not; the InnerQ Gluon kernel at 8B also under the register cap of
+wide, groups of 128), and the 4-bit weight kernels (groups of 128, bf16 activations) for one row, the group kernel's
+16 rows and the Gluon kernel's 1, 2, 4, 8 and 16 rows, split over K or not; the InnerQ Gluon kernel at 8B also under the register cap of
 three programs an SM (innerq_hopper.register_cap, "-busy"); InnerQ's window kernel, the combine kernel its split
 kernels and the outer ones share, the outer ones' combine with the sink and the tail in it (capped as the tail's
 program), InnerQ's two key kernels of the graph step at the paper's windows, and AlignedKV's static step (its two
@@ -182,16 +182,12 @@ def cases() -> dict:
     out["w4a16-group-16-rows"] = (w4a16._w4a16_group_kernel, dict(
         GROUP=128, SPLIT=4, IEEE=False, FAST=True, ASM=asm, CON=con, BLOCK_M=16, BLOCK_N=grouped.block_n), ASTSource,
         w4, dict(num_warps=grouped.num_warps, num_stages=grouped.num_stages))
-    for rows in (8, 16):
-        for split in (1, 4):
-            out[f"w4a16-gluon-{rows}-rows-split-{split}"] = (w4a16_hopper._w4_kernel, dict(
-                GROUP=128, NP=rows, SPLIT=split, LP=w4a16_hopper._words_layout()), GluonASTSource, w4,
-                dict(num_warps=w4a16_hopper.N_WARPS))
-    for split, rows in ((1, 64), (4, 16)):        # rows of x in shared memory: 8B gate/up (32 steps), down (14)
-        out[f"w4a16-gluon-one-row-split-{split}"] = (w4a16_hopper._w4_row_kernel, dict(
-            GROUP=128, SPLIT=split, XS=rows, LP=w4a16_hopper._words_layout(), LF=w4a16_hopper._x_frag_layout()),
-            GluonASTSource, w4, dict(num_warps=w4a16_hopper.N_WARPS, divisible=("K", "N"),
-                                     maxnreg=w4a16_hopper.ROW_REGISTERS))
+    hop = w4a16_hopper
+    for rows, split in ((1, 1), (1, 4), (2, 4), (4, 4), (8, 4), (16, 1), (16, 4)):     # XS as at the 8B gate/up
+        out[f"w4a16-gluon-{rows}-rows-split-{split}"] = (hop._w4_kernel, dict(
+            GROUP=128, SPLIT=split, XS=hop.x_steps(rows, 32), R=rows, LP=hop._words_layout(),
+            LF=hop._x_frag_layout(rows), L3=hop._x_column_layout(min(rows, 4))), GluonASTSource, w4,
+            dict(num_warps=hop.N_WARPS, divisible=("K", "N"), maxnreg=hop.registers(rows)))
     aligned = dict(q_ptr="*bf16", hi_ptr="*u16", mid_ptr="*u8", lo_ptr="*u8", exp_ptr="*i8", out_ptr="*fp32",
                    len_ptr="*i64", tk_ptr="*bf16", mask_ptr="*i1", p_ptr="*fp32", o_ptr="*fp32", part_ptr="*fp32",
                    tv_ptr="*bf16", cand_ptr="*i64", vhi_ptr="*u8", vmid_ptr="*u8", vlo_ptr="*u8", tail_ptr="*bf16",

@@ -28,8 +28,8 @@ NAMES = [f"innerq-gluon-d{d}-{g}" for d in (128, 64) for g in MODES] + \
     [f"outer-tail-{name}" for name in ("int8", "kvpareto")] + \
     [f"outer-tail-combine-{name}" for name in ("kivi", "kivi-pre", "int8", "kvpareto")] + \
     ["xquant-weigh", "xquant-weigh-gluon", "xquant-scores", "w4a16-one-row", "w4a16-group-16-rows"] + \
-    [f"w4a16-gluon-{rows}-rows-split-{split}" for rows in (8, 16) for split in (1, 4)] + \
-    [f"w4a16-gluon-one-row-split-{split}" for split in (1, 4)]
+    [f"w4a16-gluon-{rows}-rows-split-{split}" for rows, split in ((1, 1), (1, 4), (2, 4), (4, 4), (8, 4), (16, 1),
+                                                                   (16, 4))]
 NAMES += ["innerq-window", "combine", "innerq-aligned-keys", "innerq-key-flush"]
 NAMES += ["alignedkv-qk", "alignedkv-pv", "alignedkv-topk", "alignedkv-estimate"]
 # no loop: a block of 32 rows a program (the window's 32 tokens, the 32 lagging keys), the flush's one row, or
@@ -117,17 +117,18 @@ def test_kivi_warp_kernel_fits_its_programs_an_sm(compiled, name):
     assert len(result["loops"]) == 2, result            # the whole steps, then the rest of a split
 
 
-@pytest.mark.parametrize("split", [1, 4])
-def test_w4a16_one_row_kernel_fits_its_programs_an_sm(compiled, split):
-    """The one-row W4A16 kernel's split-K plan sizes for PROGRAMS_PER_SM programs an SM: its registers (under its cap)
-    and its x in shared memory (MAX_X_STEPS steps of 128 fp16 channels and a zero row) must fit them, with no
+@pytest.mark.parametrize("rows,split", [(1, 1), (1, 4), (2, 4), (4, 4), (8, 4), (16, 1), (16, 4)])
+def test_w4a16_gluon_kernel_fits_its_programs_an_sm(compiled, rows, split):
+    """The Gluon W4A16 kernel's split-K plan sizes for PROGRAMS_PER_SM programs an SM: its registers (under its cap)
+    and its x in shared memory (the steps x_steps gives at the 8B gate/up's 32 a split) must fit them, with no
     spills."""
-    from kvzoo.kernels.w4a16_hopper import MAX_X_STEPS, N_WARPS, PROGRAMS_PER_SM, ROW_REGISTERS
+    from kvzoo.kernels.w4a16_hopper import N_WARPS, PROGRAMS_PER_SM, registers, x_steps
 
-    result = compiled[f"w4a16-gluon-one-row-split-{split}"]
-    assert result["registers"] <= ROW_REGISTERS and result["spills"] == 0, result
-    assert ROW_REGISTERS * 32 * N_WARPS * PROGRAMS_PER_SM <= 65536
-    assert (MAX_X_STEPS + 1) * 128 * 2 * PROGRAMS_PER_SM <= 227 * 1024
+    result = compiled[f"w4a16-gluon-{rows}-rows-split-{split}"]
+    assert result["registers"] <= registers(rows) and result["spills"] == 0, result
+    assert registers(rows) * 32 * N_WARPS * PROGRAMS_PER_SM <= 65536
+    assert result["shared"] == x_steps(rows, 32) * rows * 128 * 2
+    assert result["shared"] * PROGRAMS_PER_SM <= 227 * 1024
 
 
 @pytest.mark.parametrize("name", ["int8", "kvpareto"])

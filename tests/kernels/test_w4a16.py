@@ -196,16 +196,17 @@ def test_bad_input_is_named():
 HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 
 
-# (m, n, k, group, split): one row (the one-row kernel) and the two column widths (8 and 16), features past the last
-# whole tile of 64, groups of one and two steps, split-K uneven (5 steps over 2), one split, one step a split, one
-# row at the 8B joined q/k/v and down shapes, and one row over more steps than its x in shared memory holds (70 steps
-# asked in one split run in two)
+# (m, n, k, group, split): x's rows at every width the kernel stores them (1, 2, 4, 8, 16; 3, 5, 9 and 12 padded),
+# features past the last whole tile of 64, groups of one and two steps, split-K uneven (5 steps over 2), one split,
+# one step a split, the 8B joined q/k/v, gate/up and down shapes, and splits over more steps than x's shared memory
+# holds at a time (7 steps at 5 rows, 32 at 12, 70 at one)
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k,group,split", [(1, 200, 640, 128, 2), (3, 64, 256, 128, 1), (8, 130, 512, 256, 0),
                                                (9, 256, 1024, 128, 8), (16, 96, 640, 128, 5), (16, 4096, 4096, 128, 0),
                                                (1, 6144, 4096, 128, 0), (1, 4096, 14336, 128, 0), (1, 64, 896, 128, 1),
-                                               (1, 64, 8960, 128, 1)])
+                                               (1, 64, 8960, 128, 1), (2, 200, 640, 128, 3), (4, 4096, 14336, 128, 0),
+                                               (5, 6144, 4096, 128, 0), (12, 28672, 4096, 128, 0)])
 def test_hopper_kernel_matches_reference(m, n, k, group, split, dtype, monkeypatch):
     w4a16_hopper = pytest.importorskip("kvzoo.kernels.w4a16_hopper")
     w = weight(n, k, group, seed=m + n)
@@ -230,7 +231,7 @@ def test_hopper_kernel_matches_reference(m, n, k, group, split, dtype, monkeypat
 
 def test_hopper_kernel_is_not_taken_off_its_shapes():
     """Rows past 16, fewer than MIN_FEATURES outputs, groups that are not whole steps of 128 channels, fp32 x and
-    other devices take the Triton kernels; one row to 16 on an H100/H200 take the Gluon kernels."""
+    other devices take the Triton kernels; one row to 16 on an H100/H200 take the Gluon kernel."""
     w4a16_hopper = pytest.importorskip("kvzoo.kernels.w4a16_hopper")
     x = torch.zeros(4, 256, device=DEVICE, dtype=torch.float16)
     n = w4a16_hopper.MIN_FEATURES
