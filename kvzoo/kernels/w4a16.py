@@ -11,9 +11,9 @@ weight): groups of G consecutive input channels of one output row share an fp16 
 so a weight costs 0.5 + 4/G bytes (0.53125 at G = 128). G must be a multiple of 8, so that a word of codes
 never straddles two groups, and divide K.
 
-Three kernels here, and two more for 1-16 rows on Hopper (kvzoo/kernels/w4a16_hopper.py, in Gluon: the codes
-unpacked straight into the tensor cores' register operand; w4a16_matmul takes them with default tiles where they
-apply). The one-row kernel (decode at batch 1: M = 1, G a power of two >= 16) sums on CUDA cores in the order
+Three kernels here, and one more for 1-16 rows on Hopper (kvzoo/kernels/w4a16_hopper.py, in Gluon: the codes
+unpacked straight into the tensor cores' register operand; w4a16_matmul takes it with default tiles where it
+applies). The one-row kernel (decode at batch 1: M = 1, G a power of two >= 16) sums on CUDA cores in the order
 the codes are unpacked: code j of word w of a step is channel 8w + j, so x is loaded in that order (eight strided
 (W,) vectors, W words per row and step) and no unpacked code is moved between threads. A step of block_k channels
 (whole groups) takes a (BLOCK_N, W) tile of words, its codes as exact fp16/bf16 values (inline PTX; exact fp32 in
