@@ -48,7 +48,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from kvzoo.kernels.innerq_hopper import _reinterpret
-from kvzoo.kernels.outer_hopper import barrier
+from kvzoo.kernels.outer_hopper import TO_HALF2, barrier
 from kvzoo.kernels.quant_matvec import kernel_choice, unpacks_in_ptx
 
 CHOICE = kernel_choice("KVZOO_W4A16_KERNEL")
@@ -89,12 +89,17 @@ def _logical(x):
     return gl.reshape(x, (NP, C))
 
 
+# a bf16 pair (one register) as two fp32 values: the low half shifted up, the high half masked
+BF16_TO_F32 = gl.constexpr("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000; }")
+
+
 @gluon.jit
-def _fp16_logical(xt, DT: gl.constexpr):
-    """An x tile in logical order, fp16 (bf16 clamped to the fp16 range, as outer_hopper's query)."""
-    if DT == gl.bfloat16:
-        xt = gl.minimum(gl.maximum(xt.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
-    return _logical(xt)
+def _half(x):
+    """x as fp16: an fp32 x (a bf16 one widened) saturated to the fp16 range, as outer_hopper's query, each two
+    adjacent elements of a thread one conversion."""
+    if x.dtype == gl.float32:
+        x = gl.inline_asm_elementwise(TO_HALF2, "=r,r,r", [x], dtype=gl.float16, is_pure=True, pack=2)
+    return x
 
 
 @gluon.jit
@@ -211,9 +216,11 @@ def _w4_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr, count_p
         for p in gl.static_range(XS * R // XP):                                   # XP rows of x a load
             xp = x0 + p * (XP // R)
             live = ((xp + xi // R < t_end) & (xi % R < M))[:, None]
-            xk = _fp16_logical(gl.load(x_ptr + x_at + xp * C, mask=live, other=0), x_ptr.dtype.element_ty)
-            xf = gl.permute(gl.reshape(xk, (XP, 8, 2, 4, 2)), (0, 3, 1, 2, 4))       # (XP, q, c, h, e)
-            x_flat.slice(p * 4 * XP, 4 * XP).store(gl.reshape(xf, (4 * XP, C // 4)))
+            xk = gl.load(x_ptr + x_at + xp * C, mask=live, other=0)
+            if x_ptr.dtype.element_ty == gl.bfloat16:                               # to fp16 once in order
+                xk = gl.inline_asm_elementwise(BF16_TO_F32, "=r,=r,r", [xk], dtype=gl.float32, is_pure=True, pack=2)
+            xf = gl.permute(gl.reshape(_logical(xk), (XP, 8, 2, 4, 2)), (0, 3, 1, 2, 4))   # (XP, q, c, h, e)
+            x_flat.slice(p * 4 * XP, 4 * XP).store(_half(gl.reshape(xf, (4 * XP, C // 4))))
         barrier()
         for t in range(x0, gl.minimum(x0 + XS, t_end), 4):
             d = _operands(codes_ptr, scale_ptr, zero_ptr, gl.minimum(t + 3, last), words_at, meta_at, W, GROUP)
