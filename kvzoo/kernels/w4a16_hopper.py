@@ -20,8 +20,9 @@ the loads down to their step): the steps an iteration runs past the split's end 
 x's zero rows. 96 registers (128 at 16 rows: two B operands).
 
 x: a reduction's channel order is free as long as both operands take the same one, so x takes the codes' logical
-order. A program converts x to fp16 (bf16 clamped to its range) XS steps at a time (X_BYTES of shared memory, between
-two barriers) and stores it to shared memory in the B operand's fragment order: a lane's operand for a step and row is
+order. A program converts x to fp16 (bf16 widened in pairs by PTX, then saturated to fp16's range two values at a
+time in the order they are stored) XS steps at a time (X_BYTES of shared memory, between two barriers) and stores it
+to shared memory in the B operand's fragment order: a lane's operand for a step and row is
 64 contiguous bytes, four 16-byte shared loads, swizzled so that a quarter warp's loads fall on different banks. No
 thread converts, moves or zeroes x between those stores.
 
@@ -29,8 +30,8 @@ Split-K: each split stores its fp32 partials; the last split of a tile to finish
 split order and rounds once.
 
 Speed (Llama-3.1-8B, one H200, bf16 x, a block's joined 4-bit products in one CUDA graph; docs/kvpareto.md and
-docs/decode.md, "x for 1-16 rows"): 58.5, 60.6, 63.1, 67.3 and 85.4 us at M = 1, 2, 4, 8 and 16 against bf16's
-120.0-122.2, 2.05x, 1.98x, 1.91x, 1.80x and 1.43x.
+docs/decode.md, "x for 1-16 rows"): 58.4, 59.9, 62.2, 65.0 and 82.8 us at M = 1, 2, 4, 8 and 16 against bf16's
+120.0-122.2, 2.06x, 2.00x, 1.93x, 1.86x and 1.48x.
 
 Groups must be a multiple of 128 channels (AWQ's 128). KVZOO_W4A16_KERNEL=triton|gluon|auto (default) overrides the
 choice: triton never takes this kernel, gluon takes it for fewer than MIN_FEATURES outputs too.
@@ -217,7 +218,7 @@ def _w4_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr, count_p
             xp = x0 + p * (XP // R)
             live = ((xp + xi // R < t_end) & (xi % R < M))[:, None]
             xk = gl.load(x_ptr + x_at + xp * C, mask=live, other=0)
-            if x_ptr.dtype.element_ty == gl.bfloat16:                               # to fp16 once in order
+            if x_ptr.dtype.element_ty == gl.bfloat16:            # widened here, to fp16 in stored order by _half
                 xk = gl.inline_asm_elementwise(BF16_TO_F32, "=r,=r,r", [xk], dtype=gl.float32, is_pure=True, pack=2)
             xf = gl.permute(gl.reshape(_logical(xk), (XP, 8, 2, 4, 2)), (0, 3, 1, 2, 4))   # (XP, q, c, h, e)
             x_flat.slice(p * 4 * XP, 4 * XP).store(_half(gl.reshape(xf, (4 * XP, C // 4))))
