@@ -16,10 +16,10 @@ KIVI*-2 (keys rotated in the kernel), int8 and KV Pareto's k8v8 take it (the tok
 gives it), int8's Gluon kernel, XQuant's scores over its rotated keys and its weighing of 4-bit value latents (1,024
 wide, groups of 128), and the 4-bit weight kernels (groups of 128, bf16 activations) for one row, the group kernel's
 16 rows and the Gluon kernel's 1, 2, 4, 8 and 16 rows, split over K or not; the InnerQ Gluon kernel at 8B also
-under the register cap of three programs an SM (innerq_hopper.register_cap, "-busy"); InnerQ's window kernel, the combine kernel its split
-kernels and the outer ones share, the outer ones' combine with the sink and the tail in it (capped as the tail's
-program), InnerQ's two key kernels of the graph step at the paper's windows, and AlignedKV's static step (its two
-products over 64-token blocks, its first top-k pass, and its estimate over the candidates of
+under the register cap of three programs an SM (innerq_hopper.register_cap, "-busy"); InnerQ's window kernel, the
+combine kernel its split kernels and the outer ones share, the outer ones' combine with the sink and the tail in it
+(capped as the tail's program), InnerQ's two key kernels of the graph step at the paper's windows, and AlignedKV's
+static step (its two products over 64-token blocks, its first top-k pass, and its estimate over the candidates of
 128 chunks, 128K tokens). Each with its launcher's settings."""
 
 from __future__ import annotations
