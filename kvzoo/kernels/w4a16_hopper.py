@@ -9,15 +9,18 @@ only (the group kernel of kvzoo/kernels/w4a16.py stores its unpacked tile to sha
     MMA's N), column n holding row n mod R of x, R = next_pow2(M).
 
 Codes: a step's (64, 16) code words (a thread's four words of a feature adjacent, 16 bytes) become (64, 128) fp16
-weights in the registers of the A operand (DotOperandLayout, checked trivial at compile time). The unpack PTX reads
-each code pair under the magic 16.0 (SCALED_ASM: a shift, a lop3, an exact subtraction and one fp16 FMA with the
-feature's scale and zero a half2), in a logical channel order chosen so that no unpacked value moves between threads.
-So the weight the tensor cores see is code * scale + zero rounded once to fp16 (the reference rounds it to x's
-dtype), and the products accumulate in fp32 across steps. Each warp's 16 features are a product of their own, so the
-steps hold no barrier. Codes, scales and zeros are loaded three steps ahead, four steps an iteration, each with a
-register set of its own, so that no set is copied to another; the loop has no branch (with one, the compiler moved
-the loads down to their step): the steps an iteration runs past the split's end multiply the split's last codes by
-x's zero rows. 96 registers (128 at 16 rows: two B operands).
+operands in the registers of the A operand (DotOperandLayout, checked trivial at compile time), in a logical channel
+order chosen so that no unpacked value moves between threads. At 1-8 rows the unpack PTX (OFFSET_ASM) makes each code
+pair an exact fp16 m + c in one lop3 (m = 1024 for even real channels, 64 for odd ones, which the logical order puts
+in MMA steps of their own): 5 instructions a word. The tensor cores sum x (m + c) exactly in fp32, and a step's scale
+s and zero z enter after its product, in fp32: s x c + z x = s x (m + c) + (z - 1024 s) x_even + (z - 64 s) x_odd,
+x's sums over the step's even and odd channels taken by two more products with a ones operand. At 16 rows (two B
+operands, whose registers leave no room for those sums) the unpack (SCALED_ASM) applies scale and zero to each pair
+instead, code * scale + zero rounded once to fp16: 16 instructions a word. The reference rounds the dequantized weight
+to x's dtype. Each warp's 16 features are a product of their own, so the steps hold no barrier. Codes, scales and
+zeros are loaded three steps ahead, four steps an iteration, each with a register set of its own, so that no set is
+copied to another; the loop has no branch (with one, the compiler moved the loads down to their step): the steps an
+iteration runs past the split's end multiply the split's last codes by x's zero rows. 128 registers.
 
 x: a reduction's channel order is free as long as both operands take the same one, so x takes the codes' logical
 order. A program converts x to fp16 (bf16 widened in pairs by PTX, then saturated to fp16's range two values at a
@@ -30,8 +33,8 @@ Split-K: each split stores its fp32 partials; the last split of a tile to finish
 split order and rounds once.
 
 Speed (Llama-3.1-8B, one H200, bf16 x, a block's joined 4-bit products in one CUDA graph; docs/kvpareto.md and
-docs/decode.md, "x for 1-16 rows"): 58.4, 59.9, 62.2, 65.0 and 82.8 us at M = 1, 2, 4, 8 and 16 against bf16's
-120.0-122.2, 2.06x, 2.00x, 1.93x, 1.86x and 1.48x.
+docs/decode.md, "Codes as m + c, scale and zero after the product"): 56.1, 56.0, 58.8, 62.4 and 82.3 us at M = 1, 2, 4,
+8 and 16 against bf16's 118.0-120.1, 2.10x, 2.10x, 2.01x, 1.90x and 1.46x.
 
 Groups must be a multiple of 128 channels (AWQ's 128). KVZOO_W4A16_KERNEL=triton|gluon|auto (default) overrides the
 choice: triton never takes this kernel, gluon takes it for fewer than MIN_FEATURES outputs too.
@@ -72,12 +75,13 @@ _TILE = gl.constexpr(TILE_N)
 @gluon.jit
 def _in_order(o):
     """The unpack PTX's four outputs, each (R, W, 2) (output j: codes j and j + 4 of each word), as (R, 8 W) in
-    logical channel order k' = 32 i + 16 j1 + 8 j0 + 2 q + e, for code j + 4 e (j = 2 j1 + j0) of word 4 q + i (real
-    channel 8 (4 q + i) + j + 4 e)."""
+    logical channel order k' = 32 i + 16 j0 + 8 j1 + 2 q + e, for code j + 4 e (j = 2 j1 + j0) of word 4 q + i (real
+    channel 8 (4 q + i) + j + 4 e): a thread's own registers, and each of the MMA's 16-channel steps holds channels of
+    one parity j0."""
     R: gl.constexpr = o[0].shape[0]
     W: gl.constexpr = o[0].shape[1]
     x = gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3]))                            # (R, W, e, j0, j1)
-    x = gl.permute(gl.reshape(x, (R, 4, W // 4, 2, 2, 2)), (0, 2, 5, 4, 1, 3))        # (R, i, j1, j0, q, e)
+    x = gl.permute(gl.reshape(x, (R, 4, W // 4, 2, 2, 2)), (0, 2, 4, 5, 1, 3))        # (R, i, j0, j1, q, e)
     return gl.reshape(x, (R, 8 * W))
 
 
@@ -86,7 +90,7 @@ def _logical(x):
     """(NP, 128) x in real channel order 32 q + 8 i + 4 e + 2 j1 + j0 -> logical order (_in_order's), in registers."""
     NP: gl.constexpr = x.shape[0]
     C: gl.constexpr = x.shape[1]
-    x = gl.permute(gl.reshape(x, (NP, 4, C // 32, 2, 2, 2)), (0, 2, 4, 5, 1, 3))       # (NP, i, j1, j0, q, e)
+    x = gl.permute(gl.reshape(x, (NP, 4, C // 32, 2, 2, 2)), (0, 2, 5, 4, 1, 3))       # (NP, i, j0, j1, q, e)
     return gl.reshape(x, (NP, C))
 
 
@@ -127,25 +131,37 @@ def _store_out(acc, out_ptr, part_ptr, count_ptr, tile, split, M, N, SPLIT: gl.c
             gl.atomic_xchg(count_ptr + tile, 0)
 
 
-# output j (0-3): codes j and j + 4 of word $4 (its bits 4 j and 16 + 4 j) shifted to mantissa bits 6-9 of each half,
-# read as 16 + c under the magic 16.0 (0x4C00), 16 subtracted (exact), times the scale pair $6 plus the zero pair $7
+# output j (0-3): codes j and j + 4 of word $4 (its bits 4 j and 16 + 4 j) as exact fp16 m + c, one lop3 each: the
+# even codes' nibbles at mantissa bits 0-3 under the magic 1024.0 (0x6400), the odd ones' at bits 4-7 under 64.0
+# (0x5400); codes 2, 3, 6 and 7 from the word shifted right by 8
+OFFSET_ASM = gl.constexpr("{ .reg .b32 t; shr.b32 t, $4, 8; " + " ".join(
+    f"lop3.b32 ${j}, {'t' if j > 1 else '$4'}, {'0x00F000F0, 0x54005400' if j % 2 else '0x000F000F, 0x64006400'}, 0xEA;"
+    for j in range(4)) + " }")
+MAGIC = gl.constexpr((1024.0, 64.0))                 # m of the even and the odd codes
+# output j: codes j and j + 4 shifted to mantissa bits 6-9 of each half, read as 16 + c under the magic 16.0 (0x4C00),
+# 16 subtracted (exact), times the scale pair $6 plus the zero pair $7: code * scale + zero rounded once to fp16
 SCALED_ASM = gl.constexpr("{ .reg .b32 t, m; mov.b32 m, 0x4C004C00; " + " ".join(
     f"{'shl' if j < 2 else 'shr'}.b32 t, $4, {abs(6 - 4 * j)}; lop3.b32 t, t, 0x03C003C0, m, 0xEA; "
     f"sub.f16x2 t, t, m; fma.rn.f16x2 ${j}, t, $6, $7;" for j in range(4)) + " }")
-SCALED_CON = gl.constexpr("=r,=r,=r,=r,r,r,r,r")
 
 
 @gluon.jit
-def _unpack_scaled(words, s, z, LP: gl.constexpr):
-    """(R, 16) code words and their features' scales and zeros (R,) -> (R, 128) dequantized codes in logical order
-    (_in_order's), code * scale + zero rounded once to fp16 (SCALED_ASM)."""
+def _unpack(words, s, z, LP: gl.constexpr, SCALED: gl.constexpr):
+    """(R, 16) code words -> (R, 128) fp16 in logical order (_in_order's): SCALED, code * scale + zero with their
+    features' scales and zeros s, z (R,) (SCALED_ASM); otherwise m + code, m = 1024 for even real channels and 64 for
+    odd ones (OFFSET_ASM)."""
     R: gl.constexpr = words.shape[0]
     W: gl.constexpr = words.shape[1]
     pairs = gl.expand_dims(words, 2) + gl.zeros([R, W, 2], gl.int32, LP)             # (R, W, 2): the word twice
-    s2 = gl.broadcast(gl.expand_dims(gl.expand_dims(s, 1), 2), pairs.to(gl.float16))[0]     # (R, W, 2)
-    z2 = gl.broadcast(gl.expand_dims(gl.expand_dims(z, 1), 2), pairs.to(gl.float16))[0]
-    return _in_order(gl.inline_asm_elementwise(SCALED_ASM, SCALED_CON, [pairs, s2, z2], dtype=(gl.float16,) * 4,
-                                               is_pure=True, pack=2))
+    if SCALED:
+        s2 = gl.broadcast(gl.expand_dims(gl.expand_dims(s, 1), 2), pairs.to(gl.float16))[0]     # (R, W, 2)
+        z2 = gl.broadcast(gl.expand_dims(gl.expand_dims(z, 1), 2), pairs.to(gl.float16))[0]
+        o = gl.inline_asm_elementwise(SCALED_ASM, "=r,=r,=r,=r,r,r,r,r", [pairs, s2, z2], dtype=(gl.float16,) * 4,
+                                      is_pure=True, pack=2)
+    else:
+        o = gl.inline_asm_elementwise(OFFSET_ASM, "=r,=r,=r,=r,r,r", [pairs], dtype=(gl.float16,) * 4, is_pure=True,
+                                      pack=2)
+    return _in_order(o)
 
 
 @gluon.jit
@@ -156,12 +172,19 @@ def _operands(codes_ptr, scale_ptr, zero_ptr, t, words_at, meta_at, W: gl.conste
 
 
 @gluon.jit
-def _step(ops, x_step, acc, LP: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr, L3: gl.constexpr):
-    """acc (TILE_N, NP) += a step's dequantized codes (ops: _operands') times its x (x_step: the step's (4 R, 32)
-    in shared memory, _x_frag_layout's); column n of the B operand is row n mod R (NP = max(8, R))."""
+def _step(ops, x_step, acc, LP: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr,
+          L3: gl.constexpr):
+    """acc (TILE_N, NP) += a step's codes (ops: _operands') times its x (x_step: the step's (4 R, 32) in shared
+    memory, _x_frag_layout's); column n of the B operand is row n mod R (NP = max(8, R)).
+
+    At 1-8 rows the tensor cores multiply x by the codes' m + c, and scale and zero enter per step in fp32, with x's
+    sums over the step's even and odd channels (from the tensor cores too):
+    s x c + z x = s x (m + c) + (z - 1024 s) x_even + (z - 64 s) x_odd. At 16 rows (two B operands, whose registers
+    leave no room for the sums) each weight is dequantized before its product."""
     words, s, z = ops
-    w = gl.convert_layout(_unpack_scaled(words, s, z, LP), LA, assert_trivial=True)
     R: gl.constexpr = x_step.shape[0] // 4
+    NP: gl.constexpr = acc.shape[1]
+    w = gl.convert_layout(_unpack(words, s, z, LP, NP > 8), LA, assert_trivial=True)
     xf = gl.reshape(x_step.load(LF), (R, 128))                                      # 4 x 16 bytes a row
     xk = gl.reshape(gl.permute(gl.reshape(xf, (R, 4, 8, 2, 2)), (0, 2, 3, 1, 4)), (R, 128))  # (c, h, q, e): logical
     xk = gl.permute(xk, (1, 0))                                                      # (128, R)
@@ -169,7 +192,21 @@ def _step(ops, x_step, acc, LP: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr
         xk = gl.convert_layout(xk, gl.SliceLayout(1, L3), assert_trivial=True)
         xb = gl.broadcast(gl.expand_dims(xk, 1), gl.zeros([128, 8 // R, R], gl.float16, L3))[0]
         xk = gl.reshape(xb, (128, 8))                                                # column i R + r: row r
-    return mma_v2(w, gl.convert_layout(xk, LB, assert_trivial=True), acc)
+    xb = gl.convert_layout(xk, LB, assert_trivial=True)
+    if NP > 8:
+        return mma_v2(w, xb, acc)
+    MMA: gl.constexpr = acc.type.layout
+    zero = gl.zeros(acc.shape, gl.float32, MMA)
+    p = mma_v2(w, xb, zero)          # before the sums' products: the other order ran 1-8 rows 2-5% slower (Triton 3.6)
+    # x summed over the even and the odd real channels: the MMA's 16-channel steps of either parity (j0, logical
+    # channel bit 4), every row of the product the same
+    halves = gl.split(gl.permute(gl.reshape(xb, (4, 2, 16, NP)), (0, 2, 3, 1)))      # (i, k, n) each, j0 = 0, 1
+    ones = gl.full([acc.shape[0], 64], 1.0, gl.float16, LA)
+    even = mma_v2(ones, gl.convert_layout(gl.reshape(halves[0], (64, NP)), LB, assert_trivial=True), zero)
+    odd = mma_v2(ones, gl.convert_layout(gl.reshape(halves[1], (64, NP)), LB, assert_trivial=True), zero)
+    s = gl.expand_dims(gl.convert_layout(s, gl.SliceLayout(1, MMA), assert_trivial=True).to(gl.float32), 1)
+    z = gl.expand_dims(gl.convert_layout(z, gl.SliceLayout(1, MMA), assert_trivial=True).to(gl.float32), 1)
+    return acc + p * s + (z - MAGIC[0] * s) * even + (z - MAGIC[1] * s) * odd
 
 
 @gluon.jit
@@ -270,9 +307,9 @@ def x_steps(rows: int, per_split: int) -> int:
 
 
 def registers(rows: int) -> int:
-    """The kernel's register cap (ptxas maxnreg; without one Triton 3.6 spills in the loop): 96, and 128 at 16 rows
-    (two B operands). PROGRAMS_PER_SM programs fit either."""
-    return 96 if rows <= 8 else 128
+    """The kernel's register cap (ptxas maxnreg; without one Triton 3.6 spills in the loop): 128, with which
+    PROGRAMS_PER_SM programs fill an SM's registers. At 1-8 rows x's sums take their room (96 spilled)."""
+    return 128
 
 
 @functools.cache

@@ -60,6 +60,8 @@ SPILLING = {"innerq-triton-2bit-asym": "256 tokens a step, 2 stages (128 tokens,
                "uncapped (the whole kernel: up to 255 registers, 104 KB of shared memory), KV Pareto and int8 ran "
                "10% slower at batch 32 (docs/decode.md)"
                for name in ("int8", "kvpareto")},
+            "w4a16-gluon-8-rows-split-4": "Triton 3.9: 3 reloads an iteration (4 steps) of two addresses set before "
+                                          "the loop, no stores in it",
             "xquant-weigh-gluon": "Triton 3.9: 3 reloads a step, in its copies, of values set before the loop; none on "
                                   "Triton 3.6, where it runs and was measured (docs/decode.md)",
             **{f"outer-tail-combine-{name}": "capped at TAIL_REGISTERS to share an SM with a Gluon kernel's programs "
@@ -121,11 +123,12 @@ def test_kivi_warp_kernel_fits_its_programs_an_sm(compiled, name):
 def test_w4a16_gluon_kernel_fits_its_programs_an_sm(compiled, rows, split):
     """The Gluon W4A16 kernel's split-K plan sizes for PROGRAMS_PER_SM programs an SM: its registers (under its cap)
     and its x in shared memory (the steps x_steps gives at the 8B gate/up's 32 a split) must fit them, with no
-    spills."""
+    spills (but SPILLING's)."""
     from kvzoo.kernels.w4a16_hopper import N_WARPS, PROGRAMS_PER_SM, registers, x_steps
 
-    result = compiled[f"w4a16-gluon-{rows}-rows-split-{split}"]
-    assert result["registers"] <= registers(rows) and result["spills"] == 0, result
+    name = f"w4a16-gluon-{rows}-rows-split-{split}"
+    result = compiled[name]
+    assert result["registers"] <= registers(rows) and (result["spills"] == 0 or name in SPILLING), result
     assert registers(rows) * 32 * N_WARPS * PROGRAMS_PER_SM <= 65536
     assert result["shared"] == x_steps(rows, 32) * rows * 128 * 2
     assert result["shared"] * PROGRAMS_PER_SM <= 227 * 1024
