@@ -187,7 +187,7 @@ def cases() -> dict:
         out[f"w4a16-gluon-{rows}-rows-split-{split}"] = (hop._w4_kernel, dict(
             GROUP=128, SPLIT=split, XS=hop.x_steps(rows, 32), R=rows, LP=hop._words_layout(),
             LF=hop._x_frag_layout(rows), L3=hop._x_column_layout(min(rows, 4))), GluonASTSource, w4,
-            dict(num_warps=hop.N_WARPS, divisible=("K", "N"), maxnreg=hop.registers(rows)))
+            dict(num_warps=hop.N_WARPS, divisible=("K", "N"), maxnreg=hop.REGISTERS))
     aligned = dict(q_ptr="*bf16", hi_ptr="*u16", mid_ptr="*u8", lo_ptr="*u8", exp_ptr="*i8", out_ptr="*fp32",
                    len_ptr="*i64", tk_ptr="*bf16", mask_ptr="*i1", p_ptr="*fp32", o_ptr="*fp32", part_ptr="*fp32",
                    tv_ptr="*bf16", cand_ptr="*i64", vhi_ptr="*u8", vmid_ptr="*u8", vlo_ptr="*u8", tail_ptr="*bf16",

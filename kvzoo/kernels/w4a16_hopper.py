@@ -20,7 +20,7 @@ instead, code * scale + zero rounded once to fp16: 16 instructions a word. The r
 to x's dtype. Each warp's 16 features are a product of their own, so the steps hold no barrier. Codes, scales and
 zeros are loaded three steps ahead, four steps an iteration, each with a register set of its own, so that no set is
 copied to another; the loop has no branch (with one, the compiler moved the loads down to their step): the steps an
-iteration runs past the split's end multiply the split's last codes by x's zero rows. 128 registers.
+iteration runs past the split's end multiply the split's last codes by x's zero rows. 128 registers (REGISTERS).
 
 x: a reduction's channel order is free as long as both operands take the same one, so x takes the codes' logical
 order. A program converts x to fp16 (bf16 widened in pairs by PTX, then saturated to fp16's range two values at a
@@ -69,6 +69,9 @@ PROGRAMS_PER_SM = 4
 # x in shared memory a program: XS steps of R rows, at least 4 steps (16 KB at 16 rows); 16 and 32 KB took as long
 # or longer at 8 and 16 rows (docs/decode.md)
 X_BYTES = 8192
+# the register cap (ptxas maxnreg; without one Triton 3.6 spills in the loop): PROGRAMS_PER_SM programs fill an SM's
+# registers; at 1-8 rows 96 spilled with x's sums
+REGISTERS = 128
 _TILE = gl.constexpr(TILE_N)
 
 
@@ -197,7 +200,7 @@ def _step(ops, x_step, acc, LP: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr
         return mma_v2(w, xb, acc)
     MMA: gl.constexpr = acc.type.layout
     zero = gl.zeros(acc.shape, gl.float32, MMA)
-    p = mma_v2(w, xb, zero)          # before the sums' products: the other order ran 1-8 rows 2-5% slower (Triton 3.6)
+    p = mma_v2(w, xb, zero)           # before the sums' products: the other order ran 2-8 rows 4-5% slower on 3.6
     # x summed over the even and the odd real channels: the MMA's 16-channel steps of either parity (j0, logical
     # channel bit 4), every row of the product the same
     halves = gl.split(gl.permute(gl.reshape(xb, (4, 2, 16, NP)), (0, 2, 3, 1)))      # (i, k, n) each, j0 = 0, 1
@@ -306,12 +309,6 @@ def x_steps(rows: int, per_split: int) -> int:
     return max(4, min(X_BYTES // (rows * STEP * 2), triton.next_power_of_2(per_split)))
 
 
-def registers(rows: int) -> int:
-    """The kernel's register cap (ptxas maxnreg; without one Triton 3.6 spills in the loop): 128, with which
-    PROGRAMS_PER_SM programs fill an SM's registers. At 1-8 rows x's sums take their room (96 spilled)."""
-    return 128
-
-
 @functools.cache
 def _is_hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
@@ -341,5 +338,5 @@ def w4a16_hopper(x2: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, group_s
     R = triton.next_power_of_2(M)
     _w4_kernel[(tiles, split)](x2, codes, scale, zero, out, part, counters, M, N, K, per_split, GROUP=group_size,
                                SPLIT=split, XS=x_steps(R, per_split), R=R, LP=_words_layout(), LF=_x_frag_layout(R),
-                               L3=_x_column_layout(min(R, 4)), num_warps=N_WARPS, maxnreg=registers(R))
+                               L3=_x_column_layout(min(R, 4)), num_warps=N_WARPS, maxnreg=REGISTERS)
     return out

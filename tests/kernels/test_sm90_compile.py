@@ -124,12 +124,12 @@ def test_w4a16_gluon_kernel_fits_its_programs_an_sm(compiled, rows, split):
     """The Gluon W4A16 kernel's split-K plan sizes for PROGRAMS_PER_SM programs an SM: its registers (under its cap)
     and its x in shared memory (the steps x_steps gives at the 8B gate/up's 32 a split) must fit them, with no
     spills (but SPILLING's)."""
-    from kvzoo.kernels.w4a16_hopper import N_WARPS, PROGRAMS_PER_SM, registers, x_steps
+    from kvzoo.kernels.w4a16_hopper import N_WARPS, PROGRAMS_PER_SM, REGISTERS, x_steps
 
     name = f"w4a16-gluon-{rows}-rows-split-{split}"
     result = compiled[name]
-    assert result["registers"] <= registers(rows) and (result["spills"] == 0 or name in SPILLING), result
-    assert registers(rows) * 32 * N_WARPS * PROGRAMS_PER_SM <= 65536
+    assert result["registers"] <= REGISTERS and (result["spills"] == 0 or name in SPILLING), result
+    assert REGISTERS * 32 * N_WARPS * PROGRAMS_PER_SM <= 65536
     assert result["shared"] == x_steps(rows, 32) * rows * 128 * 2
     assert result["shared"] * PROGRAMS_PER_SM <= 227 * 1024
 
