@@ -11,16 +11,16 @@ only (the group kernel of kvzoo/kernels/w4a16.py stores its unpacked tile to sha
 Codes: a step's (64, 16) code words (a thread's four words of a feature adjacent, 16 bytes) become (64, 128) fp16
 operands in the registers of the A operand (DotOperandLayout, checked trivial at compile time), in a logical channel
 order chosen so that no unpacked value moves between threads. At 1-8 rows the unpack PTX (OFFSET_ASM) makes each code
-pair an exact fp16 m + c in one lop3 (m = 1024 for even real channels, 64 for odd ones, which the logical order puts
-in MMA steps of their own): 5 instructions a word. The tensor cores sum x (m + c) exactly in fp32, and a step's scale
-s and zero z enter after its product, in fp32: s Σ x c + z Σ x = s Σ x (m + c) + (z - 1024 s) Σ x_even +
-(z - 64 s) Σ x_odd, x's sums over the step's even and odd channels taken by two more products with a ones operand. At 16 rows (two B
+pair an exact fp16 m + c in one lop3 (m = 1024 for even real channels, 64 for odd ones, which the logical order puts in
+MMA steps of their own): 5 instructions a word. The tensor cores sum x (m + c) exactly in fp32, and a step's scale s and
+zero z enter after its product, in fp32: s Σ x c + z Σ x = s Σ x (m + c) + (z - 1024 s) Σ x_even + (z - 64 s) Σ x_odd,
+x's sums over the step's even and odd channels taken by two more products with a ones operand. At 16 rows (two B
 operands, whose registers leave no room for those sums) the unpack (SCALED_ASM) applies scale and zero to each pair
 instead, code * scale + zero rounded once to fp16: 16 instructions a word. The reference rounds the dequantized weight
-to x's dtype. Each warp's 16 features are a product of their own, so the steps hold no barrier. Codes, scales and
-zeros are loaded three steps ahead, four steps an iteration, each with a register set of its own, so that no set is
-copied to another; the loop has no branch (with one, the compiler moved the loads down to their step): the steps an
-iteration runs past the split's end multiply the split's last codes by x's zero rows. 128 registers (REGISTERS).
+to x's dtype. Each warp's 16 features are a product of their own, so the steps hold no barrier. Codes, scales and zeros
+are loaded three steps ahead, four steps an iteration, each with a register set of its own, so that no set is copied to
+another; the loop has no branch (with one, the compiler moved the loads down to their step): the steps an iteration runs
+past the split's end multiply the split's last codes by x's zero rows. 128 registers (REGISTERS).
 
 x: a reduction's channel order is free as long as both operands take the same one, so x takes the codes' logical
 order. A program converts x to fp16 (bf16 widened in pairs by PTX, then saturated to fp16's range two values at a
@@ -182,8 +182,9 @@ def _step(ops, x_step, acc, LP: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr
 
     At 1-8 rows the tensor cores multiply x by the codes' m + c, and scale and zero enter per step in fp32, with x's
     sums over the step's even and odd channels (from the tensor cores too):
-    s Σ x c + z Σ x = s Σ x (m + c) + (z - 1024 s) Σ x_even + (z - 64 s) Σ x_odd. At 16 rows (two B operands, whose registers
-    leave no room for the sums) each weight is dequantized before its product."""
+    s Σ x c + z Σ x = s Σ x (m + c) + (z - 1024 s) Σ x_even + (z - 64 s) Σ x_odd.
+    At 16 rows (two B operands, whose registers leave no room for the sums) each weight is dequantized before its
+    product."""
     words, s, z = ops
     R: gl.constexpr = x_step.shape[0] // 4
     NP: gl.constexpr = acc.shape[1]
