@@ -19,6 +19,10 @@ last bit of an element; every other result equals the torch code's to the bit wh
 tests/kernels/test_layer_ops.py). The references
 are the torch code of the model's modules (`RMSNorm.reference`, `RotaryEmbedding.reference`, `MLP.reference`).
 
+On sm_90 (quant_matvec.launches_early) the norms and silu_mul let the kernel after them launch at their start
+(griddepcontrol.launch_dependents): the 4-bit products (kvzoo/kernels/w4a16_hopper.py) are launched so, load their first
+codes and wait for these kernels to finish before they read x. A kernel launched plainly after them is not affected.
+
 Grids: the norms one program a row of N (N <= 16384, the row in registers); rope_qk one program a (row,
 token) and 8 heads of q or of k (a decode token of Llama-3.1-8B: 5 programs; one program for all 40 heads took
 6.7 us); silu_mul one program a block of 1,024 elements of a row. CPU tensors need TRITON_INTERPRET=1 (tests);
@@ -34,7 +38,7 @@ from torch import Tensor
 from triton.language.extra import libdevice
 from triton.runtime.interpreter import InterpretedFunction
 
-from kvzoo.kernels.quant_matvec import check_runnable, check_tensor
+from kvzoo.kernels.quant_matvec import check_runnable, check_tensor, launches_early
 
 MAX_ROW = 16384
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -61,7 +65,9 @@ def _math(x, OP: tl.constexpr, PRECISE: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, sum_ptr, N, eps,
-                     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+                     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr, EARLY: tl.constexpr):
+    if EARLY:                                        # the 4-bit product after it may launch now (module docstring)
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64) * N
     j = tl.arange(0, BLOCK)
     live = j < N
@@ -96,7 +102,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if x.numel():
         _rms_norm_kernel[(x.numel() // N,)](x, x, weight, out, out, N, eps, HAS_DELTA=False,
                                             BLOCK=triton.next_power_of_2(N), PRECISE=_precise(_rms_norm_kernel),
-                                            num_warps=4, enable_fp_fusion=False)
+                                            EARLY=launches_early(x.device), num_warps=4, enable_fp_fusion=False)
     return out
 
 
@@ -109,7 +115,7 @@ def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[
     if x.numel():
         _rms_norm_kernel[(x.numel() // N,)](x, delta, weight, out, total, N, eps, HAS_DELTA=True,
                                             BLOCK=triton.next_power_of_2(N), PRECISE=_precise(_rms_norm_kernel),
-                                            num_warps=4, enable_fp_fusion=False)
+                                            EARLY=launches_early(x.device), num_warps=4, enable_fp_fusion=False)
     return total, out
 
 
@@ -187,7 +193,10 @@ def rope_qk(q: Tensor, k: Tensor, ids: Tensor, inv_freq: Tensor, heads: int = 8)
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, s_g, s_u, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, s_g, s_u, BLOCK: tl.constexpr, PRECISE: tl.constexpr,
+                     EARLY: tl.constexpr):
+    if EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = j < n
@@ -215,5 +224,6 @@ def silu_mul(gate: Tensor, up: Tensor, block: int = 1024) -> Tensor:
     if out.numel():
         _silu_mul_kernel[(g.shape[0], triton.cdiv(n, block))](g, u, out, n, g.stride(0), u.stride(0), BLOCK=block,
                                                                PRECISE=_precise(_silu_mul_kernel),
+                                                               EARLY=launches_early(gate.device),
                                                                enable_fp_fusion=False)
     return out

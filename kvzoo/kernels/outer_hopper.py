@@ -466,11 +466,18 @@ def _padded(x, ROWS: gl.constexpr):
 
 
 @gluon.jit
+def wait_previous():
+    """Wait until the kernel before this one on the stream has finished and its writes are visible
+    (griddepcontrol.wait). A no-op where this kernel was launched plainly."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def await_tail():
     """The last step of a Gluon kernel launched while the tail's program before it runs (quant_matvec.launches_early):
     wait until that program has finished and its partial is visible, so that the combine after this kernel sees it.
     A no-op where it was launched plainly."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    wait_previous()
 
 
 @gluon.jit

@@ -32,9 +32,15 @@ thread converts, moves or zeroes x between those stores.
 Split-K: each split stores its fp32 partials; the last split of a tile to finish (a per-tile counter) adds them in
 split order and rounds once.
 
-Speed (Llama-3.1-8B, one H200, bf16 x, a block's joined 4-bit products in one CUDA graph; docs/kvpareto.md and
-docs/decode.md, "Codes as m + c, scale and zero after the product"): 56.1, 56.0, 58.8, 62.4 and 82.3 us at M = 1, 2, 4,
-8 and 16 against bf16's 118.0-120.1, 2.10x, 2.10x, 2.01x, 1.90x and 1.46x.
+Launch (sm_90, quant_matvec.launches_early): programmatic. The kernel before may let it launch while it runs
+(griddepcontrol.launch_dependents: the model's RMSNorm and SiLU kernels in kvzoo/kernels/layer_ops.py do, and so does
+this kernel, for the next product); its programs load their first three steps' codes, scales and zeros (weights, which
+no kernel writes), then wait for the kernel before to finish (griddepcontrol.wait) before they read x or touch the
+partials and counters. Where the kernel before does not let it, it starts once that kernel ends, as a plain launch.
+
+Speed (Llama-3.1-8B, one H200, bf16 x, a block's joined 4-bit products in one CUDA graph; docs/decode.md, "The 4-bit
+products launched while the kernel before runs"): 50.1, 50.3, 52.9, 55.7 and 76.7 us at M = 1, 2, 4, 8 and 16 against
+bf16's 120.1-122.4, 2.39x, 2.38x, 2.29x, 2.18x and 1.60x.
 
 Groups must be a multiple of 128 channels (AWQ's 128). KVZOO_W4A16_KERNEL=triton|gluon|auto (default) overrides the
 choice: triton never takes this kernel, gluon takes it for fewer than MIN_FEATURES outputs too.
@@ -52,8 +58,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from kvzoo.kernels.innerq_hopper import _reinterpret
-from kvzoo.kernels.outer_hopper import TO_HALF2, barrier
-from kvzoo.kernels.quant_matvec import kernel_choice, unpacks_in_ptx
+from kvzoo.kernels.outer_hopper import TO_HALF2, barrier, launch_options, let_next_launch, wait_previous
+from kvzoo.kernels.quant_matvec import kernel_choice, launches_early, unpacks_in_ptx
 
 CHOICE = kernel_choice("KVZOO_W4A16_KERNEL")
 ENABLED = CHOICE != "triton"
@@ -227,6 +233,7 @@ def _w4_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr, count_p
     LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     LX: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])              # x as loaded, 16 bytes a thread
 
+    let_next_launch()
     tile = gl.program_id(0)
     split = gl.program_id(1)
     t0 = split * STEPS_PER_SPLIT
@@ -251,6 +258,7 @@ def _w4_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr, count_p
     a = _operands(codes_ptr, scale_ptr, zero_ptr, t0, words_at, meta_at, W, GROUP)
     b = _operands(codes_ptr, scale_ptr, zero_ptr, gl.minimum(t0 + 1, last), words_at, meta_at, W, GROUP)
     c = _operands(codes_ptr, scale_ptr, zero_ptr, gl.minimum(t0 + 2, last), words_at, meta_at, W, GROUP)
+    wait_previous()                                      # x is the kernel before's output (module docstring)
     for x0 in range(t0, t_end, XS):
         # the next XS steps' x (zero past the split's steps and past M rows) into shared memory, fp16 in fragment
         # order (_x_frag_layout), once every warp has done with the last
@@ -339,5 +347,6 @@ def w4a16_hopper(x2: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, group_s
     R = triton.next_power_of_2(M)
     _w4_kernel[(tiles, split)](x2, codes, scale, zero, out, part, counters, M, N, K, per_split, GROUP=group_size,
                                SPLIT=split, XS=x_steps(R, per_split), R=R, LP=_words_layout(), LF=_x_frag_layout(R),
-                               L3=_x_column_layout(min(R, 4)), num_warps=N_WARPS, maxnreg=REGISTERS)
+                               L3=_x_column_layout(min(R, 4)), num_warps=N_WARPS, maxnreg=REGISTERS,
+                               **launch_options(launches_early(x2.device)))
     return out

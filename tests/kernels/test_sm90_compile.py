@@ -204,3 +204,34 @@ def test_xquant_gluon_weighing_fits_its_programs_an_sm(compiled):
     result = compiled["xquant-weigh-gluon"]
     assert result["registers"] * 32 * N_WARPS * PROGRAMS_PER_SM <= 65536, result
     assert (result["shared"] + 1024) * PROGRAMS_PER_SM <= SM_SHARED_MEMORY, result
+
+
+PDL_ORDER = r"""
+import json, sys
+sys.path.insert(0, "scripts")
+import compile_sm90 as c
+from kvzoo.kernels import layer_ops
+def ptx(fn, constexprs, source, pointers, options):
+    return c.compile_for_h100(fn, constexprs, source, pointers, **options).asm["ptx"]
+def at(text, s):
+    return text.find(s)
+w4 = ptx(*c.cases()["w4a16-gluon-1-rows-split-4"])
+norm = {early: ptx(layer_ops._rms_norm_kernel, dict(HAS_DELTA=True, BLOCK=4096, PRECISE=True, EARLY=early),
+                   c.ASTSource, dict(x_ptr="*bf16", delta_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16",
+                                     sum_ptr="*bf16", eps="fp32"), {}) for early in (True, False)}
+print(json.dumps(dict(launch=at(w4, "griddepcontrol.launch_dependents"), wait=at(w4, "griddepcontrol.wait"),
+                      first_store=min(at(w4, s) for s in ("st.global", "atom.global", "red.global") if s in w4),
+                      norm_early=at(norm[True], "griddepcontrol.launch_dependents"),
+                      norm_plain=at(norm[False], "griddepcontrol.launch_dependents"))))
+"""
+
+
+def test_w4a16_gluon_kernel_waits_for_the_kernel_before_it():
+    """Launched programmatically, the 4-bit kernel lets the next launch first and waits for the kernel before it
+    before it stores or counts anything; the RMSNorm kernel lets it launch only where asked (EARLY)."""
+    run = subprocess.run([sys.executable, "-c", PDL_ORDER], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, TRITON_INTERPRET="0"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    pos = json.loads(run.stdout.strip().splitlines()[-1])
+    assert 0 <= pos["launch"] < pos["wait"] < pos["first_store"]
+    assert pos["norm_early"] >= 0 and pos["norm_plain"] == -1
