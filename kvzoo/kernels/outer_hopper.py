@@ -483,7 +483,8 @@ def await_tail():
 @gluon.jit
 def let_next_launch():
     """The first step of a Gluon kernel: the kernel after it, where launched programmatically (outer_attention's
-    combine with the tail in it), may launch now, while this one runs. A no-op where it is launched plainly."""
+    combine with the tail in it, a 4-bit product of w4a16_hopper), may launch now, while this one runs. A no-op where
+    it is launched plainly."""
     gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
                               pack=1)
 

@@ -36,7 +36,8 @@ Launch (sm_90, quant_matvec.launches_early): programmatic. The kernel before may
 (griddepcontrol.launch_dependents: the model's RMSNorm and SiLU kernels in kvzoo/kernels/layer_ops.py do, and so does
 this kernel, for the next product); its programs load their first three steps' codes, scales and zeros (weights, which
 no kernel writes), then wait for the kernel before to finish (griddepcontrol.wait) before they read x or touch the
-partials and counters. Where the kernel before does not let it, it starts once that kernel ends, as a plain launch.
+partials and counters. Where the kernel before does not let it, it starts once that kernel ends, about half a
+microsecond later than a plain launch would (docs/decode.md).
 
 Speed (Llama-3.1-8B, one H200, bf16 x, a block's joined 4-bit products in one CUDA graph; docs/decode.md, "The 4-bit
 products launched while the kernel before runs"): 50.1, 50.3, 52.9, 55.7 and 76.7 us at M = 1, 2, 4, 8 and 16 against
