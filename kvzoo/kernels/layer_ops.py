@@ -195,7 +195,7 @@ def rope_qk(q: Tensor, k: Tensor, ids: Tensor, inv_freq: Tensor, heads: int = 8)
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, s_g, s_u, BLOCK: tl.constexpr, PRECISE: tl.constexpr,
                      EARLY: tl.constexpr):
-    if EARLY:
+    if EARLY:                                        # the down product after it may launch now (module docstring)
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
