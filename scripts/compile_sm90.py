@@ -177,11 +177,12 @@ def cases() -> dict:
     asm, con = unpack_asm(4, bf16=True)
     one, grouped = w4a16.ONE_ROW, w4a16.GROUPED
     out["w4a16-one-row"] = (w4a16._w4a16_gemv_kernel, dict(
-        GROUP=128, GPS=one.block_k // 128, SPLIT=4, FAST=True, ASM=asm, CON=con, BLOCK_N=one.block_n), ASTSource, w4,
-        dict(num_warps=one.num_warps, num_stages=one.num_stages))
+        GROUP=128, GPS=one.block_k // 128, SPLIT=4, PANELS=True, WHOLE=True, FAST=True, ASM=asm, CON=con,
+        BLOCK_N=one.block_n), ASTSource, w4,
+        dict(num_warps=one.num_warps, num_stages=one.num_stages, maxnreg=w4a16.ONE_ROW_REGISTERS))
     out["w4a16-group-16-rows"] = (w4a16._w4a16_group_kernel, dict(
-        GROUP=128, SPLIT=4, IEEE=False, FAST=True, ASM=asm, CON=con, BLOCK_M=16, BLOCK_N=grouped.block_n), ASTSource,
-        w4, dict(num_warps=grouped.num_warps, num_stages=grouped.num_stages))
+        GROUP=128, SPLIT=4, PANELS=True, WHOLE=True, IEEE=False, FAST=True, ASM=asm, CON=con, BLOCK_M=16,
+        BLOCK_N=grouped.block_n), ASTSource, w4, dict(num_warps=grouped.num_warps, num_stages=grouped.num_stages))
     hop = w4a16_hopper
     for rows, split in ((1, 1), (1, 4), (2, 4), (4, 4), (8, 4), (16, 1), (16, 4)):     # XS as at the 8B gate/up
         out[f"w4a16-gluon-{rows}-rows-split-{split}"] = (hop._w4_kernel, dict(

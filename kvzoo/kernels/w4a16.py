@@ -4,12 +4,21 @@ asymmetric, group 128 along the input channels).
     out (..., N) = x (..., K) @ dequant(w) (N, K)ᵀ        x fp16/bf16/fp32, out in x's dtype
 
 Layout (W4Weight, built by kvzoo.cache.kvquant.quantize(w, 4, G, axis=-1) on the (out_features, in_features)
-weight): groups of G consecutive input channels of one output row share an fp16 scale and zero,
+weight, codes then put in panel order): groups of G consecutive input channels of one output row share an fp16
+scale and zero,
     codes  int32 (N, K/8)    code k of row n sits at bits (k*4) % 32 of word k // 8 (one bit stream along K)
     scale  fp16  (N, K/G)    w'[n, k] = code * scale[n, k // G] + zero[n, k // G]
     zero   fp16  (N, K/G)
 so a weight costs 0.5 + 4/G bytes (0.53125 at G = 128). G must be a multiple of 8, so that a word of codes
 never straddles two groups, and divide K.
+
+Panel order (where K is a multiple of 128): the codes lie in panels of 64 rows (the last panel the N mod 64 rows
+left), one panel after another; inside a panel 16 words (128 input channels) of each row, row after row, then the
+next 16 words (to_panels, panel_offsets). So the 64 rows' codes of one 128-channel step are 4 KB in one piece, where
+rows in order put 64 bytes of each row 2 KB apart at K = 4,096: an 8B transformer block's 4-bit products at one row
+of x take 45.4 µs on an H200 in place of 50.2 (docs/decode.md). Scales and zeros keep rows in order, and other K
+keep the codes' rows in order. The codes keep their (N, K/8) shape, so rows [64 i, 64 j) of the panel order are
+those rows' own panel order: layers joined at multiples of 64 rows stay one weight (W4Linear.join).
 
 Three kernels here, and one more for 1-16 rows on Hopper (kvzoo/kernels/w4a16_hopper.py, in Gluon: the codes
 unpacked straight into the tensor cores' register operand; w4a16_matmul takes it with default tiles where it
@@ -68,13 +77,68 @@ except ImportError:          # a Triton without Gluon's Hopper API (older releas
 BITS = 4
 CODES_PER_WORD = 32 // BITS
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+PANEL_ROWS, PANEL_WORDS = 64, 16                 # a panel's rows; a code panel's words a row (128 input channels)
+
+
+def in_panels(K: int) -> bool:
+    """Whether a weight of K input channels keeps its codes in panel order (module docstring)."""
+    return K % (PANEL_WORDS * CODES_PER_WORD) == 0
+
+
+def to_panels(codes: Tensor) -> Tensor:
+    """codes (N, K/8) with rows in order -> the same shape in panel order (module docstring)."""
+    N, W = codes.shape
+    whole = N // PANEL_ROWS * PANEL_ROWS
+    head = codes[:whole].reshape(N // PANEL_ROWS, PANEL_ROWS, W // PANEL_WORDS, PANEL_WORDS)  # panel, row, step, word
+    tail = codes[whole:].reshape(N - whole, W // PANEL_WORDS, PANEL_WORDS)                    # row, step, word
+    return torch.cat([head.transpose(1, 2).flatten(), tail.transpose(0, 1).flatten()]).view(N, W)
+
+
+def from_panels(codes: Tensor) -> Tensor:
+    """to_panels' inverse: codes (N, K/8) in panel order -> rows in order."""
+    N, W = codes.shape
+    whole = N // PANEL_ROWS * PANEL_ROWS
+    flat = codes.flatten()
+    head = flat[:whole * W].view(N // PANEL_ROWS, W // PANEL_WORDS, PANEL_ROWS, PANEL_WORDS).transpose(1, 2)
+    tail = flat[whole * W:].view(W // PANEL_WORDS, N - whole, PANEL_WORDS).transpose(0, 1)
+    return torch.cat([head.reshape(whole, W), tail.reshape(N - whole, W)])
+
+
+@triton.jit
+def panel_rows(n, N, W, PANELS: tl.constexpr, WHOLE: tl.constexpr):
+    """The parts of panel_offsets that depend on the row alone, for rows n of (N, W) code words: (start, stride),
+    word (n, w) at start + (w // 16) * stride + w % 16 (panel_at); a kernel takes them once, before its loop.
+    WHOLE (N a multiple of 64: every panel whole): the stride is a constant, so that the word's part of an offset
+    is the same for every row."""
+    if PANELS and WHOLE:
+        return (n // 64) * 64 * W + (n % 64) * 16, 64 * 16
+    elif PANELS:
+        p = n // 64
+        rows = tl.minimum(N - p * 64, 64)                          # the panel's rows: 64, or the last panel's
+        return p * 64 * W + (n % 64) * 16, rows * 16
+    else:
+        return n * W, 16
+
+
+@triton.jit
+def panel_at(start, stride, w):
+    """Offsets of words w of the rows whose panel_rows are (start, stride) (broadcast together)."""
+    return start + (w // 16) * stride + w % 16
+
+
+@triton.jit
+def panel_offsets(n, w, N, W, PANELS: tl.constexpr):
+    """Offsets of code words (n, w) of (N, W) words (n and w broadcast together): in panel order where PANELS
+    (to_panels), else rows in order."""
+    start, stride = panel_rows(n, N, W, PANELS, False)
+    return panel_at(start, stride, w)
 
 
 @dataclass
 class W4Weight:
     """A (N, K) weight as asymmetric 4-bit codes with one fp16 scale and zero per group of G input channels."""
 
-    codes: Tensor            # int32 (N, K/8)
+    codes: Tensor            # int32 (N, K/8), panel order where in_panels(K)
     scale: Tensor            # fp16 (N, K/G)
     zero: Tensor             # fp16 (N, K/G)
     group_size: int
@@ -83,9 +147,14 @@ class W4Weight:
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scale.nbytes + self.zero.nbytes
 
+    def rows(self) -> tuple[Tensor, Tensor, Tensor]:
+        """codes, scale and zero with their rows in order (kvzoo.cache.kvquant's layout)."""
+        codes = from_panels(self.codes) if in_panels(self.shape[1]) else self.codes
+        return codes, self.scale, self.zero
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """(N, K): dequantized in fp32, then rounded to dtype."""
-        q = QTensor(self.codes, self.scale, self.zero, BITS, self.group_size, -1, self.shape)
+        q = QTensor(*self.rows(), BITS, self.group_size, -1, self.shape)
         return dequantize(q, torch.float32).to(dtype)
 
 
@@ -107,12 +176,15 @@ def quantize_weight(w: Tensor, group_size: int = 128) -> W4Weight:
         raise ValueError(f"w must be fp16, bf16 or fp32, got {w.dtype}")
     _check_group(w.shape[1], group_size)
     q = quantize(w, BITS, group_size, axis=-1)
+    if in_panels(w.shape[1]):
+        return W4Weight(to_panels(q.codes), q.scale, q.zero, group_size, tuple(w.shape))
     return W4Weight(q.codes, q.scale, q.zero, group_size, tuple(w.shape))
 
 
 @triton.jit
 def _w4a16_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, STEPS_PER_SPLIT,
-                  GROUP: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
+                  GROUP: tl.constexpr, PANELS: tl.constexpr, WHOLE: tl.constexpr, IEEE: tl.constexpr,
+                  DOT: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     CPW: tl.constexpr = 8                            # 4-bit codes per int32 word
     KW: tl.constexpr = BLOCK_K // CPW                # words per weight row per step
@@ -125,6 +197,7 @@ def _w4a16_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, STEPS
     cols = n.to(tl.int64)
     words_per_row = K // CPW
     groups_per_row = K // GROUP
+    w_start, w_stride = panel_rows(cols[:, None], N, words_per_row, PANELS, WHOLE)
     shifts = (tl.arange(0, CPW) * 4)[None, None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_first = split * STEPS_PER_SPLIT * BLOCK_K
@@ -135,8 +208,8 @@ def _w4a16_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, STEPS
                      mask=live_m[:, None] & (k < K)[None, :], other=0)                  # (BLOCK_M, BLOCK_K)
         wi = k0 // CPW + tl.arange(0, KW)                                              # word index in the row
         live_w = live_n[:, None] & (wi < words_per_row)[None, :]
-        words = tl.load(codes_ptr + cols[:, None] * words_per_row + wi[None, :], mask=live_w, other=0)
-        meta = cols[:, None] * groups_per_row + (wi // (GROUP // CPW))[None, :]         # (BLOCK_N, KW) group
+        words = tl.load(codes_ptr + panel_at(w_start, w_stride, wi[None, :]), mask=live_w, other=0)
+        meta = cols[:, None] * groups_per_row + (wi // (GROUP // CPW))[None, :]         # (BLOCK_N, KW): a word's group
         scale = tl.load(scale_ptr + meta, mask=live_w, other=0).to(tl.float32)
         zero = tl.load(zero_ptr + meta, mask=live_w, other=0).to(tl.float32)
         w = unpack_codes(words[:, :, None], shifts, 4) * scale[:, :, None] + zero[:, :, None]  # (BLOCK_N, KW, CPW)
@@ -154,16 +227,17 @@ def _w4a16_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, STEPS
 
 
 @triton.jit
-def _codes_step(codes_ptr, scale_ptr, zero_ptr, cols, live_n, g, g_end, words_per_row, groups_per_row,
-                GROUP: tl.constexpr, GPS: tl.constexpr):
+def _codes_step(codes_ptr, scale_ptr, zero_ptr, rows, live_n, g, g_end, GROUP: tl.constexpr, GPS: tl.constexpr):
     """Groups g .. g + GPS - 1 of BLOCK_N weight rows: words (BLOCK_N, GPS*G/8), scale and zero (BLOCK_N, GPS)
-    as stored (groups at or past g_end masked to 0)."""
+    as stored (groups at or past g_end masked to 0). rows: the rows' panel_rows and their first group's offset."""
     KW: tl.constexpr = GROUP // 8
+    w_start, w_stride, g_start = rows
     wi = tl.arange(0, GPS * KW)
     gi = tl.arange(0, GPS)
-    words = tl.load(codes_ptr + cols[:, None] * words_per_row + (g * KW + wi)[None, :],
-                    mask=live_n[:, None] & (g + wi // KW < g_end)[None, :], other=0)
-    meta = cols[:, None] * groups_per_row + (g + gi)[None, :]
+    # a word a lane (scalar loads, as of rows in order): the layout of x's vectors in the one-row kernel
+    at = tl.max_contiguous(panel_at(w_start, w_stride, (g * KW + wi)[None, :]), [1, 1])
+    words = tl.load(codes_ptr + at, mask=live_n[:, None] & (g + wi // KW < g_end)[None, :], other=0)
+    meta = g_start + (g + gi)[None, :]
     live = live_n[:, None] & (g + gi < g_end)[None, :]
     return words, tl.load(scale_ptr + meta, mask=live, other=0), tl.load(zero_ptr + meta, mask=live, other=0)
 
@@ -189,7 +263,8 @@ def _store_splits(acc, out, part, live, PLANE, split, SPLIT: tl.constexpr, count
 @triton.jit
 def _w4a16_gemv_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr, count_ptr, N, K,
                        GROUPS_PER_SPLIT, GROUP: tl.constexpr, GPS: tl.constexpr, SPLIT: tl.constexpr,
-                       FAST: tl.constexpr, ASM: tl.constexpr, CON: tl.constexpr, BLOCK_N: tl.constexpr):
+                       PANELS: tl.constexpr, WHOLE: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
+                       CON: tl.constexpr, BLOCK_N: tl.constexpr):
     KW: tl.constexpr = GROUP // 8                    # words of codes per weight row per group
     W: tl.constexpr = GPS * KW                       # words per weight row per step
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -204,12 +279,13 @@ def _w4a16_gemv_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr,
     acc_w = tl.zeros((BLOCK_N, W), dtype=tl.float32)                                 # scale * (x . c) per word
     g_first = split * GROUPS_PER_SPLIT
     g_end = tl.minimum(g_first + GROUPS_PER_SPLIT, groups_per_row)
-    words, scale, zero = _codes_step(codes_ptr, scale_ptr, zero_ptr, cols, live_n, g_first, g_end, words_per_row,
-                                     groups_per_row, GROUP, GPS)
+    w_start, w_stride = panel_rows(cols[:, None], N, words_per_row, PANELS, WHOLE)
+    at = (w_start, w_stride, cols[:, None] * groups_per_row)                      # the rows' parts of the offsets
+    words, scale, zero = _codes_step(codes_ptr, scale_ptr, zero_ptr, at, live_n, g_first, g_end, GROUP, GPS)
     for g in range(g_first, g_end, GPS):
         # the next step's codes are loaded before this step's sums
-        words_n, scale_n, zero_n = _codes_step(codes_ptr, scale_ptr, zero_ptr, cols, live_n, g + GPS, g_end,
-                                               words_per_row, groups_per_row, GROUP, GPS)
+        words_n, scale_n, zero_n = _codes_step(codes_ptr, scale_ptr, zero_ptr, at, live_n, g + GPS, g_end, GROUP,
+                                               GPS)
         live_k = g + kk // GROUP < g_end
         xg = tl.load(x_ptr + g * GROUP + kk, mask=live_k, other=0).to(tl.float32)       # (GPS*G,)
         x_sum = tl.sum(tl.reshape(xg, (GPS, GROUP)), 1)                                  # (GPS,) per group
@@ -237,9 +313,9 @@ def _w4a16_gemv_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr,
 
 @triton.jit
 def _w4a16_group_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr, count_ptr, M, N, K, PLANE,
-                        GROUPS_PER_SPLIT, GROUP: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-                        FAST: tl.constexpr, ASM: tl.constexpr, CON: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                        GROUPS_PER_SPLIT, GROUP: tl.constexpr, SPLIT: tl.constexpr, PANELS: tl.constexpr,
+                        WHOLE: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr,
+                        CON: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     split = tl.program_id(2)
@@ -256,14 +332,15 @@ def _w4a16_group_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr
     g_end = tl.minimum(g_first + GROUPS_PER_SPLIT, groups_per_row)
     xt = tl.load(x_ptr + rows[None, :] * K + (g_first * GROUP + kk)[:, None],
                  mask=live_m[None, :] & (g_first * GROUP + kk < g_end * GROUP)[:, None], other=0)  # (GROUP, BLOCK_M)
-    words, scale, zero = _codes_step(codes_ptr, scale_ptr, zero_ptr, cols, live_n, g_first, g_end, words_per_row,
-                                     groups_per_row, GROUP, 1)                        # (BLOCK_N, G/8), (BLOCK_N, 1)
+    w_start, w_stride = panel_rows(cols[:, None], N, words_per_row, PANELS, WHOLE)
+    at = (w_start, w_stride, cols[:, None] * groups_per_row)                      # the rows' parts of the offsets
+    words, scale, zero = _codes_step(codes_ptr, scale_ptr, zero_ptr, at, live_n, g_first, g_end, GROUP,
+                                     1)                                                # (BLOCK_N, G/8), (BLOCK_N, 1)
     for g in range(g_first, g_end):
         # the next group's operands are loaded before this group's product
         xt_n = tl.load(x_ptr + rows[None, :] * K + ((g + 1) * GROUP + kk)[:, None],
                        mask=live_m[None, :] & ((g + 1) * GROUP + kk < g_end * GROUP)[:, None], other=0)
-        words_n, scale_n, zero_n = _codes_step(codes_ptr, scale_ptr, zero_ptr, cols, live_n, g + 1, g_end,
-                                               words_per_row, groups_per_row, GROUP, 1)
+        words_n, scale_n, zero_n = _codes_step(codes_ptr, scale_ptr, zero_ptr, at, live_n, g + 1, g_end, GROUP, 1)
         if FAST:        # codes as exact half2 values in PTX
             o = tl.inline_asm_elementwise(ASM, CON, [words], dtype=(xt.dtype,) * 8, is_pure=True, pack=2)
             c = join_codes(o, 4)                                                       # (BLOCK_N, GROUP)
@@ -347,6 +424,7 @@ def default_tiles(M: int, K: int, group_size: int = 128) -> Tiles:
 PROGRAMS_PER_SM = 2
 GROUPED_PROGRAMS_PER_SM = 4
 ONE_ROW_PROGRAMS_PER_SM = 16
+ONE_ROW_REGISTERS = 128         # the register cap (ptxas maxnreg) at which sixteen one-warp programs fill an SM
 
 
 _COUNTERS: dict[torch.device, Tensor] = {}
@@ -377,8 +455,9 @@ def _one_row(x2: Tensor, w: W4Weight, t: Tiles) -> Tensor:
     asm, con = unpack_asm(4, x2.dtype == torch.bfloat16)
     _w4a16_gemv_kernel[(tiles_n, split)](
         x2, w.codes, w.scale, w.zero, out, part, _counters(x2.device, tiles_n), N, K, per_split * per_step,
-        GROUP=G, GPS=per_step, SPLIT=split, FAST=unpacks_in_ptx(x2), ASM=asm, CON=con, BLOCK_N=t.block_n,
-        num_warps=t.num_warps, num_stages=t.num_stages)
+        GROUP=G, GPS=per_step, SPLIT=split, PANELS=in_panels(K), WHOLE=N % PANEL_ROWS == 0,
+        FAST=unpacks_in_ptx(x2), ASM=asm, CON=con, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
+        maxnreg=ONE_ROW_REGISTERS)
     return out
 
 
@@ -401,7 +480,8 @@ def _grouped(x2: Tensor, w: W4Weight, t: Tiles) -> Tensor:
     asm, con = unpack_asm(4, x2.dtype == torch.bfloat16)
     _w4a16_group_kernel[(triton.cdiv(N, t.block_n), triton.cdiv(M, block_m), split)](
         x2, w.codes, w.scale, w.zero, out, part, _counters(x2.device, tiles_mn), M, N, K, M * N, per_split,
-        GROUP=G, SPLIT=split, IEEE=x2.dtype == torch.float32, FAST=fast, ASM=asm, CON=con,
+        GROUP=G, SPLIT=split, PANELS=in_panels(K), WHOLE=N % PANEL_ROWS == 0, IEEE=x2.dtype == torch.float32,
+        FAST=fast, ASM=asm, CON=con,
         BLOCK_M=block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages)
     return out
 
@@ -448,7 +528,8 @@ def w4a16_matmul(x: Tensor, w: W4Weight, tiles: Tiles | None = None) -> Tensor:
     out = torch.empty(split, M, N, dtype=x.dtype if split == 1 else torch.float32, device=x.device)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, t.block_n), split)
     _w4a16_kernel[grid](x2, codes, scale, zero, out, M, N, K, per_split,
-                        GROUP=w.group_size, IEEE=x.dtype == torch.float32, DOT=dot,
+                        GROUP=w.group_size, PANELS=in_panels(K), WHOLE=N % PANEL_ROWS == 0,
+                        IEEE=x.dtype == torch.float32, DOT=dot,
                         BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                         num_warps=t.num_warps, num_stages=t.num_stages)
     out = out[0] if split == 1 else out.sum(0).to(x.dtype)              # (M, N): fp32 partials rounded once

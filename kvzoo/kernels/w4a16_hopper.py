@@ -8,19 +8,21 @@ only (the group kernel of kvzoo/kernels/w4a16.py stores its unpacked tile to sha
     steps [split * STEPS_PER_SPLIT, ...) of 128 input channels (one group at G = 128); NP = 8 or 16 columns (the
     MMA's N), column n holding row n mod R of x, R = next_pow2(M).
 
-Codes: a step's (64, 16) code words (a thread's four words of a feature adjacent, 16 bytes) become (64, 128) fp16
-operands in the registers of the A operand (DotOperandLayout, checked trivial at compile time), in a logical channel
-order chosen so that no unpacked value moves between threads. At 1-8 rows the unpack PTX (OFFSET_ASM) makes each code
-pair an exact fp16 m + c in one lop3 (m = 1024 for even real channels, 64 for odd ones, which the logical order puts in
-MMA steps of their own): 5 instructions a word. The tensor cores sum x (m + c) exactly in fp32, and a step's scale s and
-zero z enter after its product, in fp32: s Σ x c + z Σ x = s Σ x (m + c) + (z - 1024 s) Σ x_even + (z - 64 s) Σ x_odd,
+Codes: a program's tile is a panel of w4a16.py's panel order, so a step's (64, 16) code words are 4 KB in one piece
+(a warp's 16 features 1 KB); its 64 scales and zeros are one fp16 each of 64 rows. The words (a thread's four words
+of a feature adjacent, 16 bytes) become (64, 128) fp16 operands in the registers of the A operand (DotOperandLayout,
+checked trivial at compile time), in a logical channel order chosen so that no unpacked value moves between threads.
+At 1-8 rows the unpack PTX (OFFSET_ASM) makes each code pair an exact fp16 m + c in one lop3 (m = 1024 for even real
+channels, 64 for odd ones, which the logical order puts in MMA steps of their own): 5 instructions a word. The
+tensor cores sum x (m + c) exactly in fp32, and a step's scale s and zero z enter after its product, in fp32:
+s Σ x c + z Σ x = s Σ x (m + c) + (z - 1024 s) Σ x_even + (z - 64 s) Σ x_odd,
 x's sums over the step's even and odd channels taken by two more products with a ones operand. At 16 rows (two B
 operands, whose registers leave no room for those sums) the unpack (SCALED_ASM) applies scale and zero to each pair
-instead, code * scale + zero rounded once to fp16: 16 instructions a word. The reference rounds the dequantized weight
-to x's dtype. Each warp's 16 features are a product of their own, so the steps hold no barrier. Codes, scales and zeros
-are loaded three steps ahead, four steps an iteration, each with a register set of its own, so that no set is copied to
-another; the loop has no branch (with one, the compiler moved the loads down to their step): the steps an iteration runs
-past the split's end multiply the split's last codes by x's zero rows. 128 registers (REGISTERS).
+instead, code * scale + zero rounded once to fp16: 16 instructions a word. The reference rounds the dequantized
+weight to x's dtype. Each warp's 16 features are a product of their own, so the steps hold no barrier. Codes, scales
+and zeros are loaded three steps ahead, four steps an iteration, each with a register set of its own, so that no set
+is copied to another; the loop has no branch (with one, the compiler moved the loads down to their step): the steps
+an iteration runs past the split's end multiply the split's last codes by x's zero rows. 128 registers (REGISTERS).
 
 x: a reduction's channel order is free as long as both operands take the same one, so x takes the codes' logical
 order. A program converts x to fp16 (bf16 widened in pairs by PTX, then saturated to fp16's range two values at a
@@ -175,10 +177,11 @@ def _unpack(words, s, z, LP: gl.constexpr, SCALED: gl.constexpr):
 
 
 @gluon.jit
-def _operands(codes_ptr, scale_ptr, zero_ptr, t, words_at, meta_at, W: gl.constexpr, GROUP: gl.constexpr):
-    """Step t's (TILE_N, W) code words and its features' (TILE_N,) scales and zeros."""
+def _operands(codes_ptr, scale_ptr, zero_ptr, t, words_at, meta_at, step, W: gl.constexpr, GROUP: gl.constexpr):
+    """Step t's (TILE_N, W) code words and its features' (TILE_N,) scales and zeros; a panel's steps lie `step`
+    words apart (w4a16.py's panel order)."""
     g = t * (8 * W) // GROUP
-    return gl.load(codes_ptr + words_at + t * W), gl.load(scale_ptr + meta_at + g), gl.load(zero_ptr + meta_at + g)
+    return gl.load(codes_ptr + words_at + t * step), gl.load(scale_ptr + meta_at + g), gl.load(zero_ptr + meta_at + g)
 
 
 @gluon.jit
@@ -248,17 +251,25 @@ def _w4_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr, count_p
     xi = gl.arange(0, XP, layout=gl.SliceLayout(1, LX))                              # i R + r
     x_at = (xi % R)[:, None] * K + (xi // R)[:, None] * C + gl.arange(0, C, layout=gl.SliceLayout(0, LX))[None, :]
 
-    feats = gl.minimum(tile * _TILE + gl.arange(0, _TILE, layout=gl.SliceLayout(1, LW)), N - 1).to(gl.int64)
-    words_at = (feats[:, None] * (K // C)) * W + gl.arange(0, W, layout=gl.SliceLayout(0, LW))[None, :]
-    meta_at = feats * (K // GROUP)                                                   # (TILE_N,): a step, a group
+    # the tile is a panel of w4a16.py's panel order: 64 rows, or the last panel's (rows past N read its last row);
+    # the pointers moved to the panel's first row, so that the offsets within it are int32
+    rows = gl.minimum(N - tile * _TILE, _TILE)
+    i = gl.minimum(gl.arange(0, _TILE, layout=gl.SliceLayout(1, LW)), rows - 1)
+    panel = tile.to(gl.int64) * _TILE
+    codes_ptr += panel * (K // 8)
+    scale_ptr += panel * (K // GROUP)
+    zero_ptr += panel * (K // GROUP)
+    words_at = i[:, None] * W + gl.arange(0, W, layout=gl.SliceLayout(0, LW))[None, :]
+    meta_at = i * (K // GROUP)                                                       # (TILE_N,): group 0
+    step = W * rows
     acc = gl.zeros([_TILE, NP], gl.float32, MMA)                                     # outᵀ
     last = t_end - 1
     # four steps an iteration, each step's operands loaded three steps ahead into one of four register sets (past
     # the last step, its own again), so that no set is copied to another; no branch in the loop (a branch let the
     # compiler move the loads down to their step): the steps past the split's end read x's zero rows
-    a = _operands(codes_ptr, scale_ptr, zero_ptr, t0, words_at, meta_at, W, GROUP)
-    b = _operands(codes_ptr, scale_ptr, zero_ptr, gl.minimum(t0 + 1, last), words_at, meta_at, W, GROUP)
-    c = _operands(codes_ptr, scale_ptr, zero_ptr, gl.minimum(t0 + 2, last), words_at, meta_at, W, GROUP)
+    a = _operands(codes_ptr, scale_ptr, zero_ptr, t0, words_at, meta_at, step, W, GROUP)
+    b = _operands(codes_ptr, scale_ptr, zero_ptr, gl.minimum(t0 + 1, last), words_at, meta_at, step, W, GROUP)
+    c = _operands(codes_ptr, scale_ptr, zero_ptr, gl.minimum(t0 + 2, last), words_at, meta_at, step, W, GROUP)
     wait_previous()                                      # x is the kernel before's output (module docstring)
     for x0 in range(t0, t_end, XS):
         # the next XS steps' x (zero past the split's steps and past M rows) into shared memory, fp16 in fragment
@@ -274,13 +285,13 @@ def _w4_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, part_ptr, count_p
             x_flat.slice(p * 4 * XP, 4 * XP).store(_half(gl.reshape(xf, (4 * XP, C // 4))))
         barrier()
         for t in range(x0, gl.minimum(x0 + XS, t_end), 4):
-            d = _operands(codes_ptr, scale_ptr, zero_ptr, gl.minimum(t + 3, last), words_at, meta_at, W, GROUP)
+            d = _operands(codes_ptr, scale_ptr, zero_ptr, gl.minimum(t + 3, last), words_at, meta_at, step, W, GROUP)
             acc = _step(a, x_s.index(t - x0), acc, LP, LA, LB, LF, L3)
-            a = _operands(codes_ptr, scale_ptr, zero_ptr, gl.minimum(t + 4, last), words_at, meta_at, W, GROUP)
+            a = _operands(codes_ptr, scale_ptr, zero_ptr, gl.minimum(t + 4, last), words_at, meta_at, step, W, GROUP)
             acc = _step(b, x_s.index(t + 1 - x0), acc, LP, LA, LB, LF, L3)
-            b = _operands(codes_ptr, scale_ptr, zero_ptr, gl.minimum(t + 5, last), words_at, meta_at, W, GROUP)
+            b = _operands(codes_ptr, scale_ptr, zero_ptr, gl.minimum(t + 5, last), words_at, meta_at, step, W, GROUP)
             acc = _step(c, x_s.index(t + 2 - x0), acc, LP, LA, LB, LF, L3)
-            c = _operands(codes_ptr, scale_ptr, zero_ptr, gl.minimum(t + 6, last), words_at, meta_at, W, GROUP)
+            c = _operands(codes_ptr, scale_ptr, zero_ptr, gl.minimum(t + 6, last), words_at, meta_at, step, W, GROUP)
             acc = _step(d, x_s.index(t + 3 - x0), acc, LP, LA, LB, LF, L3)
     _store_out(acc, out_ptr, part_ptr, count_ptr, tile, split, M, N, SPLIT)
 

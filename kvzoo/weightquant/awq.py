@@ -3,10 +3,10 @@
 Paper: Lin et al., "AWQ: Activation-aware Weight Quantization" (MLSys 2024), as KV Pareto uses it
 (kv-pareto.md §4.3): asymmetric 4-bit, groups of 128 input channels, activations kept at 16 bits (w4a16).
 
-Storage per linear layer (N outputs, K inputs, G = group_size): kvzoo.kernels.w4a16.W4Weight, codes int32
-(N, K/8) + fp16 scale and zero (N, K/G): 0.5 + 4/G bytes per weight instead of 2. Embeddings and lm_head
-stay at the model's precision (as AWQ does). On CUDA the product runs in the w4a16 Triton kernel; elsewhere
-the weight is dequantized and multiplied in torch (the kernel's reference).
+Storage per linear layer (N outputs, K inputs, G = group_size): kvzoo.kernels.w4a16.W4Weight, codes int32 (N,
+K/8) + fp16 scale and zero (N, K/G), codes in that module's panel order: 0.5 + 4/G bytes per weight instead of
+2. Embeddings and lm_head stay at the model's precision (as AWQ does). On CUDA the product runs in the w4a16
+Triton kernel; elsewhere the weight is dequantized and multiplied in torch (the kernel's reference).
 
 AWQ: a few weights matter more because their input channels carry large activations. Scaling input channel
 k of W up by s_k (and the activation down by s_k) makes its weights quantize with relatively less error:
@@ -29,7 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from kvzoo.cache.kvquant import fake_quantize
-from kvzoo.kernels.w4a16 import BITS, W4Weight, quantize_weight, w4a16_matmul, w4a16_matmul_ref
+from kvzoo.kernels.w4a16 import (BITS, PANEL_ROWS, W4Weight, in_panels, quantize_weight, w4a16_matmul,
+                                 w4a16_matmul_ref)
 from kvzoo.models.llama import consecutive_rows
 
 ALPHAS = [i / 20 for i in range(21)]
@@ -64,10 +65,13 @@ class W4Linear(nn.Module):
     def join(*layers: "W4Linear") -> None:
         """Make the codes, scales and zeros of layers with one input size and group size consecutive rows of one
         tensor each, each layer's buffers views of them, so that their products can run as one (joined_product;
-        kvzoo.models.llama.join_weights calls this)."""
+        kvzoo.models.llama.join_weights calls this). Layers in panel order (kvzoo.kernels.w4a16) whose rows do not
+        meet at whole panels (every layer but the last a multiple of 64 outputs) stay apart."""
         if not _one_input(layers):
             raise ValueError("4-bit layers join only with one input size and group size, got "
                              f"{[(lin.in_features, lin.group_size) for lin in layers]}")
+        if in_panels(layers[0].in_features) and any(lin.out_features % PANEL_ROWS for lin in layers[:-1]):
+            return
         for name in ("codes", "scale", "zero"):
             joined = torch.cat([getattr(lin, name) for lin in layers])
             for lin, part in zip(layers, joined.split([lin.out_features for lin in layers])):

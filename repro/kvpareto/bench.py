@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 from tqdm import tqdm
 
-from kvzoo.kernels.w4a16 import GROUP_ROWS, Tiles, quantize_weight, w4a16_matmul, w4a16_matmul_ref
+from kvzoo.kernels.w4a16 import (GROUP_ROWS, Tiles, in_panels, panel_offsets, quantize_weight, w4a16_matmul,
+                                 w4a16_matmul_ref)
 
 from scripts.timing import Timer, output_paths, require_compiled_gpu
 
@@ -76,16 +77,17 @@ def candidates(M: int) -> list[Tiles]:
 
 
 @triton.jit
-def _read_kernel(codes_ptr, out_ptr, N, STEPS, STEPS_PER_SPLIT, KW: tl.constexpr):
-    """XOR of a 64-feature tile's code words (KW a step) over this split's steps, and nothing else."""
+def _read_kernel(codes_ptr, out_ptr, N, STEPS, STEPS_PER_SPLIT, KW: tl.constexpr, PANELS: tl.constexpr):
+    """XOR of a 64-feature tile's code words (KW a step, where they are stored: panel_offsets) over this split's
+    steps, and nothing else."""
     rows = tl.program_id(0) * 64 + tl.arange(0, 64)
     live = rows < N
     w = tl.arange(0, KW)
     acc = tl.zeros((64, KW), dtype=tl.int32)
     t0 = tl.program_id(1) * STEPS_PER_SPLIT
     for t in range(t0, tl.minimum(t0 + STEPS_PER_SPLIT, STEPS)):
-        acc ^= tl.load(codes_ptr + rows[:, None].to(tl.int64) * (STEPS * KW) + t * KW + w[None, :],
-                       mask=live[:, None], other=0)
+        at = panel_offsets(rows[:, None].to(tl.int64), t * KW + w[None, :], N, STEPS * KW, PANELS)
+        acc ^= tl.load(codes_ptr + at, mask=live[:, None], other=0)
     tl.store(out_ptr + tl.program_id(1) * N + rows, tl.xor_sum(acc, 1), mask=live)
 
 
@@ -103,8 +105,8 @@ def read_floor(w4, timer: Timer) -> float:
             continue
         for warps, stages in ((4, 1), (4, 3)):
             times.append(timer(lambda per=per, split=split, warps=warps, stages=stages: _read_kernel[
-                (triton.cdiv(N, 64), split)](w4.codes, out, N, steps, per, KW=channels // 8, num_warps=warps,
-                                             num_stages=stages)))
+                (triton.cdiv(N, 64), split)](w4.codes, out, N, steps, per, KW=channels // 8, PANELS=in_panels(K),
+                                             num_warps=warps, num_stages=stages)))
     return min(times)
 
 

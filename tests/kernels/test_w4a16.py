@@ -11,10 +11,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 import kvzoo.kernels.w4a16 as w4a16  # noqa: E402
-from kvzoo.kernels.w4a16 import (GROUPED, ONE_ROW, Tiles, W4Weight, default_tiles, quantize_weight, w4a16_matmul,  # noqa: E402
-                                 w4a16_matmul_ref)
+from kvzoo.kernels.w4a16 import (GROUPED, ONE_ROW, Tiles, W4Weight, default_tiles, from_panels,  # noqa: E402
+                                 panel_offsets, quantize_weight, to_panels, w4a16_matmul, w4a16_matmul_ref)
+from kvzoo.cache.kvquant import quantize  # noqa: E402
 
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on", "yes") else "cuda"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -148,10 +151,47 @@ def test_round_trip_error(dtype, group):
     assert q.codes.shape == (32, 32) and q.codes.dtype == torch.int32
     assert q.scale.shape == q.zero.shape == (32, 256 // group) and q.scale.dtype == q.zero.dtype == torch.float16
     err = (w.float() - q.dequantize()).abs().unflatten(-1, (-1, group))                # (N, K/G, G)
-    scale, zero = q.scale.float()[..., None], q.zero.float()[..., None]
+    _, scale, zero = (t.float()[..., None] for t in q.rows())                          # (N, K/G, 1) in rows' order
     bound = scale / 2 + 2.0 ** -11 * zero.abs() + 1e-6 * (zero.abs() + 15 * scale)
     assert (err <= bound).all()
     assert q.dequantize(torch.float16).dtype == torch.float16
+
+
+@triton.jit
+def _gather_kernel(src_ptr, out_ptr, N, C, PANELS: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr):
+    """out (N, C) in rows' order = src's elements at panel_offsets."""
+    n = tl.arange(0, BN)[:, None]
+    c = tl.arange(0, BC)[None, :]
+    live = (n < N) & (c < C)
+    tl.store(out_ptr + n * C + c, tl.load(src_ptr + panel_offsets(n, c, N, C, PANELS), mask=live), mask=live)
+
+
+@pytest.mark.parametrize("n", [64, 130, 40])
+@pytest.mark.parametrize("k,group", [(256, 128), (384, 32), (96, 32)])
+def test_panel_order(n, k, group):
+    """quantize_weight keeps kvquant.quantize's codes, in panel order where K is a multiple of 128 (a panel step's
+    64 rows x 16 words in one piece, the last panel's rows past the whole panels), else in rows' order, and its scales
+    and zeros as they are; panel_offsets finds every word where to_panels put it, and from_panels undoes it."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)).to(DEVICE)
+    q, want = quantize_weight(w, group), quantize(w, 4, group, axis=-1)
+    for got, rows in zip(q.rows(), (want.codes, want.scale, want.zero)):
+        assert torch.equal(got, rows)
+    panels = k % 128 == 0
+    if panels:
+        if n >= 64:
+            assert torch.equal(q.codes.flatten()[:64 * 16], want.codes[:64, :16].flatten())    # one 4 KB piece
+        tail = n // 64 * 64
+        assert torch.equal(q.codes[tail:].flatten()[:(n - tail) * 16], want.codes[tail:, :16].flatten())
+    else:
+        assert torch.equal(q.codes, want.codes)
+    assert torch.equal(q.scale, want.scale) and torch.equal(q.zero, want.zero)              # rows in order
+    C = q.codes.shape[1]
+    if panels:
+        assert torch.equal(to_panels(from_panels(q.codes)), q.codes)
+    out = torch.empty_like(q.codes)
+    _gather_kernel[(1,)](q.codes, out, n, C, PANELS=panels, BN=triton.next_power_of_2(n),
+                         BC=triton.next_power_of_2(C))
+    assert torch.equal(out, want.codes)
 
 
 @pytest.mark.parametrize("group", [128, 64, 32])

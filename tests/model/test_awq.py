@@ -53,6 +53,24 @@ def test_rtn_joins_the_projections_that_share_an_input(model):  # noqa: F811
     assert joined_product(x, mlp.gate_proj, mlp.up_proj) is not None
 
 
+@pytest.mark.parametrize("rows,joins", [((64, 128, 40), True), ((40, 64), False), ((128, 64, 64), True)])
+def test_w4linear_joins_in_panel_order_at_whole_panels(rows, joins):
+    """Layers of K = 256 inputs hold their codes in panel order: they join where every layer but the last has a
+    multiple of 64 outputs, and the joined buffers are the joined weight's (the product is the layers' side by
+    side); elsewhere they stay apart, unchanged."""
+    g = torch.Generator().manual_seed(sum(rows))
+    layers = [W4Linear(torch.randn(n, 256, generator=g), 128) for n in rows]
+    before = [lin.codes.clone() for lin in layers]
+    W4Linear.join(*layers)
+    assert all(torch.equal(lin.codes, b) for lin, b in zip(layers, before))
+    x = torch.randn(3, 256, generator=g)
+    got = joined_product(x, *layers)
+    if not joins:
+        assert got is None
+        return
+    torch.testing.assert_close(got, torch.cat([lin(x) for lin in layers], dim=-1))
+
+
 def test_w4linear_join_refuses_layers_of_other_inputs():
     a, b = W4Linear(torch.randn(8, 64), 32), W4Linear(torch.randn(8, 32), 32)
     with pytest.raises(ValueError, match="one input size and group size"):
