@@ -182,14 +182,18 @@ def test_torchrun_with_ranks_that_do_not_divide_the_kv_heads_is_refused():
 
 
 def test_perplexity_under_torchrun_is_one_process_and_rank_0_writes_the_json(tmp_path):
+    """Ranks sum the attention and MLP outputs in another order than one process does; a 2-bit quantizer can carry
+    that fp32 rounding into a few codes (on some CPUs), so the perplexities agree within 0.5% and the bytes exactly."""
     args = ["--max-windows", "1", "--seq-len", "128", "--cache", "kivi:bits=2,residual=32"]
-    sharded_run = torchrun(3, "perplexity.py", *args, "--json", str(tmp_path / "ppl.json"))
+    sharded_run = torchrun(3, "perplexity.py", *args, "--json", str(tmp_path / "sharded.json"))
     assert sharded_run.returncode == 0, sharded_run.stderr[-3000:]
-    one = subprocess.run([sys.executable, str(REPO / "scripts" / "perplexity.py"), *args], capture_output=True,
-                         text=True, timeout=600, cwd=REPO)
-    line = [x for x in one.stdout.splitlines() if x.startswith("perplexity")]
-    assert line and line[0] in sharded_run.stdout
-    assert json.loads((tmp_path / "ppl.json").read_text())["kv_nbytes"] > 0
+    one_run = subprocess.run([sys.executable, str(REPO / "scripts" / "perplexity.py"), *args, "--json",
+                              str(tmp_path / "one.json")], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert one_run.returncode == 0, one_run.stderr[-3000:]
+    sharded, one = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("sharded", "one"))
+    assert sharded["perplexity"] == pytest.approx(one["perplexity"], rel=5e-3)
+    assert sharded["kv_nbytes"] == one["kv_nbytes"] > 0
+    assert sharded_run.stdout.count("perplexity   ") == 1                  # rank 0 alone prints
 
 
 def test_bench_decode_under_torchrun_refuses_what_runs_in_one_process():
