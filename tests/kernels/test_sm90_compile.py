@@ -63,6 +63,9 @@ SPILLING = {"innerq-triton-2bit-asym": "256 tokens a step, 2 stages (128 tokens,
             **{f"w4a16-gluon-{rows}-rows-split-4": "codes in panels: 2 of 4 spill instructions in the loop on "
                "Triton 3.6, 4 of 11 on 3.9; at 2 and 4 rows the 8B block's products still take 48.0 and 50.2 µs "
                "against 50.2 and 53.0 with rows in order (docs/decode.md)" for rows in (2, 4)},
+            "outer-triton-kivi": "Triton 3.6: 3 reloads in its loop at 255 registers; none on Triton 3.9. On sm_90 "
+                                 "KIVI's quantized columns run in the Gluon warp kernel (kivi-gluon-d128), this one off "
+                                 "Hopper",
             "w4a16-one-row": "Triton 3.6: 1 spill instruction in the loop at ONE_ROW_REGISTERS (sixteen one-warp "
                              "programs an SM); none on Triton 3.9",
             "w4a16-gluon-8-rows-split-4": "Triton 3.9: 3 reloads an iteration (4 steps) of two addresses set before "
