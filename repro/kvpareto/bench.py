@@ -22,7 +22,10 @@ on the small layers).
 --step times what a decode step runs instead: the 4-bit products of STEP_BLOCKS transformer blocks (q, k, v, o, gate,
 up, down; each block's weights its own, so a step finds them cold) in one CUDA graph, with q, k, v and gate, up
 apart (seven products a block) and joined (four: kvzoo.weightquant.awq.W4Linear.join, what the model runs), against
-the 16-bit products joined (cuBLAS), x in bf16 as the Llama-3.1-8B model runs it; µs a block:
+the 16-bit products joined (cuBLAS), x in bf16 as the Llama-3.1-8B model runs it, and the joined products' read
+floor in the same graph: each product's codes, scales and zeros as one flat buffer, read by a kernel that only
+streams it (_stream_kernel, the fastest of STREAM_TILES), one launch a product as the model makes them, so that
+16-bit / floor is the most any 4-bit kernel of that step can gain; µs a block:
 
     python -m repro.kvpareto.bench --step --models Llama-3.1-8B --rows 1 4 16 --out results/kvpareto/w4a16-step
 
@@ -46,6 +49,7 @@ from scripts.timing import Timer, output_paths, require_compiled_gpu
 BLOCKS = {"SmolLM2-135M": (64, 576, 576, 192, 1536), "Llama-2-7B": (128, 4096, 4096, 4096, 11008),
           "Llama-3.1-8B": (128, 4096, 4096, 1024, 14336)}
 STEP_BLOCKS = 8                  # --step's blocks in one graph
+STREAM_TILES = [(words, warps) for words in (1024, 2048, 4096, 8192) for warps in (4, 8)]   # _stream_kernel's
 
 
 def block_products(model: str) -> list[tuple[str, int, int]]:
@@ -110,6 +114,25 @@ def read_floor(w4, timer: Timer) -> float:
     return min(times)
 
 
+@triton.jit
+def _stream_kernel(words_ptr, out_ptr, n_words, BLOCK: tl.constexpr):
+    """XOR of a program's BLOCK consecutive int32 words of a flat buffer, and nothing else: a plain stream read."""
+    at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + tl.program_id(0), tl.xor_sum(tl.load(words_ptr + at, mask=at < n_words, other=0), 0))
+
+
+def flat_words(w4) -> torch.Tensor:
+    """w4's codes, scales and zeros, byte for byte, in one flat int32 buffer (a group's fp16 scale and zero are one
+    word)."""
+    return torch.cat([t.contiguous().view(torch.uint8).flatten() for t in (w4.codes, w4.scale, w4.zero)]).view(
+        torch.int32)
+
+
+def stream(words: torch.Tensor, out: torch.Tensor, block: int, warps: int) -> None:
+    """One _stream_kernel launch over words; out holds a word per program."""
+    _stream_kernel[(triton.cdiv(words.numel(), block),)](words, out, words.numel(), BLOCK=block, num_warps=warps)
+
+
 def parse_args():
     parser = argparse.ArgumentParser(prog="python -m repro.kvpareto.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -152,6 +175,10 @@ def step_rows(args, timer: Timer) -> tuple[list[dict], list[str]]:
                   for block in blocks16]
         joined16 = [[torch.cat([block[i] for i in part]) for part in joins] for block in blocks16]
         bytes4 = sum(w.nbytes() for w in joined[0])
+        flat = [flat_words(w) for block in joined for w in block]                 # the step's launches, in order
+        out = torch.empty(max(f.numel() for f in flat) // STREAM_TILES[0][0] + 1, dtype=torch.int32, device="cuda")
+        floor_us = min(timer(lambda b=block, w=warps, flat=flat: [stream(f, out, b, w) for f in flat])
+                       for block, warps in STREAM_TILES) * 1e3 / STEP_BLOCKS
         for M in tqdm(args.rows, desc=f"{model} rows"):
             x = {K: torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16) for K in (hidden, q_out, inter)}
 
@@ -163,14 +190,16 @@ def step_rows(args, timer: Timer) -> tuple[list[dict], list[str]]:
             us = {k: v * 1e3 / STEP_BLOCKS for k, v in ms.items()}
             rows.append({"model": model, "M": M, "group": group, **{f"{k}_us_per_block": v for k, v in us.items()},
                          "joined_vs_w16": us["w16_joined"] / us["w4_joined"],
-                         "w4_joined_gbs": bytes4 / us["w4_joined"] / 1e3})
-        del blocks16, apart, joined, joined16
+                         "w4_joined_gbs": bytes4 / us["w4_joined"] / 1e3, "w4_read_floor_us_per_block": floor_us,
+                         "floor_vs_w16": us["w16_joined"] / floor_us, "floor_gbs": bytes4 / floor_us / 1e3})
+        del blocks16, apart, joined, joined16, flat
     lines = [f"GPU: {torch.cuda.get_device_name()}; {STEP_BLOCKS} blocks' products in one CUDA graph, bf16 x, median "
              f"of {args.runs} replays, L2 flushed; µs a block", "",
              "| model | M | 4-bit, seven products | 4-bit, joined | 16-bit, joined | 4-bit joined vs 16-bit | "
-             "4-bit joined GB/s |", "|" + "---|" * 7]
+             "4-bit joined GB/s | 4-bit read floor, joined (GB/s) | floor vs 16-bit |", "|" + "---|" * 9]
     lines += [f"| {r['model']} | {r['M']} | {r['w4_apart_us_per_block']:.1f} | {r['w4_joined_us_per_block']:.1f} | "
-              f"{r['w16_joined_us_per_block']:.1f} | {r['joined_vs_w16']:.2f}x | {r['w4_joined_gbs']:.0f} |"
+              f"{r['w16_joined_us_per_block']:.1f} | {r['joined_vs_w16']:.2f}x | {r['w4_joined_gbs']:.0f} | "
+              f"{r['w4_read_floor_us_per_block']:.1f} ({r['floor_gbs']:.0f}) | {r['floor_vs_w16']:.2f}x |"
               for r in rows]
     return rows, lines
 

@@ -1,5 +1,5 @@
-"""repro/kvpareto/bench.py's read-floor kernel against a torch XOR of the same code words, under the Triton
-interpreter on CPU (the benchmark itself needs a GPU)."""
+"""repro/kvpareto/bench.py's read-floor kernels against a torch XOR of the same words, under the Triton interpreter
+on CPU (the benchmark itself needs a GPU)."""
 
 import os
 
@@ -11,7 +11,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from kvzoo.kernels.w4a16 import quantize_weight  # noqa: E402
-from repro.kvpareto.bench import _read_kernel, block_products, layer_shapes  # noqa: E402
+from repro.kvpareto.bench import _read_kernel, block_products, flat_words, layer_shapes, stream  # noqa: E402
 
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on", "yes") else "cuda"
 
@@ -41,3 +41,19 @@ def test_layer_shapes_name_the_products_that_share_one():
     assert [name for name, _, _ in block_products("SmolLM2-135M")] == ["q", "k", "v", "o", "gate", "up", "down"]
     assert layer_shapes("SmolLM2-135M") == [("q/o", 576, 576), ("k/v", 192, 576), ("gate/up", 1536, 576),
                                             ("down", 576, 1536)]
+
+
+def test_stream_reads_every_word_of_the_weight_once():
+    """--step's floor: a weight's codes, scales and zeros in one flat buffer (its nbytes, byte for byte), streamed a
+    block of words a program, the last block partial."""
+    w4 = quantize_weight(torch.randn(96, 384, generator=torch.Generator().manual_seed(3)).to(DEVICE), 128)
+    words = flat_words(w4)
+    assert words.numel() * 4 == w4.nbytes() and words.numel() % 1024
+    assert torch.equal(words[-w4.zero.numel() // 2:].view(torch.float16).view_as(w4.zero), w4.zero)
+    out = torch.zeros(words.numel() // 1024 + 1, dtype=torch.int32, device=DEVICE)
+    stream(words, out, 1024, 4)
+    for program, block in enumerate(words.split(1024)):
+        want = torch.zeros((), dtype=torch.int32, device=DEVICE)
+        for word in block:
+            want ^= word
+        assert out[program] == want
