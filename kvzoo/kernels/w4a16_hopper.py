@@ -42,8 +42,9 @@ partials and counters. Where the kernel before does not let it, it starts once t
 microsecond later than a plain launch would (docs/decode.md).
 
 Speed (Llama-3.1-8B, one H200, bf16 x, a block's joined 4-bit products in one CUDA graph; docs/decode.md, "The 4-bit
-products launched while the kernel before runs"): 50.1, 50.3, 52.9, 55.7 and 76.7 us at M = 1, 2, 4, 8 and 16 against
-bf16's 120.1-122.4, 2.39x, 2.38x, 2.29x, 2.18x and 1.60x.
+codes in panels"): 45.4, 48.1, 50.3, 52.3 and 73.8 us at M = 1, 2, 4, 8 and 16 against bf16's 119.8-122.3, 2.64x,
+2.49x, 2.40x, 2.31x and 1.66x; a kernel that only streams the same bytes takes 34.3 us (3.49x; `python -m
+repro.kvpareto.bench --step`).
 
 Groups must be a multiple of 128 channels (AWQ's 128). KVZOO_W4A16_KERNEL=triton|gluon|auto (default) overrides the
 choice: triton never takes this kernel, gluon takes it for fewer than MIN_FEATURES outputs too.
