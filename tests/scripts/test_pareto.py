@@ -39,10 +39,10 @@ def test_configuration_grid():
 
 
 def test_script_end_to_end(tmp_path):
+    """Both weight formats: w4-awq's model memory is its 4-bit codes, the w16 model's its fp weights."""
     pytest.importorskip("matplotlib")   # --plot (the `eval` extra)
     pytest.importorskip("triton")       # --weights w4-awq: kvzoo.weightquant.awq imports kvzoo.kernels.w4a16
     target, figure = tmp_path / "p.json", tmp_path / "p.png"
-    """Both weight formats: w4-awq's model memory is its 4-bit codes, the w16 model's its fp weights."""
     cmd = [sys.executable, "-m", "repro.kvpareto.frontier", "--device", "cpu", "--context", "256",
            "--windows", "1", "--kv", "k8v8,k2v2", "--chunks", "0,64", "--weights", "w16,w4-awq", "--calib-windows",
            "1", "--json", str(target), "--plot", str(figure)]
