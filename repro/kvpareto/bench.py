@@ -176,7 +176,8 @@ def step_rows(args, timer: Timer) -> tuple[list[dict], list[str]]:
         joined16 = [[torch.cat([block[i] for i in part]) for part in joins] for block in blocks16]
         bytes4 = sum(w.nbytes() for w in joined[0])
         flat = [flat_words(w) for block in joined for w in block]                 # the step's launches, in order
-        out = torch.empty(max(f.numel() for f in flat) // STREAM_TILES[0][0] + 1, dtype=torch.int32, device="cuda")
+        programs = max(f.numel() for f in flat) // min(words for words, _ in STREAM_TILES) + 1
+        out = torch.empty(programs, dtype=torch.int32, device="cuda")                 # a word a program
         floor_us = min(timer(lambda b=block, w=warps, flat=flat: [stream(f, out, b, w) for f in flat])
                        for block, warps in STREAM_TILES) * 1e3 / STEP_BLOCKS
         for M in tqdm(args.rows, desc=f"{model} rows"):

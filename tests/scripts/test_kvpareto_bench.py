@@ -49,7 +49,7 @@ def test_stream_reads_every_word_of_the_weight_once():
     w4 = quantize_weight(torch.randn(96, 384, generator=torch.Generator().manual_seed(3)).to(DEVICE), 128)
     words = flat_words(w4)
     assert words.numel() * 4 == w4.nbytes() and words.numel() % 1024
-    assert torch.equal(words[-w4.zero.numel() // 2:].view(torch.float16).view_as(w4.zero), w4.zero)
+    assert torch.equal(words[-(w4.zero.numel() // 2):].view(torch.float16).view_as(w4.zero), w4.zero)
     out = torch.zeros(words.numel() // 1024 + 1, dtype=torch.int32, device=DEVICE)
     stream(words, out, 1024, 4)
     for program, block in enumerate(words.split(1024)):
