@@ -111,6 +111,21 @@ def whole_waves(rows: int, slots: int, limit: int) -> int:
     return best
 
 
+def one_wave(n_groups: int, rows: int, sms: int, programs_per_sm: float, max_gs: int,
+             min_splits: int) -> tuple[int, int, int] | None:
+    """(splits, groups per split, GS) of the most splits whose rows * splits programs fit one wave of
+    programs_per_sm (a fraction: fewer than the SMs hold) on `sms` SMs, each split whole steps of GS groups; None
+    where fewer than min_splits a row fit (larger batches: whole_waves plans them). At small batches one wave beats
+    twice as many half-length splits in two (docs/decode.md, "One wave of splits at small batches")."""
+    most = int(programs_per_sm * sms) // max(rows, 1)
+    if most < min_splits:
+        return None
+    per_split = -(-n_groups // most)
+    gs = min(max_gs, triton.next_power_of_2(per_split))
+    per_split = -(-per_split // gs) * gs
+    return -(-n_groups // per_split), per_split, gs
+
+
 def _plan_splits(n_groups: int, rows: int, device: torch.device, num_splits: int | None, max_gs: int,
                  programs_per_sm: int) -> tuple[int, int, int]:
     """(splits, groups per split, groups per step GS) for the split kernel: GS a power of two <= max_gs that

@@ -24,8 +24,9 @@ memory:
     in each warp, so one thread's rows are a whole word, where the warpgroup MMA's 64-row A gives a thread 4
     channels; that is why this kernel is mma.sync, not wgmma.
   - pᵀ moves from the scores' accumulator layout to the B operand by shuffles (gl.convert_layout within the warp).
-  - At 8 rows 168 registers a thread, three programs an SM (the split-K plan sizes for WARP_PROGRAMS_PER_SM where a
-    program keeps WARP_MIN_GROUPS; 243 registers and two at 16 rows), a loop of 645 instructions for 128 tokens
+  - At 8 rows 168 registers a thread, three programs an SM (the split-K plan: one wave of WAVE's programs at small
+    batches, else sized for WARP_PROGRAMS_PER_SM where a program keeps WARP_MIN_GROUPS; 243 registers and two
+    programs at 16 rows), a loop of 645 instructions for 128 tokens
     (sm_90 SASS, Triton 3.6), against the warpgroup kernel's 839 at 250 registers, two programs an SM, four barriers
     a step and 37 KB of shared memory.
   - Whole steps first: while a step's 128 slots are all live, its loads take no clamp (a thread's loads of a tensor
@@ -126,6 +127,10 @@ TOKENS, N_WARPS, N_ROWS = 128, 4, 16
 WARP_HEAD_DIM = 128     # the head_dim the warp kernel serves (keys after RoPE)
 WARP_PROGRAMS_PER_SM = 3   # its programs an SM at 8 rows (168 registers a thread; 243 at 16 rows: two), the
 WARP_MIN_GROUPS = 32       # split-K plan's target where a program keeps this many groups (8 steps)
+# at small batches, one wave of at most 2.75 programs an SM where it holds 8 splits a KV row or more
+# (innerq_attention.one_wave; 363 on 132 SMs: at 384, 2.9 an SM, some waited for a second wave; at 4 or 5 splits a
+# row the plan for WARP_PROGRAMS_PER_SM was faster)
+WAVE = (2.75, 8)
 BLOCK = gl.constexpr(TOKENS)         # tokens a step: four warps, one key group each
 WARPS = gl.constexpr(N_WARPS)
 LQ = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [N_WARPS, 1], [1, 0]))          # the query rows' load

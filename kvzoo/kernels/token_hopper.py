@@ -32,7 +32,8 @@ Where the scales go:
 Registers and loops (sm_90 SASS, Triton 3.6; `python scripts/compile_sm90.py --cases int8-gluon kvpareto-gluon`):
 int8 loads a step's keys and values a step ahead, 168 registers, a whole step's loop of 623 instructions; KV Pareto
 its keys only (with its values, 231 registers: two programs an SM), 168 registers, 755 instructions. Both fit three
-programs an SM (PROGRAMS_PER_SM, the split-K plan's; two where that leaves a split short: SHORT_PROGRAMS_PER_SM).
+programs an SM. The split-K plan: at small batches one wave of programs (WAVE, WHOLE_HEAD_WAVE); at larger ones
+PROGRAMS_PER_SM, or SHORT_PROGRAMS_PER_SM where that leaves a split short.
 Numerics: int8, the codes and their products exact, the scales and zeros applied in fp32; KV Pareto, each code *
 scale + zero rounded to fp16 (the Triton kernel's rounding); fp16 query and weights, fp32 softmax.
 Bytes read: the Triton kernel's, 2 (d + 4 d / G) a token and KV head.
@@ -64,10 +65,15 @@ ENABLED = CHOICE != "triton"
 HEAD_DIM, ROWS_MAX = 128, 8
 GROUPS = (32, 64, HEAD_DIM)      # channels a group: a thread's key channels (32) and value channels (16) lie in one
 PROGRAMS_PER_SM = 3      # the split-K plan's programs an SM
-# ... unless its splits would keep fewer than MIN_GROUPS groups of 32 slots: then SHORT_PROGRAMS_PER_SM. At 32K, batch
-# 1 (Llama-3.1-8B's heads) three programs an SM plan 85 splits of 12 groups a KV head: 53.9 us for int8 and 56.5 for
-# KV Pareto, against 42.7 and 47.3 with two (32 splits of 32 groups; one plans the same)
+# ... unless its splits would keep fewer than MIN_GROUPS groups of 32 slots: then SHORT_PROGRAMS_PER_SM. For 8 KV rows
+# of 32K (Llama-3.1-8B's heads) three programs an SM plan 85 splits of 12 groups a KV head, in two waves: 53.9 us for
+# int8 and 56.5 for KV Pareto, against 42.7 and 47.3 with two (32 splits of 32 groups)
 MIN_GROUPS, SHORT_PROGRAMS_PER_SM = 32, 2
+# at small batches, one wave of at most this many programs an SM where it holds 4 splits a KV row or more
+# (innerq_attention.one_wave; at 2 splits a row the plans above were faster): groups of 32 or 64 channels (KV
+# Pareto) hide more of each program's latency near three an SM; whole-head groups (int8), whose programs load keys
+# and values a step ahead, run best at two, less the tail's programs (256 on 132 SMs)
+WAVE, WHOLE_HEAD_WAVE = (2.85, 4), (1.94, 4)
 # the least work (KV rows x groups of 32 slots) this kernel takes ("gluon": any): outer_hopper's. The least measured,
 # 32K at batch 1 of Llama-3.1-8B's heads (8 x 1,024), takes 42.7 us here for int8 and 47.3 for KV Pareto against the
 # Triton kernel's 55.7 and 50.6
@@ -100,6 +106,12 @@ SCALED_VALUE_ASM = gl.constexpr("{ .reg .b32 lo, hi, m, k; mov.b32 m, 0x64646464
                                 "fma.rn.f16x2 $0, $0, $8, $10; fma.rn.f16x2 $1, $1, $8, $10; "
                                 "fma.rn.f16x2 $2, $2, $8, $10; fma.rn.f16x2 $3, $3, $8, $10; }")
 SCALED_VALUE_CON = gl.constexpr("=r,=r,=r,=r,r,r,r,r,r,r,r,r")
+
+
+def wave(group: int, d: int) -> tuple[float, int]:
+    """one_wave's (programs an SM, least splits a KV row) for this kernel's whole-head groups (int8) or groups of
+    fewer channels."""
+    return WHOLE_HEAD_WAVE if group >= d else WAVE
 
 
 @gluon.jit

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 from kvzoo.cache.kvquant import pack_sym_mask, quantize, quantize_unified  # noqa: E402
 from kvzoo.kernels.innerq_attention import (combine, innerq_decode_attention, innerq_decode_attention_ref,  # noqa: E402
-                                            whole_waves)
+                                            one_wave, whole_waves)
 from kvzoo.kernels.quant_matvec import (pv_inner, pv_inner_ref, pv_outer, pv_outer_ref, qk_inner,  # noqa: E402
                                         qk_inner_ref, qk_outer, qk_outer_ref)
 from kvzoo.kernels.quantize_pack import quantize_inner, quantize_inner_ref  # noqa: E402
@@ -252,6 +252,22 @@ def test_split_count_fills_whole_waves(rows, splits):
 
 def test_split_count_is_capped_by_the_groups():
     assert whole_waves(8, 264, 5) <= 5 and whole_waves(632, 264, 1) == 1 and whole_waves(1, 4, 0) == 1
+
+
+@pytest.mark.parametrize("rows,n_groups,plan", [(8, 1020, (43, 24, 4)), (8, 4092, (45, 92, 4)), (16, 1020, (22, 48, 4)),
+                                                (32, 1020, (11, 96, 4)), (8, 124, (31, 4, 4)), (8, 3, (3, 1, 1))])
+def test_one_wave_plans_whole_steps_within_the_cap(rows, n_groups, plan):
+    """2.75 programs an SM on 132 SMs (363 programs): the most splits a row whose whole steps (4 groups, fewer where
+    a split holds fewer) cover the groups, every program in one wave."""
+    splits, per_split, gs = one_wave(n_groups, rows, 132, 2.75, 4, 8)
+    assert (splits, per_split, gs) == plan
+    assert rows * splits <= 363 and per_split % gs == 0 and splits * per_split >= n_groups > (splits - 1) * per_split
+    assert per_split == gs or rows * -(-n_groups // (per_split - gs)) > 363      # a step shorter: too many programs
+
+
+def test_one_wave_leaves_larger_batches_to_whole_waves():
+    assert one_wave(1020, 64, 132, 2.75, 4, 8) is None and one_wave(1020, 64, 132, 2.85, 4, 4) == (5, 204, 4)
+    assert one_wave(1020, 256, 132, 2.85, 4, 4) is None
 
 
 def test_fused_attention_scale_and_peaked_softmax():

@@ -626,11 +626,15 @@ def test_token_kernel_alone_where_every_slot_is_quantized(group, dtype, monkeypa
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
-@pytest.mark.parametrize("B,N", [(1, 32768), (1, 131072), (4, 32768)], ids=name)
-def test_token_kernel_plans_longer_splits_for_short_runs(B, N, monkeypatch):
-    """The per-token kernel's split-K plan: PROGRAMS_PER_SM programs an SM, or SHORT_PROGRAMS_PER_SM where those
-    splits would keep fewer than MIN_GROUPS groups (Llama-3.1-8B's heads at 32K, batch 1)."""
+@pytest.mark.parametrize("group", [32, 128], ids=["kvpareto", "int8"])
+@pytest.mark.parametrize("B,N", [(1, 32768), (1, 131072), (4, 32768), (16, 32768)], ids=name)
+def test_token_kernel_plans_one_wave_at_small_batches(B, N, group, monkeypatch):
+    """The per-token kernel's split-K plan: one wave (innerq_attention.one_wave at token_hopper.wave) where it holds
+    enough splits a KV row; at larger batches PROGRAMS_PER_SM programs an SM, or SHORT_PROGRAMS_PER_SM where those
+    splits would keep fewer than MIN_GROUPS groups."""
     from kvzoo.kernels import outer_attention
+    from kvzoo.kernels.innerq_attention import one_wave
+    from kvzoo.kernels.quant_matvec import sm_count
     token_hopper = pytest.importorskip("kvzoo.kernels.token_hopper")
     H, d, rep = 8, 128, 4
     plans = []
@@ -638,17 +642,44 @@ def test_token_kernel_plans_longer_splits_for_short_runs(B, N, monkeypatch):
     g = torch.Generator(device=DEVICE).manual_seed(0)
     words = [torch.randint(-2 ** 31, 2 ** 31, (B, H, N, d // 4), dtype=torch.int32, device=DEVICE, generator=g)
              for _ in range(2)]
-    scales = [torch.rand(B, H, N, d // 32, device=DEVICE, generator=g).half() for _ in range(4)]
+    scales = [torch.rand(B, H, N, d // group, device=DEVICE, generator=g).half() for _ in range(4)]
     q = torch.randn(B, H * rep, d, device=DEVICE, generator=g).half()
     rows = torch.randn(B, H, 8, d, device=DEVICE, generator=g).half()
     outer_decode_attention(q, words[0], *scales[:2], words[1], *scales[2:], 8, rows, rows, (N, N, N, 0),
-                           key_groups="token", group=32)
-    n_groups = N // 32
-    plan = [outer_attention._plan_splits(n_groups, B * H, q.device, None, outer_attention.GROUPS_PER_STEP, programs)
+                           key_groups="token", group=group)
+    n_groups, step = N // 32, outer_attention.GROUPS_PER_STEP
+    programs, least = token_hopper.wave(group, d)
+    wave = one_wave(n_groups, B * H, sm_count(q.device), programs, step, least)
+    plan = [outer_attention._plan_splits(n_groups, B * H, q.device, None, step, programs)
             for programs in (token_hopper.PROGRAMS_PER_SM, token_hopper.SHORT_PROGRAMS_PER_SM)]
-    splits, per_split, _ = plan[0] if plan[0][1] >= token_hopper.MIN_GROUPS else plan[1]
+    splits, per_split, _ = wave or (plan[0] if plan[0][1] >= token_hopper.MIN_GROUPS else plan[1])
     assert plans == [(per_split, splits)]
-    assert (B, N) != (1, 32768) or plan[0][1] < token_hopper.MIN_GROUPS <= per_split     # the short plan taken
+    assert (wave is None) == (B == 16)
+    assert B * H * splits <= sm_count(q.device) * token_hopper.wave(group, d)[0] or wave is None
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
+@pytest.mark.parametrize("B,N", [(1, 32768), (1, 131072), (8, 32768)], ids=name)
+def test_warp_kernel_plans_one_wave_at_small_batches(B, N, monkeypatch):
+    """The warp kernel's split-K plan (KIVI-2 on Llama-3.1-8B's heads): one wave (innerq_attention.one_wave at
+    outer_hopper.WAVE) where it holds enough splits a KV row, else the plan for WARP_PROGRAMS_PER_SM where its
+    splits keep WARP_MIN_GROUPS groups, else PROGRAMS_PER_SM's."""
+    from kvzoo.kernels import outer_attention
+    from kvzoo.kernels.innerq_attention import one_wave
+    from kvzoo.kernels.quant_matvec import sm_count
+    outer_hopper = pytest.importorskip("kvzoo.kernels.outer_hopper")
+    plans = []
+    monkeypatch.setattr(outer_hopper, "quantized_splits", lambda *a: plans.append(a[6:8]))
+    codes, (k_rec, v_rec), _ = cache(B, 8, N, N, 128, 2, torch.float16, rows=160)
+    q = torch.randn(B, 32, 128, device=DEVICE).half()
+    outer_decode_attention(q, *codes, 2, k_rec, v_rec, (N - 32, N - 96, N + 4, 0))
+    n_groups, step, sms = N // 32, outer_attention.GROUPS_PER_STEP, sm_count(q.device)
+    wave = one_wave(n_groups, B * 8, sms, outer_hopper.WAVE[0], step, outer_hopper.WAVE[1])
+    warp = outer_attention._plan_splits(n_groups, B * 8, q.device, None, step, outer_hopper.WARP_PROGRAMS_PER_SM)
+    other = outer_attention._plan_splits(n_groups, B * 8, q.device, None, step, outer_attention.PROGRAMS_PER_SM)
+    splits, per_split, _ = wave or (warp if warp[1] >= outer_hopper.WARP_MIN_GROUPS else other)
+    assert plans == [(per_split, splits)]
+    assert (wave is None) == (B == 8)
 
 
 def test_token_kernel_is_not_taken_off_its_layout():
