@@ -14,8 +14,6 @@ def plan(n_groups, rows, device, num_splits, max_gs, pps):
     return orig(n_groups, rows, device, OVERRIDE[0] if OVERRIDE[0] else num_splits, max_gs, pps)
 
 oa._plan_splits = plan
-seen = []
-real = oa._plan_splits
 timer = Timer(200, 20)
 gen = torch.Generator(device="cuda").manual_seed(0)
 settings = {32768: [None, 43, 40, 48], 131072: [None, 49, 47, 66]}

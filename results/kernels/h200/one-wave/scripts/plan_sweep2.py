@@ -1,6 +1,6 @@
 """One-off: the committed split plan against a one-wave model, time = waves * (groups a split + C), programs
 counting the tail's (one a KV row), slots = 3 programs an SM; outer warp kernel, KV Pareto and int8, L2 flushed."""
-import json, math, os, sys
+import json, os, sys
 sys.path.insert(0, "scripts")
 import torch
 import bench_kernels as bk
