@@ -128,8 +128,8 @@ WARP_HEAD_DIM = 128     # the head_dim the warp kernel serves (keys after RoPE)
 WARP_PROGRAMS_PER_SM = 3   # its programs an SM at 8 rows (168 registers a thread; 243 at 16 rows: two), the
 WARP_MIN_GROUPS = 32       # split-K plan's target where a program keeps this many groups (8 steps)
 # at small batches, one wave of at most 2.75 programs an SM where it holds 8 splits a KV row or more
-# (innerq_attention.one_wave; 363 on 132 SMs: at 384, 2.9 an SM, some waited for a second wave; at 4 or 5 splits a
-# row the plan for WARP_PROGRAMS_PER_SM was faster)
+# (innerq_attention.one_wave; 363 on 132 SMs: 384, 2.9 an SM, ran 5-10% slower; at 5 splits a row, batch 8 of
+# Llama-3.1-8B's heads, the plan for WARP_PROGRAMS_PER_SM was faster)
 WAVE = (2.75, 8)
 BLOCK = gl.constexpr(TOKENS)         # tokens a step: four warps, one key group each
 WARPS = gl.constexpr(N_WARPS)

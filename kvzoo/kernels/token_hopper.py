@@ -70,9 +70,9 @@ PROGRAMS_PER_SM = 3      # the split-K plan's programs an SM
 # int8 and 56.5 for KV Pareto, against 42.7 and 47.3 with two (32 splits of 32 groups)
 MIN_GROUPS, SHORT_PROGRAMS_PER_SM = 32, 2
 # at small batches, one wave of at most this many programs an SM where it holds 4 splits a KV row or more
-# (innerq_attention.one_wave; at 2 splits a row the plans above were faster): groups of 32 or 64 channels (KV
-# Pareto) hide more of each program's latency near three an SM; whole-head groups (int8), whose programs load keys
-# and values a step ahead, run best at two, less the tail's programs (256 on 132 SMs)
+# (innerq_attention.one_wave; at 2 splits a row the plans above were faster): KV Pareto's groups of 32 channels ran
+# fastest near three an SM (64 plan the same, not measured); int8's whole-head groups, whose programs load keys and
+# values a step ahead, at two less the tail's programs (256 on 132 SMs)
 WAVE, WHOLE_HEAD_WAVE = (2.85, 4), (1.94, 4)
 # the least work (KV rows x groups of 32 slots) this kernel takes ("gluon": any): outer_hopper's. The least measured,
 # 32K at batch 1 of Llama-3.1-8B's heads (8 x 1,024), takes 42.7 us here for int8 and 47.3 for KV Pareto against the
