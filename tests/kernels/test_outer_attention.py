@@ -648,14 +648,14 @@ def test_token_kernel_plans_one_wave_at_small_batches(B, N, group, monkeypatch):
     outer_decode_attention(q, words[0], *scales[:2], words[1], *scales[2:], 8, rows, rows, (N, N, N, 0),
                            key_groups="token", group=group)
     n_groups, step = N // 32, outer_attention.GROUPS_PER_STEP
-    programs, least = token_hopper.wave(group, d)
-    wave = one_wave(n_groups, B * H, sm_count(q.device), programs, step, least)
+    per_sm, least = token_hopper.wave(group, d)
+    wave = one_wave(n_groups, B * H, sm_count(q.device), per_sm, step, least)
     plan = [outer_attention._plan_splits(n_groups, B * H, q.device, None, step, programs)
             for programs in (token_hopper.PROGRAMS_PER_SM, token_hopper.SHORT_PROGRAMS_PER_SM)]
     splits, per_split, _ = wave or (plan[0] if plan[0][1] >= token_hopper.MIN_GROUPS else plan[1])
     assert plans == [(per_split, splits)]
     assert (wave is None) == (B == 16)
-    assert B * H * splits <= sm_count(q.device) * token_hopper.wave(group, d)[0] or wave is None
+    assert B * H * splits <= sm_count(q.device) * per_sm or wave is None
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
