@@ -126,6 +126,16 @@ def one_wave(n_groups: int, rows: int, sms: int, programs_per_sm: float, max_gs:
     return -(-n_groups // per_split), per_split, gs
 
 
+def wave_plan(n_groups: int, rows: int, device: torch.device, num_splits: int | None, max_gs: int,
+              wave: tuple[float, int]) -> tuple[int, int, int] | None:
+    """one_wave's plan for a Gluon kernel on `device` at its (programs an SM, least splits a row), or None: splits
+    given, or too many rows."""
+    if num_splits is not None:
+        return None
+    programs_per_sm, min_splits = wave
+    return one_wave(n_groups, rows, sm_count(device), programs_per_sm, max_gs, min_splits)
+
+
 def _plan_splits(n_groups: int, rows: int, device: torch.device, num_splits: int | None, max_gs: int,
                  programs_per_sm: int) -> tuple[int, int, int]:
     """(splits, groups per split, groups per step GS) for the split kernel: GS a power of two <= max_gs that
@@ -653,8 +663,12 @@ def innerq_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_slot:
         splits, per_split, gs = _plan_splits(N // GROUP, B * H, dev, num_splits, max_gs, programs_per_sm) \
             if N else (0, 0, 1)
         if N and innerq_hopper is not None and innerq_hopper.eligible(q, bits, rep):
-            per_sm = innerq_hopper.programs_per_sm(B * H, sm_count(dev))
-            plan = _plan_splits(N // GROUP, B * H, dev, num_splits, innerq_hopper.GROUPS_PER_STEP, per_sm)
+            # one wave at small batches, else whole waves of the programs an SM holds at this batch
+            per_sm = innerq_hopper.WAVE[0]
+            plan = wave_plan(N // GROUP, B * H, dev, num_splits, innerq_hopper.GROUPS_PER_STEP, innerq_hopper.WAVE)
+            if plan is None:
+                per_sm = innerq_hopper.programs_per_sm(B * H, sm_count(dev))
+                plan = _plan_splits(N // GROUP, B * H, dev, num_splits, innerq_hopper.GROUPS_PER_STEP, per_sm)
             gluon = plan[2] == innerq_hopper.GROUPS_PER_STEP         # splits of whole steps, else the Triton plan
             if gluon:
                 splits, per_split, gs = plan

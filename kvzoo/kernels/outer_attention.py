@@ -102,7 +102,7 @@ from torch import Tensor
 from kvzoo.cache.base import TAIL, side_stream
 from kvzoo.cache.kvquant import QTensor, dequantize
 from kvzoo.kernels.innerq_attention import (BLOCK_W, LOG2E, _attend_window, _dot_dtype, _plan_splits, combine,
-                                            combine_output, combine_plan, merge_splits, one_wave, softmax_step)
+                                            combine_output, combine_plan, merge_splits, softmax_step, wave_plan)
 from kvzoo.kernels.quant_matvec import (GROUP, check_head_dim, check_runnable, check_tensor,
                                         dequant_outer, head_rows, join_codes, launches_early, setting, sm_count,
                                         unpack_asm, unpack_codes, unpacks_in_ptx)
@@ -583,18 +583,23 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
                                                                                 rep, B * H * n_groups, qk_scale):
         # the warp kernel holds more programs an SM: at small batches one wave of them, else sized for them where
         # each keeps a run of steps
-        plan = _wave_plan(n_groups, B * H, dev, num_splits, max_gs, outer_hopper.WAVE)
+        plan = wave_plan(n_groups, B * H, dev, num_splits, max_gs, outer_hopper.WAVE)
         if plan is not None:
             splits, per_split, gs = plan
         else:
             plan = _plan_splits(n_groups, B * H, dev, num_splits, max_gs, outer_hopper.WARP_PROGRAMS_PER_SM)
             if plan[1] >= outer_hopper.WARP_MIN_GROUPS:
                 splits, per_split, gs = plan
+    elif n_groups and outer_hopper is not None and outer_hopper.rotates_in_warp_kernel(
+            q, bits, v_bits, channel, rope, group, rep, B * H * n_groups, qk_scale):
+        plan = wave_plan(n_groups, B * H, dev, num_splits, max_gs, outer_hopper.ROPE_WAVE)
+        if plan is not None:
+            splits, per_split, gs = plan
     # 8-bit per-token groups (int8, KV Pareto k8v8): their kernel takes splits of any number of groups
     by_token = bool(n_groups) and token_hopper is not None and token_hopper.eligible(q, bits, v_bits, channel, rope,
                                                                                      group, rep, B * H * n_groups)
     if by_token:
-        plan = _wave_plan(n_groups, B * H, dev, num_splits, max_gs, token_hopper.wave(group, d))
+        plan = wave_plan(n_groups, B * H, dev, num_splits, max_gs, token_hopper.wave(group, d))
         if plan is not None:
             splits, per_split, gs = plan
         else:
@@ -688,16 +693,6 @@ def outer_decode_attention(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: 
         WAIT=gluon, num_warps=TAIL_WARPS, num_stages=1, maxnreg=TAIL_REGISTERS,
         **(dict(launch_pdl=True) if gluon else {}))
     return out
-
-
-def _wave_plan(n_groups: int, rows: int, device: torch.device, num_splits: int | None, max_gs: int,
-               wave: tuple[float, int]) -> tuple[int, int, int] | None:
-    """one_wave's plan for a Gluon kernel on `device` at its (programs an SM, least splits a row), or None: splits
-    given, or too many rows."""
-    if num_splits is not None:
-        return None
-    programs_per_sm, min_splits = wave
-    return one_wave(n_groups, rows, sm_count(device), programs_per_sm, max_gs, min_splits)
 
 
 def outer_decode_attention_ref(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor,

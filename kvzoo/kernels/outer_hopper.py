@@ -42,8 +42,8 @@ memory:
     of a half (_rotate_keys), from a table of the 32 offsets' angles in the order a thread holds them
     (warp_rope_tables, 8 KB, read from L1 each step). Each step each warp rotates the query rows back to its group's
     p0 (fp32, the model's cos and sin rows at p0, then fp16: _warp_query_back), only rep rows padded to a power of
-    two, then moved into the B operand. 255 registers, two programs an SM (the Triton kernel's split-K plan), a
-    loop of 977 instructions (Triton 3.6).
+    two, then moved into the B operand. 255 registers, two programs an SM (one wave of them at small batches,
+    ROPE_WAVE; else the Triton kernel's split-K plan), a loop of 977 instructions (Triton 3.6).
 
 The warpgroup kernel (_quantized_kernel); Gluon lets the kernel choose every layout (Triton chooses them itself):
   - The keys go to the wgmma as its A operand in registers, s (128 tokens, ROWS) = K · qᵀ: their code words are
@@ -131,6 +131,9 @@ WARP_MIN_GROUPS = 32       # split-K plan's target where a program keeps this ma
 # (innerq_attention.one_wave; 363 on 132 SMs: 384, 2.9 an SM, ran 5-10% slower; at 5 splits a row, batch 8 of
 # Llama-3.1-8B's heads, the plan for WARP_PROGRAMS_PER_SM was faster)
 WAVE = (2.75, 8)
+# keys stored before RoPE (two programs an SM): one wave of two an SM from 2 splits a KV row, 2-5% faster at 4-16 x
+# 32K and 2 x 128K on Llama-3.1-8B's heads, 3% slower at 2 x 32K, than whole waves of the Triton kernel's plan
+ROPE_WAVE = (2, 2)
 BLOCK = gl.constexpr(TOKENS)         # tokens a step: four warps, one key group each
 WARPS = gl.constexpr(N_WARPS)
 LQ = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [N_WARPS, 1], [1, 0]))          # the query rows' load
@@ -1120,6 +1123,14 @@ def takes_warp_kernel(q: Tensor, bits: int, v_bits: int, channel: bool, rope, gr
     may size for its WARP_PROGRAMS_PER_SM. Keys stored before RoPE hold two programs an SM (255 registers), the
     Triton kernel's plan."""
     return programs_an_sm(q.shape[-1], rep, rope, qk_scale) == WARP_PROGRAMS_PER_SM and eligible(
+        q, bits, v_bits, channel, rope, group, rep, TOKENS // 32, group_rows, qk_scale)
+
+
+def rotates_in_warp_kernel(q: Tensor, bits: int, v_bits: int, channel: bool, rope, group: int, rep: int,
+                           group_rows: int, qk_scale: float) -> bool:
+    """Whether eligible() takes the warp kernel with keys stored before RoPE (two programs an SM: ROPE_WAVE at small
+    batches, else the Triton kernel's plan)."""
+    return rope is not None and _serves_warp_kernel(q.shape[-1], rope, qk_scale) and eligible(
         q, bits, v_bits, channel, rope, group, rep, TOKENS // 32, group_rows, qk_scale)
 
 

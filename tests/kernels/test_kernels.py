@@ -657,6 +657,42 @@ def test_hopper_programs_per_sm_and_register_cap():
     assert innerq_hopper.register_cap(2) is None and innerq_hopper.register_cap(3) == 168
 
 
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
+@pytest.mark.parametrize("mode", ["hybrid", "asym"])
+@pytest.mark.parametrize("B,N", [(1, 32768), (4, 32768), (8, 32768), (16, 16384), (32, 8192)], ids=name)
+def test_hopper_kernel_plans_one_wave_at_small_batches(mode, B, N, monkeypatch):
+    """The split kernel's plan on Llama-3.1-8B's heads: one wave of PROGRAMS_PER_SM programs an SM
+    (innerq_attention.one_wave at innerq_hopper.WAVE) where it holds enough splits a KV row, else whole waves of
+    programs_per_sm's."""
+    innerq_hopper = pytest.importorskip("kvzoo.kernels.innerq_hopper")
+    from kvzoo.kernels.innerq_attention import _plan_splits, one_wave
+    from kvzoo.kernels.quant_matvec import sm_count
+    H, d, hybrid = 8, 128, mode == "hybrid"
+    plans = []       # (groups a split, splits, programs an SM) of each launch; none run
+    monkeypatch.setattr(innerq_hopper, "split_partials", lambda *a: plans.append((a[9], a[10], a[-1])))
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+
+    def words(*shape):
+        return torch.randint(-2 ** 31, 2 ** 31, shape, dtype=torch.int32, device=DEVICE, generator=g)
+
+    def halves(*shape):
+        return torch.rand(shape, device=DEVICE, generator=g).half()
+
+    keys = words(B, H, N, d // 16), halves(B, H, N, d // 32), words(B, H, N, d // 32), \
+        words(B, H, d // 32, N // 32) if hybrid else None
+    values = words(B, H, N, d // 16), halves(B, H, N // 32, d), words(B, H, N // 32, d), \
+        words(B, H, N // 32, d // 32) if hybrid else None
+    q, win = halves(B, H * 4, d), halves(B, H, 8, d)
+    innerq_decode_attention(q, *keys, *values, win, win, 2)
+    n_groups, step, sms = N // 32, innerq_hopper.GROUPS_PER_STEP, sm_count(q.device)
+    per_sm, least = innerq_hopper.WAVE
+    wave = one_wave(n_groups, B * H, sms, per_sm, step, least)
+    busy = innerq_hopper.programs_per_sm(B * H, sms)
+    splits, per_split, _ = wave or _plan_splits(n_groups, B * H, q.device, None, step, busy)
+    assert plans == [(per_split, splits, per_sm if wave else busy)]
+    assert (wave is None) == (B >= 8)
+
+
 def test_hopper_kernel_is_not_taken_off_its_shapes():
     """4-bit codes, head_dim 32 or 256, more than 16 query rows a KV head, fp32, and anything off an H100 take the
     Triton split kernel."""

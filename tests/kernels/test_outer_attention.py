@@ -668,18 +668,45 @@ def test_warp_kernel_plans_one_wave_at_small_batches(B, N, monkeypatch):
     from kvzoo.kernels.innerq_attention import one_wave
     from kvzoo.kernels.quant_matvec import sm_count
     outer_hopper = pytest.importorskip("kvzoo.kernels.outer_hopper")
+    n_groups, step, sms = N // 32, outer_attention.GROUPS_PER_STEP, sm_count(torch.device(DEVICE))
+    wave = one_wave(n_groups, B * 8, sms, outer_hopper.WAVE[0], step, outer_hopper.WAVE[1])
+    warp = outer_attention._plan_splits(n_groups, B * 8, torch.device(DEVICE), None, step,
+                                        outer_hopper.WARP_PROGRAMS_PER_SM)
+    other = outer_attention._plan_splits(n_groups, B * 8, torch.device(DEVICE), None, step,
+                                         outer_attention.PROGRAMS_PER_SM)
+    splits, per_split, _ = wave or (warp if warp[1] >= outer_hopper.WARP_MIN_GROUPS else other)
+    assert warp_plans(outer_hopper, B, N, None, monkeypatch) == [(per_split, splits)]
+    assert (wave is None) == (B == 8)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel compiles for sm_90 only (TRITON_INTERPRET=0 on an H100)")
+@pytest.mark.parametrize("B,N", [(1, 32768), (2, 32768), (16, 16384), (32, 8192)], ids=name)
+def test_warp_kernel_plans_one_wave_for_keys_before_rope(B, N, monkeypatch):
+    """KIVI*'s split-K plan (keys stored before RoPE, two programs an SM): one wave (innerq_attention.one_wave at
+    outer_hopper.ROPE_WAVE) where it holds enough splits a KV row, else PROGRAMS_PER_SM's whole waves."""
+    from kvzoo.kernels import outer_attention
+    from kvzoo.kernels.innerq_attention import one_wave
+    from kvzoo.kernels.quant_matvec import sm_count
+    outer_hopper = pytest.importorskip("kvzoo.kernels.outer_hopper")
+    n_groups, step = N // 32, outer_attention.ROPE_GROUPS_PER_STEP
+    wave = one_wave(n_groups, B * 8, sm_count(torch.device(DEVICE)), outer_hopper.ROPE_WAVE[0], step,
+                    outer_hopper.ROPE_WAVE[1])
+    splits, per_split, _ = wave or outer_attention._plan_splits(n_groups, B * 8, torch.device(DEVICE), None, step,
+                                                                outer_attention.PROGRAMS_PER_SM)
+    assert warp_plans(outer_hopper, B, N, rope_tables(N + 200, 128, torch.float16), monkeypatch) == \
+        [(per_split, splits)]
+    assert (wave is None) == (B == 32)
+
+
+def warp_plans(outer_hopper, B, N, rope, monkeypatch) -> list:
+    """The (groups a split, splits) of the Gluon kernel's launches for one call on Llama-3.1-8B's heads (KV rows
+    of B x 8, 4 query rows each; not run)."""
     plans = []
     monkeypatch.setattr(outer_hopper, "quantized_splits", lambda *a: plans.append(a[6:8]))
     codes, (k_rec, v_rec), _ = cache(B, 8, N, N, 128, 2, torch.float16, rows=160)
     q = torch.randn(B, 32, 128, device=DEVICE).half()
-    outer_decode_attention(q, *codes, 2, k_rec, v_rec, (N - 32, N - 96, N + 4, 0))
-    n_groups, step, sms = N // 32, outer_attention.GROUPS_PER_STEP, sm_count(q.device)
-    wave = one_wave(n_groups, B * 8, sms, outer_hopper.WAVE[0], step, outer_hopper.WAVE[1])
-    warp = outer_attention._plan_splits(n_groups, B * 8, q.device, None, step, outer_hopper.WARP_PROGRAMS_PER_SM)
-    other = outer_attention._plan_splits(n_groups, B * 8, q.device, None, step, outer_attention.PROGRAMS_PER_SM)
-    splits, per_split, _ = wave or (warp if warp[1] >= outer_hopper.WARP_MIN_GROUPS else other)
-    assert plans == [(per_split, splits)]
-    assert (wave is None) == (B == 8)
+    outer_decode_attention(q, *codes, 2, k_rec, v_rec, (N - 32, N - 96, N + 4, 0), rope=rope)
+    return plans
 
 
 def test_token_kernel_is_not_taken_off_its_layout():
