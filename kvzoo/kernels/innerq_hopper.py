@@ -64,9 +64,10 @@ PROGRAMS_PER_SM = 2              # split-K sizing below BUSY_ROWS_PER_SM, as the
 BUSY_PROGRAMS_PER_SM = 3         # from BUSY_ROWS_PER_SM: three programs an SM, capped
 BUSY_ROWS_PER_SM = 1             # KV rows (B*H) per SM from which an SM takes BUSY_PROGRAMS_PER_SM
 # at small batches one wave of PROGRAMS_PER_SM programs an SM (innerq_attention.one_wave) where it holds at least 8
-# splits a KV row, uncapped. At 4 and 2 splits a row (8 and 16 x 32K on Llama-3.1-8B's heads) whole waves were 13-22%
-# faster on an H200 with asymmetric groups (7-9% slower on an H100); with hybrid ones as fast at 4 and, on an H100,
-# 25% faster at 2
+# splits a KV row, uncapped: at 2-4 x 32K and 2 x 128K on Llama-3.1-8B's heads 12-22% faster than whole waves with
+# asymmetric groups, and with hybrid ones 11% faster on an H100, 1% faster to 4% slower on an H200. At 4 and 2 splits
+# a row (8 and 16 x 32K) whole waves were as fast or faster on an H200 (docs/decode.md, "One wave of splits for
+# InnerQ and KIVI*")
 WAVE = (PROGRAMS_PER_SM, 8)
 REGISTERS_PER_SM = 65536
 # the ring's steps, by the groups: one (asymmetric: two) in flight while one is read. A third step made asymmetric

@@ -131,8 +131,8 @@ WARP_MIN_GROUPS = 32       # split-K plan's target where a program keeps this ma
 # (innerq_attention.one_wave; 363 on 132 SMs: 384, 2.9 an SM, ran 5-10% slower; at 5 splits a row, batch 8 of
 # Llama-3.1-8B's heads, the plan for WARP_PROGRAMS_PER_SM was faster)
 WAVE = (2.75, 8)
-# keys stored before RoPE (two programs an SM): one wave of two an SM from 2 splits a KV row, 2-5% faster at 4-16 x
-# 32K and 2 x 128K on Llama-3.1-8B's heads, 3% slower at 2 x 32K, than whole waves of the Triton kernel's plan
+# keys stored before RoPE (two programs an SM): one wave of two an SM from 2 splits a KV row, 1-5% faster than whole
+# waves of the Triton kernel's plan at 4-16 x 32K and 2-4 x 128K on Llama-3.1-8B's heads, 3-4% slower at 2 x 32K
 ROPE_WAVE = (2, 2)
 BLOCK = gl.constexpr(TOKENS)         # tokens a step: four warps, one key group each
 WARPS = gl.constexpr(N_WARPS)
